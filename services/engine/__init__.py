@@ -1,0 +1,26 @@
+"""pdserve's engine: paged KV cache, continuous batching, Llama-family models.
+
+``from services.engine import LLM, SamplingParams`` for offline generation; ``EngineCore`` is the
+step-wise engine (``add_request``, ``step``, ``abort``) that the prefill and decode nodes drive.
+"""
+
+from services.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SchedulingPolicy
+from services.engine.engine_core import EngineCore
+from services.engine.llm import LLM
+from services.engine.outputs import EngineCoreOutput, EngineStats, RequestOutput
+from services.engine.request import FinishReason
+from services.engine.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "CacheConfig",
+    "EngineConfig",
+    "EngineCore",
+    "EngineCoreOutput",
+    "EngineStats",
+    "FinishReason",
+    "RequestOutput",
+    "SamplingParams",
+    "SchedulerConfig",
+    "SchedulingPolicy",
+]

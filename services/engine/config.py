@@ -1,0 +1,83 @@
+"""Engine configuration: frozen, validated dataclasses, one per component.
+
+Values found at run time (number of KV blocks, resolved ``max_model_len``, EOS ids) are returned
+by the components that find them and passed on as arguments; they are never written back here.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class SchedulingPolicy(str, enum.Enum):
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory: int | None = None
+    """Bytes of KV cache to allocate. Default: 1 GiB on CPU; on GPU see gpu_memory_utilization."""
+    gpu_memory_utilization: float = 0.9
+    """On GPU without kv_cache_memory: this fraction of the free memory left after the weights."""
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    """Most requests in the running batch."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step, shared by decodes and prefill chunks."""
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
+            raise ValueError(
+                "max_num_batched_tokens must be a positive integer, "
+                f"got {self.max_num_batched_tokens!r}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: Path
+    dtype: str = "bfloat16"
+    """float32, bfloat16, or float16 (GPU only)."""
+    device: str = "cpu"
+    max_model_len: int | None = None
+    """Longest prompt + output; default: the model's max_position_embeddings."""
+    seed: int = 0
+    """Seed of the sampler's shared generator (requests with their own seed are unaffected)."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model_dir", Path(self.model_dir))
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype == "float16" and self.device == "cpu":
+            raise ValueError("dtype float16 is supported on GPU only; use bfloat16 or float32")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")

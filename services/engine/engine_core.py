@@ -1,0 +1,149 @@
+"""The step-wise engine that nodes drive: ``add_request``, ``step``, ``abort``.
+
+Life cycle: construction loads the model, sizes and allocates the KV cache and builds the
+scheduler; then callers add requests (validated here, so a bad one never reaches the scheduler)
+and call ``step`` while ``has_unfinished_requests``; ``abort`` removes a request at any point and
+frees its blocks at once. Single-threaded: a node runs it in one loop of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from services.engine.config import EngineConfig
+from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.model_runner import ModelRunner
+from services.engine.outputs import EngineCoreOutput, EngineStats
+from services.engine.request import Request
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import Scheduler
+from services.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_model_dir(config.model_dir)
+        self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
+        self.runner = ModelRunner(self.model_config, config, max_model_len=self.max_model_len)
+        num_blocks = self.runner.num_blocks_for(config.cache)
+        capacity = num_blocks * config.cache.block_size
+        if capacity < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than "
+                f"max_model_len={self.max_model_len}: raise kv_cache_memory or lower max_model_len"
+            )
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv_cache = KVCacheManager(
+            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.kv_cache,
+            max_model_len=self.max_model_len,
+            eos_token_ids=frozenset(self.model_config.eos_token_ids),
+        )
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        """Queue a request; raises ``ValueError`` naming the field when the input is bad."""
+        self.validate_request(request_id, prompt_token_ids, params)
+        self.scheduler.add_request(Request(request_id, list(prompt_token_ids), params))
+
+    def validate_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt_token_ids is empty: a prompt needs at least one token")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids has {len(prompt_token_ids)} tokens, "
+                f"max_model_len is {self.max_model_len}"
+            )
+        vocab_size = self.model_config.vocab_size
+        for index, token_id in enumerate(prompt_token_ids):
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise ValueError(f"prompt_token_ids[{index}] is not an integer: {token_id!r}")
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(
+                    f"prompt_token_ids[{index}] = {token_id} is outside the vocabulary "
+                    f"[0, {vocab_size})"
+                )
+        for token_id in params.stop_token_ids:
+            if token_id >= vocab_size:
+                raise ValueError(
+                    f"stop_token_ids contains {token_id}, outside the vocabulary [0, {vocab_size})"
+                )
+        if params.logprobs is not None and params.logprobs > vocab_size:
+            raise ValueError(f"logprobs must be <= vocab size {vocab_size}, got {params.logprobs}")
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is; its blocks are free when this returns."""
+        request = self.scheduler.abort_request(request_id)
+        self.runner.release(request_id)
+        return request is not None
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        sampled = self.runner.execute(scheduler_output)
+        outputs = []
+        for request in self.scheduler.update_from_output(scheduler_output, sampled):
+            finish_reason = request.finish_reason
+            if finish_reason is not None:
+                self.runner.release(request.request_id)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=request.output_token_ids[-1:],
+                    new_logprobs=request.output_logprobs[-1:] if request.params.logprobs is not None else None,
+                    finish_reason=finish_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+        return outputs
+
+    def stats(self) -> EngineStats:
+        prefix = self.kv_cache.prefix_cache_stats
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_blocks_used=self.kv_cache.pool.num_used_blocks,
+            num_blocks_total=self.kv_cache.num_blocks,
+            prefix_cache_queried_tokens=prefix.num_queried_tokens,
+            prefix_cache_hit_tokens=prefix.num_hit_tokens,
+        )
+
+
+def resolve_max_model_len(model_config: ModelConfig, requested: int | None) -> int:
+    limit = model_config.max_position_embeddings
+    if model_config.sliding_window is not None and model_config.sliding_window < limit:
+        # The torch attention path attends to the whole context; within the window that is
+        # exactly sliding-window attention, so cap the length rather than compute it wrongly.
+        logger.warning(
+            "model uses sliding_window=%d: capping max_model_len to it", model_config.sliding_window
+        )
+        limit = model_config.sliding_window
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len={requested} exceeds what the model supports ({limit}: "
+            "max_position_embeddings, or the sliding window)"
+        )
+    return requested

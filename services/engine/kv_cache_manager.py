@@ -1,0 +1,153 @@
+"""Per-request block tables over a shared ``BlockPool``, with prefix caching.
+
+Life cycle of a request's blocks:
+
+1. ``get_computed_blocks``   on admission: the longest run of cached full blocks matching the
+                             request's tokens (never all of them: the last token is always
+                             recomputed to produce logits).
+2. ``can_allocate`` / ``allocate``
+                             each step: reference the hit blocks (first time only) and append new
+                             blocks so that every token computed this step has a slot.
+3. ``cache_full_blocks``     after the step: index the request's newly completed full blocks by
+                             their chained hash, so that later requests can share them.
+4. ``free``                  on finish, abort or preemption: drop the request's references, last
+                             block first, so the tail of a sequence is evicted before its prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass
+
+from services.engine.block_pool import Block, BlockPool
+from services.engine.request import Request
+
+_ROOT_HASH = b"pdserve-kv-v1"
+
+
+def hash_block_tokens(parent_hash: bytes, token_ids: list[int]) -> bytes:
+    """Chained hash of one full block: equal hashes mean equal token prefixes.
+
+    SHA-256 rather than Python's ``hash`` because a collision would silently serve another
+    prompt's KV, and because the value must be the same in every process (prefix-aware routing).
+    """
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    num_queried_tokens: int
+    num_hit_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self._blocks: dict[str, list[Block]] = {}
+        # Leading blocks of each request already indexed, so each step only hashes new ones.
+        self._num_cached_blocks: dict[str, int] = {}
+        self._num_queried_tokens = 0
+        self._num_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(self._num_queried_tokens, self._num_hit_tokens)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self._blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+        """Cached blocks that hold a prefix of ``request.token_ids``, and the tokens they cover."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        # NOTE: a fully cached prompt still recomputes its last token to get logits.
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        self._extend_block_hashes(request, max_hit_blocks)
+        hits: list[Block] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self._num_queried_tokens += request.num_tokens
+        self._num_hit_tokens += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[Block] = ()
+    ) -> bool:
+        num_needed, num_revived = self._count_needed(request, num_new_tokens, computed_blocks)
+        return self.pool.can_allocate(num_needed + num_revived)
+
+    def allocate(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[Block] = ()
+    ) -> None:
+        """Give ``request`` slots for ``num_new_tokens`` past its computed (or hit) tokens."""
+        num_needed, _ = self._count_needed(request, num_new_tokens, computed_blocks)
+        blocks = self._blocks.setdefault(request.request_id, [])
+        if computed_blocks:
+            assert not blocks, f"prefix hit for {request.request_id}, which already holds blocks"
+            self.pool.touch(computed_blocks)
+            blocks.extend(computed_blocks)
+        blocks.extend(self.pool.allocate(num_needed))
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Index every full block whose tokens are all computed (called after each step)."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self._blocks[request.request_id]
+        num_done = self._num_cached_blocks.get(request.request_id, 0)
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= num_done:
+            return
+        self._extend_block_hashes(request, num_full)
+        for index in range(num_done, num_full):
+            self.pool.cache_block(blocks[index], request.block_hashes[index])
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        blocks = self._blocks.pop(request.request_id, [])
+        self._num_cached_blocks.pop(request.request_id, None)
+        self.pool.free(reversed(blocks))
+
+    def _count_needed(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[Block]
+    ) -> tuple[int, int]:
+        """(new blocks to allocate, free cached blocks that a prefix hit takes out of the queue)."""
+        num_held = len(self._blocks.get(request.request_id, ())) + len(computed_blocks)
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_needed = max(0, self.num_blocks_for(num_computed + num_new_tokens) - num_held)
+        num_revived = sum(1 for block in computed_blocks if block.ref_count == 0)
+        return num_needed, num_revived
+
+    def _extend_block_hashes(self, request: Request, num_full_blocks: int) -> None:
+        hashes = request.block_hashes
+        size = self.block_size
+        parent = hashes[-1] if hashes else _ROOT_HASH
+        for index in range(len(hashes), num_full_blocks):
+            parent = hash_block_tokens(parent, request.token_ids[index * size : (index + 1) * size])
+            hashes.append(parent)

@@ -1,0 +1,192 @@
+"""Turns a ``SchedulerOutput`` into model inputs, runs the model and samples.
+
+Life cycle: ``load`` the weights, size the KV cache (``num_blocks_for``), ``allocate_kv_cache``
+once, then ``execute`` every step; ``release`` drops a finished request's sampling state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from services.engine.config import CacheConfig, EngineConfig
+from services.engine.sampler import Sampler, SamplingMetadata
+from services.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
+from services.models.attention import ATTENTION_BACKENDS, AttentionMetadata, PrefillSpan
+from services.models.config import ModelConfig
+from services.models.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        *,
+        max_model_len: int,
+        attention_backend: str = "torch",
+    ) -> None:
+        self.model_config = model_config
+        self.device = torch.device(config.device)
+        self.dtype = _DTYPES[config.dtype]
+        self.block_size = config.cache.block_size
+        self.backend = ATTENTION_BACKENDS[attention_backend](
+            config.cache.block_size, scale=1.0 / math.sqrt(model_config.head_dim)
+        )
+        self.model = load_model(
+            config.model_dir,
+            model_config,
+            dtype=self.dtype,
+            device=self.device,
+            max_positions=max_model_len,
+            backend=self.backend,
+        )
+        self.sampler = Sampler(model_config.eos_token_ids)
+        self.kv_caches: list[torch.Tensor] = []
+        self._shared_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block across all layers (keys and values)."""
+        cfg = self.model_config
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+        return per_token * self.block_size * self.dtype.itemsize
+
+    def num_blocks_for(self, cache: CacheConfig) -> int:
+        if cache.kv_cache_memory is not None:
+            budget = cache.kv_cache_memory
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cache.gpu_memory_utilization)
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_MEMORY
+        num_blocks = budget // self.block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory of {budget} bytes holds no KV block "
+                f"(one block of {self.block_size} tokens takes {self.block_bytes} bytes)"
+            )
+        return num_blocks
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        cfg = self.model_config
+        shape = (2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)
+        ]
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            num_blocks, self.block_size, num_blocks * self.block_bytes / 2**20,
+        )
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]:
+        decodes = [c for c in output.chunks if c.num_tokens == 1]
+        prefills = [c for c in output.chunks if c.num_tokens > 1]
+        input_ids, positions, metadata = self._prepare_inputs(decodes, prefills)
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+
+        sampled_chunks: list[ScheduledChunk] = []
+        rows: list[int] = []
+        for row, chunk in enumerate(decodes):
+            if chunk.needs_sample:
+                sampled_chunks.append(chunk)
+                rows.append(row)
+        for span, chunk in zip(metadata.prefills, prefills, strict=True):
+            if chunk.needs_sample:
+                sampled_chunks.append(chunk)
+                rows.append(span.token_start + span.num_tokens - 1)
+        if not rows:
+            return {}
+        # logits: [num_sampled, vocab_size] float32
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        requests = [chunk.request for chunk in sampled_chunks]
+        result = self.sampler(
+            logits,
+            SamplingMetadata(
+                params=[r.params for r in requests],
+                prompt_token_ids=[r.prompt_token_ids for r in requests],
+                output_token_ids=[r.output_token_ids for r in requests],
+                generators=[self._generator(r.request_id, r.params.seed) for r in requests],
+            ),
+        )
+        return {
+            request.request_id: SampledToken(token_id, logprobs)
+            for request, token_id, logprobs in zip(
+                requests, result.token_ids, result.logprobs, strict=True
+            )
+        }
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        generator = self._generators.get(request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            self._generators[request_id] = generator
+        return generator
+
+    def _prepare_inputs(
+        self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        size = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for chunk in decodes:
+            position = chunk.start_position
+            token_ids.append(chunk.request.token_ids[position])
+            positions.append(position)
+            slots.append(chunk.block_ids[position // size] * size + position % size)
+        spans: list[PrefillSpan] = []
+        for chunk in prefills:
+            start, end = chunk.start_position, chunk.start_position + chunk.num_tokens
+            num_blocks = -(-end // size)
+            spans.append(
+                PrefillSpan(
+                    token_start=len(token_ids),
+                    num_tokens=chunk.num_tokens,
+                    start_position=start,
+                    block_ids=torch.tensor(chunk.block_ids[:num_blocks], device=self.device),
+                )
+            )
+            token_ids.extend(chunk.request.token_ids[start:end])
+            positions.extend(range(start, end))
+            block_ids = chunk.block_ids
+            slots.extend(block_ids[p // size] * size + p % size for p in range(start, end))
+
+        max_blocks = max((-(-(c.start_position + 1) // size) for c in decodes), default=0)
+        tables = [_pad(c.block_ids[:max_blocks], max_blocks) for c in decodes]
+        device = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            num_decodes=len(decodes),
+            decode_block_tables=torch.tensor(tables, dtype=torch.int64, device=device).view(
+                len(decodes), max_blocks
+            ),
+            decode_seq_lens=torch.tensor(
+                [c.start_position + 1 for c in decodes], dtype=torch.int64, device=device
+            ),
+            prefills=spans,
+        )
+        return (
+            torch.tensor(token_ids, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            metadata,
+        )
+
+
+def _pad(block_ids: list[int], length: int) -> list[int]:
+    # Padding points at block 0, a real block; the attention mask hides it.
+    return block_ids + [0] * (length - len(block_ids))

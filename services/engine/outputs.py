@@ -1,0 +1,61 @@
+"""What the engine hands back: per-step deltas (``EngineCoreOutput``) and whole results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.engine.request import FinishReason
+
+
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    """One request's progress in one step: the token it gained, and whether it is done."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None
+    finish_reason: FinishReason | None
+    num_cached_tokens: int
+    """Prompt tokens served by the prefix cache."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A whole generation, as ``LLM.generate`` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    logprobs: list[dict[int, float]] | None
+    """Per generated token: {sampled id: logprob, plus the top-n ids}; None unless asked."""
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for load reports and metrics."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks_used: int
+    num_blocks_total: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_blocks_used / self.num_blocks_total
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        queried = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / queried if queried else 0.0

@@ -1,0 +1,104 @@
+"""A generation request as the scheduler and KV cache manager see it.
+
+Life cycle of a request (``RequestStatus``):
+
+1. ``WAITING``   added; no KV blocks held (or all given back after a preemption).
+2. ``RUNNING``   admitted to the running batch; holds blocks for its computed tokens. Each step
+                 computes the next chunk of its prompt (chunked prefill) or one decode token.
+3. ``PREEMPTED`` its blocks were taken back when the cache ran out; it re-enters the waiting
+                 queue at the front and recomputes its tokens (prompt and outputs so far), usually
+                 mostly from the prefix cache.
+4. ``FINISHED_*`` stopped (EOS / stop token), hit a length limit, or was aborted; every block is
+   freed before the status is set.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from services.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended; the values are the OpenAI API's ``finish_reason`` strings."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    """Tokens of ``token_ids`` whose KV is in the cache; reset to 0 by a preemption."""
+    num_cached_tokens: int = -1
+    """Prompt tokens served by the prefix cache at first admission (-1 until admitted)."""
+    num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Chained hashes of the full blocks of ``token_ids``, extended as tokens are added."""
+    token_ids: list[int] = field(init=False)
+    """Prompt followed by outputs; the tokens whose KV the request needs."""
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def priority_key(self) -> tuple[int, float]:
+        """Lower sorts first: the order in which the ``priority`` policy serves requests."""
+        return (self.params.priority, self.arrival_time)
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASON.get(self.status)
+
+    def append_output(self, token_id: int, logprobs: dict[int, float] | None) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)

@@ -1,0 +1,278 @@
+"""Batched sampler: turns one step's logits into one next token per row (vLLM v1 semantics).
+
+What happens to the logits of a step, ``[num_rows, vocab_size]``:
+
+1. Raw logprobs: ``log_softmax`` of the unprocessed float32 logits, for rows that asked for them.
+2. ``min_tokens``: EOS and the row's stop ids go to -inf while the row is short of ``min_tokens``.
+3. Penalties: repetition (prompt and output tokens), then frequency and presence (output only).
+4. Greedy rows take the argmax of what steps 2-3 left.
+5. Random rows: temperature, top-k, top-p, min-p, then an exponential race drawn from the row's
+   own generator when its request has a seed, so its tokens do not depend on the other rows.
+
+Each step is skipped when no row of the batch needs it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """What the sampler needs about each row of the logits; the model runner builds it each step."""
+
+    params: list[SamplingParams]
+    """One per row."""
+    prompt_token_ids: list[list[int]]
+    """Per row; the repetition penalty covers prompt and output tokens."""
+    output_token_ids: list[list[int]]
+    """Per row: tokens generated so far (penalties, ``min_tokens``)."""
+    generators: list[torch.Generator | None]
+    """Per row: a generator seeded from the request's seed (on the logits' device, which
+    ``exponential_`` requires), None for requests without one."""
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.params)
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token_ids: list[int]
+    """One sampled token per row."""
+    logprobs: list[dict[int, float] | None]
+    """Per row: None unless ``params.logprobs`` is set; else the raw log-probability of the sampled
+    token and of the ``params.logprobs`` most likely tokens."""
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: Sequence[int]) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SampleResult:
+        """Sample one token per row of ``logits: [num_rows, vocab_size]`` (any float dtype)."""
+        _check_shapes(logits, metadata)
+        params = metadata.params
+        num_rows = metadata.num_rows
+
+        # Raw logprobs (vLLM v1's default): before penalties, temperature and truncation.
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = None
+        if logprob_rows:
+            # raw_logprobs: [len(logprob_rows), vocab_size]
+            raw_logprobs = torch.log_softmax(logits[logprob_rows].float(), dim=-1)
+
+        processed = process_logits(logits, metadata, self.eos_token_ids)
+
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if len(random_rows) == num_rows:
+            token_ids = _sample_random(processed, params, metadata.generators)
+        else:
+            token_ids = processed.argmax(dim=-1)  # [num_rows]
+            if random_rows:
+                token_ids[random_rows] = _sample_random(
+                    processed[random_rows],
+                    [params[i] for i in random_rows],
+                    [metadata.generators[i] for i in random_rows],
+                )
+
+        logprobs: list[dict[int, float] | None] = [None] * num_rows
+        if raw_logprobs is not None:
+            row_logprobs = _collect_logprobs(
+                raw_logprobs,
+                token_ids[logprob_rows],
+                [params[i].logprobs or 0 for i in logprob_rows],
+            )
+            for i, row in zip(logprob_rows, row_logprobs, strict=True):
+                logprobs[i] = row
+        return SampleResult(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+
+def process_logits(
+    logits: torch.Tensor, metadata: SamplingMetadata, eos_token_ids: Sequence[int]
+) -> torch.Tensor:
+    """The logits every row's choice is made from: a float32 copy of ``logits: [num_rows,
+    vocab_size]`` with ``min_tokens`` masking and the penalties applied (greedy rows take its
+    argmax; random rows go on to temperature and truncation)."""
+    logits = logits.to(torch.float32, copy=True)
+    _mask_stop_tokens(logits, metadata, eos_token_ids)
+    return _apply_penalties(logits, metadata)
+
+
+def _check_shapes(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [num_rows, vocab_size], got shape {tuple(logits.shape)}")
+    num_rows = logits.shape[0]
+    for name in ("params", "prompt_token_ids", "output_token_ids", "generators"):
+        if len(getattr(metadata, name)) != num_rows:
+            raise ValueError(
+                f"metadata.{name} has {len(getattr(metadata, name))} rows, logits have {num_rows}"
+            )
+
+
+def _mask_stop_tokens(
+    logits: torch.Tensor, metadata: SamplingMetadata, eos_token_ids: Sequence[int]
+) -> None:
+    """In place: EOS and stop ids to -inf in rows that have not reached ``min_tokens`` yet."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, (p, output) in enumerate(zip(metadata.params, metadata.output_token_ids, strict=True)):
+        if len(output) < p.min_tokens:
+            # NOTE: EOS is masked even with ignore_eos, which only decides whether EOS stops.
+            stop_ids = (*eos_token_ids, *p.stop_token_ids)
+            rows.extend([i] * len(stop_ids))
+            cols.extend(stop_ids)
+    if rows:
+        index = torch.tensor([rows, cols], dtype=torch.long, device=logits.device)
+        logits[index[0], index[1]] = float("-inf")
+
+
+def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Repetition penalty over prompt and output tokens, then frequency and presence penalties over
+    output tokens; rows without penalties get neutral values (1, 0, 0)."""
+    params = metadata.params
+    if not any(p.has_penalties for p in params):
+        return logits
+    vocab_size = logits.shape[1]
+    device = logits.device
+    # output_counts: [num_rows, vocab_size], occurrences of each token in the row's output
+    output_counts = _count_tokens(metadata.output_token_ids, vocab_size, device)
+
+    if any(p.repetition_penalty != 1.0 for p in params):
+        prompt_counts = _count_tokens(metadata.prompt_token_ids, vocab_size, device)
+        seen = (prompt_counts > 0) | (output_counts > 0)  # [num_rows, vocab_size]
+        penalty = _row_tensor([p.repetition_penalty for p in params], device)  # [num_rows, 1]
+        # Dividing a positive logit and multiplying a negative one both make the token less likely.
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalized, logits)
+
+    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+        frequency = _row_tensor([p.frequency_penalty for p in params], device)  # [num_rows, 1]
+        presence = _row_tensor([p.presence_penalty for p in params], device)  # [num_rows, 1]
+        logits = logits - frequency * output_counts - presence * (output_counts > 0).float()
+    return logits
+
+
+def _count_tokens(
+    token_ids: list[list[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """``[num_rows, vocab_size]`` float32 count of each token id in each row's list."""
+    num_rows = len(token_ids)
+    max_len = max((len(ids) for ids in token_ids), default=0)
+    if max_len == 0:
+        return torch.zeros(num_rows, vocab_size, device=device)
+    # Padding points at an extra column vocab_size, dropped after the scatter.
+    padded = torch.tensor(
+        [ids + [vocab_size] * (max_len - len(ids)) for ids in token_ids],
+        dtype=torch.long,
+        device=device,
+    )  # [num_rows, max_len]
+    counts = torch.zeros(num_rows, vocab_size + 1, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def _row_tensor(values: list[float], device: torch.device) -> torch.Tensor:
+    """A per-row parameter as a ``[num_rows, 1]`` float32 column, to broadcast over the vocab."""
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _sample_random(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """Sample ``[num_rows]`` token ids from ``logits: [num_rows, vocab_size]`` (modified in place),
+    all of whose rows are non-greedy."""
+    vocab_size = logits.shape[1]
+    device = logits.device
+    if any(p.temperature != 1.0 for p in params):
+        logits.div_(_row_tensor([p.temperature for p in params], device))
+
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    top_p = [p.top_p for p in params]
+    use_top_k = any(k < vocab_size for k in top_k)
+    use_top_p = any(p < 1.0 for p in top_p)
+    if use_top_k or use_top_p:
+        logits = _apply_top_k_top_p(
+            logits,
+            torch.tensor(top_k, dtype=torch.long, device=device) if use_top_k else None,
+            torch.tensor(top_p, dtype=torch.float32, device=device) if use_top_p else None,
+        )
+
+    if any(p.min_p > 0.0 for p in params):
+        # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p): no softmax needed, and
+        # log(0) = -inf leaves rows with min_p = 0 untouched.
+        min_p = _row_tensor([p.min_p for p in params], device)
+        threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)
+        logits.masked_fill_(logits < threshold, float("-inf"))
+
+    probs = logits.softmax(dim=-1)  # [num_rows, vocab_size]
+    return _exponential_race(probs, generators)
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask to -inf what top-k (``[num_rows]``, vocab_size = off) and then top-p (``[num_rows]``,
+    1 = off) drop. The most likely token of each row always survives."""
+    vocab_size = logits.shape[1]
+    # Ascending, so the tokens to drop form a prefix of each sorted row.
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=False)  # [num_rows, vocab_size]
+    if top_k is not None:
+        # Threshold at the k-th largest logit; ties with it survive, as in vLLM.
+        kth_largest = sorted_logits.gather(1, (vocab_size - top_k).unsqueeze(1))  # [num_rows, 1]
+        sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [num_rows, vocab_size]
+        # A token is dropped when all tokens at or below it hold no more than 1 - top_p, i.e. the
+        # tokens above it already reach top_p: what is left is the smallest such set.
+        drop = cumulative <= 1.0 - top_p.unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    return logits.scatter_(1, sorted_ids, sorted_logits)
+
+
+def _exponential_race(
+    probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
+    """``argmax(probs / q)`` with ``q ~ Exponential(1)`` picks token i with probability probs[i]
+    (Gumbel-max in disguise) without a CPU sync. Seeded rows draw ``q`` from their own generator,
+    so their tokens depend only on their seed and their own logits."""
+    q = torch.empty_like(probs)  # [num_rows, vocab_size]
+    seeded = [(i, g) for i, g in enumerate(generators) if g is not None]
+    if len(seeded) < len(generators):
+        q.exponential_()
+    for i, generator in seeded:
+        q[i].exponential_(generator=generator)
+    # q = 0 would turn a masked token's 0 / 0 into NaN, which argmax picks; tiny keeps 0 / q = 0.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def _collect_logprobs(
+    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]
+) -> list[dict[int, float]]:
+    """Per row of ``raw_logprobs: [num_rows, vocab_size]``: the sampled token's (``token_ids:
+    [num_rows]``) logprob plus those of its ``num_top[row]`` most likely tokens."""
+    sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()  # [num_rows]
+    max_top = min(max(num_top), raw_logprobs.shape[1])
+    top_values: list[list[float]] = [[] for _ in num_top]
+    top_ids: list[list[int]] = [[] for _ in num_top]
+    if max_top > 0:
+        values, ids = raw_logprobs.topk(max_top, dim=-1)  # [num_rows, max_top] each
+        top_values, top_ids = values.tolist(), ids.tolist()
+    rows = []
+    for row, (token_id, n) in enumerate(zip(token_ids.tolist(), num_top, strict=True)):
+        entries = {token_id: sampled[row]}
+        entries.update(zip(top_ids[row][:n], top_values[row][:n], strict=True))
+        rows.append(entries)
+    return rows

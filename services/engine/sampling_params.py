@@ -1,0 +1,109 @@
+"""Per-request sampling parameters, validated at construction (vLLM-compatible names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    Every check raises ``ValueError`` naming the offending field, so a caller (the Python API or a
+    gRPC servicer) can pass the message straight back to its client.
+    """
+
+    max_tokens: int = 16
+    """Upper bound on generated tokens; the request finishes with ``length`` when reached."""
+    min_tokens: int = 0
+    """EOS and ``stop_token_ids`` are suppressed until this many tokens were generated."""
+    temperature: float = 1.0
+    """0 means greedy; otherwise logits are divided by it before sampling."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 (or 0) keeps all."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set whose probability mass reaches top_p, in (0, 1]."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely token's, in [0, 1]."""
+    seed: int | None = None
+    """Per-request seed: the same seed, prompt and parameters give the same tokens."""
+    repetition_penalty: float = 1.0
+    """HF/CTRL-style penalty over prompt and output tokens; > 0, 1 disables it."""
+    presence_penalty: float = 0.0
+    """OpenAI-style: subtracted once from the logit of every token already generated, in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """OpenAI-style: subtracted per occurrence of each token already generated, in [-2, 2]."""
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    """Token ids that finish the request with ``stop`` (the stop token is kept in the output)."""
+    ignore_eos: bool = False
+    """Keep generating past the model's EOS token (benchmarks)."""
+    logprobs: int | None = None
+    """Return the sampled token's log-probability plus this many most likely alternatives."""
+    priority: int = 0
+    """Scheduling priority under the ``priority`` policy: lower values are served first."""
+
+    def __post_init__(self) -> None:
+        # Accept any iterable of ints for stop_token_ids, but store an immutable tuple.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
+                f"and max_tokens={self.max_tokens}"
+            )
+        _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _check_int("top_k", self.top_k, minimum=-1)
+        _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=-(2**63))
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_float(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, minimum=0)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, minimum=0)
+        _check_int("priority", self.priority, minimum=-(2**63))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_float(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be finite, got {value}")

@@ -1,0 +1,222 @@
+"""Continuous batching: which tokens of which requests the next step computes.
+
+Each step has a token budget (``max_num_batched_tokens``) shared by every request:
+
+1. Running requests first, in order: a decode takes one token, an unfinished prompt takes the
+   next chunk that fits the budget (chunked prefill, mixed with the decodes). When the cache has
+   no room for a request's new tokens, the lowest-priority running request is preempted (its
+   blocks freed, its tokens recomputed later) until there is room or the request preempts itself.
+2. Then, if nothing was preempted, waiting requests join while the budget, ``max_num_seqs`` and
+   the cache allow, starting from their longest prefix-cache hit.
+
+After the model ran, ``update_from_output`` advances every scheduled request, appends sampled
+tokens, applies the stop conditions and frees the blocks of finished requests.
+
+Pure Python: no torch, no grpc. The model runner sees ``SchedulerOutput`` only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from services.engine.config import SchedulerConfig, SchedulingPolicy
+from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """The tokens of one request computed this step."""
+
+    request: Request
+    start_position: int
+    """Position of the first token of the chunk (the request's computed tokens before it)."""
+    num_tokens: int
+    block_ids: list[int]
+    """The request's whole block table after allocation."""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids[self.start_position : self.start_position + self.num_tokens]
+
+    @property
+    def needs_sample(self) -> bool:
+        """The chunk reaches the request's last known token, so its logits give the next one."""
+        return self.start_position + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    preempted_request_ids: list[str]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprobs: dict[int, float] | None = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        *,
+        max_model_len: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, request.request_id
+        assert request.status is RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Remove a request wherever it is and free its blocks; None if it is not known."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+        if self.config.policy is SchedulingPolicy.PRIORITY:
+            # The last running request is always the one to preempt.
+            self.running.sort(key=lambda r: r.priority_key)
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, f"{request.request_id} is running with nothing to compute"
+            while not self.kv_cache.can_allocate(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                self.kv_cache.allocate(request, num_new)
+                chunks.append(self._chunk(request, num_new))
+                budget -= num_new
+                index += 1
+
+        if not preempted:
+            self._admit_waiting(chunks, budget)
+        return SchedulerOutput(chunks, [r.request_id for r in preempted])
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, SampledToken]
+    ) -> list[Request]:
+        """Advance the scheduled requests; returns those that got a token or finished."""
+        updated: list[Request] = []
+        for chunk in output.chunks:
+            request = chunk.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted between schedule() and now
+            request.num_computed_tokens += chunk.num_tokens
+            self.kv_cache.cache_full_blocks(request)
+            if not chunk.needs_sample:
+                continue
+            token = sampled[request.request_id]
+            request.append_output(token.token_id, token.logprobs)
+            stop_status = self._check_stop(request)
+            if stop_status is not None:
+                self.running.remove(request)
+                self._finish(request, stop_status)
+            updated.append(request)
+        return updated
+
+    def _admit_waiting(self, chunks: list[ScheduledChunk], budget: int) -> None:
+        if self.config.policy is SchedulingPolicy.PRIORITY:
+            self.waiting = deque(sorted(self.waiting, key=lambda r: r.priority_key))
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if not self.kv_cache.can_allocate(request, num_new, computed_blocks):
+                break
+            self.waiting.popleft()
+            self.kv_cache.allocate(request, num_new, computed_blocks)
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        return ScheduledChunk(
+            request=request,
+            start_position=request.num_computed_tokens,
+            num_tokens=num_new,
+            block_ids=self.kv_cache.block_ids(request.request_id),
+        )
+
+    def _preempt(self, request: Request) -> None:
+        logger.debug("preempting %s (%d tokens)", request.request_id, request.num_tokens)
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.params
+        token_id = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.kv_cache.free(request)
+        request.status = status
+        del self.requests[request.request_id]

@@ -1,0 +1,142 @@
+"""The shape of a Llama-family checkpoint, read from its Hugging Face ``config.json``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Hugging Face ``architectures`` entries we implement, and the model_type each implies.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 frequency scaling (``rope_type: llama3``); the only scaling we implement."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    """Q/K/V projections carry a bias (Qwen2)."""
+    qk_norm: bool
+    """RMSNorm over each head of Q and K before RoPE (Qwen3)."""
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path | str) -> ModelConfig:
+        model_dir = Path(model_dir)
+        path = model_dir / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model dir")
+        raw = json.loads(path.read_text())
+        generation_path = model_dir / "generation_config.json"
+        generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
+        return cls.from_hf_dict(raw, generation)
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+        architecture = _architecture(raw)
+        model_type = SUPPORTED_ARCHITECTURES[architecture]
+        hidden_size = raw["hidden_size"]
+        num_heads = raw["num_attention_heads"]
+        rope_theta, rope_scaling = _rope(raw)
+        # Qwen2 declares a sliding window that is off unless use_sliding_window is set.
+        sliding_window = raw.get("sliding_window")
+        if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+            sliding_window = None
+        eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=architecture,
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=hidden_size,
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or hidden_size // num_heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=raw.get("tie_word_embeddings", model_type == "qwen2"),
+            attention_bias=raw.get("attention_bias", model_type == "qwen2"),
+            qk_norm=model_type == "qwen3",
+            sliding_window=sliding_window,
+            eos_token_ids=eos_ids,
+            bos_token_id=raw.get("bos_token_id"),
+        )
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    architectures = raw.get("architectures") or []
+    for name in architectures:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    found = ", ".join(architectures) or f"model_type={raw.get('model_type')!r}"
+    raise ValueError(f"unsupported architecture {found}; pdserve supports {supported}")
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    # transformers 5 writes ``rope_parameters`` (theta inside); older checkpoints write
+    # ``rope_theta`` and ``rope_scaling`` (with ``type`` or ``rope_type``).
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope_type {rope_type!r}; pdserve supports {', '.join(_SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return theta, None
+    return theta, RopeScaling(
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )

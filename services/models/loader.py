@@ -1,0 +1,117 @@
+"""Loads Hugging Face safetensors (one file, or shards with an index) into ``LlamaForCausalLM``.
+
+The checkpoint's separate q/k/v and gate/up projections are copied into our fused parameters;
+every parameter must be filled exactly once, and a missing or unexpected weight is an error that
+names it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from services.models.attention import AttentionBackend
+from services.models.config import ModelConfig
+from services.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+# Checkpoint entries that hold no weights of ours (recomputed buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = sorted({model_dir / name for name in weight_map.values()})
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"shards listed in {index} are missing: {', '.join(missing)}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(
+        f"no model.safetensors or model.safetensors.index.json in {model_dir} "
+        "(pdserve loads safetensors checkpoints only)"
+    )
+
+
+def load_model(
+    model_dir: Path,
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    backend: AttentionBackend,
+) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions, backend)
+    model = model.to_empty(device=device).to(dtype)
+    model.model.rotary.to_device(device)
+
+    params = dict(model.named_parameters())
+    targets = _checkpoint_targets(config)
+    filled: set[str] = set()
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and config.tie_word_embeddings:
+                    continue  # some tied checkpoints store the shared matrix twice
+                if name not in targets:
+                    raise ValueError(f"unexpected weight {name!r} in {path.name}")
+                param_name, offset = targets[name]
+                tensor = f.get_tensor(name)
+                param = params[param_name]
+                rows = param.data.narrow(0, offset, tensor.shape[0])
+                if rows.shape != tensor.shape:
+                    raise ValueError(
+                        f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(rows.shape)} from config.json"
+                    )
+                rows.copy_(tensor)
+                filled.add(name)
+    missing = sorted(set(targets) - filled)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint in {model_dir} is missing weight(s): {shown}")
+    return model.eval()
+
+
+def _checkpoint_targets(config: ModelConfig) -> dict[str, tuple[str, int]]:
+    """Checkpoint weight name → (our parameter name, first row inside it)."""
+    q_rows = config.num_heads * config.head_dim
+    kv_rows = config.num_kv_heads * config.head_dim
+    targets: dict[str, tuple[str, int]] = {
+        "model.embed_tokens.weight": ("model.embed_tokens.weight", 0),
+        "model.norm.weight": ("model.norm.weight", 0),
+    }
+    if not config.tie_word_embeddings:
+        targets["lm_head.weight"] = ("lm_head.weight", 0)
+    for i in range(config.num_layers):
+        layer = f"model.layers.{i}"
+        attn = f"{layer}.self_attn"
+        kinds = ("weight", "bias") if config.attention_bias else ("weight",)
+        for kind in kinds:
+            targets[f"{attn}.q_proj.{kind}"] = (f"{attn}.qkv_proj.{kind}", 0)
+            targets[f"{attn}.k_proj.{kind}"] = (f"{attn}.qkv_proj.{kind}", q_rows)
+            targets[f"{attn}.v_proj.{kind}"] = (f"{attn}.qkv_proj.{kind}", q_rows + kv_rows)
+        targets[f"{attn}.o_proj.weight"] = (f"{attn}.o_proj.weight", 0)
+        if config.qk_norm:
+            targets[f"{attn}.q_norm.weight"] = (f"{attn}.q_norm.weight", 0)
+            targets[f"{attn}.k_norm.weight"] = (f"{attn}.k_norm.weight", 0)
+        mlp = f"{layer}.mlp"
+        targets[f"{mlp}.gate_proj.weight"] = (f"{mlp}.gate_up_proj.weight", 0)
+        targets[f"{mlp}.up_proj.weight"] = (f"{mlp}.gate_up_proj.weight", config.intermediate_size)
+        targets[f"{mlp}.down_proj.weight"] = (f"{mlp}.down_proj.weight", 0)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            targets[f"{layer}.{norm}.weight"] = (f"{layer}.{norm}.weight", 0)
+    return targets
