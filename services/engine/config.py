@@ -13,7 +13,7 @@ from pathlib import Path
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-class SchedulingPolicy(str, enum.Enum):
+class SchedulingPolicy(enum.StrEnum):
     FCFS = "fcfs"
     PRIORITY = "priority"
 

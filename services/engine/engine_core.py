@@ -111,7 +111,9 @@ class EngineCore:
                 EngineCoreOutput(
                     request_id=request.request_id,
                     new_token_ids=request.output_token_ids[-1:],
-                    new_logprobs=request.output_logprobs[-1:] if request.params.logprobs is not None else None,
+                    new_logprobs=request.output_logprobs[-1:]
+                    if request.params.logprobs is not None
+                    else None,
                     finish_reason=finish_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                 )
@@ -127,6 +129,7 @@ class EngineCore:
             num_blocks_total=self.kv_cache.num_blocks,
             prefix_cache_queried_tokens=prefix.num_queried_tokens,
             prefix_cache_hit_tokens=prefix.num_hit_tokens,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
         )
 
 

@@ -84,7 +84,9 @@ class ModelRunner:
         ]
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
-            num_blocks, self.block_size, num_blocks * self.block_bytes / 2**20,
+            num_blocks,
+            self.block_size,
+            num_blocks * self.block_bytes / 2**20,
         )
 
     def release(self, request_id: str) -> None:

@@ -50,6 +50,7 @@ class EngineStats:
     num_blocks_total: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
+    num_preemptions_total: int
 
     @property
     def kv_cache_usage(self) -> float:

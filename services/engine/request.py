@@ -34,7 +34,7 @@ class RequestStatus(enum.Enum):
         return self in _FINISHED
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Why a request ended; the values are the OpenAI API's ``finish_reason`` strings."""
 
     STOP = "stop"

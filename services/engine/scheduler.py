@@ -38,15 +38,12 @@ class ScheduledChunk:
     num_tokens: int
     block_ids: list[int]
     """The request's whole block table after allocation."""
+    needs_sample: bool
+    """The chunk reaches the request's last known token, so its logits give the next one."""
 
     @property
     def token_ids(self) -> list[int]:
         return self.request.token_ids[self.start_position : self.start_position + self.num_tokens]
-
-    @property
-    def needs_sample(self) -> bool:
-        """The chunk reaches the request's last known token, so its logits give the next one."""
-        return self.start_position + self.num_tokens == self.request.num_tokens
 
 
 @dataclass(frozen=True)
@@ -85,6 +82,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.num_preemptions_total = 0
 
     @property
     def num_waiting(self) -> int:
@@ -192,6 +190,7 @@ class Scheduler:
             start_position=request.num_computed_tokens,
             num_tokens=num_new,
             block_ids=self.kv_cache.block_ids(request.request_id),
+            needs_sample=request.num_computed_tokens + num_new == request.num_tokens,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -199,6 +198,7 @@ class Scheduler:
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions_total += 1
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
 

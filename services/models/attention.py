@@ -26,7 +26,7 @@ class PrefillSpan:
     """Index of the chunk's first token in the flattened batch."""
     num_tokens: int
     start_position: int
-    """Tokens of the request already in the cache before this chunk (prefix hits, earlier chunks)."""
+    """Tokens already in the cache before this chunk (prefix hits, earlier chunks)."""
     block_ids: torch.Tensor
     """[num_blocks covering start_position + num_tokens] int64."""
 
@@ -70,7 +70,7 @@ class AttentionBackend(ABC):
 
 
 class TorchPagedAttention(AttentionBackend):
-    """Portable path: gathers each context from its blocks and runs ``scaled_dot_product_attention``.
+    """Portable path: gathers each context from its blocks, then ``scaled_dot_product_attention``.
 
     Decodes are batched into one call by padding contexts to the longest and masking; the GQA
     group is folded into the query-length axis so that K/V are never repeated per query head.
@@ -145,8 +145,12 @@ class TorchPagedAttention(AttentionBackend):
         if span.start_position == 0:
             # Nothing cached before the chunk: attend to the fresh K/V with a causal mask.
             out = F.scaled_dot_product_attention(
-                q, key.transpose(0, 1), value.transpose(0, 1),
-                is_causal=True, scale=self.scale, enable_gqa=True,
+                q,
+                key.transpose(0, 1),
+                value.transpose(0, 1),
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=True,
             )
             return out.transpose(0, 1)
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
@@ -158,8 +162,12 @@ class TorchPagedAttention(AttentionBackend):
         query_positions = torch.arange(span.num_tokens, device=q.device) + span.start_position
         mask = torch.arange(context_len, device=q.device)[None, :] <= query_positions[:, None]
         out = F.scaled_dot_product_attention(
-            q, keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=mask, scale=self.scale, enable_gqa=True,
+            q,
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=True,
         )
         return out.transpose(0, 1)
 

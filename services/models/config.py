@@ -77,7 +77,9 @@ class ModelConfig:
         return cls.from_hf_dict(raw, generation)
 
     @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+    def from_hf_dict(
+        cls, raw: dict[str, Any], generation: dict[str, Any] | None = None
+    ) -> ModelConfig:
         architecture = _architecture(raw)
         model_type = SUPPORTED_ARCHITECTURES[architecture]
         hidden_size = raw["hidden_size"]
@@ -130,7 +132,8 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in _SUPPORTED_ROPE_TYPES:
         raise ValueError(
-            f"unsupported rope_type {rope_type!r}; pdserve supports {', '.join(_SUPPORTED_ROPE_TYPES)}"
+            f"unsupported rope_type {rope_type!r}; "
+            f"pdserve supports {', '.join(_SUPPORTED_ROPE_TYPES)}"
         )
     if rope_type == "default":
         return theta, None

@@ -54,6 +54,8 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions, backend)
     model = model.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight  # to_empty unties them
     model.model.rotary.to_device(device)
 
     params = dict(model.named_parameters())
@@ -81,7 +83,9 @@ def load_model(
                 filled.add(name)
     missing = sorted(set(targets) - filled)
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
         raise ValueError(f"checkpoint in {model_dir} is missing weight(s): {shown}")
     return model.eval()
 

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (non-interleaved halves, as Hugging Face Llama), with Llama-3 scaling."""
+"""Rotary position embeddings (non-interleaved halves, as HF Llama), with Llama-3 scaling."""
 
 from __future__ import annotations
 

@@ -1,0 +1,123 @@
+"""Offline throughput: pdserve's engine against transformers ``generate()`` with static batches.
+
+    python benchmarks/offline_throughput.py [--model DIR] [--num-prompts 64] [--input-len 256]
+        [--output-len 64] [--dtype bfloat16] [--hf-batch-size 16] [--json OUT.json]
+
+Both run in this process on the same random prompts (every prompt exactly ``--input-len``
+tokens, so the static baseline pads nothing) and generate exactly ``--output-len`` tokens each
+(EOS ignored). Prints output tokens/s of each and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from services.engine import LLM, SamplingParams  # noqa: E402
+from services.models.tiny import build_tiny_model  # noqa: E402
+
+DEFAULT_MODEL = ROOT / "models" / "small-llama"
+
+
+def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Skip the first ids: the tiny tokenizers put their special tokens there.
+    return [[rng.randrange(16, vocab_size) for _ in range(length)] for _ in range(num)]
+
+
+def run_pdserve(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, float]:
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.input_len + args.output_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False,  # random prompts share nothing; keep the comparison plain
+    )
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.token_ids) for o in outputs)
+    return {"seconds": elapsed, "output_tokens": num_out, "output_tok_per_s": num_out / elapsed}
+
+
+def run_hf(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, local_files_only=True)
+    model.eval()
+    gen = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    with torch.inference_mode():
+        model.generate(torch.tensor(prompts[:2]), max_new_tokens=4, min_new_tokens=4, **gen)
+        start = time.perf_counter()
+        num_out = 0
+        for i in range(0, len(prompts), args.hf_batch_size):
+            batch = torch.tensor(prompts[i : i + args.hf_batch_size])
+            out = model.generate(
+                batch, max_new_tokens=args.output_len, min_new_tokens=args.output_len, **gen
+            )
+            num_out += (out.shape[1] - batch.shape[1]) * batch.shape[0]
+        elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "output_tokens": num_out, "output_tok_per_s": num_out / elapsed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+
+    if not (args.model / "config.json").is_file():
+        if args.model != DEFAULT_MODEL:
+            parser.error(f"{args.model} is not a model directory")
+        print(f"building the small benchmark model into {args.model} ...", flush=True)
+        build_tiny_model(args.model, arch="llama", size="small")
+    vocab_size = json.loads((args.model / "config.json").read_text())["vocab_size"]
+    prompts = random_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
+
+    results = {"config": {k: str(v) for k, v in vars(args).items()}}
+    results["torch_threads"] = torch.get_num_threads()
+    results["pdserve"] = run_pdserve(args, prompts)
+    print(
+        f"pdserve:              {results['pdserve']['output_tok_per_s']:8.1f} output tok/s "
+        f"({results['pdserve']['seconds']:.1f} s)",
+        flush=True,
+    )
+    if not args.skip_hf:
+        results["hf_static"] = run_hf(args, prompts)
+        ratio = results["pdserve"]["output_tok_per_s"] / results["hf_static"]["output_tok_per_s"]
+        results["ratio"] = ratio
+        print(
+            f"transformers (bs={args.hf_batch_size}): "
+            f"{results['hf_static']['output_tok_per_s']:8.1f} output tok/s "
+            f"({results['hf_static']['seconds']:.1f} s)"
+        )
+        print(f"ratio:                {ratio:8.2f}x")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
