@@ -9,6 +9,7 @@ frees its blocks at once. Single-threaded: a node runs it in one loop of its own
 from __future__ import annotations
 
 import logging
+import numbers
 from collections.abc import Sequence
 
 from services.engine.config import EngineConfig
@@ -56,7 +57,9 @@ class EngineCore:
     ) -> None:
         """Queue a request; raises ``ValueError`` naming the field when the input is bad."""
         self.validate_request(request_id, prompt_token_ids, params)
-        self.scheduler.add_request(Request(request_id, list(prompt_token_ids), params))
+        # int(): numpy or torch integer ids become plain ints for hashing and tensor building.
+        prompt = [int(token_id) for token_id in prompt_token_ids]
+        self.scheduler.add_request(Request(request_id, prompt, params))
 
     def validate_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
@@ -76,7 +79,7 @@ class EngineCore:
             )
         vocab_size = self.model_config.vocab_size
         for index, token_id in enumerate(prompt_token_ids):
-            if isinstance(token_id, bool) or not isinstance(token_id, int):
+            if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
                 raise ValueError(f"prompt_token_ids[{index}] is not an integer: {token_id!r}")
             if not 0 <= token_id < vocab_size:
                 raise ValueError(

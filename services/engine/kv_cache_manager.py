@@ -2,9 +2,10 @@
 
 Life cycle of a request's blocks:
 
-1. ``get_computed_blocks``   on admission: the longest run of cached full blocks matching the
-                             request's tokens (never all of them: the last token is always
-                             recomputed to produce logits).
+1. ``get_computed_blocks``   before admission: the longest run of cached full blocks matching
+                             the request's tokens (never all of them: the last token is always
+                             recomputed to produce logits). Hit statistics count a lookup when
+                             the request is admitted with it, not each time it is asked.
 2. ``can_allocate`` / ``allocate``
                              each step: reference the hit blocks (first time only) and append new
                              blocks so that every token computed this step has a slot.
@@ -93,8 +94,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self._num_queried_tokens += request.num_tokens
-        self._num_hit_tokens += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def can_allocate(
@@ -108,6 +107,11 @@ class KVCacheManager:
     ) -> None:
         """Give ``request`` slots for ``num_new_tokens`` past its computed (or hit) tokens."""
         num_needed, _ = self._count_needed(request, num_new_tokens, computed_blocks)
+        if request.request_id not in self._blocks and self.enable_prefix_caching:
+            # Admission (first or after a preemption): count the lookup once, here, rather
+            # than every step a request spends waiting for room.
+            self._num_queried_tokens += request.num_tokens
+            self._num_hit_tokens += len(computed_blocks) * self.block_size
         blocks = self._blocks.setdefault(request.request_id, [])
         if computed_blocks:
             assert not blocks, f"prefix hit for {request.request_id}, which already holds blocks"

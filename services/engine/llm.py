@@ -30,6 +30,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         scheduling_policy: str = "fcfs",
         seed: int = 0,
+        attention_backend: str = "auto",
     ) -> None:
         config = EngineConfig(
             model_dir=Path(model_dir),
@@ -37,6 +38,7 @@ class LLM:
             device=device,
             max_model_len=max_model_len,
             seed=seed,
+            attention_backend=attention_backend,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=kv_cache_memory,
@@ -75,7 +77,7 @@ class LLM:
         results = {
             request_id: RequestOutput(
                 request_id=request_id,
-                prompt_token_ids=list(prompt),
+                prompt_token_ids=[int(t) for t in prompt],
                 token_ids=[],
                 finish_reason=None,
                 logprobs=[] if request_params.logprobs is not None else None,

@@ -14,7 +14,8 @@ import torch
 from services.engine.config import CacheConfig, EngineConfig
 from services.engine.sampler import Sampler, SamplingMetadata
 from services.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
-from services.models.attention import ATTENTION_BACKENDS, AttentionMetadata, PrefillSpan
+from services.host_memory import advise_huge_pages, keep_freed_memory_mapped
+from services.models.attention import AttentionMetadata, PrefillSpan, make_attention_backend
 from services.models.config import ModelConfig
 from services.models.loader import load_model
 
@@ -31,14 +32,17 @@ class ModelRunner:
         config: EngineConfig,
         *,
         max_model_len: int,
-        attention_backend: str = "torch",
     ) -> None:
+        keep_freed_memory_mapped()
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.dtype]
         self.block_size = config.cache.block_size
-        self.backend = ATTENTION_BACKENDS[attention_backend](
-            config.cache.block_size, scale=1.0 / math.sqrt(model_config.head_dim)
+        self.backend = make_attention_backend(
+            config.attention_backend,
+            self.device,
+            block_size=config.cache.block_size,
+            scale=1.0 / math.sqrt(model_config.head_dim),
         )
         self.model = load_model(
             config.model_dir,
@@ -79,9 +83,13 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.model_config
         shape = (2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)
-        ]
+        self.kv_caches = []
+        for _ in range(cfg.num_layers):
+            cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            if self.device.type == "cpu":
+                advise_huge_pages(cache.data_ptr(), cache.nbytes)
+            # Zeroed so that padding slots read by masked attention hold no NaN bit patterns.
+            self.kv_caches.append(cache.zero_())
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             num_blocks,

@@ -11,11 +11,14 @@ the same ``AttentionBackend`` over the same metadata.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -119,9 +122,15 @@ class TorchPagedAttention(AttentionBackend):
         num_kv_heads = key_cache.shape[2]
         block_tables = metadata.decode_block_tables
         max_len = block_tables.shape[1] * self.block_size
-        # keys, values: [num_decodes, num_kv_heads, max_len, head_dim]
-        keys = key_cache[block_tables].view(num_decodes, max_len, num_kv_heads, head_dim)
-        values = value_cache[block_tables].view(num_decodes, max_len, num_kv_heads, head_dim)
+        # keys, values: [num_decodes, num_kv_heads, max_len, head_dim]. index_select over the
+        # flattened table copies whole blocks; advanced indexing is ~2.5x slower here.
+        flat_ids = block_tables.view(-1)
+        keys = key_cache.index_select(0, flat_ids).view(
+            num_decodes, max_len, num_kv_heads, head_dim
+        )
+        values = value_cache.index_select(0, flat_ids).view(
+            num_decodes, max_len, num_kv_heads, head_dim
+        )
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         # mask: [num_decodes, 1, 1, max_len], True where a real context token sits.
         positions = torch.arange(max_len, device=query.device)
@@ -156,8 +165,9 @@ class TorchPagedAttention(AttentionBackend):
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
         context_len = span.context_len
         # keys, values: [num_kv_heads, context_len, head_dim]
-        keys = key_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[:context_len]
-        values = value_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[:context_len]
+        keys = key_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)
+        values = value_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)
+        keys, values = keys[:context_len], values[:context_len]
         # mask: [num_tokens, context_len]; query i sits at position start_position + i.
         query_positions = torch.arange(span.num_tokens, device=q.device) + span.start_position
         mask = torch.arange(context_len, device=q.device)[None, :] <= query_positions[:, None]
@@ -172,4 +182,21 @@ class TorchPagedAttention(AttentionBackend):
         return out.transpose(0, 1)
 
 
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchPagedAttention}
+def make_attention_backend(
+    name: str, device: torch.device, *, block_size: int, scale: float
+) -> AttentionBackend:
+    """``torch``, ``native`` (raises if the CPU kernel cannot be built) or ``auto``."""
+    if name == "torch" or (name == "auto" and device.type != "cpu"):
+        return TorchPagedAttention(block_size, scale)
+    try:
+        from services.models.native_attention import NativePagedAttention, native_kernel_error
+    except ImportError as exc:
+        error: str | None = f"cannot import the native backend: {exc}"
+    else:
+        error = native_kernel_error()
+        if error is None and device.type == "cpu":
+            return NativePagedAttention(block_size, scale)
+    if name == "native":
+        raise ValueError(f"attention_backend 'native' is unavailable: {error or 'CPU only'}")
+    logger.warning("native CPU attention unavailable (%s); using the torch path", error)
+    return TorchPagedAttention(block_size, scale)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from services.host_memory import advise_huge_pages
 from services.models.attention import AttentionBackend
 from services.models.config import ModelConfig
 from services.models.llama import LlamaForCausalLM
@@ -52,8 +53,11 @@ def load_model(
     backend: AttentionBackend,
 ) -> LlamaForCausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions, backend)
-    model = model.to_empty(device=device).to(dtype)
+        model = LlamaForCausalLM(config, max_positions, backend).to(dtype)
+    model = model.to_empty(device=device)
+    if device.type == "cpu":
+        for param in model.parameters():
+            advise_huge_pages(param.data_ptr(), param.nbytes)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight  # to_empty unties them
     model.model.rotary.to_device(device)

@@ -1,0 +1,271 @@
+"""Bad input is refused with a ValueError naming the field, and leaves the engine clean."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from services.engine import LLM, CacheConfig, EngineConfig, EngineCore, SamplingParams
+from services.engine.config import SchedulerConfig
+from services.engine.request import FinishReason
+
+VOCAB_SIZE = 4096
+MAX_MODEL_LEN = 64
+# float32 KV of the tiny model: 4 layers x 2 KV heads x 32 dims x K and V x 4 bytes = 2 KiB a
+# token, so 1 MiB holds 512 tokens.
+KV_CACHE_MEMORY = 1 << 20
+PROMPT = [0, 11, 222, 3333]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir: Path) -> LLM:
+    return LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        block_size=16,
+        kv_cache_memory=KV_CACHE_MEMORY,
+    )
+
+
+def assert_engine_clean(llm: LLM) -> None:
+    stats = llm.engine.stats()
+    assert stats.num_blocks_used == 0
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert not llm.engine.has_unfinished_requests
+
+
+def assert_refused(llm: LLM, prompts, params, match: str) -> None:
+    """The call fails naming the problem, leaves nothing behind, and the engine still works."""
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompts, params)
+    assert_engine_clean(llm)
+    [output] = llm.generate([PROMPT], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(output.token_ids) == 2
+    assert output.finish_reason is FinishReason.LENGTH
+    assert_engine_clean(llm)
+
+
+# --- prompts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompt", "match"),
+    [
+        ([], "prompt_token_ids is empty"),
+        ([1] * (MAX_MODEL_LEN + 1), r"prompt_token_ids has 65 tokens, max_model_len is 64"),
+        ([1, VOCAB_SIZE], r"prompt_token_ids\[1\] = 4096 is outside the vocabulary"),
+        ([1, 2, -1], r"prompt_token_ids\[2\] = -1 is outside the vocabulary"),
+        ([1, 2.0], r"prompt_token_ids\[1\] is not an integer"),
+        ([1, "2"], r"prompt_token_ids\[1\] is not an integer"),
+        ([True, 2], r"prompt_token_ids\[0\] is not an integer"),
+    ],
+)
+def test_bad_prompt_is_refused(llm: LLM, prompt: list, match: str) -> None:
+    # The bad prompt comes second: the good one before it must not be left queued.
+    assert_refused(llm, [PROMPT, prompt], SamplingParams(max_tokens=2), match)
+
+
+def test_prompt_of_max_model_len_is_accepted(llm: LLM) -> None:
+    [output] = llm.generate([[5] * MAX_MODEL_LEN], SamplingParams(max_tokens=4))
+    # No room for more than the one token sampled from the full context.
+    assert len(output.token_ids) == 1
+    assert output.finish_reason is FinishReason.LENGTH
+    assert_engine_clean(llm)
+
+
+# --- sampling parameters ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids"),
+        ({"stop_token_ids": ["7"]}, "stop_token_ids"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"seed": 1.0}, "seed"),
+        ({"priority": "high"}, "priority"),
+    ],
+)
+def test_bad_sampling_params_are_refused(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"stop_token_ids": [VOCAB_SIZE]}, r"stop_token_ids contains 4096, outside the vocabulary"),
+        ({"logprobs": VOCAB_SIZE + 1}, r"logprobs must be <= vocab size 4096"),
+    ],
+)
+def test_params_beyond_the_vocabulary_are_refused(llm: LLM, kwargs: dict, match: str) -> None:
+    assert_refused(llm, [PROMPT], SamplingParams(**kwargs), match)
+
+
+def test_params_list_of_the_wrong_length_is_refused(llm: LLM) -> None:
+    params = [SamplingParams(max_tokens=2)] * 3
+    assert_refused(llm, [PROMPT, PROMPT], params, r"got 3 SamplingParams for 2 prompts")
+
+
+def test_a_bad_request_in_a_batch_queues_none_of_it(llm: LLM) -> None:
+    params = [SamplingParams(max_tokens=2), SamplingParams(stop_token_ids=[VOCAB_SIZE + 5])]
+    assert_refused(llm, [PROMPT, PROMPT], params, "stop_token_ids")
+
+
+def test_an_error_mid_generation_leaves_nothing_queued(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = llm.engine.runner
+    execute = runner.execute
+    calls = []
+
+    def fail_on_third_step(output):
+        calls.append(output)
+        if len(calls) == 3:
+            raise RuntimeError("model exploded")
+        return execute(output)
+
+    monkeypatch.setattr(runner, "execute", fail_on_third_step)
+    with pytest.raises(RuntimeError, match="model exploded"):
+        llm.generate([PROMPT, PROMPT[:2]], SamplingParams(max_tokens=8, ignore_eos=True))
+    monkeypatch.undo()
+
+    assert len(calls) == 3
+    assert_engine_clean(llm)
+    [output] = llm.generate([PROMPT], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(output.token_ids) == 2
+
+
+def test_engine_core_refuses_bad_requests(llm: LLM) -> None:
+    engine = llm.engine
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request("", PROMPT, SamplingParams())
+    with pytest.raises(ValueError, match="params must be SamplingParams"):
+        engine.add_request("x", PROMPT, {"max_tokens": 2})
+    engine.add_request("dup", PROMPT, SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="'dup' is already in use"):
+        engine.add_request("dup", PROMPT, SamplingParams(max_tokens=1))
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert_engine_clean(llm)
+
+
+# --- engine construction ---------------------------------------------------------------------
+
+
+def test_kv_cache_smaller_than_max_model_len_is_refused(tiny_llama_dir: Path) -> None:
+    # 16 KiB is 8 tokens of KV: half a block short of one max_model_len sequence.
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        LLM(
+            tiny_llama_dir,
+            dtype="float32",
+            block_size=4,
+            max_model_len=MAX_MODEL_LEN,
+            kv_cache_memory=16 << 10,
+        )
+
+
+def test_kv_cache_without_a_single_block_is_refused(tiny_llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        LLM(tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory=100)
+
+
+def test_max_model_len_beyond_the_model_is_refused(tiny_llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="max_model_len=4096 exceeds"):
+        LLM(tiny_llama_dir, dtype="float32", max_model_len=4096, kv_cache_memory=KV_CACHE_MEMORY)
+
+
+@pytest.mark.parametrize(
+    ("make_config", "field"),
+    [
+        (lambda: CacheConfig(block_size=0), "block_size"),
+        (lambda: CacheConfig(block_size=-16), "block_size"),
+        (lambda: CacheConfig(kv_cache_memory=0), "kv_cache_memory"),
+        (lambda: CacheConfig(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+        (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs"),
+        (lambda: SchedulerConfig(max_num_batched_tokens=0), "max_num_batched_tokens"),
+        (lambda: SchedulerConfig(policy="lifo"), "lifo"),
+        (lambda: EngineConfig(model_dir="m", dtype="float64"), "dtype"),
+        (lambda: EngineConfig(model_dir="m", device="tpu"), "device"),
+        (lambda: EngineConfig(model_dir="m", max_model_len=0), "max_model_len"),
+    ],
+)
+def test_bad_engine_config_is_refused(make_config, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        make_config()
+
+
+def test_llm_with_block_size_zero_is_refused(tiny_llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(tiny_llama_dir, dtype="float32", block_size=0, kv_cache_memory=KV_CACHE_MEMORY)
+
+
+# --- aborts through the engine ---------------------------------------------------------------
+
+
+def test_abort_running_and_waiting_requests_mid_generation(tiny_llama_dir: Path) -> None:
+    engine = EngineCore(
+        EngineConfig(
+            model_dir=tiny_llama_dir,
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            cache=CacheConfig(block_size=4, kv_cache_memory=KV_CACHE_MEMORY),
+            scheduler=SchedulerConfig(max_num_seqs=1),
+        )
+    )
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    for request_id in ("running", "waiting", "survivor"):
+        engine.add_request(request_id, PROMPT, params)
+    outputs = [out for _ in range(3) for out in engine.step()]
+    assert {out.request_id for out in outputs} == {"running"}
+    assert engine.stats().num_running == 1 and engine.stats().num_waiting == 2
+    assert engine.stats().num_blocks_used > 0
+
+    assert engine.abort("running")
+    assert engine.abort("waiting")
+    assert not engine.abort("waiting")  # already gone
+
+    stats = engine.stats()
+    assert stats.num_blocks_used == 0
+    assert stats.num_running == 0 and stats.num_waiting == 1
+    tokens: dict[str, list[int]] = {}
+    finish_reasons = {}
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finish_reasons[out.request_id] = out.finish_reason
+    assert set(tokens) == {"survivor"}
+    assert len(tokens["survivor"]) == 6
+    assert finish_reasons == {"survivor": FinishReason.LENGTH}
+    assert engine.stats().num_blocks_used == 0
+
+
+def test_numpy_integer_token_ids_are_accepted(llm: LLM) -> None:
+    import numpy as np
+
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    [from_numpy] = llm.generate([np.array(PROMPT, dtype=np.int64)], params)
+    [from_list] = llm.generate([PROMPT], params)
+    assert from_numpy.token_ids == from_list.token_ids
+    assert all(type(t) is int for t in from_numpy.prompt_token_ids + from_numpy.token_ids)
+    assert_engine_clean(llm)

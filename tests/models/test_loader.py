@@ -1,0 +1,278 @@
+"""The safetensors loader: parity with Hugging Face on the same weights, and clear load errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from services.engine import LLM, SamplingParams
+from services.models.attention import AttentionMetadata, PrefillSpan, TorchPagedAttention
+from services.models.config import ModelConfig
+from services.models.llama import LlamaForCausalLM
+from services.models.loader import load_model
+from services.models.tiny import ARCHS
+
+BLOCK_SIZE = 4
+MAX_POSITIONS = 64
+# A few prompts of different lengths (one shorter than a block, one not block-aligned).
+PROMPTS = [[0, 17, 230, 4000, 9, 88, 1024], [0, 5], [3000, 2999, 12, 12, 12, 7, 1, 64, 900, 33, 2]]
+KV_CACHE_MEMORY = 2 << 20
+
+
+def load_ours(model_dir: Path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    config = ModelConfig.from_model_dir(model_dir)
+    backend = TorchPagedAttention(BLOCK_SIZE, scale=1.0 / math.sqrt(config.head_dim))
+    return load_model(
+        model_dir,
+        config,
+        dtype=dtype,
+        device=torch.device("cpu"),
+        max_positions=MAX_POSITIONS,
+        backend=backend,
+    )
+
+
+def load_hf(model_dir: Path) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, local_files_only=True
+    )
+    return model.eval()
+
+
+@torch.inference_mode()
+def prefill_logits(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one prompt computed as a single prefill chunk."""
+    config = model.config
+    num_tokens = len(token_ids)
+    num_blocks = -(-num_tokens // BLOCK_SIZE)
+    kv_caches = [
+        torch.zeros(2, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+        for _ in range(config.num_layers)
+    ]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens),
+        num_decodes=0,
+        decode_block_tables=torch.zeros(0, 0, dtype=torch.int64),
+        decode_seq_lens=torch.zeros(0, dtype=torch.int64),
+        prefills=[PrefillSpan(0, num_tokens, 0, torch.arange(num_blocks))],
+    )
+    hidden = model(torch.tensor(token_ids), torch.arange(num_tokens), kv_caches, metadata)
+    return model.compute_logits(hidden)  # [num_tokens, vocab_size]
+
+
+@torch.inference_mode()
+def hf_greedy(model: PreTrainedModel, token_ids: list[int], num_tokens: int) -> list[int]:
+    ids = list(token_ids)
+    for _ in range(num_tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1]
+        ids.append(int(logits.argmax()))
+    return ids[len(token_ids) :]
+
+
+def copy_model(model_dir: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(model_dir, tmp_path / "model"))
+
+
+def edit_config(model_dir: Path, **changes: object) -> None:
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+def rewrite_weights(model_dir: Path, edit) -> None:
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+# --- parity with Hugging Face ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_factory) -> Callable[[str], PreTrainedModel]:
+    """``hf_model(arch)``: the Hugging Face model of the tiny ``arch``, loaded once per module."""
+    loaded: dict[str, PreTrainedModel] = {}
+
+    def get(arch: str) -> PreTrainedModel:
+        if arch not in loaded:
+            loaded[arch] = load_hf(tiny_model_factory(arch))
+        return loaded[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_logits_match_hugging_face(tiny_model_factory, hf_model, arch: str) -> None:
+    ours, hf = load_ours(tiny_model_factory(arch)), hf_model(arch)
+
+    for prompt in PROMPTS:
+        logits = prefill_logits(ours, prompt)
+        with torch.inference_mode():
+            expected = hf(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_generation_matches_hugging_face(tiny_model_factory, hf_model, arch: str) -> None:
+    model_dir = tiny_model_factory(arch)
+    hf = hf_model(arch)
+    # Small blocks and a small step budget: decodes cross blocks and a prompt is chunked.
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=8,
+        max_model_len=MAX_POSITIONS,
+        kv_cache_memory=KV_CACHE_MEMORY,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+
+    outputs = llm.generate(PROMPTS, params)
+
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        assert output.token_ids == hf_greedy(hf, prompt, 8)
+        with torch.inference_mode():
+            expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1], dim=-1)
+        first = output.logprobs[0]
+        assert output.token_ids[0] in first
+        top = expected.topk(3).indices.tolist()
+        assert set(top) <= set(first)
+        for token_id, logprob in first.items():
+            assert logprob == pytest.approx(expected[token_id].item(), abs=1e-4)
+    assert llm.engine.stats().num_blocks_used == 0
+
+
+def test_sharded_checkpoint_loads_the_same_weights(tiny_model_factory) -> None:
+    single_dir = tiny_model_factory("llama")
+    sharded_dir = tiny_model_factory("llama", sharded=True)
+    assert (sharded_dir / "model.safetensors.index.json").is_file()
+    assert len(list(sharded_dir.glob("model-*.safetensors"))) > 1
+
+    single, sharded = load_ours(single_dir), load_ours(sharded_dir)
+
+    expected = single.state_dict()
+    for name, tensor in sharded.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    prompt = PROMPTS[0]
+    assert torch.equal(prefill_logits(sharded, prompt), prefill_logits(single, prompt))
+
+
+def test_tied_embeddings_share_one_matrix(tiny_model_factory) -> None:
+    model = load_ours(tiny_model_factory("qwen2"))
+    assert model.config.tie_word_embeddings
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_bfloat16_loads_and_generates(tiny_model_factory) -> None:
+    llm = LLM(
+        tiny_model_factory("llama"),
+        dtype="bfloat16",
+        max_model_len=MAX_POSITIONS,
+        kv_cache_memory=KV_CACHE_MEMORY,
+    )
+    assert llm.engine.runner.model.lm_head.weight.dtype is torch.bfloat16
+
+    [output] = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=5, ignore_eos=True))
+
+    assert len(output.token_ids) == 5
+    assert all(0 <= t < 4096 for t in output.token_ids)
+
+
+def test_float16_on_cpu_is_refused(tiny_model_factory) -> None:
+    with pytest.raises(ValueError, match="float16"):
+        LLM(tiny_model_factory("llama"), dtype="float16", kv_cache_memory=KV_CACHE_MEMORY)
+
+
+# --- load errors -----------------------------------------------------------------------------
+
+
+def test_missing_weight_is_named(tiny_model_factory, tmp_path: Path) -> None:
+    model_dir = copy_model(tiny_model_factory("llama"), tmp_path)
+    rewrite_weights(model_dir, lambda t: t.pop("model.layers.2.mlp.down_proj.weight"))
+
+    with pytest.raises(
+        ValueError, match=r"missing weight.*model\.layers\.2\.mlp\.down_proj\.weight"
+    ):
+        load_ours(model_dir)
+
+
+def test_unexpected_weight_is_named(tiny_model_factory, tmp_path: Path) -> None:
+    model_dir = copy_model(tiny_model_factory("llama"), tmp_path)
+    rewrite_weights(
+        model_dir, lambda t: t.update({"model.layers.0.self_attn.extra.weight": torch.ones(2)})
+    )
+
+    with pytest.raises(ValueError, match=r"unexpected weight.*model\.layers\.0\.self_attn\.extra"):
+        load_ours(model_dir)
+
+
+def test_weight_of_the_wrong_shape_is_named(tiny_model_factory, tmp_path: Path) -> None:
+    model_dir = copy_model(tiny_model_factory("llama"), tmp_path)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    rewrite_weights(model_dir, lambda t: t.update({name: t[name][:, :64].contiguous()}))
+
+    with pytest.raises(ValueError, match=rf"{name.replace('.', '[.]')}.*shape"):
+        load_ours(model_dir)
+
+
+def test_rotary_buffers_in_the_checkpoint_are_ignored(tiny_model_factory, tmp_path: Path) -> None:
+    model_dir = copy_model(tiny_model_factory("llama"), tmp_path)
+    rewrite_weights(
+        model_dir,
+        lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(16)}),
+    )
+
+    model = load_ours(model_dir)
+
+    expected = load_ours(tiny_model_factory("llama"))
+    assert torch.equal(prefill_logits(model, PROMPTS[0]), prefill_logits(expected, PROMPTS[0]))
+
+
+def test_unsupported_architecture_is_named(tiny_model_factory, tmp_path: Path) -> None:
+    model_dir = copy_model(tiny_model_factory("llama"), tmp_path)
+    edit_config(model_dir, architectures=["GPT2LMHeadModel"])
+
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        LLM(model_dir, dtype="float32", kv_cache_memory=KV_CACHE_MEMORY)
+
+
+def test_unsupported_rope_type_is_refused(tiny_model_factory, tmp_path: Path) -> None:
+    model_dir = copy_model(tiny_model_factory("qwen3"), tmp_path)
+    edit_config(model_dir, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0})
+
+    with pytest.raises(ValueError, match="rope_type 'yarn'"):
+        LLM(model_dir, dtype="float32", kv_cache_memory=KV_CACHE_MEMORY)
+
+
+def test_dir_without_config_is_a_clear_error(tiny_model_factory, tmp_path: Path) -> None:
+    model_dir = copy_model(tiny_model_factory("llama"), tmp_path)
+    (model_dir / "config.json").unlink()
+
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        LLM(model_dir, dtype="float32", kv_cache_memory=KV_CACHE_MEMORY)
+
+
+def test_dir_without_weights_is_a_clear_error(tiny_model_factory, tmp_path: Path) -> None:
+    model_dir = copy_model(tiny_model_factory("llama"), tmp_path)
+    (model_dir / "model.safetensors").unlink()
+
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        LLM(model_dir, dtype="float32", kv_cache_memory=KV_CACHE_MEMORY)
+
+
+def test_missing_shard_is_a_clear_error(tiny_model_factory, tmp_path: Path) -> None:
+    model_dir = copy_model(tiny_model_factory("llama", sharded=True), tmp_path)
+    (model_dir / "model-00002-of-00004.safetensors").unlink()
+
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00004.safetensors"):
+        load_ours(model_dir)
