@@ -105,6 +105,7 @@ class ModelRunner:
         decodes = [c for c in output.chunks if c.num_tokens == 1]
         prefills = [c for c in output.chunks if c.num_tokens > 1]
         input_ids, positions, metadata = self._prepare_inputs(decodes, prefills)
+        self.backend.prepare(metadata)
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
 
         sampled_chunks: list[ScheduledChunk] = []
