@@ -1,0 +1,256 @@
+"""The native decode kernel against ``TorchPagedAttention._decode`` on random paged caches."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.engine import LLM, SamplingParams
+from services.models.attention import AttentionMetadata, TorchPagedAttention
+from services.models.native_attention import NativePagedAttention, native_kernel_error
+
+# Lengths around block boundaries for block sizes 4 and 16, a single token, and contexts that
+# span many tiles.
+SEQ_LENS = [1, 2, 3, 4, 5, 15, 16, 17, 31, 32, 33, 47, 64, 100, 257]
+
+
+@pytest.fixture(scope="module")
+def kernel() -> None:
+    error = native_kernel_error()
+    if error is not None:
+        pytest.skip(f"native attention kernel unavailable: {error}")
+
+
+@pytest.mark.skipif(not os.environ.get("CI"), reason="a compiler is only required on CI")
+def test_kernel_builds_on_ci() -> None:
+    assert native_kernel_error() is None
+
+
+def make_decode_batch(
+    seq_lens: list[int],
+    *,
+    num_kv_heads: int = 3,
+    group: int = 2,
+    head_dim: int = 64,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """query [num_seqs, heads, dim] and kv_cache [2, blocks, block, kv_heads, dim], random; the
+    sequences' blocks scattered over a cache three times their size, block tables padded with
+    random valid ids."""
+    gen = torch.Generator().manual_seed(seed)
+    num_used = [-(-n // block_size) for n in seq_lens]
+    num_blocks = 3 * sum(num_used) + 5
+    max_blocks = max(num_used) + 2
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    query = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen)
+    # Every entry a valid id (the torch path reads padding too), past the end random.
+    tables = torch.randint(0, num_blocks, (len(seq_lens), max_blocks), generator=gen)
+    distinct = torch.randperm(num_blocks, generator=gen).tolist()
+    for i, n in enumerate(num_used):
+        tables[i, :n] = torch.tensor(distinct[:n])
+        distinct = distinct[n:]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64),
+        num_decodes=len(seq_lens),
+        decode_block_tables=tables,
+        decode_seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+        prefills=[],
+    )
+    return query.to(dtype), kv_cache.to(dtype), metadata
+
+
+def decode(
+    backend: TorchPagedAttention, query: torch.Tensor, kv_cache: torch.Tensor, metadata
+) -> torch.Tensor:
+    return backend._decode(query, kv_cache[0], kv_cache[1], metadata)
+
+
+def backends(head_dim: int, block_size: int) -> tuple[TorchPagedAttention, NativePagedAttention]:
+    scale = head_dim**-0.5
+    return TorchPagedAttention(block_size, scale), NativePagedAttention(block_size, scale)
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("block_size", [16, 4])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 40, 80])
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+def test_float32_matches_torch(group: int, head_dim: int, block_size: int) -> None:
+    # head_dim 40 and 80 take the generic path (80 without, 40 with a partial vector).
+    query, kv_cache, metadata = make_decode_batch(
+        SEQ_LENS, group=group, head_dim=head_dim, block_size=block_size
+    )
+    reference, native = backends(head_dim, block_size)
+
+    out = decode(native, query, kv_cache, metadata)
+
+    assert out.shape == query.shape and out.dtype == torch.float32
+    torch.testing.assert_close(
+        out, decode(reference, query, kv_cache, metadata), atol=1e-5, rtol=1e-5
+    )
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("block_size", [16, 4])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 40])
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+def test_bfloat16_matches_torch(group: int, head_dim: int, block_size: int) -> None:
+    query, kv_cache, metadata = make_decode_batch(
+        SEQ_LENS, group=group, head_dim=head_dim, block_size=block_size, dtype=torch.bfloat16
+    )
+    reference, native = backends(head_dim, block_size)
+
+    out = decode(native, query, kv_cache, metadata)
+
+    # The exact answer for these bf16 inputs, computed in fp32: the kernel accumulates in fp32,
+    # so it is off only by rounding its output to bf16 (plus summation order).
+    expected = decode(reference, query.float(), kv_cache.float(), metadata)
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1.6e-2)
+    # And as close to the torch path in bf16 as that is to the exact answer.
+    torch_bf16 = decode(reference, query, kv_cache, metadata).float()
+    assert (out.float() - expected).abs().max() <= (torch_bf16 - expected).abs().max() + 4e-3
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_never_reads_past_the_context(dtype: torch.dtype) -> None:
+    # NaN in every slot no sequence owns: the rest of each last block, every other block.
+    seq_lens = [1, 15, 16, 17, 40]
+    query, kv_cache, metadata = make_decode_batch(seq_lens, block_size=16, dtype=dtype)
+    reference, native = backends(64, 16)
+    expected = decode(native, query, kv_cache, metadata)
+    owned = torch.zeros(kv_cache.shape[1], 16, dtype=torch.bool)
+    for table, n in zip(metadata.decode_block_tables, seq_lens, strict=True):
+        for position in range(n):
+            owned[table[position // 16], position % 16] = True
+    poisoned = kv_cache.clone()
+    poisoned[:, ~owned] = float("nan")
+
+    out = decode(native, query, poisoned, metadata)
+
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+@pytest.mark.usefixtures("kernel")
+def test_nan_in_the_context_propagates_like_torch() -> None:
+    query, kv_cache, metadata = make_decode_batch([20, 9], num_kv_heads=3, group=2)
+    reference, native = backends(64, 16)
+    # Key of token 17 of sequence 0, KV head 1: query heads 2 and 3 of that sequence see it.
+    kv_cache[0, metadata.decode_block_tables[0, 1], 1, 1, 5] = float("nan")
+
+    out = decode(native, query, kv_cache, metadata)
+
+    expected = decode(reference, query, kv_cache, metadata)
+    assert out[0, 2:4].isnan().all()
+    assert torch.equal(out.isnan(), expected.isnan())
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("num_threads", [1, 3, 8])
+def test_same_result_for_any_thread_count(num_threads: int) -> None:
+    # Uneven lengths and fewer sequences than threads exercise the work split, which may give a
+    # thread a run of KV heads instead of whole sequences.
+    seq_lens = [300, 1, 7, 130]
+    query, kv_cache, metadata = make_decode_batch(seq_lens, num_kv_heads=4, group=3)
+    reference, native = backends(64, 16)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out = decode(native, query, kv_cache, metadata)
+        single = decode(native, query[:1], kv_cache, _first(metadata))
+    finally:
+        torch.set_num_threads(previous)
+
+    torch.testing.assert_close(
+        out, decode(reference, query, kv_cache, metadata), atol=1e-5, rtol=1e-5
+    )
+    torch.testing.assert_close(single, out[:1], atol=1e-6, rtol=1e-6)
+
+
+def _first(metadata: AttentionMetadata) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=metadata.slot_mapping,
+        num_decodes=1,
+        decode_block_tables=metadata.decode_block_tables[:1].contiguous(),
+        decode_seq_lens=metadata.decode_seq_lens[:1].contiguous(),
+        prefills=[],
+    )
+
+
+@pytest.mark.usefixtures("kernel")
+def test_one_kv_head_and_a_long_context() -> None:
+    query, kv_cache, metadata = make_decode_batch([2000, 3], num_kv_heads=1, group=4)
+    reference, native = backends(64, 16)
+
+    torch.testing.assert_close(
+        decode(native, query, kv_cache, metadata),
+        decode(reference, query, kv_cache, metadata),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
+@pytest.mark.usefixtures("kernel")
+def test_rejects_bad_inputs() -> None:
+    query, kv_cache, metadata = make_decode_batch([5, 20])
+    op = torch.ops.pdserve.paged_decode_attention
+    tables, lens = metadata.decode_block_tables, metadata.decode_seq_lens
+    out = torch.empty_like(query)
+
+    def call(**changes) -> None:
+        args = {
+            "out": out,
+            "query": query,
+            "key_cache": kv_cache[0],
+            "value_cache": kv_cache[1],
+            "block_tables": tables,
+            "seq_lens": lens,
+        }
+        args.update(changes)
+        op(*args.values(), 0.125)
+
+    call()  # the unchanged arguments are fine
+    with pytest.raises(RuntimeError, match="float32 and bfloat16"):
+        call(out=out.half(), query=query.half())
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        call(key_cache=kv_cache[0].bfloat16())
+    with pytest.raises(RuntimeError, match="query must be contiguous"):
+        call(query=query.transpose(0, 1).contiguous().transpose(0, 1))
+    with pytest.raises(RuntimeError, match="not a multiple of num_kv_heads"):
+        call(out=out[:, :5].contiguous(), query=query[:, :5].contiguous())
+    with pytest.raises(RuntimeError, match=r"seq_lens\[1\] = 0"):
+        call(seq_lens=torch.tensor([5, 0]))
+    with pytest.raises(RuntimeError, match="outside"):
+        call(seq_lens=torch.tensor([5, tables.shape[1] * 16 + 1]))
+    bad_tables = tables.clone()
+    bad_tables[1, 1] = kv_cache.shape[1]
+    with pytest.raises(RuntimeError, match=r"block_tables\[1, 1\]"):
+        call(block_tables=bad_tables)
+    with pytest.raises(RuntimeError, match="int64"):
+        call(seq_lens=lens.int())
+
+
+@pytest.mark.usefixtures("kernel")
+def test_llm_greedy_tokens_match_the_torch_backend(tiny_llama_dir: Path) -> None:
+    prompts = [[5, 17, 300, 41], list(range(20, 70)), [7] * 33, [1000 + i for i in range(15)]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def generate(attention_backend: str) -> list[list[int]]:
+        llm = LLM(
+            tiny_llama_dir,
+            dtype="float32",
+            block_size=16,
+            kv_cache_memory=4 << 20,
+            attention_backend=attention_backend,
+        )
+        expected = NativePagedAttention if attention_backend == "native" else TorchPagedAttention
+        assert type(llm.engine.runner.backend) is expected
+        return [o.token_ids for o in llm.generate(prompts, params)]
+
+    assert generate("native") == generate("torch")
