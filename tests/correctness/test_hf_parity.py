@@ -3,7 +3,8 @@
 Each architecture's reference is computed once, one prompt at a time (no padding in the
 reference), and every engine configuration below must reproduce it exactly, batched: plain
 continuous batching, chunked prefill forced by a small token budget, preemption forced by a
-small KV cache, and prefix-cache hits from prompts that share long prefixes.
+small KV cache, and prefix-cache hits from prompts that share long prefixes. Each runs on both
+attention backends: the portable torch path and the native CPU kernel.
 """
 
 from __future__ import annotations
@@ -89,10 +90,20 @@ def case(request: pytest.FixtureRequest, tiny_model_factory) -> dict:
 GREEDY = SamplingParams(max_tokens=NUM_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-def make_llm(model_dir: Path, **kwargs) -> LLM:
+@pytest.fixture(params=["torch", "native"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def make_llm(model_dir: Path, backend: str, **kwargs) -> LLM:
     kwargs.setdefault("kv_cache_memory", kv_bytes(model_dir, num_blocks=256))
     return LLM(
-        model_dir, dtype="float32", block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, **kwargs
+        model_dir,
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        max_model_len=MAX_MODEL_LEN,
+        attention_backend=backend,
+        **kwargs,
     )
 
 
@@ -103,26 +114,27 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.token_ids for o in outputs]
 
 
-def test_batched_greedy_matches_hf(case: dict) -> None:
-    llm = make_llm(case["model_dir"])
+def test_batched_greedy_matches_hf(case: dict, backend: str) -> None:
+    llm = make_llm(case["model_dir"], backend)
     assert generate(llm, case["prompts"]) == case["expected"]
 
 
-def test_chunked_prefill_matches_hf(case: dict) -> None:
+def test_chunked_prefill_matches_hf(case: dict, backend: str) -> None:
     # A 24-token budget splits every long prompt into chunks that share steps with decodes.
-    llm = make_llm(case["model_dir"], max_num_batched_tokens=24)
+    llm = make_llm(case["model_dir"], backend, max_num_batched_tokens=24)
     assert generate(llm, case["prompts"]) == case["expected"]
 
 
-def test_preemption_matches_hf(case: dict) -> None:
+def test_preemption_matches_hf(case: dict, backend: str) -> None:
     # 23 blocks hold 368 tokens; the batch needs ~1,060, so requests are preempted and recomputed.
-    llm = make_llm(case["model_dir"], kv_cache_memory=kv_bytes(case["model_dir"], num_blocks=23))
+    kv_cache_memory = kv_bytes(case["model_dir"], num_blocks=23)
+    llm = make_llm(case["model_dir"], backend, kv_cache_memory=kv_cache_memory)
     assert generate(llm, case["prompts"]) == case["expected"]
     assert llm.engine.stats().num_preemptions_total > 0
 
 
-def test_prefix_cache_hits_match_hf(case: dict) -> None:
-    llm = make_llm(case["model_dir"], max_num_seqs=2)
+def test_prefix_cache_hits_match_hf(case: dict, backend: str) -> None:
+    llm = make_llm(case["model_dir"], backend, max_num_seqs=2)
     # max_num_seqs=2 admits requests a few at a time, so later ones hit blocks that earlier
     # requests computed; the second generate() hits what the first left in the cache.
     assert generate(llm, case["shared"]) == case["shared_expected"]
