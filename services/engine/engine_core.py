@@ -2,23 +2,33 @@
 
 Life cycle: construction loads the model, sizes and allocates the KV cache and builds the
 scheduler; then callers add requests (validated here, so a bad one never reaches the scheduler)
-and call ``step`` while ``has_unfinished_requests``; ``abort`` removes a request at any point and
-frees its blocks at once. Single-threaded: a node runs it in one loop of its own.
+and call ``step`` while ``has_work``; ``abort`` removes a request at any point and frees its
+blocks at once. Single-threaded: a node runs it in one loop of its own.
+
+Disaggregated roles use two more entries. A decode node ``reserve``s blocks for a prompt, a
+peer writes the prompt's KV into them (``kv_caches`` are the memory to register, ``kv_layout``
+says where each block sits), and ``commit`` starts decoding from the peer's first token. A
+prefill node adds requests with ``hold_kv=True``: when one stops, its blocks stay until
+``release_kv`` (after its pages were pushed).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import numbers
 from collections.abc import Sequence
 
+import torch
+
 from services.engine.config import EngineConfig
 from services.engine.kv_cache_manager import KVCacheManager
+from services.engine.kv_layout import KvLayout
 from services.engine.model_runner import ModelRunner
 from services.engine.outputs import EngineCoreOutput, EngineStats
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import Scheduler
+from services.engine.scheduler import SampledToken, Scheduler
 from services.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -52,21 +62,94 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests
 
+    @property
+    def has_work(self) -> bool:
+        """``step`` would compute something (reserved requests wait on their peer)."""
+        return self.scheduler.has_work
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer."""
+        return self.runner.kv_caches
+
+    @property
+    def kv_layout(self) -> KvLayout:
+        cfg = self.model_config
+        config_hash = hashlib.sha256((self.config.model_dir / "config.json").read_bytes())
+        return KvLayout(
+            model_id=f"{cfg.architecture}:{config_hash.hexdigest()[:16]}",
+            dtype=self.config.dtype,
+            block_size=self.config.cache.block_size,
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            num_blocks=self.kv_cache.num_blocks,
+        )
+
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        hold_kv: bool = False,
     ) -> None:
         """Queue a request; raises ``ValueError`` naming the field when the input is bad."""
+        self.scheduler.add_request(
+            self._make_request(request_id, prompt_token_ids, params, hold_kv)
+        )
+
+    def reserve(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> list[int] | None:
+        """Decode role: hold blocks for the prompt's KV; their ids, or None when there is no room
+        (too few free blocks, or ``max_num_seqs`` requests already running or reserved)."""
+        request = self._make_request(request_id, prompt_token_ids, params, hold_kv=False)
+        if not self.scheduler.can_reserve(request):
+            return None
+        return self.scheduler.reserve(request)
+
+    def commit(
+        self, request_id: str, first_token_id: int, logprobs: dict[int, float] | None = None
+    ) -> EngineCoreOutput:
+        """Decode role: the reserved blocks hold the prompt's KV; decode on from the first token.
+        Raises ``KeyError`` for a request that is not reserved (aborted, expired, unknown)."""
+        if request_id not in self.scheduler.reserved:
+            raise KeyError(f"request {request_id!r} holds no reservation")
+        if not 0 <= first_token_id < self.model_config.vocab_size:
+            raise ValueError(
+                f"first_token_id {first_token_id} is outside the vocabulary "
+                f"[0, {self.model_config.vocab_size})"
+            )
+        request = self.scheduler.commit(request_id, SampledToken(first_token_id, logprobs))
+        return self._output(request)
+
+    def kv_block_ids(self, request_id: str) -> list[int]:
+        """The blocks a live, reserved or held request owns, in token order."""
+        return self.kv_cache.block_ids(request_id)
+
+    def release_kv(self, request_id: str) -> bool:
+        """Prefill role: free a stopped ``hold_kv`` request's blocks once no peer reads them."""
+        return self.scheduler.release_held(request_id)
+
+    def _make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        hold_kv: bool,
+    ) -> Request:
         self.validate_request(request_id, prompt_token_ids, params)
         # int(): numpy or torch integer ids become plain ints for hashing and tensor building.
         prompt = [int(token_id) for token_id in prompt_token_ids]
-        self.scheduler.add_request(Request(request_id, prompt, params))
+        return Request(request_id, prompt, params, hold_kv=hold_kv)
 
     def validate_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self.scheduler.requests:
+        if request_id in self.scheduler.requests or request_id in self.scheduler.held:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -105,29 +188,31 @@ class EngineCore:
         if scheduler_output.is_empty:
             return []
         sampled = self.runner.execute(scheduler_output)
-        outputs = []
-        for request in self.scheduler.update_from_output(scheduler_output, sampled):
-            finish_reason = request.finish_reason
-            if finish_reason is not None:
-                self.runner.release(request.request_id)
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=request.request_id,
-                    new_token_ids=request.output_token_ids[-1:],
-                    new_logprobs=request.output_logprobs[-1:]
-                    if request.params.logprobs is not None
-                    else None,
-                    finish_reason=finish_reason,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                )
-            )
-        return outputs
+        updated = self.scheduler.update_from_output(scheduler_output, sampled)
+        return [self._output(request) for request in updated]
+
+    def _output(self, request: Request) -> EngineCoreOutput:
+        """The request's latest token as a delta; drops its sampling state once it stopped."""
+        finish_reason = request.finish_reason
+        if finish_reason is not None:
+            self.runner.release(request.request_id)
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=request.output_token_ids[-1:],
+            new_logprobs=(
+                request.output_logprobs[-1:] if request.params.logprobs is not None else None
+            ),
+            finish_reason=finish_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
 
     def stats(self) -> EngineStats:
         prefix = self.kv_cache.prefix_cache_stats
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
+            num_reserved=len(self.scheduler.reserved),
+            num_held=len(self.scheduler.held),
             num_blocks_used=self.kv_cache.pool.num_used_blocks,
             num_blocks_total=self.kv_cache.num_blocks,
             prefix_cache_queried_tokens=prefix.num_queried_tokens,

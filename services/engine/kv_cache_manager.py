@@ -4,8 +4,8 @@ Life cycle of a request's blocks:
 
 1. ``get_computed_blocks``   before admission: the longest run of cached full blocks matching
                              the request's tokens (never all of them: the last token is always
-                             recomputed to produce logits). Hit statistics count a lookup when
-                             the request is admitted with it, not each time it is asked.
+                             recomputed to produce logits). ``record_prefix_lookup`` counts it
+                             once the request is admitted with it.
 2. ``can_allocate`` / ``allocate``
                              each step: reference the hit blocks (first time only) and append new
                              blocks so that every token computed this step has a slot.
@@ -107,17 +107,18 @@ class KVCacheManager:
     ) -> None:
         """Give ``request`` slots for ``num_new_tokens`` past its computed (or hit) tokens."""
         num_needed, _ = self._count_needed(request, num_new_tokens, computed_blocks)
-        if request.request_id not in self._blocks and self.enable_prefix_caching:
-            # Admission (first or after a preemption): count the lookup once, here, rather
-            # than every step a request spends waiting for room.
-            self._num_queried_tokens += request.num_tokens
-            self._num_hit_tokens += len(computed_blocks) * self.block_size
         blocks = self._blocks.setdefault(request.request_id, [])
         if computed_blocks:
             assert not blocks, f"prefix hit for {request.request_id}, which already holds blocks"
             self.pool.touch(computed_blocks)
             blocks.extend(computed_blocks)
         blocks.extend(self.pool.allocate(num_needed))
+
+    def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted lookup; the scheduler calls it once per admission, not each time
+        it asks ``get_computed_blocks`` for a request that then has to keep waiting."""
+        self._num_queried_tokens += num_queried_tokens
+        self._num_hit_tokens += num_hit_tokens
 
     def cache_full_blocks(self, request: Request) -> None:
         """Index every full block whose tokens are all computed (called after each step)."""

@@ -46,6 +46,10 @@ class EngineStats:
 
     num_running: int
     num_waiting: int
+    num_reserved: int
+    """Decode role: requests holding blocks while their KV arrives."""
+    num_held: int
+    """Prefill role: stopped requests whose blocks wait to be pushed."""
     num_blocks_used: int
     num_blocks_total: int
     prefix_cache_queried_tokens: int

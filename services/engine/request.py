@@ -9,7 +9,13 @@ Life cycle of a request (``RequestStatus``):
                  queue at the front and recomputes its tokens (prompt and outputs so far), usually
                  mostly from the prefix cache.
 4. ``FINISHED_*`` stopped (EOS / stop token), hit a length limit, or was aborted; every block is
-   freed before the status is set.
+   freed before the status is set — except that a request added with ``hold_kv`` (a prefill
+   node's) keeps its blocks after it stops, until the node releases them once its pages are
+   pushed.
+
+A decode node's request enters differently: ``RESERVED`` holds blocks for the prompt while a
+prefill node writes its KV into them; nothing is scheduled until ``commit`` hands over the first
+token, and the request continues as ``RUNNING`` with its whole prompt computed.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from services.engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    RESERVED = "reserved"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -68,6 +75,8 @@ class Request:
     num_cached_tokens: int = -1
     """Prompt tokens served by the prefix cache at first admission (-1 until admitted)."""
     num_preemptions: int = 0
+    hold_kv: bool = False
+    """Keep the blocks when the request stops (a prefill node pushes them afterwards)."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Chained hashes of the full blocks of ``token_ids``, extended as tokens are added."""
     token_ids: list[int] = field(init=False)

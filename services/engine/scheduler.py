@@ -81,7 +81,12 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.reserved: dict[str, Request] = {}
+        """Decode side: blocks held for a prompt whose KV a prefill node is writing."""
+        self.held: dict[str, Request] = {}
+        """Prefill side: stopped requests whose blocks stay until ``release_held``."""
         self.requests: dict[str, Request] = {}
+        """Every request that is waiting, reserved or running."""
         self.num_preemptions_total = 0
 
     @property
@@ -96,19 +101,75 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def has_work(self) -> bool:
+        """Something ``schedule`` can run: reserved requests wait on their peer, not on us."""
+        return bool(self.waiting or self.running)
+
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, request.request_id
         assert request.status is RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def can_reserve(self, request: Request) -> bool:
+        """Room for ``request``'s prompt, and for one more sequence in the batch it will join."""
+        if len(self.running) + len(self.reserved) >= self.config.max_num_seqs:
+            return False
+        return self.kv_cache.can_allocate(request, request.num_prompt_tokens)
+
+    def reserve(self, request: Request) -> list[int]:
+        """Allocate blocks for the whole prompt of a decode-side request; returns their ids.
+
+        The request is not scheduled until ``commit``: a prefill node writes the prompt's KV
+        into these blocks meanwhile.
+        """
+        assert request.request_id not in self.requests, request.request_id
+        assert request.status is RequestStatus.WAITING and request.num_computed_tokens == 0
+        self.kv_cache.allocate(request, request.num_prompt_tokens)
+        request.status = RequestStatus.RESERVED
+        self.requests[request.request_id] = request
+        self.reserved[request.request_id] = request
+        return self.kv_cache.block_ids(request.request_id)
+
+    def commit(self, request_id: str, first_token: SampledToken) -> Request:
+        """The prompt's KV is in the reserved blocks: join the running batch with the first token
+        (sampled by the prefill node), or finish at once if that token already stops it."""
+        request = self.reserved.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_cached_tokens = 0
+        self.kv_cache.cache_full_blocks(request)
+        request.append_output(first_token.token_id, first_token.logprobs)
+        stop_status = self._check_stop(request)
+        if stop_status is not None:
+            self._finish(request, stop_status)
+        else:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        return request
+
+    def release_held(self, request_id: str) -> bool:
+        """Free a stopped ``hold_kv`` request's blocks (its pages were pushed or abandoned)."""
+        request = self.held.pop(request_id, None)
+        if request is None:
+            return False
+        self.kv_cache.free(request)
+        return True
+
     def abort_request(self, request_id: str) -> Request | None:
-        """Remove a request wherever it is and free its blocks; None if it is not known."""
+        """Remove a request wherever it is and free its blocks; None if it is not known.
+
+        A held request (stopped, blocks kept for a push) is released as well.
+        """
+        if self.release_held(request_id):
+            return None
         request = self.requests.get(request_id)
         if request is None:
             return None
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status is RequestStatus.RESERVED:
+            del self.reserved[request_id]
         else:
             self.waiting.remove(request)
         self._finish(request, RequestStatus.FINISHED_ABORTED)
@@ -176,6 +237,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.kv_cache.allocate(request, num_new, computed_blocks)
+            if self.kv_cache.enable_prefix_caching:
+                self.kv_cache.record_prefix_lookup(request.num_tokens, num_hit)
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
@@ -217,6 +280,9 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        self.kv_cache.free(request)
+        if request.hold_kv and status is not RequestStatus.FINISHED_ABORTED:
+            self.held[request.request_id] = request
+        else:
+            self.kv_cache.free(request)
         request.status = status
         del self.requests[request.request_id]

@@ -17,6 +17,7 @@ def admit(kv: KVCacheManager, request: Request) -> int:
     num_new = request.num_tokens - num_hit
     assert kv.can_allocate(request, num_new, computed_blocks)
     kv.allocate(request, num_new, computed_blocks)
+    kv.record_prefix_lookup(request.num_tokens, num_hit)
     request.num_computed_tokens = request.num_tokens
     kv.cache_full_blocks(request)
     return num_hit

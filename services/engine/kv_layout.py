@@ -1,0 +1,104 @@
+"""Where each block's keys and values sit in a node's KV cache, for peers that copy pages.
+
+A node's cache is one memory region per layer, ``[2, num_blocks, block_size, num_kv_heads,
+head_dim]``: all key blocks, then all value blocks. A prefill node pushes a prompt's blocks into
+the blocks a decode node reserved; the two caches agree on everything but ``num_blocks``, which
+the fingerprint leaves out (it moves the value half, so copies are computed from both layouts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+_ITEM_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+LAYOUT_NAME = "per-layer [2, block, slot, kv_head, head_dim]"
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    model_id: str
+    """Architecture and a hash of config.json: both nodes must run the same model."""
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_blocks: int
+    """This node's cache size; not part of the fingerprint."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _ITEM_SIZE:
+            raise ValueError(f"unknown KV dtype {self.dtype!r}")
+
+    @property
+    def fingerprint(self) -> str:
+        """Equal on two nodes iff a page copied from one is valid in the other."""
+        fields = (
+            LAYOUT_NAME,
+            self.model_id,
+            self.dtype,
+            self.block_size,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+        )
+        return hashlib.sha256(repr(fields).encode()).hexdigest()[:16]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's keys (or values) in one layer."""
+        return self.block_size * self.num_kv_heads * self.head_dim * _ITEM_SIZE[self.dtype]
+
+    @property
+    def layer_bytes(self) -> int:
+        return 2 * self.num_blocks * self.block_bytes
+
+    def key_offset(self, block_id: int) -> int:
+        return block_id * self.block_bytes
+
+    def value_offset(self, block_id: int) -> int:
+        return (self.num_blocks + block_id) * self.block_bytes
+
+
+@dataclass(frozen=True)
+class PageCopy:
+    """``length`` bytes from ``src_offset`` in the source's layer region to ``dst_offset`` in the
+    destination's region of the same layer."""
+
+    layer: int
+    src_offset: int
+    dst_offset: int
+    length: int
+
+
+def page_copies(
+    src: KvLayout, src_block_ids: Sequence[int], dst: KvLayout, dst_block_ids: Sequence[int]
+) -> list[PageCopy]:
+    """The copies that move ``src_block_ids`` into ``dst_block_ids`` (pairwise), keys and values
+    of every layer, with runs of consecutive blocks on both sides merged into one copy."""
+    if src.fingerprint != dst.fingerprint:
+        raise ValueError(f"KV layouts differ: {src.fingerprint} vs {dst.fingerprint}")
+    if len(src_block_ids) != len(dst_block_ids):
+        raise ValueError(
+            f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destinations"
+        )
+    for name, layout, ids in (("source", src, src_block_ids), ("destination", dst, dst_block_ids)):
+        bad = [b for b in ids if not 0 <= b < layout.num_blocks]
+        if bad:
+            raise ValueError(f"{name} block ids {bad[:4]} outside [0, {layout.num_blocks})")
+    # runs: (first source block, first destination block, number of blocks)
+    runs: list[list[int]] = []
+    for s, d in zip(src_block_ids, dst_block_ids, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    size = src.block_bytes
+    copies = []
+    for layer in range(src.num_layers):
+        for s, d, n in runs:
+            copies.append(PageCopy(layer, src.key_offset(s), dst.key_offset(d), n * size))
+            copies.append(PageCopy(layer, src.value_offset(s), dst.value_offset(d), n * size))
+    return copies

@@ -1,0 +1,147 @@
+"""The engine-side handoff of disaggregated serving, in one process without a transport.
+
+A prefill engine computes each prompt with ``hold_kv``; its pages are copied byte for byte (as a
+transport would, using ``page_copies``) into blocks a decode engine reserved; the decode engine
+commits with the prefill's first token and decodes on. The tokens must be exactly what one
+engine produces alone, and both engines must end with every block free.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.engine import LLM, EngineCore, SamplingParams
+from services.engine.kv_layout import KvLayout, page_copies
+
+NUM_TOKENS = 12
+
+
+def make_engine(model_dir: Path, kv_cache_memory: int) -> EngineCore:
+    # Different cache sizes on the two sides: the value half of each layer sits at a different
+    # offset, which page_copies must account for.
+    return LLM(
+        model_dir,
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory=kv_cache_memory,
+        max_num_batched_tokens=64,  # chunked prefill on the prefill side
+    ).engine
+
+
+def copy_pages(src: EngineCore, src_ids: list[int], dst: EngineCore, dst_ids: list[int]) -> None:
+    # One flat byte view per layer region, as registered memory would be.
+    src_bytes = [cache.view(-1).view(torch.uint8) for cache in src.kv_caches]
+    dst_bytes = [cache.view(-1).view(torch.uint8) for cache in dst.kv_caches]
+    for copy in page_copies(src.kv_layout, src_ids, dst.kv_layout, dst_ids):
+        source = src_bytes[copy.layer][copy.src_offset : copy.src_offset + copy.length]
+        dst_bytes[copy.layer][copy.dst_offset : copy.dst_offset + copy.length].copy_(source)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_dir: Path) -> tuple[EngineCore, EngineCore]:
+    return make_engine(tiny_llama_dir, 3 << 20), make_engine(tiny_llama_dir, 5 << 20)
+
+
+def test_prefill_then_decode_equals_one_engine(
+    engines: tuple[EngineCore, EngineCore], tiny_llama_dir: Path
+) -> None:
+    prefill, decode = engines
+    assert prefill.kv_layout.fingerprint == decode.kv_layout.fingerprint
+    assert prefill.kv_layout.num_blocks != decode.kv_layout.num_blocks
+    rng = random.Random(3)
+    prompts = [[rng.randrange(5, 4096) for _ in range(n)] for n in (1, 15, 16, 17, 90, 150)]
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+    expected = LLM(tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=4 << 20)
+    expected_ids = [o.token_ids for o in expected.generate(prompts, params)]
+
+    # Decode reserves first (design §2): no prefill work is spent on a request it cannot take.
+    ids = [f"req-{i}" for i in range(len(prompts))]
+    reserved = {rid: decode.reserve(rid, p, params) for rid, p in zip(ids, prompts, strict=True)}
+    assert all(blocks is not None for blocks in reserved.values())
+    assert decode.stats().num_reserved == len(prompts)
+    assert not decode.has_work  # nothing to compute until a commit
+
+    first_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for rid, prompt in zip(ids, prompts, strict=True):
+        prefill.add_request(rid, prompt, first_params, hold_kv=True)
+    first_tokens: dict[str, int] = {}
+    while prefill.has_unfinished_requests:
+        for out in prefill.step():
+            assert out.finished
+            first_tokens[out.request_id] = out.new_token_ids[0]
+    assert prefill.stats().num_held == len(prompts)
+
+    for rid in ids:
+        copy_pages(prefill, prefill.kv_block_ids(rid), decode, reserved[rid])
+        assert prefill.release_kv(rid)
+        decode.commit(rid, first_tokens[rid])
+    assert prefill.stats().num_blocks_used == 0
+
+    outputs = {rid: [first_tokens[rid]] for rid in ids}
+    while decode.has_unfinished_requests:
+        for out in decode.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+    assert [outputs[rid] for rid in ids] == expected_ids
+    assert decode.stats().num_blocks_used == 0
+
+
+def test_reservation_refused_when_full_and_freed_by_abort(
+    engines: tuple[EngineCore, EngineCore],
+) -> None:
+    _, decode = engines
+    params = SamplingParams(max_tokens=4)
+    num_free = decode.kv_cache.num_free_blocks
+    block_size = decode.kv_layout.block_size
+    big = [7] * 200
+    taken = []
+    while (blocks := decode.reserve(f"fill-{len(taken)}", big, params)) is not None:
+        taken.append(blocks)
+    assert sum(len(b) for b in taken) <= num_free < (len(taken) + 1) * -(-200 // block_size)
+    for i in range(len(taken)):
+        assert decode.abort(f"fill-{i}")
+    assert decode.stats().num_blocks_used == 0
+    with pytest.raises(KeyError, match="holds no reservation"):
+        decode.commit("fill-0", 5)
+
+
+def test_commit_with_a_stopping_first_token_finishes_at_once(
+    engines: tuple[EngineCore, EngineCore],
+) -> None:
+    _, decode = engines
+    eos = decode.model_config.eos_token_ids[0]
+    assert decode.reserve("eos", [9, 9, 9], SamplingParams(max_tokens=8)) is not None
+    out = decode.commit("eos", eos)
+    assert out.finished and out.finish_reason == "stop"
+    assert decode.reserve("one", [9, 9, 9], SamplingParams(max_tokens=1)) is not None
+    assert decode.commit("one", 11).finish_reason == "length"
+    assert decode.stats().num_blocks_used == 0 and not decode.has_unfinished_requests
+
+
+def test_aborting_a_held_prefill_releases_its_blocks(
+    engines: tuple[EngineCore, EngineCore],
+) -> None:
+    prefill, _ = engines
+    prefill.add_request("held", list(range(10, 60)), SamplingParams(max_tokens=1), hold_kv=True)
+    while prefill.has_unfinished_requests:
+        prefill.step()
+    assert prefill.stats().num_held == 1 and prefill.stats().num_blocks_used > 0
+    with pytest.raises(ValueError, match="already in use"):
+        prefill.add_request("held", [1, 2], SamplingParams())
+    prefill.abort("held")
+    assert prefill.stats().num_blocks_used == 0 and prefill.stats().num_held == 0
+    assert not prefill.release_kv("held")
+
+
+def test_layouts_of_different_models_do_not_match(engines, tiny_model_factory) -> None:
+    prefill, _ = engines
+    qwen = LLM(
+        tiny_model_factory("qwen3"), dtype="float32", max_model_len=256, kv_cache_memory=1 << 20
+    )
+    other: KvLayout = qwen.engine.kv_layout
+    assert other.fingerprint != prefill.kv_layout.fingerprint
+    with pytest.raises(ValueError, match="KV layouts differ"):
+        page_copies(prefill.kv_layout, [0], other, [0])
