@@ -1,0 +1,216 @@
+"""Runs an ``EngineCore`` in a thread of its own and serves it to asyncio code (the servicers).
+
+Life cycle:
+
+1. ``start()``       the engine thread begins its loop: run queued commands, then ``step()``
+                     while there is work, else sleep until the next command.
+2. ``generate()``    an async iterator per request: the request is added on the engine thread
+                     (input errors surface as ``ValueError`` from the first ``__anext__``) and
+                     each step's ``EngineCoreOutput`` is handed to the request's asyncio queue.
+                     A consumer that stops early (stream closed, deadline, cancellation) aborts
+                     the request: it leaves the batch before the next step and its blocks are
+                     freed.
+3. ``call(fn)``      runs ``fn(engine)`` on the engine thread between two steps (reserve,
+                     commit, stats, ...): the engine itself is never touched from two threads.
+4. ``shutdown()``    stops the loop; requests still streaming end with finish reason ``abort``.
+
+grpc.aio handlers never block on the engine: they await queues fed by the engine thread through
+``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from services.engine import EngineCore, EngineCoreOutput, FinishReason, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shutdown or a crash in a step)."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[EngineCoreOutput | BaseException] = field(default_factory=asyncio.Queue)
+
+
+class AsyncEngine:
+    def __init__(self, engine: EngineCore, *, idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}  # touched on the engine thread only
+        self._idle_wait_s = idle_wait_s
+        self._stopping = threading.Event()
+        # Held while a command is queued and while the thread closes the queue, so that no
+        # command can land after the thread's last drain (its caller would wait forever).
+        self._submit_lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    async def call(self, fn: Callable[[EngineCore], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread; its result or exception comes back here."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def command() -> None:
+            try:
+                result = fn(self.engine)
+            except BaseException as exc:  # noqa: BLE001 (handed to the caller)
+                loop.call_soon_threadsafe(_set_exception, future, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, future, result)
+
+        if not self._submit(command):
+            raise EngineDeadError(f"the engine is not running ({self._error or 'stopped'})")
+        return await future
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        hold_kv: bool = False,
+    ) -> AsyncIterator[EngineCoreOutput]:
+        """Each step's output for the request, ending with the one that has a finish reason."""
+        stream = _Stream(asyncio.get_running_loop())
+
+        def add(engine: EngineCore) -> None:
+            engine.add_request(request_id, prompt_token_ids, params, hold_kv=hold_kv)
+            self._streams[request_id] = stream
+
+        await self.call(add)
+        async for output in self._drain(request_id, stream):
+            yield output
+
+    async def attach(self, request_id: str) -> AsyncIterator[EngineCoreOutput]:
+        """Register for the outputs of a request that entered the engine another way (a decode
+        node's reservation) and return their stream. Await it before the commit: once it
+        returns, no output can be missed."""
+        stream = _Stream(asyncio.get_running_loop())
+
+        def register(engine: EngineCore) -> None:
+            if request_id not in engine.scheduler.requests:
+                raise KeyError(f"request {request_id!r} is not in the engine")
+            self._streams[request_id] = stream
+
+        await self.call(register)
+        return self._drain(request_id, stream)
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.call(lambda engine: self._abort_on_engine(request_id))
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._stopping.set()
+        self._submit(lambda: None)  # wake the loop
+        self._thread.join(timeout_s)
+
+    def _submit(self, command: Callable[[], None]) -> bool:
+        with self._submit_lock:
+            if self._closed or not self._thread.is_alive():
+                return False
+            self._commands.put(command)
+            return True
+
+    async def _drain(self, request_id: str, stream: _Stream) -> AsyncIterator[EngineCoreOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                # The consumer went away early: free the request at the next command drain.
+                self._submit(lambda: self._abort_on_engine(request_id))
+
+    def _abort_on_engine(self, request_id: str) -> bool:
+        self._streams.pop(request_id, None)
+        return self.engine.abort(request_id)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._run_commands(block=not self.engine.has_work)
+                if self.engine.has_work and not self._stopping.is_set():
+                    self._publish(self.engine.step())
+        except BaseException as exc:  # noqa: BLE001 (a crashed step must reach every stream)
+            logger.exception("engine loop crashed")
+            self._error = exc
+        finally:
+            self._stopping.set()
+            with self._submit_lock:
+                self._closed = True
+            self._run_commands(block=False)  # everything queued before closing still runs
+            self._end_streams()
+
+    def _run_commands(self, *, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=self._idle_wait_s) if block else None
+            if command is not None:
+                _run_logged(command)
+            while True:
+                _run_logged(self._commands.get_nowait())
+        except queue.Empty:
+            return
+
+    def _publish(self, outputs: list[EngineCoreOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+
+    def _end_streams(self) -> None:
+        """Every open stream ends: with the crash, or with finish reason abort on shutdown."""
+        for request_id, stream in self._streams.items():
+            _run_logged(lambda request_id=request_id: self.engine.abort(request_id))
+            item: EngineCoreOutput | BaseException = (
+                EngineDeadError(f"the engine stopped: {self._error}")
+                if self._error is not None
+                else EngineCoreOutput(request_id, [], None, FinishReason.ABORT, 0)
+            )
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        self._streams.clear()
+
+
+def _run_logged(command: Callable[[], object]) -> None:
+    # Commands from call() report their own errors; anything else (an abort) must not stop the
+    # loop that every other stream depends on.
+    try:
+        command()
+    except Exception:
+        logger.exception("engine command failed")
+
+
+def _set_result(future: asyncio.Future[Any], result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

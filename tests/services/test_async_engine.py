@@ -1,0 +1,183 @@
+"""AsyncEngine: the engine thread serving asyncio callers, with cancellation and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from services.async_engine import AsyncEngine, EngineDeadError
+from services.engine import LLM, EngineCore, FinishReason, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(model_dir: Path) -> EngineCore:
+    return LLM(model_dir, dtype="float32", max_model_len=256, kv_cache_memory=2 << 20).engine
+
+
+@pytest.fixture
+def engine(tiny_llama_dir: Path) -> AsyncEngine:
+    async_engine = AsyncEngine(make_engine(tiny_llama_dir))
+    async_engine.start()
+    yield async_engine
+    async_engine.shutdown()
+
+
+async def collect(engine: AsyncEngine, request_id: str, prompt: list[int], params) -> list[int]:
+    tokens = []
+    async for out in engine.generate(request_id, prompt, params):
+        tokens.extend(out.new_token_ids)
+    return tokens
+
+
+async def wait_until(engine: AsyncEngine, predicate: Callable[[EngineCore], bool]) -> None:
+    for _ in range(200):
+        if await engine.call(predicate):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached within 2 s")
+
+
+def test_concurrent_streams_share_one_batch_and_match_offline(
+    engine: AsyncEngine, tiny_llama_dir: Path
+) -> None:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 4096) for _ in range(n)] for n in (3, 20, 40, 7, 64, 33)]
+    expected = [
+        o.token_ids
+        for o in LLM(tiny_llama_dir, dtype="float32", max_model_len=256).generate(prompts, GREEDY)
+    ]
+    batch_sizes: list[int] = []
+    step = engine.engine.step
+
+    def recording_step():
+        batch_sizes.append(len(engine.engine.scheduler.running))
+        return step()
+
+    engine.engine.step = recording_step  # only the engine thread calls it
+
+    async def main() -> list[list[int]]:
+        return await asyncio.gather(
+            *(collect(engine, f"r{i}", p, GREEDY) for i, p in enumerate(prompts))
+        )
+
+    assert asyncio.run(main()) == expected
+    assert max(batch_sizes) > 1
+    assert engine.engine.stats().num_blocks_used == 0
+
+
+def test_a_consumer_that_stops_early_frees_the_request(engine: AsyncEngine) -> None:
+    async def main() -> None:
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        stream = engine.generate("long", list(range(10, 50)), params)
+        received = [await stream.__anext__(), await stream.__anext__()]
+        assert all(not out.finished for out in received)
+        await stream.aclose()  # what a closed gRPC stream does to its handler
+        await wait_until(engine, lambda e: e.stats().num_blocks_used == 0)
+        assert not await engine.call(lambda e: e.has_unfinished_requests)
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_task_frees_the_request(engine: AsyncEngine) -> None:
+    async def main() -> None:
+        params = SamplingParams(max_tokens=500, ignore_eos=True)
+        task = asyncio.create_task(collect(engine, "cancelled", list(range(10, 30)), params))
+        await wait_until(engine, lambda e: e.stats().num_running == 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until(engine, lambda e: e.stats().num_blocks_used == 0)
+
+    asyncio.run(main())
+
+
+def test_bad_input_raises_value_error_and_leaks_nothing(engine: AsyncEngine) -> None:
+    async def main() -> None:
+        with pytest.raises(ValueError, match="prompt_token_ids is empty"):
+            await collect(engine, "bad", [], GREEDY)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await collect(engine, "bad2", [1, 10**6], GREEDY)
+        assert await engine.call(lambda e: e.stats().num_blocks_used) == 0
+        assert await collect(engine, "good", [1, 2, 3], GREEDY) != []
+
+    asyncio.run(main())
+
+
+def test_call_runs_on_the_engine_thread(engine: AsyncEngine) -> None:
+    name = asyncio.run(engine.call(lambda e: threading.current_thread().name))
+    assert name == "engine" != threading.current_thread().name
+
+
+def test_shutdown_ends_open_streams_with_abort(engine: AsyncEngine) -> None:
+    async def main() -> None:
+        params = SamplingParams(max_tokens=500, ignore_eos=True)
+        stream = engine.generate("open", list(range(10, 30)), params)
+        await stream.__anext__()
+        engine.shutdown()
+        outputs = [out async for out in stream]
+        assert outputs[-1].finish_reason is FinishReason.ABORT
+        with pytest.raises(EngineDeadError):
+            await engine.call(lambda e: None)
+
+    asyncio.run(main())
+    assert engine.engine.stats().num_blocks_used == 0
+
+
+def test_a_crashed_step_fails_every_stream(engine: AsyncEngine) -> None:
+    def broken_step():
+        raise RuntimeError("kernel exploded")
+
+    async def main() -> None:
+        engine.engine.step = broken_step
+        with pytest.raises(EngineDeadError, match="kernel exploded"):
+            await collect(engine, "doomed", [1, 2, 3], GREEDY)
+        with pytest.raises(EngineDeadError):
+            await engine.call(lambda e: None)
+
+    asyncio.run(main())
+
+
+def test_attach_streams_a_committed_reservation(engine: AsyncEngine, tiny_llama_dir: Path) -> None:
+    """The decode node's path: reserve, (KV arrives), attach, commit, then stream tokens 2..N."""
+    prompt = list(range(100, 140))
+    [expected] = LLM(tiny_llama_dir, dtype="float32", max_model_len=256).generate([prompt], GREEDY)
+
+    async def main() -> list[int]:
+        # Here the KV is computed by a prefill inside the same engine instead of pushed: a
+        # throwaway hold_kv request fills blocks whose contents the reservation then copies.
+        blocks = await engine.call(lambda e: e.reserve("d", prompt, GREEDY))
+        assert blocks is not None
+        first_only = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        first = [out async for out in engine.generate("p", prompt, first_only, hold_kv=True)]
+
+        def copy_kv(e: EngineCore) -> None:
+            source = e.kv_block_ids("p")
+            for cache in e.kv_caches:
+                cache[:, blocks] = cache[:, source]
+            e.release_kv("p")
+
+        await engine.call(copy_kv)
+        stream = await engine.attach("d")
+        first_token = first[0].new_token_ids[0]
+        await engine.call(lambda e: e.commit("d", first_token))
+        tokens = [first_token]
+        async for out in stream:
+            tokens.extend(out.new_token_ids)
+        return tokens
+
+    assert asyncio.run(main()) == expected.token_ids
+    assert engine.engine.stats().num_blocks_used == 0
+
+
+def test_attach_to_an_unknown_request_fails(engine: AsyncEngine) -> None:
+    async def main() -> None:
+        with pytest.raises(KeyError, match="not in the engine"):
+            await engine.attach("nobody")
+
+    asyncio.run(main())
