@@ -1,0 +1,122 @@
+"""Protobuf ↔ engine dataclasses, at the servicer edge and nowhere else.
+
+Every conversion from the wire validates: a bad value raises ``ValueError`` whose message names
+the field, which the servicers return as ``INVALID_ARGUMENT``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pdserve.v1 import common_pb2
+from services.engine import EngineStats, FinishReason, SamplingParams
+
+_FINISH_TO_PROTO = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+_FINISH_FROM_PROTO = {value: key for key, value in _FINISH_TO_PROTO.items()}
+
+# proto3 `optional` fields: absent means the engine's default, so only present ones are passed.
+_OPTIONAL_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "repetition_penalty",
+    "logprobs",
+)
+
+
+def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises ``ValueError`` naming the field (prefixed ``sampling.``) when a value is bad."""
+    kwargs: dict[str, object] = {
+        name: getattr(message, name) for name in _OPTIONAL_FIELDS if message.HasField(name)
+    }
+    kwargs.update(
+        min_tokens=message.min_tokens,
+        min_p=message.min_p,
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        stop_token_ids=tuple(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+        priority=message.priority,
+    )
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise ValueError(f"sampling.{exc}") from None
+
+
+def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    message = common_pb2.SamplingParams(
+        max_tokens=params.max_tokens,
+        min_tokens=params.min_tokens,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        priority=params.priority,
+    )
+    if params.seed is not None:
+        message.seed = params.seed
+    if params.logprobs is not None:
+        message.logprobs = params.logprobs
+    return message
+
+
+def prompt_from_proto(token_ids: Sequence[int]) -> list[int]:
+    """Token ids as plain ints; emptiness and vocabulary bounds are the engine's checks."""
+    return list(token_ids)
+
+
+def finish_reason_to_proto(reason: FinishReason | None) -> int:
+    if reason is None:
+        return common_pb2.FINISH_REASON_UNSPECIFIED
+    return _FINISH_TO_PROTO[reason]
+
+
+def finish_reason_from_proto(value: int) -> FinishReason | None:
+    return _FINISH_FROM_PROTO.get(value)
+
+
+def logprobs_to_proto(token_id: int, logprobs: dict[int, float]) -> common_pb2.TokenLogprobs:
+    """``logprobs`` holds the sampled token and its top-n alternatives (engine convention)."""
+    top = sorted(logprobs.items(), key=lambda item: item[1], reverse=True)
+    return common_pb2.TokenLogprobs(
+        token_id=token_id,
+        logprob=logprobs[token_id],
+        top_token_ids=[t for t, _ in top],
+        top_logprobs=[lp for _, lp in top],
+    )
+
+
+def logprobs_from_proto(message: common_pb2.TokenLogprobs) -> dict[int, float]:
+    entries = dict(zip(message.top_token_ids, message.top_logprobs, strict=True))
+    entries[message.token_id] = message.logprob
+    return entries
+
+
+def load_report_to_proto(
+    stats: EngineStats, *, node_id: str, role: str, fingerprint: str, draining: bool
+) -> common_pb2.LoadReport:
+    return common_pb2.LoadReport(
+        node_id=node_id,
+        role=role,
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        num_reserved=stats.num_reserved,
+        kv_blocks_used=stats.num_blocks_used,
+        kv_blocks_total=stats.num_blocks_total,
+        prefix_cache_queried_tokens=stats.prefix_cache_queried_tokens,
+        prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
+        kv_layout_fingerprint=fingerprint,
+        draining=draining,
+    )

@@ -1,0 +1,110 @@
+"""Protobuf ↔ engine conversions: presence semantics, round trips, field-naming errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.v1 import common_pb2
+from services.convert import (
+    finish_reason_from_proto,
+    finish_reason_to_proto,
+    load_report_to_proto,
+    logprobs_from_proto,
+    logprobs_to_proto,
+    sampling_params_from_proto,
+    sampling_params_to_proto,
+)
+from services.engine import EngineStats, FinishReason, SamplingParams
+
+
+def test_absent_optional_fields_take_engine_defaults() -> None:
+    assert sampling_params_from_proto(common_pb2.SamplingParams()) == SamplingParams()
+
+
+def test_explicit_zero_temperature_is_greedy_not_default() -> None:
+    params = sampling_params_from_proto(common_pb2.SamplingParams(temperature=0.0))
+    assert params.temperature == 0.0 and params.is_greedy
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(),
+        SamplingParams(
+            max_tokens=7,
+            min_tokens=2,
+            temperature=0.5,
+            top_k=40,
+            top_p=0.9,
+            min_p=0.05,
+            seed=-3,
+            repetition_penalty=1.2,
+            presence_penalty=-0.5,
+            frequency_penalty=0.25,
+            stop_token_ids=(3, 9),
+            ignore_eos=True,
+            logprobs=0,
+            priority=-1,
+        ),
+    ],
+)
+def test_sampling_params_round_trip(params: SamplingParams) -> None:
+    wire = sampling_params_to_proto(params).SerializeToString()
+    assert sampling_params_from_proto(common_pb2.SamplingParams.FromString(wire)) == params
+
+
+@pytest.mark.parametrize(
+    ("message", "match"),
+    [
+        (common_pb2.SamplingParams(max_tokens=0), r"^sampling\.max_tokens must be >= 1"),
+        (common_pb2.SamplingParams(temperature=-1), r"^sampling\.temperature must be >= 0"),
+        (common_pb2.SamplingParams(top_p=0.0), r"^sampling\.top_p must be in \(0, 1\]"),
+        (common_pb2.SamplingParams(top_k=-5), r"^sampling\.top_k must be >= -1"),
+        (common_pb2.SamplingParams(min_p=3), r"^sampling\.min_p must be in \[0, 1\]"),
+        (common_pb2.SamplingParams(presence_penalty=9), r"^sampling\.presence_penalty"),
+        (
+            common_pb2.SamplingParams(max_tokens=2, min_tokens=5),
+            r"^sampling\.min_tokens must be <= max_tokens",
+        ),
+        (common_pb2.SamplingParams(temperature=float("nan")), r"^sampling\.temperature"),
+    ],
+)
+def test_bad_values_name_the_field(message: common_pb2.SamplingParams, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        sampling_params_from_proto(message)
+
+
+def test_finish_reasons_map_both_ways() -> None:
+    for reason in FinishReason:
+        assert finish_reason_from_proto(finish_reason_to_proto(reason)) is reason
+    assert finish_reason_to_proto(None) == common_pb2.FINISH_REASON_UNSPECIFIED
+    assert finish_reason_from_proto(common_pb2.FINISH_REASON_UNSPECIFIED) is None
+
+
+def test_logprobs_round_trip_and_sort_by_likelihood() -> None:
+    entries = {5: -0.1, 8: -2.5, 2: -1.0}
+    message = logprobs_to_proto(8, entries)
+    assert message.token_id == 8 and message.logprob == pytest.approx(-2.5)
+    assert list(message.top_token_ids) == [5, 2, 8]
+    decoded = logprobs_from_proto(common_pb2.TokenLogprobs.FromString(message.SerializeToString()))
+    assert decoded == pytest.approx(entries)
+
+
+def test_load_report_carries_the_routers_inputs() -> None:
+    stats = EngineStats(
+        num_running=3,
+        num_waiting=1,
+        num_reserved=2,
+        num_held=0,
+        num_blocks_used=40,
+        num_blocks_total=100,
+        prefix_cache_queried_tokens=1000,
+        prefix_cache_hit_tokens=250,
+        num_preemptions_total=0,
+    )
+    report = load_report_to_proto(
+        stats, node_id="d0", role="decode", fingerprint="abc", draining=False
+    )
+    assert (report.num_running, report.num_waiting, report.num_reserved) == (3, 1, 2)
+    assert (report.kv_blocks_used, report.kv_blocks_total) == (40, 100)
+    assert report.prefix_cache_hit_tokens == 250 and report.kv_layout_fingerprint == "abc"
