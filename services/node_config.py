@@ -1,0 +1,187 @@
+"""A node's configuration: command-line flags with ``PDSERVE_*`` environment fallbacks, parsed
+once into a frozen ``NodeConfig``; the engine gets only its ``EngineConfig`` part.
+
+Every flag ``--some-name`` falls back to ``PDSERVE_SOME_NAME`` when absent from the command line,
+then to its default. A bad value is reported by argparse (exit 2) naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import os
+import re
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.engine import CacheConfig, EngineConfig, SchedulerConfig, SchedulingPolicy
+
+ENV_PREFIX = "PDSERVE_"
+KV_TRANSPORTS = ("loopback", "ucx")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30}  # fmt: skip
+
+
+class Role(enum.StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+
+DEFAULT_GRPC_PORTS = {Role.PREFILL: 50061, Role.DECODE: 50071, Role.COLOCATED: 50081}
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    role: Role
+    node_id: str
+    """Names this node in load reports, logs and metric labels."""
+    host: str
+    grpc_port: int
+    kv_port: int
+    """Port of the KV transport's listener (0: any free port)."""
+    kv_transport: str
+    metrics_port: int | None
+    """Prometheus HTTP port; None serves no metrics."""
+    drain_grace_s: float
+    """After SIGTERM: how long in-flight requests may take to finish."""
+    engine: EngineConfig
+
+    def __post_init__(self) -> None:
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(
+                f"kv_transport must be one of {KV_TRANSPORTS}, got {self.kv_transport!r}"
+            )
+        for name in ("grpc_port", "kv_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {port}")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+
+def parse_bytes(text: str) -> int:
+    """``"2GiB"``, ``"512MiB"``, ``"1e9"`` or a plain number of bytes."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 2GiB, 512MiB, 1000000)")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"byte size must be > 0, got {text!r}")
+    return value
+
+
+def build_parser(role: Role | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=f"pdserve {role or 'node'}: flags fall back to {ENV_PREFIX}<FLAG> variables",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--role", type=Role, choices=list(Role), default=role, help="what this node runs")
+    add("--model", type=Path, default=Path("models/tiny-llama"), help="Hugging Face model dir")
+    add("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    add("--device", default="cpu", help="cpu or cuda[:N]")
+    add("--host", default="0.0.0.0", help="address the gRPC server binds")
+    add(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="default: 50061 prefill, 50071 decode, 50081 colocated",
+    )
+    add("--kv-port", type=int, default=0, help="KV transport listener port (0: any free)")
+    add("--kv-transport", default="ucx", choices=KV_TRANSPORTS)
+    add("--metrics-port", type=int, default=None, help="Prometheus /metrics port (unset: none)")
+    add("--node-id", default=None, help="default: hostname:grpc-port")
+    add("--block-size", type=int, default=16)
+    add("--kv-cache-memory", type=parse_bytes, default=None, help="e.g. 2GiB; default 1GiB on CPU")
+    add("--gpu-memory-utilization", type=float, default=0.9)
+    add("--max-model-len", type=int, default=None)
+    add("--max-num-seqs", type=int, default=256)
+    add("--max-num-batched-tokens", type=int, default=2048)
+    add("--scheduling-policy", default="fcfs", choices=[p.value for p in SchedulingPolicy])
+    add("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    add("--attention-backend", default="auto", choices=["auto", "torch", "native"])
+    add("--drain-grace-s", type=float, default=30.0)
+    add("--seed", type=int, default=0)
+    return parser
+
+
+def parse_node_config(
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    role: Role | None = None,
+) -> NodeConfig:
+    """Flags first, then ``PDSERVE_*`` variables, then defaults; exits 2 naming a bad value."""
+    parser = build_parser(role)
+    environ = os.environ if environ is None else environ
+    _apply_env_defaults(parser, environ)
+    args = parser.parse_args(argv)
+    if args.role is None:
+        parser.error("--role is required (prefill, decode or colocated)")
+    grpc_port = args.grpc_port if args.grpc_port is not None else DEFAULT_GRPC_PORTS[args.role]
+    try:
+        engine = EngineConfig(
+            model_dir=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            max_model_len=args.max_model_len,
+            seed=args.seed,
+            attention_backend=args.attention_backend,
+            cache=CacheConfig(
+                block_size=args.block_size,
+                kv_cache_memory=args.kv_cache_memory,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                enable_prefix_caching=not args.no_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                policy=SchedulingPolicy(args.scheduling_policy),
+            ),
+        )
+        return NodeConfig(
+            role=args.role,
+            node_id=args.node_id or f"{socket.gethostname()}:{grpc_port}",
+            host=args.host,
+            grpc_port=grpc_port,
+            kv_port=args.kv_port,
+            kv_transport=args.kv_transport,
+            metrics_port=args.metrics_port,
+            drain_grace_s=args.drain_grace_s,
+            engine=engine,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+def _apply_env_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    """``PDSERVE_<DEST>`` becomes the default of ``--<dest>``, converted like a flag value."""
+    for action in parser._actions:  # argparse has no public iterator over its actions
+        if not action.option_strings or action.dest == "help":
+            continue
+        raw = environ.get(ENV_PREFIX + action.dest.upper())
+        if raw is None:
+            continue
+        option = action.option_strings[0]
+        if action.nargs == 0:  # store_true flags: PDSERVE_NO_PREFIX_CACHING=1
+            value: object = raw.strip().lower() in ("1", "true", "yes", "on")
+        else:
+            try:
+                value = action.type(raw) if action.type else raw
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                parser.error(f"{ENV_PREFIX}{action.dest.upper()} (for {option}): {exc}")
+            if action.choices is not None and value not in action.choices:
+                parser.error(
+                    f"{ENV_PREFIX}{action.dest.upper()} (for {option}): {raw!r} is not one of "
+                    f"{', '.join(map(str, action.choices))}"
+                )
+        action.default = value

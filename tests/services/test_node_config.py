@@ -1,0 +1,73 @@
+"""Node flags: command line over PDSERVE_* variables over defaults; bad values name the flag."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.engine import SchedulingPolicy
+from services.node_config import Role, parse_bytes, parse_node_config
+
+
+def test_defaults_per_role() -> None:
+    for role, port in ((Role.PREFILL, 50061), (Role.DECODE, 50071), (Role.COLOCATED, 50081)):
+        config = parse_node_config([], {}, role=role)
+        assert config.role is role and config.grpc_port == port
+    config = parse_node_config([], {}, role=Role.DECODE)
+    assert config.engine.cache.block_size == 16 and config.kv_transport == "ucx"
+    assert config.metrics_port is None and config.engine.cache.enable_prefix_caching
+
+
+def test_environment_fills_what_the_command_line_leaves_out() -> None:
+    env = {
+        "PDSERVE_MODEL": "/models/qwen",
+        "PDSERVE_DTYPE": "float32",
+        "PDSERVE_GRPC_PORT": "6000",
+        "PDSERVE_KV_CACHE_MEMORY": "2GiB",
+        "PDSERVE_MAX_NUM_SEQS": "8",
+        "PDSERVE_KV_TRANSPORT": "loopback",
+        "PDSERVE_NO_PREFIX_CACHING": "true",
+        "PDSERVE_SCHEDULING_POLICY": "priority",
+        "PDSERVE_METRICS_PORT": "9100",
+    }
+    config = parse_node_config(
+        ["--grpc-port", "7000", "--max-num-seqs", "4"], env, role=Role.PREFILL
+    )
+    assert config.grpc_port == 7000 and config.engine.scheduler.max_num_seqs == 4  # flags win
+    assert config.engine.model_dir == Path("/models/qwen") and config.engine.dtype == "float32"
+    assert config.engine.cache.kv_cache_memory == 2 * 2**30
+    assert config.kv_transport == "loopback" and config.metrics_port == 9100
+    assert not config.engine.cache.enable_prefix_caching
+    assert config.engine.scheduler.policy is SchedulingPolicy.PRIORITY
+
+
+def test_role_can_come_from_the_environment() -> None:
+    assert parse_node_config([], {"PDSERVE_ROLE": "colocated"}).role is Role.COLOCATED
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        ([], {"PDSERVE_MAX_NUM_SEQS": "lots"}, "PDSERVE_MAX_NUM_SEQS (for --max-num-seqs)"),
+        ([], {"PDSERVE_KV_TRANSPORT": "carrier-pigeon"}, "PDSERVE_KV_TRANSPORT"),
+        (["--kv-cache-memory", "huge"], {}, "not a byte size"),
+        (["--block-size", "0"], {}, "block_size must be a positive integer"),
+        (["--dtype", "int8"], {}, "--dtype"),
+        (["--grpc-port", "70000"], {}, "grpc_port must be in [0, 65535]"),
+        ([], {}, "--role is required"),
+    ],
+)
+def test_bad_values_exit_2_naming_the_flag(argv, env, message, capsys) -> None:
+    role = None if message.startswith("--role") else Role.DECODE
+    with pytest.raises(SystemExit) as exit_info:
+        parse_node_config(argv, env, role=role)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("1000") == 1000
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("1.5GB") == 1_500_000_000
+    assert parse_bytes("2 gib") == 2 * 2**30
