@@ -1,6 +1,6 @@
 """The decode role: a model replica that receives KV pages into reserved blocks and runs
-continuous batching.
+continuous batching; with ``--role colocated`` it computes prompts itself.
 
-Its entry point, gRPC servicer and worker arrive with the decode service; it builds on
-``services`` and ``kv_transfer`` and never imports another role.
+``python -m decode_node``; ``role.decode_services`` wires ``servicer.DecodeServicer`` into a node.
+It builds on ``services`` and ``kv_transfer`` and never imports another role.
 """

@@ -146,8 +146,13 @@ class AsyncEngine:
                 self._submit(lambda: self._abort_on_engine(request_id))
 
     def _abort_on_engine(self, request_id: str) -> bool:
-        self._streams.pop(request_id, None)
-        return self.engine.abort(request_id)
+        """Abort on the engine thread; a stream still being read ends with finish reason abort."""
+        found = self.engine.abort(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            ended = EngineCoreOutput(request_id, [], None, FinishReason.ABORT, 0)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, ended)
+        return found
 
     def _run(self) -> None:
         try:

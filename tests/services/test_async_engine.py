@@ -181,3 +181,17 @@ def test_attach_to_an_unknown_request_fails(engine: AsyncEngine) -> None:
             await engine.attach("nobody")
 
     asyncio.run(main())
+
+
+def test_abort_ends_the_stream_with_finish_reason_abort(engine: AsyncEngine) -> None:
+    async def main() -> None:
+        params = SamplingParams(max_tokens=500, ignore_eos=True)
+        stream = engine.generate("to-abort", list(range(10, 30)), params)
+        await stream.__anext__()
+        assert await engine.abort("to-abort")
+        outputs = [out async for out in stream]
+        assert outputs[-1].finish_reason is FinishReason.ABORT
+        assert await engine.call(lambda e: e.stats().num_blocks_used) == 0
+        assert not await engine.abort("to-abort")
+
+    asyncio.run(main())

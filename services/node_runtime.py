@@ -1,0 +1,78 @@
+"""Runs one node process: engine, engine thread, gRPC server, drain on SIGTERM, exit 0.
+
+Life cycle: load the engine (the slow part, before the port opens, so health never says
+SERVING for a node that cannot serve) → start the engine thread → start the server → serve
+until SIGTERM/SIGINT → drain (see ``NodeServer``) → stop the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from services.async_engine import AsyncEngine
+from services.engine import EngineCore
+from services.grpc_server import NodeServer, Registrar
+from services.node_config import NodeConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeServices:
+    """What a role contributes: its service names and how to register its servicers."""
+
+    service_names: Sequence[str]
+    registrars: Sequence[Registrar]
+
+
+# Given the node's config, its engine and its server (for admit/draining), a role returns the
+# services it serves.
+RoleFactory = Callable[[NodeConfig, AsyncEngine, "NodeServerRef"], NodeServices]
+
+
+class NodeServerRef:
+    """Lets servicers built before the server reach it once it exists (admit, draining)."""
+
+    def __init__(self) -> None:
+        self.server: NodeServer | None = None
+
+    def get(self) -> NodeServer:
+        assert self.server is not None, "servicer used before the server was built"
+        return self.server
+
+
+async def start_node(config: NodeConfig, role: RoleFactory) -> tuple[NodeServer, AsyncEngine]:
+    engine = AsyncEngine(EngineCore(config.engine))
+    engine.start()
+    ref = NodeServerRef()
+    services = role(config, engine, ref)
+    server = NodeServer(
+        config.grpc_address,
+        services.service_names,
+        services.registrars,
+        drain_grace_s=config.drain_grace_s,
+    )
+    ref.server = server
+    await server.start()
+    return server, engine
+
+
+async def serve(config: NodeConfig, role: RoleFactory) -> None:
+    server, engine = await start_node(config, role)
+    server.install_signal_handlers()
+    logger.info("%s node %s ready on port %d", config.role, config.node_id, server.port)
+    try:
+        await server.wait()
+    finally:
+        engine.shutdown()
+    logger.info("%s node %s stopped", config.role, config.node_id)
+
+
+def run(config: NodeConfig, role: RoleFactory) -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(serve(config, role))
