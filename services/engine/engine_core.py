@@ -130,7 +130,7 @@ class EngineCore:
 
     def release_kv(self, request_id: str) -> bool:
         """Prefill role: free a stopped ``hold_kv`` request's blocks once no peer reads them."""
-        return self.scheduler.release_held(request_id)
+        return self.scheduler.release_held(request_id) is not None
 
     def _make_request(
         self,

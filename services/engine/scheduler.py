@@ -148,21 +148,21 @@ class Scheduler:
             self.running.append(request)
         return request
 
-    def release_held(self, request_id: str) -> bool:
+    def release_held(self, request_id: str) -> Request | None:
         """Free a stopped ``hold_kv`` request's blocks (its pages were pushed or abandoned)."""
         request = self.held.pop(request_id, None)
-        if request is None:
-            return False
-        self.kv_cache.free(request)
-        return True
+        if request is not None:
+            self.kv_cache.free(request)
+        return request
 
     def abort_request(self, request_id: str) -> Request | None:
         """Remove a request wherever it is and free its blocks; None if it is not known.
 
         A held request (stopped, blocks kept for a push) is released as well.
         """
-        if self.release_held(request_id):
-            return None
+        held = self.release_held(request_id)
+        if held is not None:
+            return held
         request = self.requests.get(request_id)
         if request is None:
             return None

@@ -131,7 +131,7 @@ def test_aborting_a_held_prefill_releases_its_blocks(
     assert prefill.stats().num_held == 1 and prefill.stats().num_blocks_used > 0
     with pytest.raises(ValueError, match="already in use"):
         prefill.add_request("held", [1, 2], SamplingParams())
-    prefill.abort("held")
+    assert prefill.abort("held")
     assert prefill.stats().num_blocks_used == 0 and prefill.stats().num_held == 0
     assert not prefill.release_kv("held")
 
