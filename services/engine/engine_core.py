@@ -57,6 +57,17 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
         )
+        config_hash = hashlib.sha256((config.model_dir / "config.json").read_bytes()).hexdigest()
+        self.kv_layout = KvLayout(
+            model_id=f"{self.model_config.architecture}:{config_hash[:16]}",
+            dtype=config.dtype,
+            block_size=config.cache.block_size,
+            num_layers=self.model_config.num_layers,
+            num_kv_heads=self.model_config.num_kv_heads,
+            head_dim=self.model_config.head_dim,
+            num_blocks=num_blocks,
+        )
+        """Where each block sits in ``kv_caches``, and the fingerprint peers must match."""
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -71,20 +82,6 @@ class EngineCore:
     def kv_caches(self) -> list[torch.Tensor]:
         """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer."""
         return self.runner.kv_caches
-
-    @property
-    def kv_layout(self) -> KvLayout:
-        cfg = self.model_config
-        config_hash = hashlib.sha256((self.config.model_dir / "config.json").read_bytes())
-        return KvLayout(
-            model_id=f"{cfg.architecture}:{config_hash.hexdigest()[:16]}",
-            dtype=self.config.dtype,
-            block_size=self.config.cache.block_size,
-            num_layers=cfg.num_layers,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            num_blocks=self.kv_cache.num_blocks,
-        )
 
     def add_request(
         self,
