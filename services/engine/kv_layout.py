@@ -63,7 +63,7 @@ class KvLayout:
 
 
 @dataclass(frozen=True)
-class PageCopy:
+class LayerCopy:
     """``length`` bytes from ``src_offset`` in the source's layer region to ``dst_offset`` in the
     destination's region of the same layer."""
 
@@ -73,9 +73,9 @@ class PageCopy:
     length: int
 
 
-def page_copies(
+def layer_copies(
     src: KvLayout, src_block_ids: Sequence[int], dst: KvLayout, dst_block_ids: Sequence[int]
-) -> list[PageCopy]:
+) -> list[LayerCopy]:
     """The copies that move ``src_block_ids`` into ``dst_block_ids`` (pairwise), keys and values
     of every layer, with runs of consecutive blocks on both sides merged into one copy."""
     if src.fingerprint != dst.fingerprint:
@@ -99,6 +99,6 @@ def page_copies(
     copies = []
     for layer in range(src.num_layers):
         for s, d, n in runs:
-            copies.append(PageCopy(layer, src.key_offset(s), dst.key_offset(d), n * size))
-            copies.append(PageCopy(layer, src.value_offset(s), dst.value_offset(d), n * size))
+            copies.append(LayerCopy(layer, src.key_offset(s), dst.key_offset(d), n * size))
+            copies.append(LayerCopy(layer, src.value_offset(s), dst.value_offset(d), n * size))
     return copies

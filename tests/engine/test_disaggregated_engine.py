@@ -1,7 +1,7 @@
 """The engine-side handoff of disaggregated serving, in one process without a transport.
 
 A prefill engine computes each prompt with ``hold_kv``; its pages are copied byte for byte (as a
-transport would, using ``page_copies``) into blocks a decode engine reserved; the decode engine
+transport would, using ``layer_copies``) into blocks a decode engine reserved; the decode engine
 commits with the prefill's first token and decodes on. The tokens must be exactly what one
 engine produces alone, and both engines must end with every block free.
 """
@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from services.engine import LLM, EngineCore, SamplingParams
-from services.engine.kv_layout import KvLayout, page_copies
+from services.engine.kv_layout import KvLayout, layer_copies
 
 NUM_TOKENS = 12
 
 
 def make_engine(model_dir: Path, kv_cache_memory: int) -> EngineCore:
     # Different cache sizes on the two sides: the value half of each layer sits at a different
-    # offset, which page_copies must account for.
+    # offset, which layer_copies must account for.
     return LLM(
         model_dir,
         dtype="float32",
@@ -36,7 +36,7 @@ def copy_pages(src: EngineCore, src_ids: list[int], dst: EngineCore, dst_ids: li
     # One flat byte view per layer region, as registered memory would be.
     src_bytes = [cache.view(-1).view(torch.uint8) for cache in src.kv_caches]
     dst_bytes = [cache.view(-1).view(torch.uint8) for cache in dst.kv_caches]
-    for copy in page_copies(src.kv_layout, src_ids, dst.kv_layout, dst_ids):
+    for copy in layer_copies(src.kv_layout, src_ids, dst.kv_layout, dst_ids):
         source = src_bytes[copy.layer][copy.src_offset : copy.src_offset + copy.length]
         dst_bytes[copy.layer][copy.dst_offset : copy.dst_offset + copy.length].copy_(source)
 
@@ -144,4 +144,4 @@ def test_layouts_of_different_models_do_not_match(engines, tiny_model_factory) -
     other: KvLayout = qwen.engine.kv_layout
     assert other.fingerprint != prefill.kv_layout.fingerprint
     with pytest.raises(ValueError, match="KV layouts differ"):
-        page_copies(prefill.kv_layout, [0], other, [0])
+        layer_copies(prefill.kv_layout, [0], other, [0])

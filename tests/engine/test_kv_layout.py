@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from services.engine.kv_layout import KvLayout, PageCopy, page_copies
+from services.engine.kv_layout import KvLayout, LayerCopy, layer_copies
 
 
 def layout(**changes) -> KvLayout:
@@ -46,16 +46,16 @@ def test_block_bytes_and_offsets() -> None:
 def test_runs_of_consecutive_blocks_on_both_sides_are_merged() -> None:
     src, dst = layout(num_blocks=100), layout(num_blocks=50)
     size = src.block_bytes
-    copies = page_copies(src, [4, 5, 6, 9], dst, [10, 11, 30, 31])
+    copies = layer_copies(src, [4, 5, 6, 9], dst, [10, 11, 30, 31])
     # runs: (4->10, 2 blocks), (6->30, 1 block: 6->7 is consecutive but 11->30 is not), (9->31, 1)
     layer0 = [c for c in copies if c.layer == 0]
     assert layer0 == [
-        PageCopy(0, 4 * size, 10 * size, 2 * size),
-        PageCopy(0, 104 * size, 60 * size, 2 * size),
-        PageCopy(0, 6 * size, 30 * size, size),
-        PageCopy(0, 106 * size, 80 * size, size),
-        PageCopy(0, 9 * size, 31 * size, size),
-        PageCopy(0, 109 * size, 81 * size, size),
+        LayerCopy(0, 4 * size, 10 * size, 2 * size),
+        LayerCopy(0, 104 * size, 60 * size, 2 * size),
+        LayerCopy(0, 6 * size, 30 * size, size),
+        LayerCopy(0, 106 * size, 80 * size, size),
+        LayerCopy(0, 9 * size, 31 * size, size),
+        LayerCopy(0, 109 * size, 81 * size, size),
     ]
     assert len(copies) == 2 * len(layer0)
     assert sum(c.length for c in copies) == 2 * 2 * 4 * size  # layers x (K, V) x blocks
@@ -63,10 +63,10 @@ def test_runs_of_consecutive_blocks_on_both_sides_are_merged() -> None:
 
 def test_bad_copies_are_refused() -> None:
     with pytest.raises(ValueError, match="outside"):
-        page_copies(layout(), [100], layout(), [0])
+        layer_copies(layout(), [100], layout(), [0])
     with pytest.raises(ValueError, match="destination block ids"):
-        page_copies(layout(), [0], layout(num_blocks=5), [5])
+        layer_copies(layout(), [0], layout(num_blocks=5), [5])
     with pytest.raises(ValueError, match="2 source blocks for 1"):
-        page_copies(layout(), [0, 1], layout(), [0])
+        layer_copies(layout(), [0, 1], layout(), [0])
     with pytest.raises(ValueError, match="unknown KV dtype"):
         layout(dtype="int8")
