@@ -1,0 +1,167 @@
+"""KV transfer bandwidth and per-transfer latency between two processes on this host.
+
+    python benchmarks/kv_transfer.py [--transport ucx] [--sizes-mib 1 4 16 64 256]
+
+A receiver process registers zeroed KV memory; this process pushes pages of one block of one
+layer of the `small` model (16 tokens x 4 KV heads x 64 x 2 bytes = 8 KiB) into it, laid out three
+ways: `contiguous` (blocks allocated in order on both sides, so pages coalesce into long runs),
+`dst-scattered` (in order on the writer, random block ids on the receiver) and `scattered`
+(random block ids on both sides: every page is its own run). A transfer's time runs from
+`write()` to its handle reading DONE, which needs the receiver's acknowledgement that every byte
+landed. Then it runs UCX's own `ucx_perftest -t tag_bw` between two processes at the same sizes,
+the ceiling to compare with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+# This script's own name shadows the kv_transfer package: import the package, not the script.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import numpy as np  # noqa: E402
+
+from kv_transfer import PageTable, PeerAddress, TransferStatus, make_transport  # noqa: E402
+
+PAGE = 16 * 4 * 64 * 2  # bytes of one block of one layer of the small model
+SMALL_2K_BYTES = 12 * 2 * 2048 * 4 * 64 * 2  # the small model's KV for 2048 tokens (24 MiB)
+
+
+def receiver_main(transport_name: str, num_bytes: int, conn: Connection) -> None:
+    transport = make_transport(transport_name)
+    transport.register("dst", np.zeros(num_bytes, np.uint8))
+    conn.send(transport.address().to_bytes())
+    conn.recv()  # until told to stop
+    transport.close()
+
+
+def make_pages(num_bytes: int, num_slots: int, layout: str, seed: int) -> PageTable:
+    """Pages of one KV region, as a KV cache hands them over (block ids → a PageTable)."""
+    num_pages = num_bytes // PAGE
+    if layout == "contiguous":
+        blocks = np.arange(num_pages)
+        return PageTable.from_blocks("src", blocks, "dst", blocks, PAGE)
+    rng = np.random.default_rng(seed)
+    dst = rng.choice(num_slots, num_pages, replace=False)
+    if layout == "dst-scattered":  # fresh prefill blocks in order, decode blocks from a free list
+        return PageTable.from_blocks("src", np.arange(num_pages), "dst", dst, PAGE)
+    src = rng.choice(num_slots, num_pages, replace=False)
+    return PageTable.from_blocks("src", src, "dst", dst, PAGE)
+
+
+def time_transfers(transport, peer: PeerAddress, pages: PageTable, iters: int) -> list[float]:
+    seconds = []
+    for i in range(iters + 1):  # the first one warms up
+        start = time.perf_counter()
+        handle = transport.write(
+            peer, pages, transfer_id=f"bench-{time.time_ns()}-{i}", deadline=time.monotonic() + 30
+        )
+        status = handle.wait(35)
+        elapsed = time.perf_counter() - start
+        if status is not TransferStatus.DONE:
+            raise RuntimeError(f"transfer ended {status.name}: {handle.error}")
+        if i:
+            seconds.append(elapsed)
+    return seconds
+
+
+def run_perftest(num_bytes: int, iters: int) -> float | None:
+    """GB/s that `ucx_perftest -t tag_bw` reaches between two processes, or None."""
+    try:
+        import libucx
+    except ImportError:
+        return None
+    root = Path(libucx.__file__).parent
+    binary = root / "bin" / "ucx_perftest"
+    if not binary.exists():
+        return None
+    env = {**os.environ, "LD_LIBRARY_PATH": str(root / "lib"), "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    args = ["-t", "tag_bw", "-s", str(num_bytes), "-n", str(iters), "-p", port]
+    server = subprocess.Popen(
+        [str(binary), *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        time.sleep(0.5)
+        client = subprocess.run(
+            [str(binary), "127.0.0.1", *args], env=env, capture_output=True, text=True, timeout=120
+        )
+    finally:
+        server.wait(timeout=30) if server.poll() is None else None
+    match = re.search(r"Final:\s+\d+\s+\S+\s+\S+\s+\S+\s+(\S+)\s+(\S+)", client.stdout)
+    # ucx_perftest's "MB/s" are MiB/s.
+    return float(match.group(2)) * 2**20 / 1e9 if match else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--transport", default="ucx")
+    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    parser.add_argument(
+        "--layouts", nargs="+", default=["contiguous", "dst-scattered", "scattered"]
+    )
+    parser.add_argument("--no-perftest", action="store_true")
+    args = parser.parse_args()
+    if args.transport == "loopback":
+        parser.error("loopback moves bytes within one process; this benchmark needs two")
+
+    max_bytes = max(max(args.sizes_mib) << 20, SMALL_2K_BYTES)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=receiver_main, args=(args.transport, max_bytes, child))
+    proc.start()
+    peer = PeerAddress.from_bytes(parent.recv())
+    writer = make_transport(args.transport)
+    writer.register("src", np.random.default_rng(0).integers(0, 256, max_bytes, np.uint8))
+    writer.connect(peer)
+    print(f"transport: {writer.info()}")
+    print(f"page: {PAGE} B; time = write() until DONE (receiver acknowledged every byte)")
+    header = (
+        f"{'size':>12} {'layout':>13} {'pages':>6} {'median ms':>10} {'p90 ms':>8} "
+        f"{'GB/s':>6} {'perftest GB/s':>14} {'ratio':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    cases = [(size << 20, f"{size} MiB") for size in args.sizes_mib]
+    cases.append((SMALL_2K_BYTES, "small 2k tok"))
+    perftest: dict[int, float | None] = {}
+    try:
+        for num_bytes, label in cases:
+            iters = 5 if num_bytes >= 128 << 20 else 20
+            if not args.no_perftest and num_bytes not in perftest:
+                perftest[num_bytes] = run_perftest(num_bytes, iters)
+            for layout in args.layouts:
+                pages = make_pages(num_bytes, max_bytes // PAGE, layout, seed=num_bytes)
+                seconds = time_transfers(writer, peer, pages, iters)
+                median = statistics.median(seconds)
+                p90 = sorted(seconds)[int(0.9 * (len(seconds) - 1))]
+                gbps = num_bytes / median / 1e9
+                ref = perftest.get(num_bytes)
+                ref_text = f"{ref:14.2f}" if ref else f"{'n/a':>14}"
+                ratio = f"{gbps / ref:6.0%}" if ref else f"{'':>6}"
+                print(
+                    f"{label:>12} {layout:>13} {len(pages):>6} {median * 1e3:10.2f} "
+                    f"{p90 * 1e3:8.2f} {gbps:6.2f} {ref_text} {ratio}",
+                    flush=True,
+                )
+    finally:
+        writer.close()
+        parent.send("stop")
+        proc.join(timeout=10)
+
+
+if __name__ == "__main__":
+    main()
