@@ -1,47 +1,70 @@
 """DecodeService over an ``AsyncEngine``: protobuf in, engine dataclasses inside, protobuf out.
 
-This first version serves requests whose prompt the node computes itself (``kv_source`` empty:
-the colocated role, and the recompute fallback). Receiving a prefill node's KV through a
-reservation arrives with ``kv_transfer``; such requests are refused with ``UNIMPLEMENTED``.
+Two kinds of Generate:
+
+- ``kv_source`` empty (the colocated role): the node computes the prompt itself and streams
+  every token.
+- ``kv_source`` set (the decode role): reserve blocks through the ``TransferManager`` (or refuse
+  with RESOURCE_EXHAUSTED), send the ``KvReservation`` first, stream tokens 2..N once the prefill
+  node's ``CommitKv`` arrived. If the transfer is aborted before the commit (lease expired, bad
+  commit) the stream ends with ABORTED, so the gateway can retry elsewhere; closing the stream
+  aborts the transfer, which frees the blocks once the transport is fenced.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import grpc
+from google.protobuf import timestamp_pb2
 
+from decode_node.transfers import CommitRefused, Transfer, TransferManager, TransferState
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_pb2
 from services.async_engine import AsyncEngine, EngineDeadError
 from services.convert import (
     finish_reason_to_proto,
     load_report_to_proto,
+    logprobs_from_proto,
     logprobs_to_proto,
     prompt_from_proto,
     sampling_params_from_proto,
 )
-from services.engine import EngineCoreOutput
+from services.engine import EngineCoreOutput, SamplingParams
+from services.metrics import NodeMetrics
 from services.node_config import NodeConfig
 from services.node_runtime import NodeServerRef
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_LEASE_MS = 10_000
+
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, config: NodeConfig, engine: AsyncEngine, server: NodeServerRef) -> None:
+    def __init__(
+        self,
+        config: NodeConfig,
+        engine: AsyncEngine,
+        server: NodeServerRef,
+        transfers: TransferManager | None,
+        metrics: NodeMetrics,
+    ) -> None:
+        """``transfers`` is None on a colocated node, which computes every prompt itself."""
+        self.metrics = metrics
         self.config = config
         self.engine = engine
         self.server = server
+        self.transfers = transfers
 
     async def Generate(
         self, request: decode_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ):
         async with self.server.get().admit(context):
-            if request.kv_source:
+            if request.kv_source and self.transfers is None:
                 await context.abort(
-                    grpc.StatusCode.UNIMPLEMENTED,
-                    "kv_source: receiving KV from a prefill node is not available yet",
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "kv_source: a colocated node computes prompts itself; send no kv_source",
                 )
             try:
                 params = sampling_params_from_proto(request.sampling)
@@ -49,10 +72,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             request_id = request.request_id or f"dec-{uuid.uuid4().hex}"
             prompt = prompt_from_proto(request.prompt_token_ids)
+            if request.kv_source:
+                async for event in self._generate_from_peer(
+                    request, request_id, prompt, params, context
+                ):
+                    yield event
+                return
             num_generated = 0
             last: EngineCoreOutput | None = None
+            arrival = time.monotonic()
             try:
                 async for out in self.engine.generate(request_id, prompt, params):
+                    if num_generated == 0 and out.new_token_ids:
+                        self.metrics.time_to_first_token.observe(time.monotonic() - arrival)
                     last = out
                     num_generated += len(out.new_token_ids)
                     if out.new_token_ids:
@@ -62,6 +94,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             except EngineDeadError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             assert last is not None and last.finish_reason is not None
+            self.metrics.e2e_request_latency.observe(time.monotonic() - arrival)
+            self.metrics.request_finished(last.finish_reason.value)
             yield decode_pb2.GenerateResponse(
                 finished=decode_pb2.Finished(
                     finish_reason=finish_reason_to_proto(last.finish_reason),
@@ -73,11 +107,92 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 )
             )
 
-    async def CommitKv(self, request: kv_pb2.KvCommit, context: grpc.aio.ServicerContext):
-        await context.abort(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"transfer_id {request.transfer_id!r}: this node holds no KV reservations yet",
+    async def _generate_from_peer(
+        self,
+        request: decode_pb2.GenerateRequest,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        context: grpc.aio.ServicerContext,
+    ):
+        assert self.transfers is not None
+        lease_s = (request.lease_ms or DEFAULT_LEASE_MS) / 1000
+        try:
+            transfer = await self.transfers.reserve(request_id, prompt, params, lease_s=lease_s)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineDeadError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        if transfer is None:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"no room for {len(prompt)} prompt tokens (KV blocks or max_num_seqs)",
+            )
+        try:
+            stream = await self.engine.attach(request_id)
+            yield decode_pb2.GenerateResponse(reservation=self._reservation(transfer, lease_s))
+            num_generated = 1  # the first token came from the prefill node
+            last: EngineCoreOutput | None = None
+            async for out in stream:
+                last = out
+                num_generated += len(out.new_token_ids)
+                if out.new_token_ids:
+                    yield decode_pb2.GenerateResponse(tokens=_delta(out))
+            if transfer.state is TransferState.FREED or transfer.state is TransferState.ABORTED:
+                await context.abort(
+                    grpc.StatusCode.ABORTED,
+                    f"KV transfer {transfer.transfer_id} aborted before its commit: "
+                    f"{transfer.abort_reason}",
+                )
+            assert last is not None and last.finish_reason is not None
+            self.metrics.request_finished(last.finish_reason.value)
+            yield decode_pb2.GenerateResponse(
+                finished=decode_pb2.Finished(
+                    finish_reason=finish_reason_to_proto(last.finish_reason),
+                    usage=common_pb2.Usage(
+                        prompt_tokens=len(prompt), completion_tokens=num_generated
+                    ),
+                )
+            )
+        finally:
+            if transfer.state in (TransferState.RESERVED, TransferState.RECEIVING):
+                await self.transfers.abort(transfer.transfer_id, "the Generate stream ended")
+
+    def _reservation(self, transfer: Transfer, lease_s: float) -> kv_pb2.KvReservation:
+        assert self.transfers is not None
+        layout = self.engine.engine.kv_layout
+        deadline = timestamp_pb2.Timestamp()
+        deadline.FromNanoseconds(int((time.time() + lease_s) * 1e9))
+        return kv_pb2.KvReservation(
+            transfer_id=transfer.transfer_id,
+            address=kv_pb2.KvAddress(
+                transport=self.transfers.transport.name,
+                worker_address=self.transfers.transport.address().to_bytes(),
+            ),
+            block_ids=transfer.block_ids,
+            layout_fingerprint=layout.fingerprint,
+            block_size=layout.block_size,
+            num_blocks_total=layout.num_blocks,
+            lease_deadline=deadline,
         )
+
+    async def CommitKv(self, request: kv_pb2.KvCommit, context: grpc.aio.ServicerContext):
+        if self.transfers is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "a colocated node holds no KV reservations"
+            )
+        logprobs = (
+            logprobs_from_proto(request.first_logprobs)
+            if request.HasField("first_logprobs")
+            else None
+        )
+        try:
+            await self.transfers.commit(request.transfer_id, request.first_token_id, logprobs)
+        except CommitRefused as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except EngineDeadError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return kv_pb2.KvCommitAck()
 
     async def Abort(self, request: decode_pb2.AbortRequest, context: grpc.aio.ServicerContext):
         # AsyncEngine.abort, not EngineCore.abort: the request's open stream must end too.

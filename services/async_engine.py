@@ -21,6 +21,7 @@ grpc.aio handlers never block on the engine: they await queues fed by the engine
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -115,6 +116,21 @@ class AsyncEngine:
 
         await self.call(register)
         return self._drain(request_id, stream)
+
+    async def commit(
+        self, request_id: str, first_token_id: int, logprobs: dict[int, float] | None = None
+    ) -> EngineCoreOutput:
+        """``EngineCore.commit`` on the engine thread. The attached stream carries tokens 2..N
+        (the first came from the prefill node); if the first token already ends the request,
+        the stream gets that finish, without the token."""
+
+        def commit_on_engine(engine: EngineCore) -> EngineCoreOutput:
+            output = engine.commit(request_id, first_token_id, logprobs)
+            if output.finished:
+                self._publish([dataclasses.replace(output, new_token_ids=[], new_logprobs=None)])
+            return output
+
+        return await self.call(commit_on_engine)
 
     async def abort(self, request_id: str) -> bool:
         return await self.call(lambda engine: self._abort_on_engine(request_id))

@@ -60,6 +60,8 @@ class NodeServer:
         self._idle = asyncio.Event()
         self._idle.set()
         self._stopped = asyncio.Event()
+        self.background_tasks: list[asyncio.Task[None]] = []
+        """Node-lifetime tasks (metrics refresh, reapers); cancelled when the server stops."""
 
     @property
     def is_draining(self) -> bool:
@@ -105,6 +107,8 @@ class NodeServer:
                 "drain grace over with %d requests in flight: cancelling them", self._in_flight
             )
         await self.server.stop(grace=0)
+        for task in self.background_tasks:
+            task.cancel()
         self._stopped.set()
 
     def install_signal_handlers(self) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from services.async_engine import AsyncEngine
 from services.engine import EngineCore
 from services.grpc_server import NodeServer, Registrar
+from services.metrics import NodeMetrics
 from services.node_config import NodeConfig
 
 logger = logging.getLogger(__name__)
@@ -28,9 +29,9 @@ class NodeServices:
     registrars: Sequence[Registrar]
 
 
-# Given the node's config, its engine and its server (for admit/draining), a role returns the
-# services it serves.
-RoleFactory = Callable[[NodeConfig, AsyncEngine, "NodeServerRef"], NodeServices]
+# Given the node's config, its engine, its server (for admit/draining) and its metrics, a role
+# returns the services it serves.
+RoleFactory = Callable[[NodeConfig, AsyncEngine, "NodeServerRef", NodeMetrics], NodeServices]
 
 
 class NodeServerRef:
@@ -48,7 +49,8 @@ async def start_node(config: NodeConfig, role: RoleFactory) -> tuple[NodeServer,
     engine = AsyncEngine(EngineCore(config.engine))
     engine.start()
     ref = NodeServerRef()
-    services = role(config, engine, ref)
+    metrics = NodeMetrics(str(config.role), config.node_id, config.kv_transport)
+    services = role(config, engine, ref, metrics)
     server = NodeServer(
         config.grpc_address,
         services.service_names,
@@ -57,6 +59,10 @@ async def start_node(config: NodeConfig, role: RoleFactory) -> tuple[NodeServer,
     )
     ref.server = server
     await server.start()
+    if config.metrics_port is not None:
+        metrics.serve(config.metrics_port)
+    # Held by the server object so it lives as long as the node.
+    server.background_tasks.append(asyncio.ensure_future(metrics.refresh_forever(engine)))
     return server, engine
 
 

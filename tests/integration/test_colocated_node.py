@@ -154,7 +154,7 @@ def test_a_cancelled_stream_frees_its_blocks_and_abort_ends_a_stream(tiny_llama_
     run_with_node(tiny_llama_dir, body)
 
 
-def test_kv_source_is_refused_until_kv_transfer_exists(tiny_llama_dir: Path) -> None:
+def test_kv_source_is_refused_by_a_colocated_node(tiny_llama_dir: Path) -> None:
     async def body(stub) -> None:
         request = decode_pb2.GenerateRequest(
             prompt_token_ids=[1, 2], sampling=GREEDY, kv_source="prefill-0:50061"
@@ -162,7 +162,8 @@ def test_kv_source_is_refused_until_kv_transfer_exists(tiny_llama_dir: Path) -> 
         with pytest.raises(grpc.aio.AioRpcError) as error:
             async for _ in stub.Generate(request, timeout=5):
                 pass
-        assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "kv_source" in error.value.details()
 
     run_with_node(tiny_llama_dir, body)
 

@@ -195,3 +195,18 @@ def test_abort_ends_the_stream_with_finish_reason_abort(engine: AsyncEngine) -> 
         assert not await engine.abort("to-abort")
 
     asyncio.run(main())
+
+
+def test_a_commit_whose_first_token_stops_ends_the_attached_stream(engine: AsyncEngine) -> None:
+    async def main() -> None:
+        eos = engine.engine.model_config.eos_token_ids[0]
+        assert await engine.call(lambda e: e.reserve("r", [5, 6, 7], SamplingParams(max_tokens=9)))
+        stream = await engine.attach("r")
+        output = await engine.commit("r", eos)
+        assert output.finish_reason is FinishReason.STOP and output.new_token_ids == [eos]
+        streamed = [out async for out in stream]
+        assert [o.new_token_ids for o in streamed] == [[]]  # tokens 2..N: none
+        assert streamed[-1].finish_reason is FinishReason.STOP
+        assert await engine.call(lambda e: e.stats().num_blocks_used) == 0
+
+    asyncio.run(main())

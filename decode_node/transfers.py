@@ -1,0 +1,217 @@
+"""Decode side of the KV handoff: one state machine per transfer, held where the memory is.
+
+Life cycle of a transfer (design §3):
+
+    RESERVED ──(first inbound byte)──▶ RECEIVING ──commit──▶ COMMITTED ──(request ends)──▶ FREED
+        └──────────────┴──abort / lease expiry / bad commit──▶ ABORTED ──fence ok──▶ FREED
+
+- ``reserve`` takes blocks from the engine for the prompt and gives the transfer a fresh id
+  (a retry is always a new transfer: peers.md #13) and a lease deadline.
+- ``commit`` is accepted only from RESERVED/RECEIVING, and only when the transport itself
+  reports every byte of the transfer DONE: completion is confirmed, never counted (peers.md #2).
+  The request then joins the running batch; its blocks are the request's from here on.
+- ``abort`` (the caller went away, the lease expired, the commit was bad) moves to ABORTED and
+  frees the blocks only after ``fence`` proves that no byte of the transfer can still land
+  (peers.md #1, #3). A fence that times out leaves the blocks quarantined; the reaper retries it.
+- The reaper runs every ``reap_interval_s``: it aborts leases past their deadline and retries
+  quarantined fences. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kv_transfer import KvTransport, TransferStatus
+from services.async_engine import AsyncEngine
+from services.engine import SamplingParams
+from services.metrics import NodeMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class TransferState(enum.Enum):
+    RESERVED = "reserved"
+    RECEIVING = "receiving"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+    FREED = "freed"
+
+
+_OPEN = (TransferState.RESERVED, TransferState.RECEIVING)
+
+
+class CommitRefused(Exception):
+    """A commit that cannot be honoured; ``reason`` says why (the servicer returns
+    FAILED_PRECONDITION). The transfer is aborted when the refusal leaves it unusable."""
+
+
+@dataclass
+class Transfer:
+    transfer_id: str
+    request_id: str
+    block_ids: list[int]
+    lease_deadline: float
+    """time.monotonic() after which an uncommitted reservation is aborted."""
+    state: TransferState = TransferState.RESERVED
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the transfer leaves RESERVED/RECEIVING (committed or aborted)."""
+    abort_reason: str = ""
+
+
+@dataclass
+class TransferCounters:
+    reserved: int = 0
+    committed: int = 0
+    aborted: int = 0
+    expired: int = 0
+    fence_retries: int = 0
+
+
+class TransferManager:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        transport: KvTransport,
+        *,
+        fence_timeout_s: float = 1.0,
+        reap_interval_s: float = 0.1,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: NodeMetrics | None = None,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.transport = transport
+        self.fence_timeout_s = fence_timeout_s
+        self.reap_interval_s = reap_interval_s
+        self.clock = clock
+        self.transfers: dict[str, Transfer] = {}
+        """Transfers not yet FREED (live, committed-but-tracked are dropped at commit)."""
+        self.counters = TransferCounters()
+        self._reaper: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._reaper = asyncio.ensure_future(self._reap_forever())
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
+
+    @property
+    def num_quarantined(self) -> int:
+        return sum(1 for t in self.transfers.values() if t.state is TransferState.ABORTED)
+
+    async def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        lease_s: float,
+    ) -> Transfer | None:
+        """Blocks for the prompt, or None when the engine has no room (RESOURCE_EXHAUSTED).
+        Input errors raise ``ValueError`` naming the field (INVALID_ARGUMENT)."""
+        block_ids = await self.engine.call(
+            lambda engine: engine.reserve(request_id, prompt_token_ids, params)
+        )
+        if block_ids is None:
+            return None
+        transfer = Transfer(
+            transfer_id=f"kv-{uuid.uuid4().hex}",
+            request_id=request_id,
+            block_ids=block_ids,
+            lease_deadline=self.clock() + lease_s,
+        )
+        self.transfers[transfer.transfer_id] = transfer
+        self.counters.reserved += 1
+        return transfer
+
+    async def commit(
+        self, transfer_id: str, first_token_id: int, logprobs: dict[int, float] | None = None
+    ) -> Transfer:
+        transfer = self.transfers.get(transfer_id)
+        if transfer is None:
+            raise CommitRefused(f"transfer_id {transfer_id!r} is unknown or already freed")
+        if transfer.state not in _OPEN:
+            raise CommitRefused(f"transfer {transfer_id} is {transfer.state.value}")
+        status = await asyncio.to_thread(self.transport.wait_inbound, transfer_id, 0.5)
+        if status is not TransferStatus.DONE:
+            seen = status.value if status is not None else "no bytes seen"
+            await self.abort(transfer_id, f"committed before its pages landed ({seen})")
+            raise CommitRefused(f"transfer {transfer_id}: pages not all received ({seen})")
+        try:
+            await self.engine.commit(transfer.request_id, first_token_id, logprobs)
+        except (KeyError, ValueError) as exc:
+            await self.abort(transfer_id, f"commit rejected by the engine: {exc}")
+            raise CommitRefused(str(exc)) from None
+        transfer.state = TransferState.COMMITTED
+        transfer.ended.set()
+        # From here the blocks belong to the running request; the engine frees them at its end.
+        # The transport's record goes too (a late duplicate of this id is refused either way).
+        del self.transfers[transfer_id]
+        self.transport.forget_inbound(transfer_id)
+        self.counters.committed += 1
+        return transfer
+
+    async def abort(self, transfer_id: str, reason: str) -> None:
+        """End an uncommitted transfer; its blocks are freed once the transport is quiet."""
+        transfer = self.transfers.get(transfer_id)
+        if transfer is None or transfer.state not in _OPEN:
+            return
+        logger.info("aborting KV transfer %s of %s: %s", transfer_id, transfer.request_id, reason)
+        transfer.state = TransferState.ABORTED
+        transfer.abort_reason = reason
+        transfer.ended.set()
+        self.counters.aborted += 1
+        if self.metrics is not None:
+            self.metrics.transfer_failed(reason.split(":")[0].replace(" ", "_"))
+        await self._fence_and_free(transfer)
+
+    async def abort_request(self, request_id: str, reason: str) -> None:
+        for transfer in [t for t in self.transfers.values() if t.request_id == request_id]:
+            await self.abort(transfer.transfer_id, reason)
+
+    async def reap(self) -> None:
+        """Abort expired leases; retry the fences of quarantined transfers."""
+        now = self.clock()
+        for transfer in list(self.transfers.values()):
+            if transfer.state is TransferState.ABORTED:
+                self.counters.fence_retries += 1
+                await self._fence_and_free(transfer)
+            elif transfer.state in _OPEN:
+                if self.transport.inbound_status(transfer.transfer_id) is not None:
+                    transfer.state = TransferState.RECEIVING
+                if now >= transfer.lease_deadline:
+                    self.counters.expired += 1
+                    await self.abort(transfer.transfer_id, "lease expired without a commit")
+
+    async def _fence_and_free(self, transfer: Transfer) -> None:
+        quiet = await asyncio.to_thread(
+            self.transport.fence, transfer.transfer_id, self.fence_timeout_s
+        )
+        if not quiet:
+            logger.warning(
+                "transfer %s still has writes in flight: its %d blocks stay quarantined",
+                transfer.transfer_id,
+                len(transfer.block_ids),
+            )
+            return
+        # AsyncEngine.abort: a stream already attached to the request ends with abort.
+        await self.engine.abort(transfer.request_id)
+        transfer.state = TransferState.FREED
+        del self.transfers[transfer.transfer_id]
+        self.transport.forget_inbound(transfer.transfer_id)
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.reap_interval_s)
+            try:
+                await self.reap()
+            except Exception:
+                logger.exception("KV transfer reaper failed; retrying")

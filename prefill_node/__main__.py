@@ -1,0 +1,18 @@
+"""``python -m prefill_node [flags]``: run a prefill node."""
+
+from __future__ import annotations
+
+from prefill_node.role import prefill_services
+from services.node_config import Role, parse_node_config
+from services.node_runtime import run
+
+
+def main() -> None:
+    config = parse_node_config(role=Role.PREFILL)
+    if config.role is not Role.PREFILL:
+        raise SystemExit("prefill_node serves --role prefill; use python -m decode_node")
+    run(config, prefill_services)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""What a prefill node serves: PrefillService over its engine and KV transport."""
+
+from __future__ import annotations
+
+from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
+from prefill_node.servicer import PrefillServicer
+from services.async_engine import AsyncEngine
+from services.kv_regions import open_kv_transport
+from services.metrics import NodeMetrics
+from services.node_config import NodeConfig
+from services.node_runtime import NodeServerRef, NodeServices
+
+SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
+
+
+def prefill_services(
+    config: NodeConfig, engine: AsyncEngine, server: NodeServerRef, metrics: NodeMetrics
+) -> NodeServices:
+    transport = open_kv_transport(config.kv_transport, engine.engine.kv_caches)
+    metrics.transport_lanes(transport.info().lanes)
+    servicer = PrefillServicer(config, engine, server, transport, metrics)
+    return NodeServices(
+        service_names=[SERVICE_NAME],
+        registrars=[lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, s)],
+    )

@@ -1,0 +1,221 @@
+"""PrefillService over an ``AsyncEngine`` and a KV transport.
+
+One Prefill call (design §2): validate → check the destination's layout fingerprint (refused
+with FAILED_PRECONDITION before any byte moves) → compute the prompt with ``hold_kv`` (chunked,
+prefix-cached) → push its pages into the decode node's reserved blocks → commit to the decode
+node → release the blocks → return the first token and timings.
+
+Cancellation at any point cancels the push; the blocks are released only once the writer's
+handle is terminal (nothing of ours still reads them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+
+import grpc
+
+from kv_transfer import KvTransport, PeerAddress, TransferHandle
+from pdserve.v1 import common_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc
+from services.async_engine import AsyncEngine, EngineDeadError
+from services.convert import (
+    finish_reason_to_proto,
+    load_report_to_proto,
+    logprobs_to_proto,
+    prompt_from_proto,
+    sampling_params_from_proto,
+)
+from services.engine import EngineCoreOutput
+from services.engine.kv_layout import KvLayout, layer_copies
+from services.kv_regions import to_page_copies
+from services.metrics import NodeMetrics
+from services.node_config import NodeConfig
+from services.node_runtime import NodeServerRef
+
+logger = logging.getLogger(__name__)
+
+PUSH_TIMEOUT_S = 30.0
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    def __init__(
+        self,
+        config: NodeConfig,
+        engine: AsyncEngine,
+        server: NodeServerRef,
+        transport: KvTransport,
+        metrics: NodeMetrics,
+    ) -> None:
+        self.metrics = metrics
+        self.config = config
+        self.engine = engine
+        self.server = server
+        self.transport = transport
+        self.layout: KvLayout = engine.engine.kv_layout
+        self._decode_channels: dict[str, grpc.aio.Channel] = {}
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        async with self.server.get().admit(context):
+            try:
+                params = sampling_params_from_proto(request.sampling)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            destination = request.destination if request.HasField("destination") else None
+            if destination is not None:
+                await self._check_destination(destination, context)
+            request_id = request.request_id or f"pre-{uuid.uuid4().hex}"
+            started = time.monotonic()
+            # Only the first token is sampled here; the decode node samples the rest.
+            first_params = dataclasses.replace(params, max_tokens=1, min_tokens=0)
+            first = await self._first_token(request_id, request, first_params, destination, context)
+            compute_s = time.monotonic() - started
+            self.metrics.time_to_first_token.observe(compute_s)
+            try:
+                pushed, push_s = 0, 0.0
+                if destination is not None:
+                    pushed, push_s = await self._push(request_id, destination, context)
+                    await self._commit(request, destination, first, context)
+            finally:
+                await self._release(request_id)
+            result = prefill_pb2.PrefillResult(
+                first_token_id=first.new_token_ids[0],
+                cached_prompt_tokens=first.num_cached_tokens,
+                kv_bytes_pushed=pushed,
+                timings=common_pb2.StageTimings(prefill_compute_s=compute_s, kv_transfer_s=push_s),
+            )
+            if first.new_logprobs:
+                result.first_logprobs.CopyFrom(
+                    logprobs_to_proto(first.new_token_ids[0], first.new_logprobs[0])
+                )
+            # The first token may already end the request (EOS, max_tokens=1).
+            if first.finish_reason is not None and _stops_for_good(first, params.max_tokens):
+                result.finish_reason = finish_reason_to_proto(first.finish_reason)
+            return result
+
+    async def GetLoad(self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
+        try:
+            stats = await self.engine.call(lambda engine: engine.stats())
+        except EngineDeadError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return load_report_to_proto(
+            stats,
+            node_id=self.config.node_id,
+            role=str(self.config.role),
+            fingerprint=self.layout.fingerprint,
+            draining=self.server.get().is_draining,
+        )
+
+    async def _check_destination(
+        self, destination: kv_pb2.KvReservation, context: grpc.aio.ServicerContext
+    ) -> None:
+        if destination.layout_fingerprint != self.layout.fingerprint:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"destination.layout_fingerprint {destination.layout_fingerprint!r} does not "
+                f"match this node's {self.layout.fingerprint!r} (model, dtype, block size or "
+                "KV shape differ)",
+            )
+        if destination.address.transport != self.transport.name:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"destination.address.transport is {destination.address.transport!r}, this "
+                f"node pushes with {self.transport.name!r}",
+            )
+
+    async def _first_token(
+        self, request_id, request, first_params, destination, context
+    ) -> EngineCoreOutput:
+        prompt = prompt_from_proto(request.prompt_token_ids)
+        if destination is not None and len(destination.block_ids) != -(
+            -len(prompt) // self.layout.block_size
+        ):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"destination.block_ids has {len(destination.block_ids)} blocks for a prompt of "
+                f"{len(prompt)} tokens (block size {self.layout.block_size})",
+            )
+        try:
+            outputs = [
+                out
+                async for out in self.engine.generate(
+                    request_id, prompt, first_params, hold_kv=destination is not None
+                )
+            ]
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineDeadError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return outputs[-1]
+
+    async def _push(
+        self, request_id: str, destination: kv_pb2.KvReservation, context
+    ) -> tuple[int, float]:
+        peer = PeerAddress.from_bytes(destination.address.worker_address)
+        dst_layout = dataclasses.replace(self.layout, num_blocks=destination.num_blocks_total)
+        src_blocks = await self.engine.call(lambda engine: engine.kv_block_ids(request_id))
+        copies = layer_copies(self.layout, src_blocks, dst_layout, list(destination.block_ids))
+        pages = to_page_copies(copies)
+        started = time.monotonic()
+        try:
+            await asyncio.to_thread(self.transport.connect, peer)
+            handle: TransferHandle = self.transport.write(
+                peer,
+                pages,
+                transfer_id=destination.transfer_id,
+                deadline=time.monotonic() + PUSH_TIMEOUT_S,
+            )
+        except (ConnectionError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push failed to start: {exc}")
+        try:
+            status = await handle.wait_async(PUSH_TIMEOUT_S)
+        except asyncio.CancelledError:
+            handle.cancel()
+            await asyncio.shield(handle.wait_async(PUSH_TIMEOUT_S))
+            raise
+        if status.value != "done":
+            self.metrics.transfer_failed(status.value)
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"KV push of transfer {destination.transfer_id} ended {status.value}: "
+                f"{handle.error}",
+            )
+        seconds = time.monotonic() - started
+        self.metrics.kv_transfer_seconds.observe(seconds)
+        self.metrics.kv_transfer_bytes.observe(handle.bytes_moved)
+        return handle.bytes_moved, seconds
+
+    async def _commit(self, request, destination, first: EngineCoreOutput, context) -> None:
+        channel = self._decode_channels.get(request.decode_target)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(request.decode_target)
+            self._decode_channels[request.decode_target] = channel
+        commit = kv_pb2.KvCommit(
+            transfer_id=destination.transfer_id,
+            first_token_id=first.new_token_ids[0],
+            cached_prompt_tokens=first.num_cached_tokens,
+        )
+        if first.new_logprobs:
+            commit.first_logprobs.CopyFrom(
+                logprobs_to_proto(first.new_token_ids[0], first.new_logprobs[0])
+            )
+        try:
+            await decode_pb2_grpc.DecodeServiceStub(channel).CommitKv(commit, timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(
+                exc.code() if exc.code() != grpc.StatusCode.OK else grpc.StatusCode.UNKNOWN,
+                f"commit to {request.decode_target} failed: {exc.details()}",
+            )
+
+    async def _release(self, request_id: str) -> None:
+        with contextlib.suppress(EngineDeadError):
+            await self.engine.call(lambda engine: engine.release_kv(request_id))
+
+
+def _stops_for_good(first: EngineCoreOutput, max_tokens: int) -> bool:
+    """The prefill ran with max_tokens=1, so 'length' only ends the request if it asked for 1."""
+    return first.finish_reason.value != "length" or max_tokens == 1

@@ -1,0 +1,107 @@
+"""A node's Prometheus metrics (design §7), under the ``pdserve:`` prefix vLLM users know.
+
+One ``NodeMetrics`` per node, on its own registry (several nodes can share a test process), every
+series labelled by ``role`` and ``node``. Gauges are refreshed from ``EngineStats`` by a periodic
+task; latencies, transfer sizes and failures are observed where they happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from services.async_engine import AsyncEngine, EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_BYTES_BUCKETS = tuple(float(2**k) for k in range(16, 32, 2))  # 64 KiB .. 1 GiB
+
+
+class NodeMetrics:
+    def __init__(self, role: str, node_id: str, transport: str | None = None) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"role": role, "node": node_id}
+        names = list(labels)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"pdserve:{name}", doc, names, registry=self.registry).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets=_LATENCY_BUCKETS) -> Histogram:
+            metric = Histogram(
+                f"pdserve:{name}", doc, names, registry=self.registry, buckets=buckets
+            )
+            return metric.labels(**labels)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be admitted")
+        self.num_requests_reserved = gauge(
+            "num_requests_reserved", "Decode: requests holding blocks while their KV arrives"
+        )
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use")
+        self.prefix_cache_hit_rate = gauge(
+            "prefix_cache_hit_rate", "Prompt tokens served by the prefix cache / tokens looked up"
+        )
+        self.num_preemptions = gauge("num_preemptions_total", "Preemptions since start")
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Request arrival to first token"
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Request arrival to its last token"
+        )
+        self.requests_finished = Counter(
+            "pdserve:request_success", "Finished requests by finish reason",
+            [*names, "finished_reason"], registry=self.registry,
+        )  # fmt: skip
+        self._labels = labels
+        transfer_labels = [*names, "transport"]
+        self.kv_transfer_seconds = Histogram(
+            "pdserve:kv_transfer_seconds", "Time to push one request's KV pages",
+            transfer_labels, registry=self.registry, buckets=_LATENCY_BUCKETS,
+        ).labels(**labels, transport=transport or "none")  # fmt: skip
+        self.kv_transfer_bytes = Histogram(
+            "pdserve:kv_transfer_bytes", "Bytes of one request's KV pages",
+            transfer_labels, registry=self.registry, buckets=_BYTES_BUCKETS,
+        ).labels(**labels, transport=transport or "none")  # fmt: skip
+        self.kv_transfer_failures = Counter(
+            "pdserve:kv_transfer_failures", "KV transfers that did not complete, by reason",
+            [*transfer_labels, "reason"], registry=self.registry,
+        )  # fmt: skip
+        self._transport = transport or "none"
+        self.kv_transport_info = Gauge(
+            "pdserve:kv_transport_info", "The KV transport and lanes the self-test found (1)",
+            [*transfer_labels, "lanes"], registry=self.registry,
+        )  # fmt: skip
+
+    def request_finished(self, reason: str) -> None:
+        self.requests_finished.labels(**self._labels, finished_reason=reason).inc()
+
+    def transfer_failed(self, reason: str) -> None:
+        self.kv_transfer_failures.labels(
+            **self._labels, transport=self._transport, reason=reason
+        ).inc()
+
+    def transport_lanes(self, lanes: list[str]) -> None:
+        self.kv_transport_info.labels(
+            **self._labels, transport=self._transport, lanes=",".join(lanes)
+        ).set(1)
+
+    def serve(self, port: int) -> None:
+        start_http_server(port, registry=self.registry)
+        logger.info("metrics on :%d/metrics", port)
+
+    async def refresh_forever(self, engine: AsyncEngine, interval_s: float = 0.5) -> None:
+        while True:
+            try:
+                stats = await engine.call(lambda e: e.stats())
+            except EngineDeadError:
+                return
+            self.num_requests_running.set(stats.num_running)
+            self.num_requests_waiting.set(stats.num_waiting)
+            self.num_requests_reserved.set(stats.num_reserved)
+            self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+            self.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate)
+            self.num_preemptions.set(stats.num_preemptions_total)
+            await asyncio.sleep(interval_s)

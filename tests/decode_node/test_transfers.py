@@ -1,0 +1,230 @@
+"""The decode side's KV transfer state machine over the loopback transport.
+
+A prefill engine in the same process plays the prefill node: it computes each prompt with
+``hold_kv`` and pushes its pages through a loopback transport into the blocks the decode node's
+TransferManager reserved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from decode_node.transfers import CommitRefused, TransferManager, TransferState
+from kv_transfer import LoopbackFaults, LoopbackTransport, PageCopy, make_transport
+from services.async_engine import AsyncEngine
+from services.engine import LLM, EngineCore, FinishReason, SamplingParams
+from services.engine.kv_layout import layer_copies
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(model_dir: Path, kv_bytes: int) -> EngineCore:
+    return LLM(model_dir, dtype="float32", max_model_len=256, kv_cache_memory=kv_bytes).engine
+
+
+def register_kv(transport, engine: EngineCore) -> None:
+    for layer, cache in enumerate(engine.kv_caches):
+        transport.register(f"kv.layer{layer}", cache.view(-1).view(torch.uint8).numpy())
+
+
+class Pair:
+    """A prefill engine + writer transport and a decode AsyncEngine + TransferManager."""
+
+    def __init__(self, model_dir: Path, faults: LoopbackFaults | None = None, **manager_kw):
+        self.prefill = make_engine(model_dir, 3 << 20)
+        self.writer = LoopbackTransport(faults)
+        register_kv(self.writer, self.prefill)
+        decode_engine = make_engine(model_dir, 5 << 20)
+        self.receiver = make_transport("loopback")
+        register_kv(self.receiver, decode_engine)
+        self.decode = AsyncEngine(decode_engine)
+        self.decode.start()
+        self.manager = TransferManager(self.decode, self.receiver, **manager_kw)
+
+    def first_token(self, request_id: str, prompt: list[int]) -> int:
+        self.prefill.add_request(request_id, prompt, FIRST, hold_kv=True)
+        while self.prefill.has_unfinished_requests:
+            for out in self.prefill.step():
+                token = out.new_token_ids[0]
+        return token
+
+    def push(self, request_id: str, transfer, timeout: float = 5.0):
+        copies = layer_copies(
+            self.prefill.kv_layout,
+            self.prefill.kv_block_ids(request_id),
+            self.decode.engine.kv_layout,
+            transfer.block_ids,
+        )
+        pages = [
+            PageCopy(
+                f"kv.layer{c.layer}", c.src_offset, f"kv.layer{c.layer}", c.dst_offset, c.length
+            )
+            for c in copies
+        ]
+        peer = self.receiver.address()
+        self.writer.connect(peer)
+        return self.writer.write(
+            peer, pages, transfer_id=transfer.transfer_id, deadline=time.monotonic() + timeout
+        )
+
+    async def decode_blocks_used(self) -> int:
+        return await self.decode.call(lambda e: e.stats().num_blocks_used)
+
+    def close(self) -> None:
+        self.decode.shutdown()
+        self.writer.close()
+        self.receiver.close()
+
+
+@pytest.fixture
+def pair(tiny_llama_dir: Path):
+    pair = Pair(tiny_llama_dir)
+    yield pair
+    pair.close()
+
+
+def test_reserve_push_commit_streams_the_single_engine_tokens(pair: Pair, tiny_llama_dir) -> None:
+    prompt = list(range(200, 250))
+    [expected] = LLM(tiny_llama_dir, dtype="float32", max_model_len=256).generate([prompt], GREEDY)
+
+    async def main() -> list[int]:
+        transfer = await pair.manager.reserve("r1", prompt, GREEDY, lease_s=10)
+        assert transfer is not None and transfer.state is TransferState.RESERVED
+        first = pair.first_token("r1", prompt)
+        handle = pair.push("r1", transfer)
+        assert await handle.wait_async(5) is not None and handle.status.value == "done"
+        pair.prefill.release_kv("r1")
+        stream = await pair.decode.attach("r1")
+        await pair.manager.commit(transfer.transfer_id, first)
+        assert transfer.state is TransferState.COMMITTED and not pair.manager.transfers
+        tokens = [first]
+        async for out in stream:
+            tokens.extend(out.new_token_ids)
+        return tokens
+
+    assert asyncio.run(main()) == expected.token_ids
+    assert pair.prefill.stats().num_blocks_used == 0
+    assert asyncio.run(pair.decode_blocks_used()) == 0
+
+
+def test_a_commit_before_the_pages_landed_is_refused_and_frees(pair: Pair) -> None:
+    async def main() -> None:
+        transfer = await pair.manager.reserve("early", [5, 6, 7], GREEDY, lease_s=10)
+        with pytest.raises(CommitRefused, match="pages not all received"):
+            await pair.manager.commit(transfer.transfer_id, 11)
+        assert transfer.state is TransferState.FREED
+        assert await pair.decode_blocks_used() == 0
+        with pytest.raises(CommitRefused, match="unknown or already freed"):
+            await pair.manager.commit(transfer.transfer_id, 11)
+
+    asyncio.run(main())
+
+
+def test_an_expired_lease_is_freed_and_a_late_write_never_lands(pair: Pair) -> None:
+    prompt = list(range(300, 340))
+
+    async def main() -> None:
+        transfer = await pair.manager.reserve("slow", prompt, GREEDY, lease_s=0.0)
+        await pair.manager.reap()
+        assert transfer.state is TransferState.FREED and pair.manager.counters.expired == 1
+        assert await pair.decode_blocks_used() == 0
+        # The prefill node finishes late and pushes anyway: the fenced id is refused.
+        pair.first_token("slow", prompt)
+        before = [cache.clone() for cache in pair.decode.engine.kv_caches]
+        handle = pair.push("slow", transfer)
+        assert handle.wait(5).value != "done"
+        after = pair.decode.engine.kv_caches
+        assert all(torch.equal(b, a) for b, a in zip(before, after, strict=True))
+        pair.prefill.release_kv("slow")
+
+    asyncio.run(main())
+
+
+def test_aborting_mid_transfer_fences_before_freeing(tiny_llama_dir: Path) -> None:
+    pair = Pair(tiny_llama_dir, LoopbackFaults(stall=True))
+    prompt = list(range(400, 480))
+    try:
+
+        async def main() -> None:
+            transfer = await pair.manager.reserve("cut", prompt, GREEDY, lease_s=10)
+            pair.first_token("cut", prompt)
+            handle = pair.push("cut", transfer)
+            await asyncio.sleep(0.05)  # the push has started and never finishes
+            assert not handle.status.is_terminal
+            await pair.manager.abort_request("cut", "client disconnected")
+            assert transfer.state is TransferState.FREED
+            assert await pair.decode_blocks_used() == 0
+            status = await handle.wait_async(5)
+            assert status.is_terminal and status.value != "done"
+            pair.prefill.release_kv("cut")
+
+        asyncio.run(main())
+    finally:
+        pair.close()
+
+
+class StubbornFence:
+    """Wraps a transport whose fence reports writes in flight the first ``busy`` times."""
+
+    def __init__(self, inner, busy: int) -> None:
+        self.inner, self.busy = inner, busy
+
+    def fence(self, transfer_id: str, timeout: float) -> bool:
+        if self.busy:
+            self.busy -= 1
+            return False
+        return self.inner.fence(transfer_id, timeout)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def test_blocks_stay_quarantined_until_the_fence_succeeds(pair: Pair) -> None:
+    pair.manager.transport = StubbornFence(pair.receiver, busy=2)
+
+    async def main() -> None:
+        transfer = await pair.manager.reserve("q", [5, 6, 7, 8], GREEDY, lease_s=10)
+        await pair.manager.abort(transfer.transfer_id, "test")
+        assert transfer.state is TransferState.ABORTED and pair.manager.num_quarantined == 1
+        assert await pair.decode_blocks_used() > 0  # never reused while a write may land
+        await pair.manager.reap()  # second refusal
+        assert await pair.decode_blocks_used() > 0
+        await pair.manager.reap()
+        assert transfer.state is TransferState.FREED and await pair.decode_blocks_used() == 0
+        assert pair.manager.counters.fence_retries == 2
+
+    asyncio.run(main())
+
+
+def test_no_room_is_none_and_an_attached_stream_ends_on_abort(pair: Pair) -> None:
+    async def main() -> None:
+        transfers = []
+        while t := await pair.manager.reserve(
+            f"fill{len(transfers)}", [7] * 200, GREEDY, lease_s=10
+        ):
+            transfers.append(t)
+        assert transfers  # some fitted, then the engine said no
+        stream = await pair.decode.attach(transfers[0].request_id)
+        for t in transfers:
+            await pair.manager.abort(t.transfer_id, "test")
+        outputs = [out async for out in stream]
+        assert outputs[-1].finish_reason is FinishReason.ABORT
+        assert await pair.decode_blocks_used() == 0
+
+    asyncio.run(main())
+
+
+def test_the_transport_forgets_ended_transfers(pair: Pair) -> None:
+    async def main() -> None:
+        for i in range(3):
+            transfer = await pair.manager.reserve(f"f{i}", [5, 6, 7], GREEDY, lease_s=10)
+            await pair.manager.abort(transfer.transfer_id, "test")
+            assert pair.receiver.inbound_status(transfer.transfer_id) is None
+
+    asyncio.run(main())

@@ -1,0 +1,265 @@
+"""A prefill node and a decode node over real gRPC on localhost, KV pages moved by a transport.
+
+The client plays the gateway's part of design §2: open Decode.Generate (its first event is the
+KV reservation), call Prefill with that reservation as the destination, take the first token
+from the prefill result and tokens 2..N from the decode stream. Both nodes run in this process
+with the loopback transport (the UCX transport between processes has its own suite).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import socket
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from decode_node.role import decode_services
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from prefill_node.role import prefill_services
+from services.engine import LLM, SamplingParams
+from services.node_config import Role, parse_node_config
+from services.node_runtime import start_node
+
+MAX_MODEL_LEN = 256
+GREEDY = common_pb2.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read().decode()
+
+
+def argv(model_dir: Path, role: str, kv_memory: str, *extra: str) -> list[str]:
+    return [
+        *extra,
+        "--role", role, "--model", str(model_dir), "--dtype", "float32", "--host", "127.0.0.1",
+        "--grpc-port", "0", "--kv-transport", "loopback", "--max-model-len", str(MAX_MODEL_LEN),
+        "--kv-cache-memory", kv_memory, "--max-num-batched-tokens", "64", "--drain-grace-s", "1",
+    ]  # fmt: skip
+
+
+class Cluster:
+    def __init__(self, prefill, decode) -> None:
+        (self.prefill_server, self.prefill_engine), (self.decode_server, self.decode_engine) = (
+            prefill,
+            decode,
+        )
+        self.decode_address = f"127.0.0.1:{self.decode_server.port}"
+        self.prefill_channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.prefill_server.port}")
+        self.decode_channel = grpc.aio.insecure_channel(self.decode_address)
+        self.prefill = prefill_pb2_grpc.PrefillServiceStub(self.prefill_channel)
+        self.decode = decode_pb2_grpc.DecodeServiceStub(self.decode_channel)
+
+    async def generate(self, request_id: str, prompt: list[int], sampling=GREEDY, tamper=None):
+        """The gateway's two legs; returns (tokens, finished event)."""
+        stream = self.decode.Generate(
+            decode_pb2.GenerateRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                kv_source="prefill",
+                lease_ms=5000,
+            ),
+            timeout=30,
+        )
+        first_event = await stream.read()
+        reservation = first_event.reservation
+        if tamper is not None:
+            tamper(reservation)
+        try:
+            result = await self.prefill.Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id=request_id,
+                    prompt_token_ids=prompt,
+                    sampling=sampling,
+                    destination=reservation,
+                    decode_target=self.decode_address,
+                ),
+                timeout=30,
+            )
+        except grpc.aio.AioRpcError:
+            stream.cancel()
+            raise
+        tokens, finished = [result.first_token_id], None
+        while (event := await stream.read()) is not grpc.aio.EOF:
+            if event.WhichOneof("event") == "tokens":
+                tokens.extend(event.tokens.token_ids)
+            else:
+                finished = event.finished
+        return tokens, finished
+
+    async def blocks_in_use(self) -> tuple[int, int]:
+        request = common_pb2.GetLoadRequest()
+        prefill = await self.prefill.GetLoad(request, timeout=5)
+        decode = await self.decode.GetLoad(request, timeout=5)
+        return prefill.kv_blocks_used, decode.kv_blocks_used
+
+    async def wait_all_free(self) -> None:
+        for _ in range(300):
+            if await self.blocks_in_use() == (0, 0):
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"blocks still in use: {await self.blocks_in_use()}")
+
+    async def close(self) -> None:
+        await self.prefill_channel.close()
+        await self.decode_channel.close()
+        for server, engine in (
+            (self.prefill_server, self.prefill_engine),
+            (self.decode_server, self.decode_engine),
+        ):
+            await server.drain()
+            engine.shutdown()
+
+
+def run_cluster(model_dir: Path, body, metrics_ports: tuple[int, int] | None = None) -> None:
+    prefill_extra, decode_extra = (
+        (("--metrics-port", str(metrics_ports[0])), ("--metrics-port", str(metrics_ports[1])))
+        if metrics_ports
+        else ((), ())
+    )
+
+    async def main() -> None:
+        prefill = await start_node(
+            parse_node_config(
+                argv(model_dir, "prefill", "3MiB", *prefill_extra), {}, role=Role.PREFILL
+            ),
+            prefill_services,
+        )
+        decode = await start_node(
+            parse_node_config(
+                argv(model_dir, "decode", "5MiB", *decode_extra), {}, role=Role.DECODE
+            ),
+            decode_services,
+        )
+        cluster = Cluster(prefill, decode)
+        try:
+            await body(cluster)
+        finally:
+            await cluster.close()
+
+    asyncio.run(main())
+
+
+def test_concurrent_disaggregated_requests_equal_the_single_engine(tiny_llama_dir: Path) -> None:
+    rng = random.Random(11)
+    prompts = [[rng.randrange(5, 4096) for _ in range(n)] for n in (1, 16, 17, 70, 130, 40)]
+    offline = LLM(tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in offline.generate(prompts, params)]
+
+    async def body(cluster: Cluster) -> None:
+        results = await asyncio.gather(
+            *(cluster.generate(f"req-{i}", p) for i, p in enumerate(prompts))
+        )
+        assert [tokens for tokens, _ in results] == expected
+        assert all(f.finish_reason == common_pb2.FINISH_REASON_LENGTH for _, f in results)
+        assert all(f.usage.completion_tokens == 10 for _, f in results)
+        await cluster.wait_all_free()
+
+    run_cluster(tiny_llama_dir, body)
+
+
+def test_fingerprint_mismatch_is_refused_before_any_byte_moves(tiny_llama_dir: Path) -> None:
+    def tamper(reservation) -> None:
+        reservation.layout_fingerprint = "0" * 16
+
+    async def body(cluster: Cluster) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await cluster.generate("mismatch", list(range(10, 40)), tamper=tamper)
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "layout_fingerprint" in error.value.details()
+        await cluster.wait_all_free()  # the cancelled decode stream freed its reservation
+
+    run_cluster(tiny_llama_dir, body)
+
+
+def test_a_reservation_whose_commit_never_comes_expires(tiny_llama_dir: Path) -> None:
+    async def body(cluster: Cluster) -> None:
+        stream = cluster.decode.Generate(
+            decode_pb2.GenerateRequest(
+                request_id="orphan",
+                prompt_token_ids=list(range(10, 50)),
+                sampling=GREEDY,
+                kv_source="prefill",
+                lease_ms=200,
+            ),
+            timeout=30,
+        )
+        assert (await stream.read()).WhichOneof("event") == "reservation"
+        assert (await cluster.blocks_in_use())[1] > 0
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stream.read()
+        assert error.value.code() == grpc.StatusCode.ABORTED
+        assert "lease expired" in error.value.details()
+        await cluster.wait_all_free()
+
+    run_cluster(tiny_llama_dir, body)
+
+
+def test_bad_requests_and_a_full_decode(tiny_llama_dir: Path) -> None:
+    async def body(cluster: Cluster) -> None:
+        bad = common_pb2.SamplingParams(top_p=2.0)
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await cluster.generate("bad", [1, 2, 3], sampling=bad)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sampling.top_p" in error.value.details()
+        # A prompt the decode node has no room for is refused with RESOURCE_EXHAUSTED.
+        streams = []
+        for i in range(20):
+            stream = cluster.decode.Generate(
+                decode_pb2.GenerateRequest(
+                    request_id=f"fill-{i}",
+                    prompt_token_ids=[7] * 250,
+                    sampling=GREEDY,
+                    kv_source="prefill",
+                ),
+                timeout=30,
+            )
+            try:
+                await stream.read()
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                break
+            streams.append(stream)
+        else:
+            raise AssertionError("the decode node never ran out of room")
+        for stream in streams:
+            stream.cancel()
+        await cluster.wait_all_free()
+
+    run_cluster(tiny_llama_dir, body)
+
+
+def test_both_nodes_export_prometheus_metrics(tiny_llama_dir: Path) -> None:
+    ports = (free_port(), free_port())
+
+    async def body(cluster: Cluster) -> None:
+        for i in range(3):
+            await cluster.generate(f"m{i}", list(range(10 + i, 60 + i)))
+        await cluster.wait_all_free()
+        await asyncio.sleep(0.6)  # one gauge refresh
+        prefill, decode = scrape(ports[0]), scrape(ports[1])
+        assert re.search(
+            r'pdserve:kv_transfer_bytes_count\{[^}]*role="prefill"[^}]*\} 3\.0', prefill
+        )
+        assert re.search(r"pdserve:time_to_first_token_seconds_count\{[^}]*\} 3\.0", prefill)
+        assert "pdserve:kv_transport_info{" in prefill and 'lanes="' in prefill
+        assert re.search(
+            r'pdserve:request_success_total\{[^}]*finished_reason="length"[^}]*\} 3\.0', decode
+        )
+        for name in ("kv_cache_usage_perc", "num_requests_running", "prefix_cache_hit_rate"):
+            assert re.search(rf'pdserve:{name}\{{[^}}]*role="decode"[^}}]*\}} 0\.0', decode), name
+
+    run_cluster(tiny_llama_dir, body, metrics_ports=ports)
