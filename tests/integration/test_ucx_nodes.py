@@ -1,0 +1,199 @@
+"""Prefill and decode nodes as separate processes, KV pages moved over UCX (shared memory on
+this host), driven the way the gateway will drive them."""
+
+from __future__ import annotations
+
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from services.engine import LLM, SamplingParams
+
+MAX_MODEL_LEN = 256
+GREEDY = common_pb2.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class NodeProcess:
+    def __init__(self, module: str, role: str, model_dir: Path, kv_memory: str) -> None:
+        self.port = free_port()
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                module,
+                "--role",
+                role,
+                "--model",
+                str(model_dir),
+                "--dtype",
+                "float32",
+                "--host",
+                "127.0.0.1",
+                "--grpc-port",
+                str(self.port),
+                "--kv-transport",
+                "ucx",
+                "--max-model-len",
+                str(MAX_MODEL_LEN),
+                "--kv-cache-memory",
+                kv_memory,
+                "--drain-grace-s",
+                "2",
+            ],  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.address = f"127.0.0.1:{self.port}"
+        self.channel = grpc.insecure_channel(self.address)
+
+    def wait_healthy(self, timeout_s: float = 90) -> None:
+        health = health_pb2_grpc.HealthStub(self.channel)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.process.stdout.read()
+            try:
+                request = health_pb2.HealthCheckRequest(service="")
+                if (
+                    health.Check(request, timeout=1).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"{self.address} not healthy in {timeout_s} s")
+
+    def stop(self) -> int:
+        self.channel.close()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=30)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def nodes(tiny_llama_dir: Path):
+    prefill = NodeProcess("prefill_node", "prefill", tiny_llama_dir, "3MiB")
+    decode = NodeProcess("decode_node", "decode", tiny_llama_dir, "5MiB")
+    try:
+        prefill.wait_healthy()
+        decode.wait_healthy()
+        yield prefill, decode
+    finally:
+        prefill_code, decode_code = prefill.stop(), decode.stop()
+    assert decode_code == 0  # drained on SIGTERM
+    assert prefill_code in (0, -signal.SIGKILL)  # the last test kills it
+
+
+def disaggregated_generate(prefill: NodeProcess, decode: NodeProcess, request_id, prompt):
+    decode_stub = decode_pb2_grpc.DecodeServiceStub(decode.channel)
+    stream = decode_stub.Generate(
+        decode_pb2.GenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=GREEDY,
+            kv_source=prefill.address,
+            lease_ms=20_000,
+        ),
+        timeout=60,
+    )
+    reservation = next(stream).reservation
+    result = prefill_pb2_grpc.PrefillServiceStub(prefill.channel).Prefill(
+        prefill_pb2.PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=GREEDY,
+            destination=reservation,
+            decode_target=decode.address,
+        ),
+        timeout=60,
+    )
+    tokens = [result.first_token_id]
+    for event in stream:
+        tokens.extend(event.tokens.token_ids)
+    return tokens, result
+
+
+def blocks_in_use(node: NodeProcess) -> int:
+    for stub_class in (decode_pb2_grpc.DecodeServiceStub, prefill_pb2_grpc.PrefillServiceStub):
+        try:
+            report = stub_class(node.channel).GetLoad(common_pb2.GetLoadRequest(), timeout=5)
+            return report.kv_blocks_used
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+    raise AssertionError("no GetLoad")
+
+
+def wait_free(node: NodeProcess) -> None:
+    for _ in range(300):
+        if blocks_in_use(node) == 0:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{node.address} still holds {blocks_in_use(node)} blocks")
+
+
+def test_concurrent_requests_over_ucx_equal_the_single_engine(nodes, tiny_llama_dir) -> None:
+    prefill, decode = nodes
+    rng = random.Random(21)
+    prompts = [[rng.randrange(5, 4096) for _ in range(n)] for n in (3, 16, 45, 120, 200, 77)]
+    offline = LLM(tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in offline.generate(prompts, params)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [
+            pool.submit(disaggregated_generate, prefill, decode, f"u{i}", p)
+            for i, p in enumerate(prompts)
+        ]
+        results = [f.result() for f in futures]
+    assert [tokens for tokens, _ in results] == expected
+    assert all(result.kv_bytes_pushed > 0 for _, result in results)
+    wait_free(prefill)
+    wait_free(decode)
+
+
+def test_a_killed_prefill_node_leaves_no_decode_blocks(nodes, tiny_llama_dir) -> None:
+    prefill, decode = nodes
+    decode_stub = decode_pb2_grpc.DecodeServiceStub(decode.channel)
+    stream = decode_stub.Generate(
+        decode_pb2.GenerateRequest(
+            request_id="orphaned",
+            prompt_token_ids=list(range(20, 90)),
+            sampling=GREEDY,
+            kv_source=prefill.address,
+            lease_ms=500,
+        ),
+        timeout=30,
+    )
+    assert next(stream).WhichOneof("event") == "reservation"
+    assert blocks_in_use(decode) > 0
+    prefill.process.send_signal(signal.SIGKILL)  # the commit will never come
+    with pytest.raises(grpc.RpcError) as error:
+        next(stream)
+    assert error.value.code() == grpc.StatusCode.ABORTED
+    wait_free(decode)
+    # The decode node stays healthy and serves the next (colocated-style) check.
+    health = health_pb2_grpc.HealthStub(decode.channel)
+    status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
