@@ -263,3 +263,40 @@ def test_both_nodes_export_prometheus_metrics(tiny_llama_dir: Path) -> None:
             assert re.search(rf'pdserve:{name}\{{[^}}]*role="decode"[^}}]*\}} 0\.0', decode), name
 
     run_cluster(tiny_llama_dir, body, metrics_ports=ports)
+
+
+def test_cancelling_both_legs_mid_prefill_frees_both_nodes(tiny_llama_dir: Path) -> None:
+    """The gateway's client disconnects 10 ms into the prefill: it may still be computing,
+    pushing or committing (the tiny model is fast, so which one varies); in every case both
+    nodes end with no blocks in use and keep serving."""
+
+    async def body(cluster: Cluster) -> None:
+        prompt = list(range(10, 250))  # several 64-token chunks on the prefill node
+        stream = cluster.decode.Generate(
+            decode_pb2.GenerateRequest(
+                request_id="gone",
+                prompt_token_ids=prompt,
+                sampling=GREEDY,
+                kv_source="prefill",
+            ),
+            timeout=30,
+        )
+        reservation = (await stream.read()).reservation
+        prefill_call = cluster.prefill.Prefill(
+            prefill_pb2.PrefillRequest(
+                request_id="gone",
+                prompt_token_ids=prompt,
+                sampling=GREEDY,
+                destination=reservation,
+                decode_target=cluster.decode_address,
+            ),
+            timeout=30,
+        )
+        await asyncio.sleep(0.01)
+        prefill_call.cancel()
+        stream.cancel()
+        await cluster.wait_all_free()
+        tokens, _ = await cluster.generate("after", [1, 2, 3])  # both nodes still serve
+        assert len(tokens) == 10
+
+    run_cluster(tiny_llama_dir, body)
