@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kv_transfer.inbound import InboundTransfers
 from kv_transfer.page_copy import PageCopy
 from kv_transfer.page_table import PageTable
 from kv_transfer.peer_address import PeerAddress
@@ -62,7 +61,6 @@ class LoopbackTransport(KvTransport):
         super().__init__()
         self.faults = faults or LoopbackFaults()
         self._endpoint = uuid.uuid4().bytes
-        self._inbound = InboundTransfers()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         # One staging buffer, reused (the copy thread runs one message at a time).
         self._staging = np.empty(MAX_STAGED_BYTES, dtype=np.uint8)
@@ -102,18 +100,6 @@ class LoopbackTransport(KvTransport):
         self._jobs.put(_Job(handle, plan, receiver))
         return handle
 
-    def inbound_status(self, transfer_id: str) -> TransferStatus | None:
-        return self._inbound.status(transfer_id)
-
-    def wait_inbound(self, transfer_id: str, timeout: float) -> TransferStatus | None:
-        return self._inbound.wait(transfer_id, timeout)
-
-    def fence(self, transfer_id: str, timeout: float) -> bool:
-        return self._inbound.fence(transfer_id, timeout)
-
-    def forget_inbound(self, transfer_id: str) -> bool:
-        return self._inbound.forget(transfer_id)
-
     def info(self) -> TransportInfo:
         return TransportInfo(self.name, ["memcpy"], f"numpy {np.__version__}")
 
@@ -151,7 +137,7 @@ class LoopbackTransport(KvTransport):
     def _copy(self, job: _Job) -> None:
         handle, plan, receiver = job.handle, job.plan, job.receiver
         tid = handle.transfer_id
-        refusal = receiver._inbound.begin(tid)
+        refusal = receiver.inbound.begin(tid)
         if refusal is not None:
             self._end(job, TransferStatus.FAILED, refusal, tell_receiver=False)
             return
@@ -176,7 +162,7 @@ class LoopbackTransport(KvTransport):
             if message.is_staged:
                 staging = self._staging[: message.num_bytes]
                 gather(runs, src, staging)
-            if not receiver._inbound.begin_write(tid):
+            if not receiver.inbound.begin_write(tid):
                 self._end(job, TransferStatus.FAILED, "fenced by the receiver")
                 return
             try:
@@ -186,7 +172,7 @@ class LoopbackTransport(KvTransport):
                     s_region, s_off, d_region, d_off, length = runs[0].tolist()
                     dst[d_region][d_off : d_off + length] = src[s_region][s_off : s_off + length]
             finally:
-                receiver._inbound.end_write(tid, message.num_bytes)
+                receiver.inbound.end_write(tid, message.num_bytes)
             handle.add_bytes(message.num_bytes)
         self._end(job, TransferStatus.DONE)
 
@@ -194,7 +180,7 @@ class LoopbackTransport(KvTransport):
         """Ends the job if it was cancelled, timed out, or an end closed; True if it ended."""
         handle = job.handle
         if handle.status.is_terminal:
-            job.receiver._inbound.finish(
+            job.receiver.inbound.finish(
                 handle.transfer_id, handle.status, handle.error or "aborted by the writer"
             )
             return True
@@ -210,7 +196,7 @@ class LoopbackTransport(KvTransport):
         self, job: _Job, status: TransferStatus, error: str | None = None, tell_receiver=True
     ) -> None:
         if tell_receiver:
-            job.receiver._inbound.finish(job.handle.transfer_id, status, error)
+            job.receiver.inbound.finish(job.handle.transfer_id, status, error)
         job.handle.finish(status, error)
 
 

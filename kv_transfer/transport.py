@@ -16,6 +16,7 @@ import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kv_transfer.inbound import InboundTransfers
 from kv_transfer.page_copy import PageCopy
 from kv_transfer.page_table import PageTable
 from kv_transfer.peer_address import PeerAddress
@@ -42,6 +43,9 @@ class KvTransport(abc.ABC):
     def __init__(self) -> None:
         # Registered regions by name.
         self._regions: dict[str, RegionHandle] = {}
+        # Receiver-side record of every transfer writing into this transport: the same
+        # bookkeeping (status, fencing, forgetting) whatever carries the bytes.
+        self.inbound = InboundTransfers()
 
     def register(self, name: str, buffer: object) -> RegionHandle:
         """Registers host memory (anything with the buffer protocol) under a unique name."""
@@ -78,23 +82,23 @@ class KvTransport(abc.ABC):
         """Pushes `pages` into `peer`'s regions. Bad pages raise ValueError before any byte
         moves; everything after is reported by the handle. `deadline` is a time.monotonic()."""
 
-    @abc.abstractmethod
     def inbound_status(self, transfer_id: str) -> TransferStatus | None:
         """Receiver side: the status of a transfer writing into this transport (None: unseen)."""
+        return self.inbound.status(transfer_id)
 
-    @abc.abstractmethod
     def wait_inbound(self, transfer_id: str, timeout: float) -> TransferStatus | None:
         """Receiver side: waits until the transfer is terminal or the timeout passes."""
+        return self.inbound.wait(transfer_id, timeout)
 
-    @abc.abstractmethod
     def fence(self, transfer_id: str, timeout: float) -> bool:
         """Receiver side: refuses every further byte of the transfer and waits until none is
         being written. True: the blocks are safe to reuse. False: still busy at the timeout."""
+        return self.inbound.fence(transfer_id, timeout)
 
-    @abc.abstractmethod
     def forget_inbound(self, transfer_id: str) -> bool:
         """Receiver side: drops the record of a terminal, quiet transfer (call it once its blocks
         are freed); the id stays refused. False if it is still running or writing."""
+        return self.inbound.forget(transfer_id)
 
     @abc.abstractmethod
     def info(self) -> TransportInfo:

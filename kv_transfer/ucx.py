@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kv_transfer.inbound import InboundTransfers
 from kv_transfer.page_copy import PageCopy
 from kv_transfer.page_table import PageTable
 from kv_transfer.peer_address import PeerAddress
@@ -145,7 +144,6 @@ class UcxTransport(KvTransport):
         self._seqs = itertools.count()
         # Every handle not yet ended, so that close() can end those still queued.
         self._handles: weakref.WeakSet[TransferHandle] = weakref.WeakSet()
-        self._book = InboundTransfers()
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         # Agent-thread state (touched only by the agent).
         self._endpoints: dict[bytes, object] = {}  # peer id → endpoint we write through
@@ -201,18 +199,6 @@ class UcxTransport(KvTransport):
         self._handles.add(handle)
         self._post(lambda: self._start_write(record, peer.endpoint))
         return handle
-
-    def inbound_status(self, transfer_id: str) -> TransferStatus | None:
-        return self._book.status(transfer_id)
-
-    def wait_inbound(self, transfer_id: str, timeout: float) -> TransferStatus | None:
-        return self._book.wait(transfer_id, timeout)
-
-    def fence(self, transfer_id: str, timeout: float) -> bool:
-        return self._book.fence(transfer_id, timeout)
-
-    def forget_inbound(self, transfer_id: str) -> bool:
-        return self._book.forget(transfer_id)
 
     def info(self) -> TransportInfo:
         lanes = re.findall(r"resource\s+\d+\s*:.*?--\s*(\S+)", self._context.info)
@@ -472,7 +458,7 @@ class UcxTransport(KvTransport):
         ep = self._reply_endpoint(header.writer_id, header.reply_address)
         refusal = self._check_header(header)
         if refusal is None:
-            refusal = self._book.begin(header.transfer_id)
+            refusal = self.inbound.begin(header.transfer_id)
         if refusal is not None:
             logger.warning("refusing KV transfer %r: %s", header.transfer_id, refusal)
             self._ack(ep, key, TransferStatus.FAILED, refusal)
@@ -517,7 +503,7 @@ class UcxTransport(KvTransport):
             record.pending.append((request, index, staging))
             return
         # A direct run, or pages scattered only at the source: received in place, no scatter.
-        if not self._book.begin_write(record.header.transfer_id):
+        if not self.inbound.begin_write(record.header.transfer_id):
             self._drain(probe)
             return
         region, offset, _ = span
@@ -559,28 +545,28 @@ class UcxTransport(KvTransport):
                     request.check_error()  # type: ignore[attr-defined]
                 except Exception as exc:
                     if staging is None:
-                        self._book.end_write(tid, 0)
+                        self.inbound.end_write(tid, 0)
                     record.pending = []
                     self._drop(key, TransferStatus.FAILED, f"receive failed: {exc}")
                     continue
                 if staging is None:
-                    self._book.end_write(tid, message.num_bytes)
-                elif not record.is_dropped and self._book.begin_write(tid):
+                    self.inbound.end_write(tid, message.num_bytes)
+                elif not record.is_dropped and self.inbound.begin_write(tid):
                     try:
                         runs = record.header.runs[message.run_start : message.run_end]
                         scatter(runs, staging, record.dst_views)
                     finally:
-                        self._book.end_write(tid, message.num_bytes)
+                        self.inbound.end_write(tid, message.num_bytes)
                 if staging is not None:
                     self._give_staging([staging])
                 record.num_remaining -= 1
             record.pending = still
-            status = self._book.status(tid)
+            status = self.inbound.status(tid)
             if not record.is_dropped and status is not None and status.is_terminal:
                 # Fenced by the receiver: tell the writer to stop.
-                self._drop(key, status, self._book.error(tid) or "ended by the receiver")
+                self._drop(key, status, self.inbound.error(tid) or "ended by the receiver")
             elif not record.is_dropped and record.num_remaining == 0:
-                self._book.finish(tid, TransferStatus.DONE)
+                self.inbound.finish(tid, TransferStatus.DONE)
                 ep = self._reply_endpoints.get(record.header.writer_id)
                 if ep is not None:
                     self._ack(ep, key, TransferStatus.DONE, "")
@@ -600,7 +586,7 @@ class UcxTransport(KvTransport):
         if record is None or record.is_dropped:
             return
         record.is_dropped = True
-        self._book.finish(record.header.transfer_id, status, reason)
+        self.inbound.finish(record.header.transfer_id, status, reason)
         ep = self._reply_endpoints.get(record.header.writer_id)
         if tell_writer and ep is not None:
             self._ack(ep, key, TransferStatus.FAILED, reason)
