@@ -25,7 +25,6 @@ from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_pb2
 from services.async_engine import AsyncEngine, EngineDeadError
 from services.convert import (
     finish_reason_to_proto,
-    load_report_to_proto,
     logprobs_from_proto,
     logprobs_to_proto,
     prompt_from_proto,
@@ -34,7 +33,7 @@ from services.convert import (
 from services.engine import EngineCoreOutput, SamplingParams
 from services.metrics import NodeMetrics
 from services.node_config import NodeConfig
-from services.node_runtime import NodeServerRef
+from services.node_runtime import NodeServerRef, load_report
 
 logger = logging.getLogger(__name__)
 
@@ -203,22 +202,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return decode_pb2.AbortResponse(found=found)
 
     async def GetLoad(self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
-        stats, fingerprint = await self._call(
-            context, lambda engine: (engine.stats(), engine.kv_layout.fingerprint)
-        )
-        return load_report_to_proto(
-            stats,
-            node_id=self.config.node_id,
-            role=str(self.config.role),
-            fingerprint=fingerprint,
-            draining=self.server.get().is_draining,
-        )
-
-    async def _call(self, context: grpc.aio.ServicerContext, fn):
-        try:
-            return await self.engine.call(fn)
-        except EngineDeadError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return await load_report(self.config, self.engine, self.server, context)
 
 
 def _delta(out: EngineCoreOutput) -> decode_pb2.TokenDelta:

@@ -25,7 +25,6 @@ from pdserve.v1 import common_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill
 from services.async_engine import AsyncEngine, EngineDeadError
 from services.convert import (
     finish_reason_to_proto,
-    load_report_to_proto,
     logprobs_to_proto,
     prompt_from_proto,
     sampling_params_from_proto,
@@ -35,7 +34,7 @@ from services.engine.kv_layout import KvLayout, layer_copies
 from services.kv_regions import to_page_copies
 from services.metrics import NodeMetrics
 from services.node_config import NodeConfig
-from services.node_runtime import NodeServerRef
+from services.node_runtime import NodeServerRef, load_report
 
 logger = logging.getLogger(__name__)
 
@@ -98,17 +97,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             return result
 
     async def GetLoad(self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
-        try:
-            stats = await self.engine.call(lambda engine: engine.stats())
-        except EngineDeadError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        return load_report_to_proto(
-            stats,
-            node_id=self.config.node_id,
-            role=str(self.config.role),
-            fingerprint=self.layout.fingerprint,
-            draining=self.server.get().is_draining,
-        )
+        return await load_report(self.config, self.engine, self.server, context)
 
     async def _check_destination(
         self, destination: kv_pb2.KvReservation, context: grpc.aio.ServicerContext

@@ -12,7 +12,11 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from services.async_engine import AsyncEngine
+import grpc
+
+from pdserve.v1 import common_pb2
+from services.async_engine import AsyncEngine, EngineDeadError
+from services.convert import load_report_to_proto
 from services.engine import EngineCore
 from services.grpc_server import NodeServer, Registrar
 from services.metrics import NodeMetrics
@@ -43,6 +47,26 @@ class NodeServerRef:
     def get(self) -> NodeServer:
         assert self.server is not None, "servicer used before the server was built"
         return self.server
+
+
+async def load_report(
+    config: NodeConfig,
+    engine: AsyncEngine,
+    server: NodeServerRef,
+    context: grpc.aio.ServicerContext,
+) -> common_pb2.LoadReport:
+    """GetLoad for every role: the engine's stats as the router reads them."""
+    try:
+        stats = await engine.call(lambda core: core.stats())
+    except EngineDeadError as exc:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    return load_report_to_proto(
+        stats,
+        node_id=config.node_id,
+        role=str(config.role),
+        fingerprint=engine.engine.kv_layout.fingerprint,
+        draining=server.get().is_draining,
+    )
 
 
 async def start_node(config: NodeConfig, role: RoleFactory) -> tuple[NodeServer, AsyncEngine]:
