@@ -41,7 +41,7 @@ class NodeConfig:
     host: str
     grpc_port: int
     kv_port: int
-    """Port of the KV transport's listener (0: any free port)."""
+    """Port of a listener-based KV transport (0: any free); unused by ucx and loopback."""
     kv_transport: str
     metrics_port: int | None
     """Prometheus HTTP port; None serves no metrics."""
@@ -79,7 +79,9 @@ def parse_bytes(text: str) -> int:
 
 
 def build_parser(role: Role | None) -> argparse.ArgumentParser:
+    module = "prefill_node" if role is Role.PREFILL else "decode_node"
     parser = argparse.ArgumentParser(
+        prog=f"python -m {module}",
         description=f"pdserve {role or 'node'}: flags fall back to {ENV_PREFIX}<FLAG> variables",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -95,7 +97,13 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
         default=None,
         help="default: 50061 prefill, 50071 decode, 50081 colocated",
     )
-    add("--kv-port", type=int, default=0, help="KV transport listener port (0: any free)")
+    add(
+        "--kv-port",
+        type=int,
+        default=0,
+        help="KV listener port for listener-based transports; ucx and loopback ignore it (UCX "
+        "peers connect by the worker address published in each reservation)",
+    )
     add("--kv-transport", default="ucx", choices=KV_TRANSPORTS)
     add("--metrics-port", type=int, default=None, help="Prometheus /metrics port (unset: none)")
     add("--node-id", default=None, help="default: hostname:grpc-port")
