@@ -38,6 +38,7 @@ from services.node_runtime import NodeServerRef, load_report
 logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_MS = 10_000
+MAX_LEASE_MS = 600_000
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
@@ -92,19 +93,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except EngineDeadError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            assert last is not None and last.finish_reason is not None
             self.metrics.e2e_request_latency.observe(time.monotonic() - arrival)
-            self.metrics.request_finished(last.finish_reason.value)
-            yield decode_pb2.GenerateResponse(
-                finished=decode_pb2.Finished(
-                    finish_reason=finish_reason_to_proto(last.finish_reason),
-                    usage=common_pb2.Usage(
-                        prompt_tokens=len(prompt),
-                        completion_tokens=num_generated,
-                        cached_prompt_tokens=last.num_cached_tokens,
-                    ),
-                )
-            )
+            yield self._finished(last, len(prompt), num_generated, last.num_cached_tokens)
 
     async def _generate_from_peer(
         self,
@@ -115,6 +105,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         context: grpc.aio.ServicerContext,
     ):
         assert self.transfers is not None
+        if request.lease_ms > MAX_LEASE_MS:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"lease_ms must be <= {MAX_LEASE_MS}, got {request.lease_ms}",
+            )
         lease_s = (request.lease_ms or DEFAULT_LEASE_MS) / 1000
         try:
             transfer = await self.transfers.reserve(request_id, prompt, params, lease_s=lease_s)
@@ -128,7 +123,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 f"no room for {len(prompt)} prompt tokens (KV blocks or max_num_seqs)",
             )
         try:
-            stream = await self.engine.attach(request_id)
+            try:
+                stream = await self.engine.attach(request_id)
+            except KeyError:
+                # The lease ran out (or an Abort came) between the reservation and here.
+                await context.abort(
+                    grpc.StatusCode.ABORTED,
+                    f"KV transfer {transfer.transfer_id} ended before it was announced: "
+                    f"{transfer.abort_reason or 'aborted'}",
+                )
             yield decode_pb2.GenerateResponse(reservation=self._reservation(transfer, lease_s))
             num_generated = 1  # the first token came from the prefill node
             last: EngineCoreOutput | None = None
@@ -143,19 +146,30 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     f"KV transfer {transfer.transfer_id} aborted before its commit: "
                     f"{transfer.abort_reason}",
                 )
-            assert last is not None and last.finish_reason is not None
-            self.metrics.request_finished(last.finish_reason.value)
-            yield decode_pb2.GenerateResponse(
-                finished=decode_pb2.Finished(
-                    finish_reason=finish_reason_to_proto(last.finish_reason),
-                    usage=common_pb2.Usage(
-                        prompt_tokens=len(prompt), completion_tokens=num_generated
-                    ),
-                )
-            )
+            yield self._finished(last, len(prompt), num_generated, cached_prompt_tokens=0)
         finally:
             if transfer.state in (TransferState.RESERVED, TransferState.RECEIVING):
                 await self.transfers.abort(transfer.transfer_id, "the Generate stream ended")
+
+    def _finished(
+        self,
+        last: EngineCoreOutput | None,
+        num_prompt_tokens: int,
+        num_generated: int,
+        cached_prompt_tokens: int,
+    ) -> decode_pb2.GenerateResponse:
+        assert last is not None and last.finish_reason is not None
+        self.metrics.request_finished(last.finish_reason.value)
+        return decode_pb2.GenerateResponse(
+            finished=decode_pb2.Finished(
+                finish_reason=finish_reason_to_proto(last.finish_reason),
+                usage=common_pb2.Usage(
+                    prompt_tokens=num_prompt_tokens,
+                    completion_tokens=num_generated,
+                    cached_prompt_tokens=cached_prompt_tokens,
+                ),
+            )
+        )
 
     def _reservation(self, transfer: Transfer, lease_s: float) -> kv_pb2.KvReservation:
         assert self.transfers is not None
@@ -180,11 +194,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "a colocated node holds no KV reservations"
             )
-        logprobs = (
-            logprobs_from_proto(request.first_logprobs)
-            if request.HasField("first_logprobs")
-            else None
-        )
+        try:
+            logprobs = (
+                logprobs_from_proto(request.first_logprobs)
+                if request.HasField("first_logprobs")
+                else None
+            )
+        except ValueError:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "first_logprobs: top_token_ids and top_logprobs differ in length",
+            )
         try:
             await self.transfers.commit(request.transfer_id, request.first_token_id, logprobs)
         except CommitRefused as exc:
@@ -194,8 +214,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return kv_pb2.KvCommitAck()
 
     async def Abort(self, request: decode_pb2.AbortRequest, context: grpc.aio.ServicerContext):
-        # AsyncEngine.abort, not EngineCore.abort: the request's open stream must end too.
+        # A reserved request is aborted through its transfer, which fences before freeing;
+        # anything else through AsyncEngine.abort, which also ends the request's open stream.
         try:
+            if self.transfers is not None and await self.transfers.abort_request(
+                request.request_id, "aborted by the caller"
+            ):
+                return decode_pb2.AbortResponse(found=True)
             found = await self.engine.abort(request.request_id)
         except EngineDeadError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))

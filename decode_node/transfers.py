@@ -173,9 +173,15 @@ class TransferManager:
             self.metrics.transfer_failed(reason.split(":")[0].replace(" ", "_"))
         await self._fence_and_free(transfer)
 
-    async def abort_request(self, request_id: str, reason: str) -> None:
-        for transfer in [t for t in self.transfers.values() if t.request_id == request_id]:
+    async def abort_request(self, request_id: str, reason: str) -> bool:
+        """Abort the request's open transfer, if it has one (True); its blocks are freed after
+        the fence, like any abort."""
+        open_transfers = [
+            t for t in self.transfers.values() if t.request_id == request_id and t.state in _OPEN
+        ]
+        for transfer in open_transfers:
             await self.abort(transfer.transfer_id, reason)
+        return bool(open_transfers)
 
     async def reap(self) -> None:
         """Abort expired leases; retry the fences of quarantined transfers."""

@@ -9,7 +9,7 @@ Life cycle:
                      each step's ``EngineCoreOutput`` is handed to the request's asyncio queue.
                      A consumer that stops early (stream closed, deadline, cancellation) aborts
                      the request: it leaves the batch before the next step and its blocks are
-                     freed.
+                     freed — except a RESERVED request's, which its owner frees after a fence.
 3. ``call(fn)``      runs ``fn(engine)`` on the engine thread between two steps (reserve,
                      commit, stats, ...): the engine itself is never touched from two threads.
 4. ``shutdown()``    stops the loop; requests still streaming end with finish reason ``abort``.
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from services.engine import EngineCore, EngineCoreOutput, FinishReason, SamplingParams
+from services.engine.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +160,18 @@ class AsyncEngine:
         finally:
             if not finished:
                 # The consumer went away early: free the request at the next command drain.
-                self._submit(lambda: self._abort_on_engine(request_id))
+                self._submit(lambda: self._abandon_on_engine(request_id))
+
+    def _abandon_on_engine(self, request_id: str) -> None:
+        """The consumer of a stream went away. A running or waiting request is aborted; a
+        RESERVED one only loses its stream: a peer may still be writing into its blocks, so it
+        is freed by whoever owns the reservation (the decode node's TransferManager, after a
+        fence), never here."""
+        request = self.engine.scheduler.requests.get(request_id)
+        if request is not None and request.status is RequestStatus.RESERVED:
+            self._streams.pop(request_id, None)
+            return
+        self._abort_on_engine(request_id)
 
     def _abort_on_engine(self, request_id: str) -> bool:
         """Abort on the engine thread; a stream still being read ends with finish reason abort."""

@@ -228,3 +228,38 @@ def test_the_transport_forgets_ended_transfers(pair: Pair) -> None:
             assert pair.receiver.inbound_status(transfer.transfer_id) is None
 
     asyncio.run(main())
+
+
+def test_a_closed_stream_never_frees_reserved_blocks_before_the_fence(pair: Pair) -> None:
+    """The consumer of a reserved request's stream going away must not free its blocks: the
+    prefill node may still be writing. Only the transfer's own abort frees them, after a fence."""
+    pair.manager.transport = StubbornFence(pair.receiver, busy=1)
+
+    async def main() -> None:
+        transfer = await pair.manager.reserve("closed", [5, 6, 7, 8], GREEDY, lease_s=10)
+        stream = await pair.decode.attach("closed")
+        # A consumer waiting inside the stream (as the servicer's is) goes away.
+        consumer = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.02)
+        consumer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await consumer
+        await pair.decode.call(lambda e: None)  # let the engine thread run the abandon command
+        assert transfer.state is TransferState.RESERVED
+        assert await pair.decode_blocks_used() > 0
+        await pair.manager.abort(transfer.transfer_id, "stream closed")  # fence refuses once
+        assert await pair.decode_blocks_used() > 0
+        await pair.manager.reap()
+        assert transfer.state is TransferState.FREED and await pair.decode_blocks_used() == 0
+
+    asyncio.run(main())
+
+
+def test_abort_request_fences_a_reserved_request(pair: Pair) -> None:
+    async def main() -> None:
+        transfer = await pair.manager.reserve("ab", [5, 6, 7, 8], GREEDY, lease_s=10)
+        assert await pair.manager.abort_request("ab", "caller")
+        assert transfer.state is TransferState.FREED and await pair.decode_blocks_used() == 0
+        assert not await pair.manager.abort_request("ab", "again")
+
+    asyncio.run(main())
