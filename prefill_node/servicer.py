@@ -29,7 +29,7 @@ from services.convert import (
     prompt_from_proto,
     sampling_params_from_proto,
 )
-from services.engine import EngineCoreOutput
+from services.engine import EngineCoreOutput, SamplingParams
 from services.engine.kv_layout import KvLayout, layer_copies
 from services.kv_regions import to_page_copies
 from services.metrics import NodeMetrics
@@ -64,20 +64,27 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 params = sampling_params_from_proto(request.sampling)
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            prompt = prompt_from_proto(request.prompt_token_ids)
             destination = request.destination if request.HasField("destination") else None
+            peer = None
             if destination is not None:
-                await self._check_destination(destination, context)
+                peer = await self._check_destination(request, prompt, context)
             request_id = request.request_id or f"pre-{uuid.uuid4().hex}"
             started = time.monotonic()
-            # Only the first token is sampled here; the decode node samples the rest.
-            first_params = dataclasses.replace(params, max_tokens=1, min_tokens=0)
-            first = await self._first_token(request_id, request, first_params, destination, context)
+            # Only the first token is sampled here; the decode node samples the rest. min_tokens
+            # stays at most 1, so EOS is still suppressed for a request that asked for it.
+            first_params = dataclasses.replace(
+                params, max_tokens=1, min_tokens=min(params.min_tokens, 1)
+            )
+            first = await self._first_token(
+                request_id, prompt, first_params, hold_kv=destination is not None, context=context
+            )
             compute_s = time.monotonic() - started
             self.metrics.time_to_first_token.observe(compute_s)
             try:
                 pushed, push_s = 0, 0.0
                 if destination is not None:
-                    pushed, push_s = await self._push(request_id, destination, context)
+                    pushed, push_s = await self._push(request_id, destination, peer, context)
                     await self._commit(request, destination, first, context)
             finally:
                 await self._release(request_id)
@@ -100,8 +107,37 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return await load_report(self.config, self.engine, self.server, context)
 
     async def _check_destination(
-        self, destination: kv_pb2.KvReservation, context: grpc.aio.ServicerContext
-    ) -> None:
+        self,
+        request: prefill_pb2.PrefillRequest,
+        prompt: list[int],
+        context: grpc.aio.ServicerContext,
+    ) -> PeerAddress:
+        """Everything about the destination is checked before any compute or byte moves."""
+        destination = request.destination
+
+        async def invalid(message: str) -> None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+        if not destination.transfer_id:
+            await invalid("destination.transfer_id is empty")
+        if not request.decode_target:
+            await invalid("decode_target is empty: the commit needs the decode node's address")
+        try:
+            peer = PeerAddress.from_bytes(destination.address.worker_address)
+        except (ValueError, KeyError, TypeError) as exc:
+            await invalid(f"destination.address.worker_address is not a KV address: {exc}")
+        if prompt:
+            num_blocks = -(-len(prompt) // self.layout.block_size)
+            if len(destination.block_ids) != num_blocks:
+                await invalid(
+                    f"destination.block_ids has {len(destination.block_ids)} blocks for a prompt "
+                    f"of {len(prompt)} tokens (block size {self.layout.block_size})"
+                )
+            if max(destination.block_ids) >= destination.num_blocks_total:
+                await invalid(
+                    f"destination.block_ids reach {max(destination.block_ids)}, outside "
+                    f"num_blocks_total={destination.num_blocks_total}"
+                )
         if destination.layout_fingerprint != self.layout.fingerprint:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -115,24 +151,22 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 f"destination.address.transport is {destination.address.transport!r}, this "
                 f"node pushes with {self.transport.name!r}",
             )
+        return peer
 
     async def _first_token(
-        self, request_id, request, first_params, destination, context
+        self,
+        request_id: str,
+        prompt: list[int],
+        first_params: SamplingParams,
+        *,
+        hold_kv: bool,
+        context: grpc.aio.ServicerContext,
     ) -> EngineCoreOutput:
-        prompt = prompt_from_proto(request.prompt_token_ids)
-        if destination is not None and len(destination.block_ids) != -(
-            -len(prompt) // self.layout.block_size
-        ):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"destination.block_ids has {len(destination.block_ids)} blocks for a prompt of "
-                f"{len(prompt)} tokens (block size {self.layout.block_size})",
-            )
         try:
             outputs = [
                 out
                 async for out in self.engine.generate(
-                    request_id, prompt, first_params, hold_kv=destination is not None
+                    request_id, prompt, first_params, hold_kv=hold_kv
                 )
             ]
         except ValueError as exc:
@@ -142,9 +176,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return outputs[-1]
 
     async def _push(
-        self, request_id: str, destination: kv_pb2.KvReservation, context
+        self,
+        request_id: str,
+        destination: kv_pb2.KvReservation,
+        peer: PeerAddress,
+        context: grpc.aio.ServicerContext,
     ) -> tuple[int, float]:
-        peer = PeerAddress.from_bytes(destination.address.worker_address)
         dst_layout = dataclasses.replace(self.layout, num_blocks=destination.num_blocks_total)
         src_blocks = await self.engine.call(lambda engine: engine.kv_block_ids(request_id))
         copies = layer_copies(self.layout, src_blocks, dst_layout, list(destination.block_ids))
@@ -166,6 +203,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             handle.cancel()
             await asyncio.shield(handle.wait_async(PUSH_TIMEOUT_S))
             raise
+        if not status.is_terminal:
+            # Past our own wait: stop the writer and let it finish before the blocks it reads
+            # are released.
+            handle.cancel()
+            status = await handle.wait_async(PUSH_TIMEOUT_S)
         if status.value != "done":
             self.metrics.transfer_failed(status.value)
             await context.abort(

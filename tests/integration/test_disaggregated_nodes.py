@@ -300,3 +300,66 @@ def test_cancelling_both_legs_mid_prefill_frees_both_nodes(tiny_llama_dir: Path)
         assert len(tokens) == 10
 
     run_cluster(tiny_llama_dir, body)
+
+
+def test_prefill_keeps_min_tokens_for_the_first_token(tiny_llama_dir: Path) -> None:
+    prompt = list(range(30, 60))
+    offline = LLM(tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    [greedy] = offline.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    stop_id = greedy.token_ids[0]
+
+    async def body(cluster: Cluster) -> None:
+        def prefill_only(min_tokens: int):
+            sampling = common_pb2.SamplingParams(
+                max_tokens=5, min_tokens=min_tokens, temperature=0.0, stop_token_ids=[stop_id]
+            )
+            request = prefill_pb2.PrefillRequest(prompt_token_ids=prompt, sampling=sampling)
+            return cluster.prefill.Prefill(request, timeout=10)
+
+        stopped = await prefill_only(0)
+        assert stopped.first_token_id == stop_id
+        assert stopped.finish_reason == common_pb2.FINISH_REASON_STOP
+        held_back = await prefill_only(1)
+        assert held_back.first_token_id != stop_id
+        assert held_back.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+        await cluster.wait_all_free()
+
+    run_cluster(tiny_llama_dir, body)
+
+
+@pytest.mark.parametrize(
+    ("tamper", "decode_target", "message"),
+    [
+        (lambda r: setattr(r.address, "worker_address", b"not json"), None, "worker_address"),
+        (lambda r: setattr(r, "num_blocks_total", 1), None, "outside num_blocks_total"),
+        (lambda r: r.block_ids.append(0), None, "destination.block_ids has"),
+        (lambda r: setattr(r, "transfer_id", ""), None, "destination.transfer_id is empty"),
+        (None, "", "decode_target is empty"),
+    ],
+)
+def test_bad_destinations_are_invalid_argument(tiny_llama_dir, tamper, decode_target, message):
+    async def body(cluster: Cluster) -> None:
+        prompt = list(range(10, 50))
+        stream = cluster.decode.Generate(
+            decode_pb2.GenerateRequest(
+                prompt_token_ids=prompt, sampling=GREEDY, kv_source="prefill"
+            ),
+            timeout=30,
+        )
+        reservation = (await stream.read()).reservation
+        if tamper is not None:
+            tamper(reservation)
+        request = prefill_pb2.PrefillRequest(
+            prompt_token_ids=prompt,
+            sampling=GREEDY,
+            destination=reservation,
+            decode_target=cluster.decode_address if decode_target is None else decode_target,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await cluster.prefill.Prefill(request, timeout=10)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in error.value.details()
+        stream.cancel()
+        await cluster.wait_all_free()
+
+    run_cluster(tiny_llama_dir, body)
