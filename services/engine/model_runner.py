@@ -152,36 +152,40 @@ class ModelRunner:
         self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         size = self.block_size
+        device = self.device
         token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        decode_positions: list[int] = []
+        decode_slots: list[int] = []
         for chunk in decodes:
             position = chunk.start_position
             token_ids.append(chunk.request.token_ids[position])
-            positions.append(position)
-            slots.append(chunk.block_ids[position // size] * size + position % size)
+            decode_positions.append(position)
+            decode_slots.append(chunk.block_ids[position // size] * size + position % size)
+        # Positions and slots: the decodes' as one tensor, then one per prefill chunk computed
+        # with tensor ops (a chunk can be 2k tokens; no per-token Python).
+        position_parts = [torch.tensor(decode_positions, dtype=torch.int64, device=device)]
+        slot_parts = [torch.tensor(decode_slots, dtype=torch.int64, device=device)]
         spans: list[PrefillSpan] = []
         for chunk in prefills:
             start, end = chunk.start_position, chunk.start_position + chunk.num_tokens
-            num_blocks = -(-end // size)
+            block_ids = torch.tensor(chunk.block_ids[: -(-end // size)], device=device)
             spans.append(
                 PrefillSpan(
                     token_start=len(token_ids),
                     num_tokens=chunk.num_tokens,
                     start_position=start,
-                    block_ids=torch.tensor(chunk.block_ids[:num_blocks], device=self.device),
+                    block_ids=block_ids,
                 )
             )
             token_ids.extend(chunk.request.token_ids[start:end])
-            positions.extend(range(start, end))
-            block_ids = chunk.block_ids
-            slots.extend(block_ids[p // size] * size + p % size for p in range(start, end))
+            chunk_positions = torch.arange(start, end, device=device)
+            position_parts.append(chunk_positions)
+            slot_parts.append(block_ids[chunk_positions // size] * size + chunk_positions % size)
 
         max_blocks = max((-(-(c.start_position + 1) // size) for c in decodes), default=0)
         tables = [_pad(c.block_ids[:max_blocks], max_blocks) for c in decodes]
-        device = self.device
         metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            slot_mapping=torch.cat(slot_parts),
             num_decodes=len(decodes),
             decode_block_tables=torch.tensor(tables, dtype=torch.int64, device=device).view(
                 len(decodes), max_blocks
@@ -193,7 +197,7 @@ class ModelRunner:
         )
         return (
             torch.tensor(token_ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
+            torch.cat(position_parts),
             metadata,
         )
 
