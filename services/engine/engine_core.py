@@ -150,6 +150,11 @@ class EngineCore:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__len__"):
+            raise ValueError(
+                "prompt_token_ids must be a list of token ids (one list per prompt; the engine "
+                f"takes no text), got {type(prompt_token_ids).__name__}"
+            )
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt_token_ids is empty: a prompt needs at least one token")
         if len(prompt_token_ids) > self.max_model_len:

@@ -62,6 +62,8 @@ class LLM:
         """Generate for every prompt; outputs come back in the order of the prompts."""
         if params is None:
             params = SamplingParams()
+        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__len__"):
+            raise ValueError("prompt_token_ids must be a list of prompts, each a list of token ids")
         if isinstance(params, SamplingParams):
             params = [params] * len(prompt_token_ids)
         if len(params) != len(prompt_token_ids):

@@ -269,3 +269,10 @@ def test_numpy_integer_token_ids_are_accepted(llm: LLM) -> None:
     assert from_numpy.token_ids == from_list.token_ids
     assert all(type(t) is int for t in from_numpy.prompt_token_ids + from_numpy.token_ids)
     assert_engine_clean(llm)
+
+
+@pytest.mark.parametrize("prompts", [[5, 6], ["hello"], [None], "text", 7])
+def test_prompts_that_are_not_lists_of_token_ids_are_refused(llm: LLM, prompts) -> None:
+    with pytest.raises(ValueError, match="prompt_token_ids must be a list"):
+        llm.generate(prompts, SamplingParams(max_tokens=2))
+    assert_engine_clean(llm)
