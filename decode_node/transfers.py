@@ -25,7 +25,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kv_transfer import KvTransport, TransferStatus
 from services.async_engine import AsyncEngine
@@ -59,8 +59,6 @@ class Transfer:
     lease_deadline: float
     """time.monotonic() after which an uncommitted reservation is aborted."""
     state: TransferState = TransferState.RESERVED
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set when the transfer leaves RESERVED/RECEIVING (committed or aborted)."""
     abort_reason: str = ""
 
 
@@ -151,7 +149,6 @@ class TransferManager:
             await self.abort(transfer_id, f"commit rejected by the engine: {exc}")
             raise CommitRefused(str(exc)) from None
         transfer.state = TransferState.COMMITTED
-        transfer.ended.set()
         # From here the blocks belong to the running request; the engine frees them at its end.
         # The transport's record goes too (a late duplicate of this id is refused either way).
         del self.transfers[transfer_id]
@@ -167,10 +164,11 @@ class TransferManager:
         logger.info("aborting KV transfer %s of %s: %s", transfer_id, transfer.request_id, reason)
         transfer.state = TransferState.ABORTED
         transfer.abort_reason = reason
-        transfer.ended.set()
         self.counters.aborted += 1
         if self.metrics is not None:
-            self.metrics.transfer_failed(reason.split(":")[0].replace(" ", "_"))
+            # A bounded label: the reason's fixed head, without details after ':' or ' ('.
+            label = reason.split(":")[0].split(" (")[0]
+            self.metrics.transfer_failed(label.replace(" ", "_"))
         await self._fence_and_free(transfer)
 
     async def abort_request(self, request_id: str, reason: str) -> bool:
