@@ -1,0 +1,61 @@
+"""The gateway's one error type, and how each kind maps onto HTTP, OpenAI and gRPC.
+
+Anything a client can get wrong, or any refusal (auth, limits, no capacity), is raised as a
+``GatewayError`` before the first byte of a response; the HTTP bridge renders it as an OpenAI
+error body with the status below, the public gRPC API aborts with the status code below. An error
+after tokens were streamed is not an exception: it is a ``Finished`` with reason ``error``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import grpc
+
+
+class ErrorKind(enum.Enum):
+    # value: (HTTP status, OpenAI error type, gRPC status code)
+    INVALID_ARGUMENT = (400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)
+    UNAUTHENTICATED = (401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED)
+    NOT_FOUND = (404, "not_found_error", grpc.StatusCode.NOT_FOUND)
+    PAYLOAD_TOO_LARGE = (413, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)
+    RESOURCE_EXHAUSTED = (429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED)
+    UNAVAILABLE = (503, "service_unavailable", grpc.StatusCode.UNAVAILABLE)
+    DEADLINE_EXCEEDED = (504, "timeout", grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    @property
+    def http_status(self) -> int:
+        return self.value[0]
+
+    @property
+    def openai_type(self) -> str:
+        return self.value[1]
+
+    @property
+    def grpc_code(self) -> grpc.StatusCode:
+        return self.value[2]
+
+
+class GatewayError(Exception):
+    """A refusal with a message a client can act on; ``param`` names the offending field."""
+
+    def __init__(self, kind: ErrorKind, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.param = param
+
+    def openai_body(self) -> dict[str, object]:
+        """``{"error": {"message", "type", "param", "code"}}`` as the OpenAI API sends it."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind.openai_type,
+                "param": self.param,
+                "code": self.kind.http_status,
+            }
+        }
+
+
+def invalid(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(ErrorKind.INVALID_ARGUMENT, message, param)

@@ -1,0 +1,31 @@
+"""Everything an API front end (OpenAI HTTP, public gRPC) needs, built once by the gateway's
+entry point and handed to both: they share one tokenizer, one router-backed generator, one
+admission bound and one set of metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gateway.admission import Admission
+from gateway.auth import ApiKeys
+from gateway.generation import Generator
+from gateway.limits import RequestLimits
+from gateway.metrics import GatewayMetrics
+from gateway.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Frontend:
+    served_model_name: str
+    """The one model id clients name (``GET /v1/models``); another name is 404."""
+    tokenizer: Tokenizer
+    generator: Generator
+    admission: Admission
+    api_keys: ApiKeys
+    limits: RequestLimits
+    metrics: GatewayMetrics
+    is_ready: Callable[[], bool]
+    """True while at least one healthy prefill+decode pair or colocated node is available."""
+    request_timeout_s: float | None = 600.0
+    """Deadline of one request from its arrival; None: no deadline."""
