@@ -10,18 +10,15 @@ from __future__ import annotations
 import argparse
 import enum
 import os
-import re
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.cli import ENV_PREFIX, apply_env_defaults, parse_bytes
 from services.engine import CacheConfig, EngineConfig, SchedulerConfig, SchedulingPolicy
 
-ENV_PREFIX = "PDSERVE_"
 KV_TRANSPORTS = ("loopback", "ucx")
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30}  # fmt: skip
 
 
 class Role(enum.StrEnum):
@@ -64,18 +61,6 @@ class NodeConfig:
     @property
     def grpc_address(self) -> str:
         return f"{self.host}:{self.grpc_port}"
-
-
-def parse_bytes(text: str) -> int:
-    """``"2GiB"``, ``"512MiB"``, ``"1e9"`` or a plain number of bytes."""
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 2GiB, 512MiB, 1000000)")
-    value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"byte size must be > 0, got {text!r}")
-    return value
 
 
 def build_parser(role: Role | None) -> argparse.ArgumentParser:
@@ -130,7 +115,7 @@ def parse_node_config(
     """Flags first, then ``PDSERVE_*`` variables, then defaults; exits 2 naming a bad value."""
     parser = build_parser(role)
     environ = os.environ if environ is None else environ
-    _apply_env_defaults(parser, environ)
+    apply_env_defaults(parser, environ)
     args = parser.parse_args(argv)
     if args.role is None:
         parser.error("--role is required (prefill, decode or colocated)")
@@ -169,27 +154,3 @@ def parse_node_config(
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
-
-
-def _apply_env_defaults(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
-    """``PDSERVE_<DEST>`` becomes the default of ``--<dest>``, converted like a flag value."""
-    for action in parser._actions:  # argparse has no public iterator over its actions
-        if not action.option_strings or action.dest == "help":
-            continue
-        raw = environ.get(ENV_PREFIX + action.dest.upper())
-        if raw is None:
-            continue
-        option = action.option_strings[0]
-        if action.nargs == 0:  # store_true flags: PDSERVE_NO_PREFIX_CACHING=1
-            value: object = raw.strip().lower() in ("1", "true", "yes", "on")
-        else:
-            try:
-                value = action.type(raw) if action.type else raw
-            except (ValueError, argparse.ArgumentTypeError) as exc:
-                parser.error(f"{ENV_PREFIX}{action.dest.upper()} (for {option}): {exc}")
-            if action.choices is not None and value not in action.choices:
-                parser.error(
-                    f"{ENV_PREFIX}{action.dest.upper()} (for {option}): {raw!r} is not one of "
-                    f"{', '.join(map(str, action.choices))}"
-                )
-        action.default = value
