@@ -1,0 +1,212 @@
+"""The gateway's configuration: flags with ``PDSERVE_*`` environment fallbacks, parsed once into
+a frozen ``GatewayConfig``; the router, the limits and the servers each get only their part.
+
+Node lists are comma-separated ``host:port`` lists (``--prefill a:50061,b:50061``, or
+``PDSERVE_PREFILL``). API keys: ``--api-key`` (repeatable) or ``PDSERVE_API_KEYS=k1,k2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.limits import RequestLimits
+from services.cli import ENV_PREFIX, apply_env_defaults, parse_bytes
+
+_ADDRESS = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
+
+
+class KvFailurePolicy:
+    FAIL = "fail"
+    RECOMPUTE = "recompute"
+    ALL = (FAIL, RECOMPUTE)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    colocated: tuple[str, ...]
+    max_retries: int = 2
+    """Further pairs tried when a node refuses or fails before anything reached the client."""
+    on_kv_failure: str = KvFailurePolicy.FAIL
+    """What a decode node does when the KV push fails: end the attempt, or recompute itself."""
+    lease_ms: int = 30_000
+    """How long a decode reservation waits for its commit (capped by the request deadline)."""
+    health_interval_s: float = 1.0
+    """Period of the grpc.health.v1 + GetLoad poll of every node."""
+    health_timeout_s: float = 2.0
+    affinity_block_size: int = 16
+    """Tokens per block of the prefix-affinity index (a routing hint, need not match the nodes)."""
+    affinity_max_imbalance: int = 4
+    """A prefix-affine prefill node is skipped when its queue is this much deeper than the
+    least loaded one's."""
+
+    def __post_init__(self) -> None:
+        for role in ("prefill", "decode", "colocated"):
+            for address in getattr(self, role):
+                if not _ADDRESS.match(address):
+                    raise ValueError(f"--{role}: {address!r} is not host:port")
+        if bool(self.prefill) != bool(self.decode):
+            raise ValueError("--prefill and --decode must be given together (a pair needs both)")
+        if not (self.decode or self.colocated):
+            raise ValueError("no nodes: give --prefill and --decode, or --colocated")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.on_kv_failure not in KvFailurePolicy.ALL:
+            raise ValueError(f"on_kv_failure must be one of {KvFailurePolicy.ALL}")
+        if self.lease_ms < 100:
+            raise ValueError(f"lease_ms must be >= 100, got {self.lease_ms}")
+        if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
+            raise ValueError("health_interval_s and health_timeout_s must be > 0")
+        if self.affinity_block_size < 1 or self.affinity_max_imbalance < 0:
+            raise ValueError("affinity_block_size must be >= 1, affinity_max_imbalance >= 0")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model_dir: Path
+    """Tokenizer, chat template and config.json come from here (no weights are read)."""
+    served_model_name: str
+    host: str
+    http_port: int
+    grpc_port: int
+    api_keys: tuple[str, ...]
+    max_concurrent_requests: int
+    max_queued_requests: int
+    request_timeout_s: float | None
+    limits: RequestLimits
+    router: RouterConfig
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for name in ("http_port", "grpc_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        if self.max_concurrent_requests < 1 or self.max_queued_requests < 0:
+            raise ValueError("max_concurrent_requests must be >= 1, max_queued_requests >= 0")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+
+
+def _addresses(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m gateway",
+        description=f"pdserve gateway: flags fall back to {ENV_PREFIX}<FLAG> variables",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = parser.add_argument
+    add(
+        "--model",
+        type=Path,
+        default=Path("models/tiny-llama"),
+        help="Hugging Face model dir (tokenizer, chat template, config.json)",
+    )
+    add("--served-model-name", default=None, help="model id clients use (default: dir name)")
+    add("--host", default="0.0.0.0", help="address both servers bind")
+    add("--http-port", type=int, default=8000, help="OpenAI API, /health, /metrics")
+    add("--grpc-port", type=int, default=50051, help="public gRPC API (0: none)")
+    add("--prefill", type=_addresses, default=(), help="prefill nodes, host:port,...")
+    add("--decode", type=_addresses, default=(), help="decode nodes, host:port,...")
+    add("--colocated", type=_addresses, default=(), help="colocated nodes, host:port,...")
+    add(
+        "--api-key",
+        action="append",
+        default=None,
+        help="accept this API key (repeatable; env PDSERVE_API_KEYS=k1,k2); unset: no auth",
+    )
+    add("--max-concurrent-requests", type=int, default=256)
+    add(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="requests waiting for a slot beyond this are refused with 429",
+    )
+    add(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="default: the model's max_position_embeddings",
+    )
+    add(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        help="largest max_tokens a request may ask (default: max_model_len)",
+    )
+    add("--max-body-bytes", type=parse_bytes, default=4 * 2**20)
+    add("--request-timeout-s", type=float, default=600.0, help="0: no deadline")
+    add("--max-retries", type=int, default=2)
+    add("--on-kv-failure", default=KvFailurePolicy.FAIL, choices=KvFailurePolicy.ALL)
+    add("--lease-ms", type=int, default=30_000)
+    add("--health-interval-s", type=float, default=1.0)
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser  # fmt: skip
+
+
+def parse_gateway_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> GatewayConfig:
+    """Flags first, then ``PDSERVE_*`` variables, then defaults; exits 2 naming a bad value."""
+    parser = build_parser()
+    environ = os.environ if environ is None else environ
+    apply_env_defaults(parser, environ)
+    args = parser.parse_args(argv)
+    api_keys = tuple(args.api_key or _addresses(environ.get(f"{ENV_PREFIX}API_KEYS", "")))
+    try:
+        max_model_len = args.max_model_len or model_max_len(args.model)
+        limits = RequestLimits(
+            max_model_len=max_model_len,
+            max_tokens=args.max_tokens_limit or max_model_len,
+            max_body_bytes=args.max_body_bytes,
+        )
+        router = RouterConfig(
+            prefill=args.prefill,
+            decode=args.decode,
+            colocated=args.colocated,
+            max_retries=args.max_retries,
+            on_kv_failure=args.on_kv_failure,
+            lease_ms=args.lease_ms,
+            health_interval_s=args.health_interval_s,
+        )
+        return GatewayConfig(
+            model_dir=args.model,
+            served_model_name=args.served_model_name or args.model.resolve().name,
+            host=args.host,
+            http_port=args.http_port,
+            grpc_port=args.grpc_port,
+            api_keys=api_keys,
+            max_concurrent_requests=args.max_concurrent_requests,
+            max_queued_requests=args.max_queued_requests,
+            request_timeout_s=args.request_timeout_s or None,
+            limits=limits,
+            router=router,
+            log_level=args.log_level,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+def model_max_len(model_dir: Path) -> int:
+    """The context length from ``config.json`` (``max_position_embeddings``)."""
+    path = model_dir / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--model: cannot read {path}: {exc}") from None
+    value = config.get("max_position_embeddings")
+    if not isinstance(value, int) or value < 2:
+        raise ValueError(
+            f"--model: {path} has no usable max_position_embeddings; pass --max-model-len"
+        )
+    return value

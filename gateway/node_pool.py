@@ -1,0 +1,172 @@
+"""The gateway's view of its nodes: one gRPC channel each, health and load refreshed by polling.
+
+Life cycle of a node here: UNKNOWN (start) → HEALTHY when grpc.health.v1 says SERVING and a
+GetLoad answered → UNHEALTHY when a poll fails, the node reports NOT_SERVING or draining, or a
+request to it failed with UNAVAILABLE (passive: marked at once, not at the next poll) → HEALTHY
+again at the next good poll. The state is soft (peers.md #12): everything comes from the last
+poll, so a restarted node is judged by what it reports now, never by what it held before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class NodeRole(enum.StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+
+class NodeHealth(enum.Enum):
+    UNKNOWN = "unknown"
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+
+
+@dataclass(frozen=True)
+class NodeLoad:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_reserved: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    draining: bool = False
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+class Node:
+    """One node: its channel and stubs, its last health and load, and the gateway's own count of
+    requests it has sent there (fresher than the last poll)."""
+
+    def __init__(self, address: str, role: NodeRole) -> None:
+        self.address = address
+        self.role = role
+        self.channel = grpc.aio.insecure_channel(
+            address,
+            options=[
+                # Streams may be idle for long between tokens of a slow model; keep them alive.
+                ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.max_receive_message_length", 64 * 2**20),
+            ],
+        )
+        self.prefill = prefill_pb2_grpc.PrefillServiceStub(self.channel)
+        self.decode = decode_pb2_grpc.DecodeServiceStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self.health = NodeHealth.UNKNOWN
+        self.load = NodeLoad()
+        self.num_in_flight = 0
+        self.last_error: str | None = None
+        self.last_poll = 0.0
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.health is NodeHealth.HEALTHY and not self.load.draining
+
+    def mark_failed(self, reason: str) -> None:
+        """A request saw the node unreachable: stop routing to it until a poll says otherwise."""
+        if self.health is not NodeHealth.UNHEALTHY:
+            logger.warning("node %s (%s) marked unhealthy: %s", self.address, self.role, reason)
+        self.health = NodeHealth.UNHEALTHY
+        self.last_error = reason
+
+    async def poll(self, timeout_s: float) -> None:
+        try:
+            status = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            stub = self.prefill if self.role is NodeRole.PREFILL else self.decode
+            report = await stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            self._set(NodeHealth.UNHEALTHY, f"{exc.code().name}: {exc.details()}")
+            return
+        self.load = NodeLoad(
+            num_running=report.num_running,
+            num_waiting=report.num_waiting,
+            num_reserved=report.num_reserved,
+            kv_blocks_used=report.kv_blocks_used,
+            kv_blocks_total=report.kv_blocks_total,
+            draining=report.draining,
+        )
+        self.last_poll = time.monotonic()
+        if status.status != health_pb2.HealthCheckResponse.SERVING:
+            self._set(NodeHealth.UNHEALTHY, "health: NOT_SERVING")
+        else:
+            self._set(NodeHealth.HEALTHY, None)
+
+    def _set(self, health: NodeHealth, error: str | None) -> None:
+        if health is not self.health:
+            log = logger.info if health is NodeHealth.HEALTHY else logger.warning
+            log("node %s (%s): %s%s", self.address, self.role, health.value,
+                f" ({error})" if error else "")  # fmt: skip
+        self.health = health
+        self.last_error = error
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class NodePool:
+    """Every configured node, polled every ``interval_s`` by ``run()``."""
+
+    def __init__(
+        self,
+        prefill: tuple[str, ...],
+        decode: tuple[str, ...],
+        colocated: tuple[str, ...],
+        interval_s: float = 1.0,
+        timeout_s: float = 2.0,
+    ) -> None:
+        self.prefill = [Node(address, NodeRole.PREFILL) for address in prefill]
+        self.decode = [Node(address, NodeRole.DECODE) for address in decode]
+        self.colocated = [Node(address, NodeRole.COLOCATED) for address in colocated]
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._ready = asyncio.Event()
+
+    @property
+    def nodes(self) -> list[Node]:
+        return [*self.prefill, *self.decode, *self.colocated]
+
+    def is_ready(self) -> bool:
+        """At least one healthy prefill + decode pair, or one healthy colocated node."""
+        has_pair = any(n.is_healthy for n in self.prefill) and any(
+            n.is_healthy for n in self.decode
+        )
+        return has_pair or any(n.is_healthy for n in self.colocated)
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(node.poll(self.timeout_s) for node in self.nodes))
+        if self.is_ready():
+            self._ready.set()
+        else:
+            self._ready.clear()
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def run(self) -> None:
+        """Poll forever (cancel the task to stop)."""
+        while True:
+            started = time.monotonic()
+            await self.poll_once()
+            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(node.close() for node in self.nodes))

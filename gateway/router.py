@@ -1,0 +1,84 @@
+"""Picks the nodes for one attempt of one request: a (prefill, decode) pair, or a colocated node.
+
+- **Decode by load**: the healthy decode node with the least work, where work is the larger of
+  the gateway's own in-flight count and the node's last reported running + waiting + reserved,
+  plus a penalty that grows with KV usage (a nearly full cache will refuse reservations).
+- **Prefill by queue depth plus prefix affinity**: the node that was last sent the longest
+  prefix of this prompt, while its queue is at most ``affinity_max_imbalance`` deeper than the
+  shortest; otherwise the shortest queue. Requests sharing a system prompt therefore land on
+  the prefill node whose prefix cache holds it.
+- **Colocated nodes** serve when no pair is available (none configured, none healthy, or all
+  already tried by this request).
+
+Nodes named in ``exclude`` (tried and failed by this request) are skipped; the router never
+blocks and never retries by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from gateway.config import RouterConfig
+from gateway.node_pool import Node, NodePool
+from gateway.prefix_affinity import PrefixAffinity
+
+logger = logging.getLogger(__name__)
+
+# Work units added at 100 % KV usage: a full decode node ranks behind one with this many more
+# requests but free blocks.
+_KV_USAGE_PENALTY = 32
+
+
+@dataclass(frozen=True)
+class Route:
+    decode: Node
+    """The decode node, or the colocated node when ``prefill`` is None."""
+    prefill: Node | None
+
+    @property
+    def is_colocated(self) -> bool:
+        return self.prefill is None
+
+
+def _prefill_queue(node: Node) -> int:
+    return max(node.num_in_flight, node.load.num_running + node.load.num_waiting)
+
+
+def _decode_work(node: Node) -> float:
+    reported = node.load.num_running + node.load.num_waiting + node.load.num_reserved
+    return max(node.num_in_flight, reported) + _KV_USAGE_PENALTY * node.load.kv_usage
+
+
+class Router:
+    def __init__(self, pool: NodePool, config: RouterConfig) -> None:
+        self.pool = pool
+        self.config = config
+        self.affinity = PrefixAffinity(config.affinity_block_size)
+
+    def pick(self, prompt: Sequence[int], exclude: Collection[str] = ()) -> Route | None:
+        decodes = [n for n in self.pool.decode if n.is_healthy and n.address not in exclude]
+        prefills = [n for n in self.pool.prefill if n.is_healthy and n.address not in exclude]
+        if decodes and prefills:
+            decode = min(decodes, key=_decode_work)
+            prefill = self.pick_prefill(prompt, prefills)
+            self.affinity.record(prompt, prefill.address)
+            return Route(decode=decode, prefill=prefill)
+        colocated = [n for n in self.pool.colocated if n.is_healthy and n.address not in exclude]
+        if colocated:
+            return Route(decode=min(colocated, key=_decode_work), prefill=None)
+        return None
+
+    def pick_prefill(self, prompt: Sequence[int], candidates: list[Node]) -> Node:
+        shortest = min(_prefill_queue(n) for n in candidates)
+        matches = self.affinity.matched_tokens(prompt)
+        affine = [
+            n
+            for n in candidates
+            if matches.get(n.address, 0) > 0
+            and _prefill_queue(n) <= shortest + self.config.affinity_max_imbalance
+        ]
+        if affine:
+            return max(affine, key=lambda n: (matches[n.address], -_prefill_queue(n)))
+        return min(candidates, key=_prefill_queue)
