@@ -1,0 +1,326 @@
+"""The gateway's torch-free tokenizer against ``transformers.AutoTokenizer`` on the same files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from gateway.errors import ErrorKind, GatewayError
+from gateway.tokenizer import Tokenizer
+
+TEXTS = (
+    "Hello world",
+    "  leading spaces and trailing  ",
+    "café über naïve 日本語 東京 😀🚀 漢字 ÿ",
+    "line one\nline two\r\n\ttabbed",
+    "<|im_start|>user\nspecial tokens inside text<|im_end|>",
+    "",
+)
+
+CONVERSATIONS: tuple[list[dict[str, Any]], ...] = (
+    [{"role": "user", "content": "hi"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+2? 😀"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "日本語で"},
+    ],
+)
+
+# Uses every helper transformers gives templates; rendered by both implementations.
+FEATURE_TEMPLATE = """\
+{%- set ns = namespace(count=0) -%}
+{{ bos_token }}
+{% for message in messages %}
+    {%- if message['role'] == 'tool' %}{% continue %}{% endif -%}
+    {%- set ns.count = ns.count + 1 -%}
+    {%- if message['role'] == 'assistant' -%}
+        {% generation %}A: {{ message['content'] }}{{ eos_token }}{% endgeneration %}
+    {%- else -%}
+        {{ message['role'] | upper }}: {{ message['content'] }}
+    {%- endif %}
+
+{% endfor %}
+{% if tools %}TOOLS {{ tools | tojson }}
+{% endif %}
+{{ dict(n=ns.count) | tojson }} {{ {'html': '<b>é</b>'} | tojson(indent=1) }}
+{% if strftime_now('%Y') | length != 4 %}{{ raise_exception('bad year') }}{% endif %}
+{% if add_generation_prompt %}A:{% endif %}"""
+
+ALTERNATING_TEMPLATE = """\
+{% for message in messages %}
+{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+{% endif %}
+{{ message['role'] }}: {{ message['content'] }}
+{% endfor %}"""
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+ModelDirFactory = Callable[..., Path]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir: Path) -> Tokenizer:
+    return Tokenizer.from_model_dir(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny_llama_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+@pytest.fixture
+def make_model_dir(tiny_llama_dir: Path, tmp_path: Path) -> ModelDirFactory:
+    """``make(template_file=None, **config_changes)``: the tiny tokenizer with edited config.
+
+    A config value of None removes that key.
+    """
+
+    def make(template_file: str | None = None, **config_changes: Any) -> Path:
+        out_dir = tmp_path / "model"
+        out_dir.mkdir()
+        for name in TOKENIZER_FILES:
+            shutil.copy(tiny_llama_dir / name, out_dir / name)
+        config = json.loads((out_dir / "tokenizer_config.json").read_text())
+        for key, value in config_changes.items():
+            if value is None:
+                config.pop(key, None)
+            else:
+                config[key] = value
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(config))
+        if template_file is not None:
+            (out_dir / "chat_template.jinja").write_text(template_file)
+        return out_dir
+
+    return make
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_encode_matches_transformers(
+    tokenizer: Tokenizer,
+    hf_tokenizer: PreTrainedTokenizerBase,
+    text: str,
+    add_special_tokens: bool,
+) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    assert ids == hf_tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    assert (ids[:1] == [hf_tokenizer.bos_token_id]) == add_special_tokens
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_matches_transformers(
+    tokenizer: Tokenizer,
+    hf_tokenizer: PreTrainedTokenizerBase,
+    text: str,
+    skip_special_tokens: bool,
+) -> None:
+    ids = hf_tokenizer.encode(text)
+    decoded = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    assert decoded == hf_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    if skip_special_tokens:
+        assert decoded == text.replace("<|im_start|>", "").replace("<|im_end|>", "")
+
+
+def test_vocab_and_special_tokens(
+    tokenizer: Tokenizer, hf_tokenizer: PreTrainedTokenizerBase
+) -> None:
+    assert tokenizer.vocab_size == len(hf_tokenizer)
+    assert tokenizer.eos_token_ids == (hf_tokenizer.eos_token_id,)
+    assert tokenizer.special_tokens == hf_tokenizer.special_tokens_map
+
+
+def test_eos_ids_include_generation_config(make_model_dir: ModelDirFactory) -> None:
+    model_dir = make_model_dir()
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 1]}))
+    # The tokenizer's own EOS first, then the generation config's others, each once.
+    assert Tokenizer.from_model_dir(model_dir).eos_token_ids == (1, 3)
+
+
+def test_token_text_matches_vllm_logprob_text(
+    tokenizer: Tokenizer, hf_tokenizer: PreTrainedTokenizerBase
+) -> None:
+    # vLLM shows each logprob token as decode([id]) with special tokens kept.
+    for token_id in range(tokenizer.vocab_size):
+        assert tokenizer.token_text(token_id) == hf_tokenizer.decode([token_id]), token_id
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_join_to_utf8(tokenizer: Tokenizer, text: str) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(tokenizer.token_bytes(token_id) for token_id in ids) == text.encode()
+
+
+def test_token_bytes_of_a_split_character(tokenizer: Tokenizer) -> None:
+    # A rare CJK character stays split across byte tokens in the tiny vocabulary.
+    ids = tokenizer.encode("鿋", add_special_tokens=False)
+    assert len(ids) > 1
+    assert all(tokenizer.token_text(token_id) == "\ufffd" for token_id in ids)
+    assert [tokenizer.token_bytes(token_id) for token_id in ids] == [
+        bytes([byte]) for byte in "鿋".encode()
+    ]
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(
+    tokenizer: Tokenizer,
+    hf_tokenizer: PreTrainedTokenizerBase,
+    conversation: list[dict[str, Any]],
+    add_generation_prompt: bool,
+) -> None:
+    rendered = tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=add_generation_prompt
+    )
+    assert rendered == hf_tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert rendered.startswith("<|begin_of_text|><|im_start|>")
+    assert rendered.endswith("<|im_start|>assistant\n") == add_generation_prompt
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+def test_encode_chat_has_one_bos(
+    tokenizer: Tokenizer,
+    hf_tokenizer: PreTrainedTokenizerBase,
+    conversation: list[dict[str, Any]],
+) -> None:
+    ids = tokenizer.encode_chat(conversation)
+    expected = hf_tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=True, return_dict=False
+    )
+    assert ids == expected
+    assert ids.count(hf_tokenizer.bos_token_id) == 1
+
+
+def test_template_helpers_match_transformers(make_model_dir: ModelDirFactory) -> None:
+    # chat_template.jinja overrides the config's template, as in transformers 5.
+    model_dir = make_model_dir(template_file=FEATURE_TEMPLATE)
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    hf_tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    conversation = [
+        *CONVERSATIONS[1],
+        {"role": "tool", "content": "skipped"},
+        {"role": "assistant", "content": "ok"},
+    ]
+    tools = [{"type": "function", "function": {"name": "f", "description": "<é>"}}]
+    for kwargs in ({}, {"tools": tools}):
+        rendered = tokenizer.apply_chat_template(conversation, **kwargs)
+        assert rendered == hf_tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+        assert '{"n": 5}' in rendered
+        assert '"<b>é</b>"' in rendered  # tojson neither escapes HTML nor non-ASCII
+        assert ("TOOLS" in rendered) == bool(kwargs)
+
+
+def test_named_templates_use_the_default(make_model_dir: ModelDirFactory) -> None:
+    templates = [
+        {"name": "default", "template": "D{{ messages[0]['content'] }}"},
+        {"name": "tool_use", "template": "T"},
+    ]
+    tokenizer = Tokenizer.from_model_dir(make_model_dir(chat_template=templates))
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "Dx"
+
+
+def test_content_parts_join_with_newlines(tokenizer: Tokenizer) -> None:
+    parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+    with_parts = tokenizer.apply_chat_template([{"role": "user", "content": parts}])
+    as_string = tokenizer.apply_chat_template([{"role": "user", "content": "first\nsecond"}])
+    assert with_parts == as_string
+
+
+def test_none_fields_are_dropped(tokenizer: Tokenizer) -> None:
+    # OpenAI clients send "name": null; a template sees the key as missing, as in transformers.
+    message = {"role": "user", "content": "hi", "name": None}
+    rendered = tokenizer.apply_chat_template([message])
+    assert rendered == tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize(
+    ("messages", "fragment"),
+    [
+        ([], "non-empty list"),
+        ("hello", "non-empty list"),
+        (["hello"], "messages[0] must be an object"),
+        ([{"content": "hi"}], "role None"),
+        ([{"role": "wizard", "content": "hi"}], "role 'wizard'"),
+        ([{"role": "user", "content": 42}], "got int"),
+        ([{"role": "user"}], "has no content"),
+        ([{"role": "user", "content": {"text": "hi"}}], "got dict"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            "'image_url'",
+        ),
+        ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "text must be a string"),
+        ([{"role": "user", "content": ["plain string part"]}], "'str'"),
+    ],
+)
+def test_bad_messages_are_invalid_argument(
+    tokenizer: Tokenizer, messages: Any, fragment: str
+) -> None:
+    with pytest.raises(GatewayError) as raised:
+        tokenizer.apply_chat_template(messages)
+    assert raised.value.kind is ErrorKind.INVALID_ARGUMENT
+    assert raised.value.param == "messages"
+    assert fragment in raised.value.message
+
+
+def test_template_refusal_is_invalid_argument(make_model_dir: ModelDirFactory) -> None:
+    tokenizer = Tokenizer.from_model_dir(make_model_dir(template_file=ALTERNATING_TEMPLATE))
+    ok = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert tokenizer.apply_chat_template(ok) == "user: a\nassistant: b\n"
+    with pytest.raises(GatewayError) as raised:
+        tokenizer.encode_chat([{"role": "assistant", "content": "b"}])
+    assert raised.value.param == "messages"
+    assert "must alternate" in raised.value.message
+
+
+def test_assistant_tool_call_without_content(make_model_dir: ModelDirFactory) -> None:
+    model_dir = make_model_dir(template_file="{{ messages | tojson }}")
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    hf_tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    conversation = [
+        {"role": "user", "content": "call f"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=False)
+    assert rendered == hf_tokenizer.apply_chat_template(conversation, tokenize=False)
+    assert json.loads(rendered)[1] == {"role": "assistant", "tool_calls": [call]}
+
+
+def test_no_chat_template_is_invalid_argument(make_model_dir: ModelDirFactory) -> None:
+    tokenizer = Tokenizer.from_model_dir(make_model_dir(chat_template=None))
+    assert not tokenizer.has_chat_template
+    with pytest.raises(GatewayError) as raised:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert raised.value.param == "messages"
+    assert "no chat template" in raised.value.message
+
+
+@pytest.mark.parametrize("add_bos_token", [True, False])
+def test_bos_comes_from_tokenizer_json(
+    make_model_dir: ModelDirFactory, add_bos_token: bool
+) -> None:
+    # transformers 5 keeps tokenizer.json's post-processor whatever the config's flag says.
+    model_dir = make_model_dir(add_bos_token=add_bos_token, add_eos_token=True)
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    hf_tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer.encode("Hello world")
+    assert ids == hf_tokenizer.encode("Hello world")
+    assert ids == [hf_tokenizer.bos_token_id, *tokenizer.encode("Hello world", False)]
+
+
+def test_missing_tokenizer_json_names_the_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        Tokenizer.from_model_dir(tmp_path)
