@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--served-model-name", default=None, help="model id clients use (default: dir name)")
     add("--host", default="0.0.0.0", help="address both servers bind")
     add("--http-port", type=int, default=8000, help="OpenAI API, /health, /metrics")
-    add("--grpc-port", type=int, default=50051, help="public gRPC API (0: none)")
+    add("--grpc-port", type=int, default=50051, help="public gRPC API")
     add("--prefill", type=_addresses, default=(), help="prefill nodes, host:port,...")
     add("--decode", type=_addresses, default=(), help="decode nodes, host:port,...")
     add("--colocated", type=_addresses, default=(), help="colocated nodes, host:port,...")

@@ -1,0 +1,49 @@
+"""``python -m gateway``: serve the OpenAI HTTP API and the public gRPC API in front of the
+prefill/decode (or colocated) nodes named by the flags. SIGTERM/SIGINT drain and exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from gateway.config import parse_gateway_config
+from gateway.server import GatewayServer
+
+logger = logging.getLogger("gateway")
+
+DRAIN_GRACE_S = 30.0
+
+
+async def main(argv: list[str] | None = None) -> int:
+    config = parse_gateway_config(argv)
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    server = GatewayServer(config)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(
+        f"pdserve gateway ready: HTTP http://{config.host}:{server.http_port}/v1 "
+        f"gRPC {config.host}:{server.grpc_port}",
+        flush=True,
+    )
+    await stop.wait()
+    logger.info("draining (up to %.0f s)", DRAIN_GRACE_S)
+    await server.stop(DRAIN_GRACE_S)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # uvloop is optional: plain asyncio works, a little slower
+        pass
+    sys.exit(asyncio.run(main()))

@@ -1,0 +1,166 @@
+"""The public gRPC API (``pdserve.v1.GatewayService``): protobuf in, the shared front-end path
+inside (auth, admission, tokenizer, routed generator, text stream), protobuf out.
+
+Errors before the first delta abort the call with the status of their ``ErrorKind``
+(INVALID_ARGUMENT naming the field, UNAUTHENTICATED, RESOURCE_EXHAUSTED, UNAVAILABLE, ...).
+A cancelled call (client gone, deadline) closes the generator, which cancels both node legs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import grpc
+
+from gateway.convert import (
+    finish_reason_to_proto,
+    logprob_to_proto,
+    sampling_from_proto,
+    timings_to_proto,
+    usage_to_proto,
+)
+from gateway.errors import ErrorKind, GatewayError, invalid
+from gateway.frontend import Frontend
+from gateway.generation import GenerationRequest
+from gateway.text_stream import TextDelta, stream_text
+from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+
+    async def Generate(
+        self, request: gateway_pb2.GatewayGenerateRequest, context: grpc.aio.ServicerContext
+    ):
+        arrival = time.monotonic()
+        frontend = self.frontend
+        try:
+            self._authenticate(context)
+            generation = self._generation_request(request, arrival)
+            skip_special = (
+                request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+            )
+            async with frontend.admission.admit():
+                frontend.metrics.request_queue_time.observe(time.monotonic() - arrival)
+                events = frontend.generator.generate(generation)
+                try:
+                    async for item in stream_text(
+                        events,
+                        frontend.tokenizer,
+                        generation.prompt_token_ids,
+                        stop=tuple(request.stop),
+                        include_stop_str_in_output=request.include_stop_str_in_output,
+                        skip_special_tokens=skip_special,
+                    ):
+                        if isinstance(item, TextDelta):
+                            yield gateway_pb2.GatewayGenerateResponse(
+                                delta=gateway_pb2.GatewayTextDelta(
+                                    text=item.text,
+                                    token_ids=item.token_ids,
+                                    logprobs=[logprob_to_proto(lp) for lp in item.logprobs or ()],
+                                )
+                            )
+                        else:
+                            yield gateway_pb2.GatewayGenerateResponse(
+                                finished=gateway_pb2.GatewayFinished(
+                                    finish_reason=finish_reason_to_proto(item.finish_reason),
+                                    usage=usage_to_proto(item.usage),
+                                    timings=timings_to_proto(item.timings),
+                                    error=item.error or "",
+                                    stop_reason=item.stop_reason
+                                    if isinstance(item.stop_reason, str)
+                                    else "",
+                                    request_id=generation.request_id,
+                                )
+                            )
+                finally:
+                    await events.aclose()
+        except GatewayError as exc:
+            frontend.metrics.request_errors.labels(reason=exc.kind.name.lower()).inc()
+            await context.abort(exc.kind.grpc_code, exc.message)
+
+    async def ListModels(
+        self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.ListModelsResponse:
+        try:
+            self._authenticate(context)
+        except GatewayError as exc:
+            await context.abort(exc.kind.grpc_code, exc.message)
+        return gateway_pb2.ListModelsResponse(
+            models=[
+                gateway_pb2.ModelCard(
+                    id=self.frontend.served_model_name,
+                    max_model_len=self.frontend.limits.max_model_len,
+                )
+            ]
+        )
+
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        metadata = dict(context.invocation_metadata() or ())
+        self.frontend.api_keys.check(metadata.get("authorization"))
+
+    def _generation_request(
+        self, request: gateway_pb2.GatewayGenerateRequest, arrival: float
+    ) -> GenerationRequest:
+        frontend, limits = self.frontend, self.frontend.limits
+        if request.model and request.model != frontend.served_model_name:
+            raise GatewayError(
+                ErrorKind.NOT_FOUND,
+                f"model {request.model!r} does not exist; this gateway serves "
+                f"{frontend.served_model_name!r}",
+                param="model",
+            )
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            prompt = frontend.tokenizer.encode(request.text)
+        elif kind == "token_ids":
+            prompt = list(request.token_ids.ids)
+            vocab = frontend.tokenizer.vocab_size
+            if any(token >= vocab for token in prompt):
+                raise invalid(f"token_ids: ids must be < vocab size {vocab}", param="token_ids")
+        elif kind == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            prompt = frontend.tokenizer.encode_chat(messages)
+        else:
+            raise invalid("input: set one of text, token_ids or chat", param="input")
+        if not prompt:
+            raise invalid(f"{kind}: the prompt is empty", param=kind)
+        sampling = sampling_from_proto(request.sampling)
+        if sampling.max_tokens > limits.max_tokens:
+            raise invalid(
+                f"sampling.max_tokens must be <= {limits.max_tokens}, got {sampling.max_tokens}",
+                param="sampling.max_tokens",
+            )
+        if len(prompt) + sampling.max_tokens > limits.max_model_len:
+            raise invalid(
+                f"the prompt ({len(prompt)} tokens) plus sampling.max_tokens "
+                f"({sampling.max_tokens}) exceeds max_model_len {limits.max_model_len}",
+                param="sampling.max_tokens",
+            )
+        if sampling.logprobs is not None and sampling.logprobs > limits.max_logprobs:
+            raise invalid(
+                f"sampling.logprobs must be <= {limits.max_logprobs}", param="sampling.logprobs"
+            )
+        if len(request.stop) > limits.max_stop_strings or any(
+            not stop or len(stop) > limits.max_stop_string_chars for stop in request.stop
+        ):
+            raise invalid(
+                f"stop: at most {limits.max_stop_strings} non-empty strings of at most "
+                f"{limits.max_stop_string_chars} characters",
+                param="stop",
+            )
+        deadline = (
+            arrival + frontend.request_timeout_s if frontend.request_timeout_s is not None else None
+        )
+        return GenerationRequest(
+            request_id=request.request_id or f"gen-{uuid.uuid4().hex}",
+            prompt_token_ids=tuple(prompt),
+            sampling=sampling,
+            deadline=deadline,
+            arrival=arrival,
+        )

@@ -1,0 +1,159 @@
+"""Starts and stops a gateway: the node pool's health loop, the public gRPC server and the
+OpenAI HTTP server, all on one asyncio loop.
+
+Life cycle: ``GatewayServer.start`` (tokenizer loaded, node channels opened, poll loop started,
+both ports bound — port 0 picks a free one, for tests) → serving; grpc.health.v1 says SERVING
+and ``/health`` 200 only while a pair or a colocated node is healthy → ``stop(grace_s)``: health
+NOT_SERVING, no new requests, open streams get ``grace_s`` to finish, then channels close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+
+import grpc
+import uvicorn
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway.admission import Admission
+from gateway.auth import ApiKeys
+from gateway.config import GatewayConfig
+from gateway.frontend import Frontend
+from gateway.grpc_api import GatewayServicer
+from gateway.metrics import GatewayMetrics
+from gateway.node_pool import NodePool
+from gateway.openai_app import build_openai_app
+from gateway.routed_generator import RoutedGenerator
+from gateway.router import Router
+from gateway.tokenizer import Tokenizer
+from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn inside our loop: the gateway's entry point owns SIGTERM/SIGINT, not uvicorn."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class GatewayServer:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self.pool = NodePool(
+            config.router.prefill,
+            config.router.decode,
+            config.router.colocated,
+            interval_s=config.router.health_interval_s,
+            timeout_s=config.router.health_timeout_s,
+        )
+        self.router = Router(self.pool, config.router)
+        self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests)
+        self.frontend = Frontend(
+            served_model_name=config.served_model_name,
+            tokenizer=Tokenizer.from_model_dir(config.model_dir),
+            generator=RoutedGenerator(self.router, config.router, self.metrics),
+            admission=self.admission,
+            api_keys=ApiKeys(config.api_keys),
+            limits=config.limits,
+            metrics=self.metrics,
+            is_ready=self.pool.is_ready,
+            request_timeout_s=config.request_timeout_s,
+        )
+        self.health = health.aio.HealthServicer()
+        self.http_port = 0
+        self.grpc_port = 0
+        self._grpc: grpc.aio.Server | None = None
+        self._http: _EmbeddedUvicorn | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        config = self.config
+        await self.pool.poll_once()
+        self._tasks.append(asyncio.create_task(self._watch_health(), name="gateway-health"))
+
+        self._grpc = grpc.aio.server()
+        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
+            GatewayServicer(self.frontend), self._grpc
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        reflection.enable_server_reflection(
+            (
+                gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            self._grpc,
+        )
+        self.grpc_port = self._grpc.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        await self._grpc.start()
+
+        sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((config.host, config.http_port))
+        self.http_port = sock.getsockname()[1]
+        self._http = _EmbeddedUvicorn(
+            uvicorn.Config(
+                build_openai_app(self.frontend),
+                log_level=config.log_level,
+                access_log=False,
+                # SSE streams idle between tokens of a slow model; keep-alive must outlast that.
+                timeout_keep_alive=30,
+                timeout_graceful_shutdown=30,
+            )
+        )
+        self._tasks.append(asyncio.create_task(self._http.serve(sockets=[sock]), name="http"))
+        while not self._http.started:
+            if self._tasks[-1].done():
+                self._tasks[-1].result()  # raises what stopped uvicorn
+            await asyncio.sleep(0.01)
+        logger.info(
+            "gateway serving %s: HTTP on %s:%d, gRPC on %s:%d",
+            config.served_model_name, config.host, self.http_port, config.host, self.grpc_port,
+        )  # fmt: skip
+
+    async def _watch_health(self) -> None:
+        """Polls the nodes and mirrors readiness into grpc.health.v1 and the metrics."""
+        while True:
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if self.pool.is_ready()
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            await self.health.set("", status)
+            await self.health.set("pdserve.v1.GatewayService", status)
+            for role, nodes in (
+                ("prefill", self.pool.prefill),
+                ("decode", self.pool.decode),
+                ("colocated", self.pool.colocated),
+            ):
+                self.metrics.healthy_nodes.labels(role=role).set(
+                    sum(node.is_healthy for node in nodes)
+                )
+            self.metrics.num_requests_running.set(self.admission.num_running)
+            self.metrics.num_requests_waiting.set(self.admission.num_queued)
+            await asyncio.sleep(self.pool.interval_s)
+            await self.pool.poll_once()
+
+    async def stop(self, grace_s: float = 30.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        if self._http is not None:
+            self._http.config.timeout_graceful_shutdown = grace_s
+            self._http.should_exit = True
+        if self._grpc is not None:
+            await self._grpc.stop(grace_s)
+        for task in self._tasks:
+            if task.get_name() == "http":
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(task, grace_s + 1)
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.pool.close()

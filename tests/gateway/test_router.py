@@ -1,0 +1,120 @@
+"""The router's choices from node health and load, and the prefix-affinity index behind them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.config import RouterConfig
+from gateway.node_pool import NodeHealth, NodeLoad, NodePool
+from gateway.prefix_affinity import PrefixAffinity
+from gateway.router import Router
+
+BLOCK = 4
+
+
+def make_router(prefill: int = 2, decode: int = 2, colocated: int = 0) -> Router:
+    pool = NodePool(
+        tuple(f"127.0.0.1:{6100 + i}" for i in range(prefill)),
+        tuple(f"127.0.0.1:{7100 + i}" for i in range(decode)),
+        tuple(f"127.0.0.1:{8100 + i}" for i in range(colocated)),
+    )
+    for node in pool.nodes:
+        node.health = NodeHealth.HEALTHY
+    config = RouterConfig(
+        prefill=tuple(n.address for n in pool.prefill),
+        decode=tuple(n.address for n in pool.decode),
+        colocated=tuple(n.address for n in pool.colocated),
+        affinity_block_size=BLOCK,
+        affinity_max_imbalance=2,
+    )
+    return Router(pool, config)
+
+
+@pytest.fixture
+def loop():
+    # Node channels are grpc.aio objects: they want a loop to exist while they are created.
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    yield loop
+    loop.close()
+
+
+def test_affinity_matches_longest_shared_prefix() -> None:
+    index = PrefixAffinity(block_size=BLOCK)
+    index.record([1, 2, 3, 4, 5, 6, 7, 8], "a")
+    index.record([1, 2, 3, 4, 9, 9, 9, 9], "b")
+    assert index.matched_tokens([1, 2, 3, 4, 5, 6, 7, 8, 0]) == {"b": 4, "a": 8}
+    assert index.matched_tokens([1, 2, 3, 4, 9, 9, 9, 9]) == {"b": 8}
+    assert index.matched_tokens([2, 2, 3, 4]) == {}
+    assert index.matched_tokens([1, 2, 3]) == {}  # no full block
+    index.forget("b")
+    assert index.matched_tokens([1, 2, 3, 4, 9, 9, 9, 9]) == {}
+
+
+def test_affinity_is_bounded() -> None:
+    index = PrefixAffinity(block_size=1, max_entries=10)
+    for i in range(100):
+        index.record([1000 + i], "a")
+    assert len(index) == 10
+    assert index.matched_tokens([1099]) == {"a": 1}
+    assert index.matched_tokens([1000]) == {}
+
+
+def test_shared_prefix_goes_to_the_same_prefill(loop) -> None:
+    router = make_router()
+    system = list(range(100, 116))
+    first = router.pick([*system, 1, 2, 3, 4])
+    # The first request's node gets busier, but within the allowed imbalance.
+    first.prefill.num_in_flight = 2
+    again = router.pick([*system, 9, 9, 9, 9])
+    assert again.prefill is first.prefill
+    # Past the imbalance bound the shortest queue wins over affinity.
+    first.prefill.num_in_flight = 3
+    assert router.pick([*system, 7, 7, 7, 7]).prefill is not first.prefill
+
+
+def test_unrelated_prompts_spread_by_queue_depth(loop) -> None:
+    router = make_router()
+    a = router.pick([1] * 8).prefill
+    a.num_in_flight = 1
+    assert router.pick([2] * 8).prefill is not a
+
+
+def test_decode_by_load_and_kv_usage(loop) -> None:
+    router = make_router(decode=3)
+    d0, d1, d2 = router.pool.decode
+    d0.load = NodeLoad(num_running=5, kv_blocks_used=10, kv_blocks_total=100)
+    d1.load = NodeLoad(num_running=1, kv_blocks_used=95, kv_blocks_total=100)  # nearly full
+    d2.load = NodeLoad(num_running=3, kv_blocks_used=10, kv_blocks_total=100)
+    assert router.pick([1] * 8).decode is d2
+    d2.num_in_flight = 9  # the gateway's own count is fresher than the last poll
+    assert router.pick([1] * 8).decode is d0
+
+
+def test_unhealthy_draining_and_excluded_nodes_are_skipped(loop) -> None:
+    router = make_router(colocated=1)
+    p0, p1 = router.pool.prefill
+    d0, d1 = router.pool.decode
+    p0.mark_failed("UNAVAILABLE")
+    d1.load = NodeLoad(draining=True)
+    route = router.pick([1] * 8)
+    assert (route.prefill, route.decode) == (p1, d0)
+    # Every pair tried: the colocated node is the fallback.
+    route = router.pick([1] * 8, exclude={d0.address})
+    assert route.is_colocated and route.decode is router.pool.colocated[0]
+    router.pool.colocated[0].health = NodeHealth.UNHEALTHY
+    assert router.pick([1] * 8, exclude={d0.address}) is None
+
+
+def test_readiness_needs_a_pair_or_a_colocated_node(loop) -> None:
+    router = make_router(prefill=1, decode=1, colocated=1)
+    pool = router.pool
+    assert pool.is_ready()
+    pool.colocated[0].health = NodeHealth.UNHEALTHY
+    assert pool.is_ready()
+    pool.prefill[0].health = NodeHealth.UNHEALTHY
+    assert not pool.is_ready()
+    pool.colocated[0].health = NodeHealth.HEALTHY
+    assert pool.is_ready()
