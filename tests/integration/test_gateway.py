@@ -1,0 +1,272 @@
+"""The gateway in front of real nodes over real gRPC on localhost: one prefill node and two
+decode nodes (KV moved by the in-process loopback transport), or a colocated node.
+
+Through the public gRPC API: greedy tokens equal the single-process engine's; a full decode
+node and a dead decode node are retried on the other one before any token is sent; a client
+that goes away frees the blocks on every node; bad requests get the right status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import grpc
+import pytest
+
+from decode_node.role import decode_services
+from gateway.config import parse_gateway_config
+from gateway.server import GatewayServer
+from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from prefill_node.role import prefill_services
+from services.engine import LLM, SamplingParams
+from services.node_config import Role, parse_node_config
+from services.node_runtime import start_node
+
+MAX_MODEL_LEN = 256
+GREEDY = common_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def node_argv(model_dir: Path, role: str, kv_memory: str) -> list[str]:
+    return [
+        "--role", role, "--model", str(model_dir), "--dtype", "float32", "--host", "127.0.0.1",
+        "--grpc-port", "0", "--kv-transport", "loopback", "--max-model-len", str(MAX_MODEL_LEN),
+        "--kv-cache-memory", kv_memory, "--max-num-batched-tokens", "64", "--drain-grace-s", "1",
+    ]  # fmt: skip
+
+
+class Stack:
+    """Nodes and a gateway in this process; ``nodes`` maps a name to (server, engine)."""
+
+    def __init__(self, nodes: dict, gateway: GatewayServer) -> None:
+        self.nodes = nodes
+        self.gateway = gateway
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.grpc_port}")
+        self.stub = gateway_pb2_grpc.GatewayServiceStub(self.channel)
+
+    async def generate(self, prompt: list[int], sampling=GREEDY, metadata=None, **fields):
+        """(token ids, text, finished) of one request through the public API."""
+        request = gateway_pb2.GatewayGenerateRequest(
+            token_ids=gateway_pb2.TokenIds(ids=prompt), sampling=sampling, **fields
+        )
+        tokens, text, finished = [], "", None
+        async for event in self.stub.Generate(request, timeout=60, metadata=metadata):
+            if event.WhichOneof("event") == "delta":
+                tokens.extend(event.delta.token_ids)
+                text += event.delta.text
+            else:
+                finished = event.finished
+        return tokens, text, finished
+
+    async def blocks_in_use(self) -> dict[str, int]:
+        used = {}
+        for name, (_, engine) in self.nodes.items():
+            stats = await engine.call(lambda core: core.stats())
+            used[name] = stats.num_blocks_used
+        return used
+
+    async def wait_all_free(self) -> None:
+        for _ in range(500):
+            if not any((await self.blocks_in_use()).values()):
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"blocks still in use: {await self.blocks_in_use()}")
+
+    async def close(self) -> None:
+        await self.channel.close()
+        await self.gateway.stop(grace_s=1)
+        for server, engine in self.nodes.values():
+            await server.drain()
+            engine.shutdown()
+
+
+def run_stack(model_dir: Path, body, decode_kv=("5MiB", "5MiB"), colocated=False, extra=()):
+    async def main() -> None:
+        nodes = {}
+        if colocated:
+            nodes["colocated"] = await start_node(
+                parse_node_config(node_argv(model_dir, "colocated", "5MiB"), {}),
+                decode_services,
+            )
+        else:
+            nodes["prefill"] = await start_node(
+                parse_node_config(node_argv(model_dir, "prefill", "3MiB"), {}, role=Role.PREFILL),
+                prefill_services,
+            )
+            for i, memory in enumerate(decode_kv):
+                nodes[f"decode{i}"] = await start_node(
+                    parse_node_config(node_argv(model_dir, "decode", memory), {}, role=Role.DECODE),
+                    decode_services,
+                )
+
+        def addresses(prefix: str) -> str:
+            return ",".join(
+                f"127.0.0.1:{server.port}"
+                for n, (server, _) in nodes.items()
+                if n.startswith(prefix)
+            )
+
+        node_flags = (
+            ["--colocated", addresses("colocated")]
+            if colocated
+            else ["--prefill", addresses("prefill"), "--decode", addresses("decode")]
+        )
+        config = parse_gateway_config(
+            [
+                "--model", str(model_dir), "--host", "127.0.0.1", "--http-port", "0",
+                "--grpc-port", "0", "--max-model-len", str(MAX_MODEL_LEN),
+                # No polls during a test: node failures are found by the requests themselves.
+                "--health-interval-s", "60", *node_flags, *extra,
+            ],
+            {},
+        )  # fmt: skip
+        gateway = GatewayServer(config)
+        await gateway.start()
+        stack = Stack(nodes, gateway)
+        try:
+            await body(stack)
+        finally:
+            await stack.close()
+
+    asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama_dir: Path):
+    """Greedy tokens of the single-process engine for a few prompts."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(5, 4000) for _ in range(n)] for n in (3, 16, 40, 100, 150)]
+    offline = LLM(tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    return prompts, [list(o.token_ids) for o in offline.generate(prompts, params)]
+
+
+def test_disaggregated_greedy_equals_the_single_engine(tiny_llama_dir: Path, expected) -> None:
+    prompts, tokens = expected
+
+    async def body(stack: Stack) -> None:
+        results = await asyncio.gather(*(stack.generate(p) for p in prompts))
+        assert [r[0] for r in results] == tokens
+        for (_, text, finished), ids in zip(results, tokens, strict=True):
+            assert finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert finished.usage.completion_tokens == 8
+            assert finished.usage.prompt_tokens > 0
+            assert text == stack.gateway.frontend.tokenizer.decode(ids)
+        await stack.wait_all_free()
+
+    run_stack(tiny_llama_dir, body)
+
+
+def test_colocated_greedy_equals_the_single_engine(tiny_llama_dir: Path, expected) -> None:
+    prompts, tokens = expected
+
+    async def body(stack: Stack) -> None:
+        results = await asyncio.gather(*(stack.generate(p) for p in prompts))
+        assert [r[0] for r in results] == tokens
+        await stack.wait_all_free()
+
+    run_stack(tiny_llama_dir, body, colocated=True)
+
+
+def test_a_full_decode_node_is_retried_on_another(tiny_llama_dir: Path, expected) -> None:
+    prompts, tokens = expected
+
+    async def body(stack: Stack) -> None:
+        # decode0 (tried first: both idle, it is listed first) cannot hold a 150-token prompt.
+        result = await stack.generate(prompts[4])
+        assert result[0] == tokens[4]
+        assert result[2].num_retries == 1
+        metrics = stack.gateway.metrics.retries.labels(cause="decode_full")._value.get()
+        assert metrics == 1
+        await stack.wait_all_free()
+
+    # 64 KiB of KV: a handful of tiny-model blocks, fewer than a 150-token prompt needs.
+    run_stack(tiny_llama_dir, body, decode_kv=("600KiB", "5MiB"))
+
+
+def test_a_dead_decode_node_is_retried_before_the_first_token(tiny_llama_dir, expected) -> None:
+    prompts, tokens = expected
+
+    async def body(stack: Stack) -> None:
+        server, engine = stack.nodes["decode0"]
+        await server.drain()  # gone; the gateway's pool has not polled since
+        engine.shutdown()
+        del stack.nodes["decode0"]
+        result = await stack.generate(prompts[2])
+        assert result[0] == tokens[2]
+        assert result[2].num_retries == 1
+        assert not stack.gateway.pool.decode[0].is_healthy
+        await stack.wait_all_free()
+
+    run_stack(tiny_llama_dir, body)
+
+
+def test_a_client_that_goes_away_frees_every_node(tiny_llama_dir: Path) -> None:
+    async def body(stack: Stack) -> None:
+        sampling = common_pb2.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        for _ in range(3):
+            call = stack.stub.Generate(
+                gateway_pb2.GatewayGenerateRequest(
+                    token_ids=gateway_pb2.TokenIds(ids=list(range(10, 50))), sampling=sampling
+                ),
+                timeout=60,
+            )
+            first = await call.read()
+            assert first.WhichOneof("event") == "delta"
+            call.cancel()
+        await stack.wait_all_free()
+        # ... and every node still serves.
+        _, _, finished = await stack.generate([1, 2, 3])
+        assert finished.usage.completion_tokens == 8
+
+    run_stack(tiny_llama_dir, body)
+
+
+def test_bad_requests_get_clear_statuses(tiny_llama_dir: Path) -> None:
+    async def body(stack: Stack) -> None:
+        cases = [
+            (dict(token_ids=gateway_pb2.TokenIds(ids=[])), grpc.StatusCode.INVALID_ARGUMENT,
+             "empty"),
+            (dict(token_ids=gateway_pb2.TokenIds(ids=[10**6])), grpc.StatusCode.INVALID_ARGUMENT,
+             "token_ids"),
+            (dict(text="hi", sampling=common_pb2.SamplingParams(top_p=3)),
+             grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+            (dict(text="hi", sampling=common_pb2.SamplingParams(max_tokens=10_000)),
+             grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+            (dict(text="hi", model="gpt-9"), grpc.StatusCode.NOT_FOUND, "gpt-9"),
+            (dict(), grpc.StatusCode.INVALID_ARGUMENT, "input"),
+            (dict(chat=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="x")])),
+             grpc.StatusCode.INVALID_ARGUMENT, "role"),
+        ]  # fmt: skip
+        for fields, code, needle in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                async for _ in stack.stub.Generate(
+                    gateway_pb2.GatewayGenerateRequest(**fields), timeout=10
+                ):
+                    pass
+            assert error.value.code() == code, fields
+            assert needle in error.value.details(), (fields, error.value.details())
+        await stack.wait_all_free()
+
+    run_stack(tiny_llama_dir, body)
+
+
+def test_api_keys_guard_the_grpc_api(tiny_llama_dir: Path) -> None:
+    async def body(stack: Stack) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stack.generate([1, 2, 3])
+        assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stack.generate([1, 2, 3], metadata=(("authorization", "Bearer nope"),))
+        assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        _, _, finished = await stack.generate(
+            [1, 2, 3], metadata=(("authorization", "Bearer sesame"),)
+        )
+        assert finished.usage.completion_tokens == 8
+        models = await stack.stub.ListModels(
+            gateway_pb2.ListModelsRequest(), metadata=(("authorization", "Bearer sesame"),)
+        )
+        assert models.models[0].max_model_len == MAX_MODEL_LEN
+
+    run_stack(tiny_llama_dir, body, colocated=True, extra=("--api-key", "sesame"))
