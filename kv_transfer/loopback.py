@@ -45,6 +45,9 @@ class LoopbackFaults:
     stall: bool = False
     # Fail the transfer once this many bytes were copied (None: never).
     fail_after_bytes: int | None = None
+    # Pause this long before the last message (cancel, deadline and close still end it): the
+    # receiver has seen the transfer begin and holds part of its bytes meanwhile.
+    pause_before_last_s: float = 0.0
 
 
 @dataclass
@@ -145,9 +148,14 @@ class LoopbackTransport(KvTransport):
         src = [self._regions[n].view for n in plan.src_regions]
         dst = [receiver._regions[n].view for n in plan.dst_regions]
         faults = self.faults
-        for message in plan.messages:
+        last = len(plan.messages) - 1
+        for index, message in enumerate(plan.messages):
             if faults.delay_per_message_s:
                 time.sleep(faults.delay_per_message_s)
+            if index == last and faults.pause_before_last_s:
+                resume_at = time.monotonic() + faults.pause_before_last_s
+                while time.monotonic() < resume_at and not self._should_stop(job):
+                    time.sleep(0.002)
             while faults.stall and not self._should_stop(job):
                 time.sleep(0.002)
             if self._should_stop(job):

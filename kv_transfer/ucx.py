@@ -104,6 +104,11 @@ class _Outbound:
     # Pooled staging buffers the sends read; returned to the pool once no send is pending.
     staging: list[np.ndarray] = field(default_factory=list)
     is_abort_sent: bool = False
+    # The endpoint the messages go through, and the next DATA message to send (all are sent at
+    # once, unless ``pause_before_last_s`` holds the last one back until ``resume_at``).
+    ep: object = None
+    next_message: int = 0
+    resume_at: float | None = None
 
 
 @dataclass
@@ -120,9 +125,13 @@ class _Inbound:
 class UcxTransport(KvTransport):
     name = "ucx"
 
-    def __init__(self, error_handling: bool = False) -> None:
+    def __init__(self, error_handling: bool = False, pause_before_last_s: float = 0.0) -> None:
+        """``pause_before_last_s`` is fault injection for tests: each write holds its last DATA
+        message back this long (the agent keeps running), so a test can kill or cancel a writer
+        while the receiver holds part of a transfer."""
         super().__init__()
         self.error_handling = error_handling
+        self.pause_before_last_s = pause_before_last_s
         self._context = ucx_api.UCXContext(
             feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
         )
@@ -357,10 +366,25 @@ class UcxTransport(KvTransport):
         body = np.frombuffer(header.encode(), dtype=np.uint8)
         self._send(ep, record, make_tag(Kind.HEADER, self._slot, record.seq), body, 0)
         handle.start()
+        record.ep = ep
+        self._send_messages(record)
+
+    def _send_messages(self, record: _Outbound) -> None:
+        """Sends the DATA messages from ``record.next_message`` on (all of them, unless the
+        last is held back by ``pause_before_last_s``; ``_poll_outbound`` resumes it)."""
+        handle, plan = record.handle, record.plan
         src_views = [self._regions[n].view for n in plan.src_regions]
-        for index, message in enumerate(plan.messages):
+        while record.next_message < len(plan.messages):
             if handle.status.is_terminal:
                 return
+            index = record.next_message
+            if self.pause_before_last_s and index == len(plan.messages) - 1:
+                if record.resume_at is None:
+                    record.resume_at = time.monotonic() + self.pause_before_last_s
+                if time.monotonic() < record.resume_at:
+                    return
+            message = plan.messages[index]
+            record.next_message += 1
             runs = plan.runs[message.run_start : message.run_end]
             # A message whose runs follow on at the source (a direct run, or pages scattered only
             # at the destination) is sent in place; others are gathered into staging.
@@ -374,7 +398,7 @@ class UcxTransport(KvTransport):
                 region, offset, length = span
                 buffer = src_views[region][offset : offset + length]
             tag = make_tag(Kind.DATA, self._slot, record.seq, index)
-            self._send(ep, record, tag, buffer, message.num_bytes)
+            self._send(record.ep, record, tag, buffer, message.num_bytes)
 
     def _send(self, ep: object, record: _Outbound, tag: int, buffer: np.ndarray, n: int) -> None:
         request = ep.tag_send(Array(buffer), ucx_api.UCXXTag(tag))  # type: ignore[attr-defined]
@@ -395,6 +419,8 @@ class UcxTransport(KvTransport):
         now = time.monotonic()
         for seq, record in list(self._outbound.items()):
             handle = record.handle
+            if record.next_message < len(record.plan.messages) and not handle.status.is_terminal:
+                self._send_messages(record)
             still: list[tuple[object, int, np.ndarray]] = []
             for request, n, buffer in record.pending:
                 if not request.completed:  # type: ignore[attr-defined]

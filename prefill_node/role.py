@@ -16,7 +16,11 @@ SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_na
 def prefill_services(
     config: NodeConfig, engine: AsyncEngine, server: NodeServerRef, metrics: NodeMetrics
 ) -> NodeServices:
-    transport = open_kv_transport(config.kv_transport, engine.engine.kv_caches)
+    transport = open_kv_transport(
+        config.kv_transport,
+        engine.engine.kv_caches,
+        push_pause_s=config.test_kv_push_pause_s,
+    )
     metrics.transport_lanes(transport.info().lanes)
     servicer = PrefillServicer(config, engine, server, transport, metrics)
     return NodeServices(

@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from kv_transfer import KvTransport, PageCopy, make_transport, run_self_test
+from kv_transfer import KvTransport, LoopbackFaults, PageCopy, make_transport, run_self_test
 from services.engine.kv_layout import LayerCopy
 
 logger = logging.getLogger(__name__)
@@ -20,9 +20,21 @@ def region_name(layer: int) -> str:
     return f"kv.layer{layer}"
 
 
-def open_kv_transport(name: str, kv_caches: list[torch.Tensor]) -> KvTransport:
-    """Create the transport, register every layer's cache, and run the start-up self-test."""
-    transport = make_transport(name)
+def open_kv_transport(
+    name: str, kv_caches: list[torch.Tensor], *, push_pause_s: float = 0.0
+) -> KvTransport:
+    """Create the transport, register every layer's cache, and run the start-up self-test.
+
+    ``push_pause_s`` is fault injection for tests (``NodeConfig.test_kv_push_pause_s``): every
+    push this node writes holds its last message back that long."""
+    if name == "loopback":
+        transport = make_transport(name, faults=LoopbackFaults(pause_before_last_s=push_pause_s))
+    else:
+        transport = make_transport(name, pause_before_last_s=push_pause_s)
+    if push_pause_s:
+        logger.warning(
+            "testing only: every KV push pauses %.3f s before its last message", push_pause_s
+        )
     for layer, cache in enumerate(kv_caches):
         # A flat byte view of the whole layer: [2, blocks, block_size, kv_heads, head_dim].
         transport.register(region_name(layer), cache.view(-1).view(torch.uint8).numpy())

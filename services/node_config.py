@@ -45,6 +45,9 @@ class NodeConfig:
     drain_grace_s: float
     """After SIGTERM: how long in-flight requests may take to finish."""
     engine: EngineConfig
+    test_kv_push_pause_s: float = 0.0
+    """Testing only (fault injection): each KV push this node writes holds its last message
+    back this long, so a test can kill or cancel a node while pages are moving. 0 in service."""
 
     def __post_init__(self) -> None:
         if self.kv_transport not in KV_TRANSPORTS:
@@ -57,6 +60,8 @@ class NodeConfig:
                 raise ValueError(f"{name} must be in [0, 65535], got {port}")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        if self.test_kv_push_pause_s < 0:
+            raise ValueError(f"test_kv_push_pause_s must be >= 0, got {self.test_kv_push_pause_s}")
 
     @property
     def grpc_address(self) -> str:
@@ -103,6 +108,13 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
     add("--attention-backend", default="auto", choices=["auto", "torch", "native"])
     add("--drain-grace-s", type=float, default=30.0)
     add("--seed", type=int, default=0)
+    add(
+        "--test-kv-push-pause-s",
+        type=float,
+        default=0.0,
+        help="testing only: each KV push pauses this long before its last message (to kill or "
+        "cancel a node while pages are moving)",
+    )
     return parser
 
 
@@ -150,6 +162,7 @@ def parse_node_config(
             metrics_port=args.metrics_port,
             drain_grace_s=args.drain_grace_s,
             engine=engine,
+            test_kv_push_pause_s=args.test_kv_push_pause_s,
         )
     except ValueError as exc:
         parser.error(str(exc))
