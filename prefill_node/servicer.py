@@ -28,6 +28,7 @@ from services.convert import (
     logprobs_to_proto,
     prompt_from_proto,
     sampling_params_from_proto,
+    stage_timings_to_proto,
 )
 from services.engine import EngineCoreOutput, SamplingParams
 from services.engine.kv_layout import KvLayout, layer_copies
@@ -35,6 +36,7 @@ from services.kv_regions import to_page_copies
 from services.metrics import NodeMetrics
 from services.node_config import NodeConfig
 from services.node_runtime import NodeServerRef, load_report
+from services.stage_timings import StageTimings
 
 logger = logging.getLogger(__name__)
 
@@ -79,20 +81,26 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             first = await self._first_token(
                 request_id, prompt, first_params, hold_kv=destination is not None, context=context
             )
-            compute_s = time.monotonic() - started
-            self.metrics.time_to_first_token.observe(compute_s)
+            first_token_at = time.monotonic()
+            self.metrics.time_to_first_token.observe(first_token_at - started)
+            scheduled_at = first.first_scheduled_time or started
+            timings = StageTimings(
+                prefill_queue_s=max(scheduled_at - started, 0.0),
+                prefill_compute_s=first_token_at - scheduled_at,
+            )
             try:
-                pushed, push_s = 0, 0.0
+                pushed = 0
                 if destination is not None:
                     pushed, push_s = await self._push(request_id, destination, peer, context)
-                    await self._commit(request, destination, first, context)
+                    timings = dataclasses.replace(timings, kv_transfer_s=push_s)
+                    await self._commit(request, destination, first, timings, context)
             finally:
                 await self._release(request_id)
             result = prefill_pb2.PrefillResult(
                 first_token_id=first.new_token_ids[0],
                 cached_prompt_tokens=first.num_cached_tokens,
                 kv_bytes_pushed=pushed,
-                timings=common_pb2.StageTimings(prefill_compute_s=compute_s, kv_transfer_s=push_s),
+                timings=stage_timings_to_proto(timings),
             )
             if first.new_logprobs:
                 result.first_logprobs.CopyFrom(
@@ -220,7 +228,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self.metrics.kv_transfer_bytes.observe(handle.bytes_moved)
         return handle.bytes_moved, seconds
 
-    async def _commit(self, request, destination, first: EngineCoreOutput, context) -> None:
+    async def _commit(
+        self,
+        request: prefill_pb2.PrefillRequest,
+        destination: kv_pb2.KvReservation,
+        first: EngineCoreOutput,
+        timings: StageTimings,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
         channel = self._decode_channels.get(request.decode_target)
         if channel is None:
             channel = grpc.aio.insecure_channel(request.decode_target)
@@ -229,6 +244,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             transfer_id=destination.transfer_id,
             first_token_id=first.new_token_ids[0],
             cached_prompt_tokens=first.num_cached_tokens,
+            timings=stage_timings_to_proto(timings),
         )
         if first.new_logprobs:
             commit.first_logprobs.CopyFrom(

@@ -6,10 +6,13 @@ the field, which the servicers return as ``INVALID_ARGUMENT``.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 
 from pdserve.v1 import common_pb2
 from services.engine import EngineStats, FinishReason, SamplingParams
+from services.stage_timings import StageTimings
 
 _FINISH_TO_PROTO = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
@@ -102,6 +105,19 @@ def logprobs_from_proto(message: common_pb2.TokenLogprobs) -> dict[int, float]:
     entries = dict(zip(message.top_token_ids, message.top_logprobs, strict=True))
     entries[message.token_id] = message.logprob
     return entries
+
+
+def stage_timings_to_proto(timings: StageTimings) -> common_pb2.StageTimings:
+    return common_pb2.StageTimings(**dataclasses.asdict(timings))
+
+
+def stage_timings_from_proto(message: common_pb2.StageTimings) -> StageTimings:
+    """Raises ``ValueError`` naming the field when a duration is negative or not finite."""
+    values = {f.name: getattr(message, f.name) for f in dataclasses.fields(StageTimings)}
+    for name, value in values.items():
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"timings.{name} must be a finite duration >= 0, got {value}")
+    return StageTimings(**values)
 
 
 def load_report_to_proto(

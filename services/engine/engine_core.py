@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import numbers
+import time
 from collections.abc import Sequence
 
 import torch
@@ -189,6 +190,10 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
+        now = time.monotonic()
+        for chunk in scheduler_output.chunks:
+            if chunk.request.first_scheduled_time is None:
+                chunk.request.first_scheduled_time = now
         sampled = self.runner.execute(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, sampled)
         return [self._output(request) for request in updated]
@@ -206,6 +211,7 @@ class EngineCore:
             ),
             finish_reason=finish_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            first_scheduled_time=request.first_scheduled_time,
         )
 
     def stats(self) -> EngineStats:

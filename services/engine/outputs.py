@@ -17,6 +17,8 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None
     num_cached_tokens: int
     """Prompt tokens served by the prefix cache."""
+    first_scheduled_time: float | None = None
+    """time.monotonic() of the request's first scheduled step (None: never scheduled)."""
 
     @property
     def finished(self) -> bool:

@@ -75,6 +75,9 @@ class Request:
     num_cached_tokens: int = -1
     """Prompt tokens served by the prefix cache at first admission (-1 until admitted)."""
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    """time.monotonic() of the first step that computed any of its tokens (set by the engine):
+    the end of its queueing. A decode node's request is first scheduled after its commit."""
     hold_kv: bool = False
     """Keep the blocks when the request stops (a prefill node pushes them afterwards)."""
     block_hashes: list[bytes] = field(default_factory=list)
