@@ -6,13 +6,21 @@ Two kinds of Generate:
   every token.
 - ``kv_source`` set (the decode role): reserve blocks through the ``TransferManager`` (or refuse
   with RESOURCE_EXHAUSTED), send the ``KvReservation`` first, stream tokens 2..N once the prefill
-  node's ``CommitKv`` arrived. If the transfer is aborted before the commit (lease expired, bad
-  commit) the stream ends with ABORTED, so the gateway can retry elsewhere; closing the stream
-  aborts the transfer, which frees the blocks once the transport is fenced.
+  node's ``CommitKv`` arrived. If the transfer fails before the commit (lease expired, push
+  failed, bad commit), the blocks are fenced and freed, then: under the FAIL policy the stream
+  ends with ABORTED, so the gateway can retry elsewhere; under RECOMPUTE the node sends
+  ``Recomputing`` and computes the prompt itself as a normal request, streaming tokens 1..N
+  (counted in ``pdserve:kv_recomputes_total``, peers.md #9). The caller's own abort (stream
+  closed, Abort) is never recomputed. Closing the stream aborts the transfer, which frees the
+  blocks once the transport is fenced.
+
+``Finished`` carries usage (the prefill node's prefix-cache hits when it computed the prompt)
+and per-stage timings (``services.stage_timings``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -20,7 +28,13 @@ import uuid
 import grpc
 from google.protobuf import timestamp_pb2
 
-from decode_node.transfers import CommitRefused, Transfer, TransferManager, TransferState
+from decode_node.transfers import (
+    AbortCause,
+    CommitRefused,
+    Transfer,
+    TransferManager,
+    TransferState,
+)
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kv_pb2
 from services.async_engine import AsyncEngine, EngineDeadError
 from services.convert import (
@@ -29,11 +43,14 @@ from services.convert import (
     logprobs_to_proto,
     prompt_from_proto,
     sampling_params_from_proto,
+    stage_timings_from_proto,
+    stage_timings_to_proto,
 )
 from services.engine import EngineCoreOutput, SamplingParams
 from services.metrics import NodeMetrics
 from services.node_config import NodeConfig
 from services.node_runtime import NodeServerRef, load_report
+from services.stage_timings import DecodeClock, StageTimings
 
 logger = logging.getLogger(__name__)
 
@@ -73,28 +90,45 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             request_id = request.request_id or f"dec-{uuid.uuid4().hex}"
             prompt = prompt_from_proto(request.prompt_token_ids)
             if request.kv_source:
-                async for event in self._generate_from_peer(
-                    request, request_id, prompt, params, context
-                ):
+                events = self._generate_from_peer(request, request_id, prompt, params, context)
+            else:
+                events = self._generate_here(request_id, prompt, params, context)
+            # aclosing: the inner generator's clean-up (abort, fence) runs as this one closes.
+            async with contextlib.aclosing(events):
+                async for event in events:
                     yield event
-                return
-            num_generated = 0
-            last: EngineCoreOutput | None = None
-            arrival = time.monotonic()
-            try:
-                async for out in self.engine.generate(request_id, prompt, params):
-                    if num_generated == 0 and out.new_token_ids:
-                        self.metrics.time_to_first_token.observe(time.monotonic() - arrival)
-                    last = out
-                    num_generated += len(out.new_token_ids)
-                    if out.new_token_ids:
-                        yield decode_pb2.GenerateResponse(tokens=_delta(out))
-            except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except EngineDeadError as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            self.metrics.e2e_request_latency.observe(time.monotonic() - arrival)
-            yield self._finished(last, len(prompt), num_generated, last.num_cached_tokens)
+
+    async def _generate_here(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        context: grpc.aio.ServicerContext,
+    ):
+        """Compute the prompt on this node and stream every token (the colocated role, or a
+        decode node recomputing after a failed handoff)."""
+        clock = DecodeClock(started=time.monotonic(), from_peer=False)
+        num_generated = 0
+        last: EngineCoreOutput | None = None
+        try:
+            async for out in self.engine.generate(request_id, prompt, params):
+                now = time.monotonic()
+                clock.observe(out, now)
+                if num_generated == 0 and out.new_token_ids:
+                    self.metrics.time_to_first_token.observe(now - clock.started)
+                last = out
+                num_generated += len(out.new_token_ids)
+                if out.new_token_ids:
+                    yield decode_pb2.GenerateResponse(tokens=_delta(out))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineDeadError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        self.metrics.e2e_request_latency.observe(time.monotonic() - clock.started)
+        assert last is not None
+        yield self._finished(
+            last, len(prompt), num_generated, last.num_cached_tokens, clock.timings()
+        )
 
     async def _generate_from_peer(
         self,
@@ -135,30 +169,68 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             yield decode_pb2.GenerateResponse(reservation=self._reservation(transfer, lease_s))
             num_generated = 1  # the first token came from the prefill node
             last: EngineCoreOutput | None = None
+            clock = DecodeClock(started=0.0, from_peer=True)
             async for out in stream:
+                clock.observe(out, time.monotonic())
                 last = out
                 num_generated += len(out.new_token_ids)
                 if out.new_token_ids:
                     yield decode_pb2.GenerateResponse(tokens=_delta(out))
             if transfer.state is TransferState.FREED or transfer.state is TransferState.ABORTED:
+                # Fenced and freed before its commit (the stream ends only after the fence).
+                cause = transfer.abort_cause
+                if (
+                    request.on_kv_failure == decode_pb2.KV_FAILURE_POLICY_RECOMPUTE
+                    and cause is not None
+                    and cause.is_failure
+                ):
+                    logger.warning(
+                        "request %s: KV transfer %s from %s failed before its commit (%s: %s); "
+                        "recomputing the prompt on this node",
+                        request_id,
+                        transfer.transfer_id,
+                        request.kv_source,
+                        cause.value,
+                        transfer.abort_reason,
+                    )
+                    self.metrics.kv_recomputed(cause.value)
+                    yield decode_pb2.GenerateResponse(
+                        recomputing=decode_pb2.Recomputing(reason=transfer.abort_reason)
+                    )
+                    events = self._generate_here(request_id, prompt, params, context)
+                    async with contextlib.aclosing(events):
+                        async for event in events:
+                            yield event
+                    return
                 await context.abort(
                     grpc.StatusCode.ABORTED,
                     f"KV transfer {transfer.transfer_id} aborted before its commit: "
                     f"{transfer.abort_reason}",
                 )
-            yield self._finished(last, len(prompt), num_generated, cached_prompt_tokens=0)
+            assert last is not None and transfer.committed_at is not None
+            clock.started = transfer.committed_at
+            yield self._finished(
+                last,
+                len(prompt),
+                num_generated,
+                transfer.cached_prompt_tokens,
+                clock.timings(transfer.prefill_timings),
+            )
         finally:
             if transfer.state in (TransferState.RESERVED, TransferState.RECEIVING):
-                await self.transfers.abort(transfer.transfer_id, "the Generate stream ended")
+                await self.transfers.abort(
+                    transfer.transfer_id, "the Generate stream ended", AbortCause.CALLER
+                )
 
     def _finished(
         self,
-        last: EngineCoreOutput | None,
+        last: EngineCoreOutput,
         num_prompt_tokens: int,
         num_generated: int,
         cached_prompt_tokens: int,
+        timings: StageTimings,
     ) -> decode_pb2.GenerateResponse:
-        assert last is not None and last.finish_reason is not None
+        assert last.finish_reason is not None
         self.metrics.request_finished(last.finish_reason.value)
         return decode_pb2.GenerateResponse(
             finished=decode_pb2.Finished(
@@ -168,6 +240,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     completion_tokens=num_generated,
                     cached_prompt_tokens=cached_prompt_tokens,
                 ),
+                timings=stage_timings_to_proto(timings),
             )
         )
 
@@ -206,7 +279,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 "first_logprobs: top_token_ids and top_logprobs differ in length",
             )
         try:
-            await self.transfers.commit(request.transfer_id, request.first_token_id, logprobs)
+            prefill_timings = (
+                stage_timings_from_proto(request.timings) if request.HasField("timings") else None
+            )
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            await self.transfers.commit(
+                request.transfer_id,
+                request.first_token_id,
+                logprobs,
+                cached_prompt_tokens=request.cached_prompt_tokens,
+                prefill_timings=prefill_timings,
+            )
         except CommitRefused as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except EngineDeadError as exc:
@@ -218,7 +303,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         # anything else through AsyncEngine.abort, which also ends the request's open stream.
         try:
             if self.transfers is not None and await self.transfers.abort_request(
-                request.request_id, "aborted by the caller"
+                request.request_id, "aborted by the caller", AbortCause.CALLER
             ):
                 return decode_pb2.AbortResponse(found=True)
             found = await self.engine.abort(request.request_id)

@@ -10,11 +10,15 @@ Life cycle of a transfer (design §3):
 - ``commit`` is accepted only from RESERVED/RECEIVING, and only when the transport itself
   reports every byte of the transfer DONE: completion is confirmed, never counted (peers.md #2).
   The request then joins the running batch; its blocks are the request's from here on.
-- ``abort`` (the caller went away, the lease expired, the commit was bad) moves to ABORTED and
-  frees the blocks only after ``fence`` proves that no byte of the transfer can still land
-  (peers.md #1, #3). A fence that times out leaves the blocks quarantined; the reaper retries it.
-- The reaper runs every ``reap_interval_s``: it aborts leases past their deadline and retries
-  quarantined fences. Every wait is bounded.
+- ``abort`` (the caller went away, the lease expired, the push failed, the commit was bad)
+  moves to ABORTED and frees the blocks only after ``fence`` proves that no byte of the transfer
+  can still land (peers.md #1, #3). A fence that times out leaves the blocks quarantined; the
+  reaper retries it. Each abort records its ``AbortCause``: the servicer recomputes the prompt
+  itself after a failure (``on_kv_failure=recompute``), never after the caller's own abort.
+- The reaper runs every ``reap_interval_s``: it aborts leases past their deadline and transfers
+  whose writer ended them (failed, cancelled or timed out: no commit can follow, so waiting for
+  the lease would only delay the caller, peers.md #4), and retries quarantined fences. Every
+  wait is bounded.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from kv_transfer import KvTransport, TransferStatus
 from services.async_engine import AsyncEngine
 from services.engine import SamplingParams
 from services.metrics import NodeMetrics
+from services.stage_timings import StageTimings
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +49,20 @@ class TransferState(enum.Enum):
 
 
 _OPEN = (TransferState.RESERVED, TransferState.RECEIVING)
+
+
+class AbortCause(enum.Enum):
+    """Why a transfer was aborted before its commit; the value is the metric label."""
+
+    CALLER = "caller"  # the Generate stream closed, or the Abort RPC
+    LEASE_EXPIRED = "lease_expired"  # no commit by the lease deadline (the prefill node died?)
+    PUSH_FAILED = "push_failed"  # the writer ended the transfer other than DONE
+    BAD_COMMIT = "bad_commit"  # committed before every page landed, or refused by the engine
+
+    @property
+    def is_failure(self) -> bool:
+        """A failure of the KV handoff (recomputable), not the caller's own decision."""
+        return self is not AbortCause.CALLER
 
 
 class CommitRefused(Exception):
@@ -60,6 +79,13 @@ class Transfer:
     """time.monotonic() after which an uncommitted reservation is aborted."""
     state: TransferState = TransferState.RESERVED
     abort_reason: str = ""
+    abort_cause: AbortCause | None = None
+    cached_prompt_tokens: int = 0
+    """From the commit: prompt tokens the prefill node served from its prefix cache."""
+    prefill_timings: StageTimings | None = None
+    """From the commit: the prefill node's stages (queue, compute, transfer)."""
+    committed_at: float | None = None
+    """time.monotonic() when the commit was accepted (the decode queue starts here)."""
 
 
 @dataclass
@@ -131,7 +157,13 @@ class TransferManager:
         return transfer
 
     async def commit(
-        self, transfer_id: str, first_token_id: int, logprobs: dict[int, float] | None = None
+        self,
+        transfer_id: str,
+        first_token_id: int,
+        logprobs: dict[int, float] | None = None,
+        *,
+        cached_prompt_tokens: int = 0,
+        prefill_timings: StageTimings | None = None,
     ) -> Transfer:
         transfer = self.transfers.get(transfer_id)
         if transfer is None:
@@ -141,12 +173,21 @@ class TransferManager:
         status = await asyncio.to_thread(self.transport.wait_inbound, transfer_id, 0.5)
         if status is not TransferStatus.DONE:
             seen = status.value if status is not None else "no bytes seen"
-            await self.abort(transfer_id, f"committed before its pages landed ({seen})")
+            await self.abort(
+                transfer_id, f"committed before its pages landed ({seen})", AbortCause.BAD_COMMIT
+            )
             raise CommitRefused(f"transfer {transfer_id}: pages not all received ({seen})")
+        # Recorded before the engine commit: the request may finish in it (EOS, max_tokens=1),
+        # and its stream reads these as it ends.
+        transfer.cached_prompt_tokens = cached_prompt_tokens
+        transfer.prefill_timings = prefill_timings
+        transfer.committed_at = time.monotonic()
         try:
             await self.engine.commit(transfer.request_id, first_token_id, logprobs)
         except (KeyError, ValueError) as exc:
-            await self.abort(transfer_id, f"commit rejected by the engine: {exc}")
+            await self.abort(
+                transfer_id, f"commit rejected by the engine: {exc}", AbortCause.BAD_COMMIT
+            )
             raise CommitRefused(str(exc)) from None
         transfer.state = TransferState.COMMITTED
         # From here the blocks belong to the running request; the engine frees them at its end.
@@ -156,44 +197,61 @@ class TransferManager:
         self.counters.committed += 1
         return transfer
 
-    async def abort(self, transfer_id: str, reason: str) -> None:
+    async def abort(self, transfer_id: str, reason: str, cause: AbortCause) -> None:
         """End an uncommitted transfer; its blocks are freed once the transport is quiet."""
         transfer = self.transfers.get(transfer_id)
         if transfer is None or transfer.state not in _OPEN:
             return
-        logger.info("aborting KV transfer %s of %s: %s", transfer_id, transfer.request_id, reason)
+        logger.info(
+            "aborting KV transfer %s of %s (%s): %s",
+            transfer_id,
+            transfer.request_id,
+            cause.value,
+            reason,
+        )
         transfer.state = TransferState.ABORTED
         transfer.abort_reason = reason
+        transfer.abort_cause = cause
         self.counters.aborted += 1
         if self.metrics is not None:
-            # A bounded label: the reason's fixed head, without details after ':' or ' ('.
-            label = reason.split(":")[0].split(" (")[0]
-            self.metrics.transfer_failed(label.replace(" ", "_"))
+            self.metrics.transfer_failed(cause.value)
         await self._fence_and_free(transfer)
 
-    async def abort_request(self, request_id: str, reason: str) -> bool:
+    async def abort_request(self, request_id: str, reason: str, cause: AbortCause) -> bool:
         """Abort the request's open transfer, if it has one (True); its blocks are freed after
         the fence, like any abort."""
         open_transfers = [
             t for t in self.transfers.values() if t.request_id == request_id and t.state in _OPEN
         ]
         for transfer in open_transfers:
-            await self.abort(transfer.transfer_id, reason)
+            await self.abort(transfer.transfer_id, reason, cause)
         return bool(open_transfers)
 
     async def reap(self) -> None:
-        """Abort expired leases; retry the fences of quarantined transfers."""
+        """Abort expired leases and transfers their writer ended; retry quarantined fences."""
         now = self.clock()
         for transfer in list(self.transfers.values()):
             if transfer.state is TransferState.ABORTED:
                 self.counters.fence_retries += 1
                 await self._fence_and_free(transfer)
             elif transfer.state in _OPEN:
-                if self.transport.inbound_status(transfer.transfer_id) is not None:
+                status = self.transport.inbound_status(transfer.transfer_id)
+                if status is not None:
                     transfer.state = TransferState.RECEIVING
-                if now >= transfer.lease_deadline:
+                if status is not None and status.is_terminal and status is not TransferStatus.DONE:
+                    error = self.transport.inbound.error(transfer.transfer_id)
+                    await self.abort(
+                        transfer.transfer_id,
+                        f"the push ended {status.value} ({error})",
+                        AbortCause.PUSH_FAILED,
+                    )
+                elif now >= transfer.lease_deadline:
                     self.counters.expired += 1
-                    await self.abort(transfer.transfer_id, "lease expired without a commit")
+                    await self.abort(
+                        transfer.transfer_id,
+                        "lease expired without a commit",
+                        AbortCause.LEASE_EXPIRED,
+                    )
 
     async def _fence_and_free(self, transfer: Transfer) -> None:
         quiet = await asyncio.to_thread(

@@ -69,6 +69,11 @@ class NodeMetrics:
             "pdserve:kv_transfer_failures", "KV transfers that did not complete, by reason",
             [*transfer_labels, "reason"], registry=self.registry,
         )  # fmt: skip
+        self.kv_recomputes = Counter(
+            "pdserve:kv_recomputes", "Decode: prompts recomputed locally after a failed KV "
+            "handoff (on_kv_failure=recompute), by cause",
+            [*transfer_labels, "cause"], registry=self.registry,
+        )  # fmt: skip
         self._transport = transport or "none"
         self.kv_transport_info = Gauge(
             "pdserve:kv_transport_info", "The KV transport and lanes the self-test found (1)",
@@ -82,6 +87,9 @@ class NodeMetrics:
         self.kv_transfer_failures.labels(
             **self._labels, transport=self._transport, reason=reason
         ).inc()
+
+    def kv_recomputed(self, cause: str) -> None:
+        self.kv_recomputes.labels(**self._labels, transport=self._transport, cause=cause).inc()
 
     def transport_lanes(self, lanes: list[str]) -> None:
         self.kv_transport_info.labels(

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode_node.transfers import CommitRefused, TransferManager, TransferState
+from decode_node.transfers import AbortCause, CommitRefused, TransferManager, TransferState
 from kv_transfer import LoopbackFaults, LoopbackTransport, PageCopy, make_transport
 from services.async_engine import AsyncEngine
 from services.engine import LLM, EngineCore, FinishReason, SamplingParams
 from services.engine.kv_layout import layer_copies
+from services.stage_timings import StageTimings
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -101,8 +102,14 @@ def test_reserve_push_commit_streams_the_single_engine_tokens(pair: Pair, tiny_l
         assert await handle.wait_async(5) is not None and handle.status.value == "done"
         pair.prefill.release_kv("r1")
         stream = await pair.decode.attach("r1")
-        await pair.manager.commit(transfer.transfer_id, first)
+        prefill = StageTimings(prefill_queue_s=0.25, prefill_compute_s=0.5, kv_transfer_s=0.125)
+        await pair.manager.commit(
+            transfer.transfer_id, first, cached_prompt_tokens=32, prefill_timings=prefill
+        )
         assert transfer.state is TransferState.COMMITTED and not pair.manager.transfers
+        # What the decode stream reports at its end comes with the transfer.
+        assert transfer.cached_prompt_tokens == 32 and transfer.prefill_timings == prefill
+        assert transfer.committed_at is not None
         tokens = [first]
         async for out in stream:
             tokens.extend(out.new_token_ids)
@@ -157,7 +164,7 @@ def test_aborting_mid_transfer_fences_before_freeing(tiny_llama_dir: Path) -> No
             handle = pair.push("cut", transfer)
             await asyncio.sleep(0.05)  # the push has started and never finishes
             assert not handle.status.is_terminal
-            await pair.manager.abort_request("cut", "client disconnected")
+            await pair.manager.abort_request("cut", "client disconnected", AbortCause.CALLER)
             assert transfer.state is TransferState.FREED
             assert await pair.decode_blocks_used() == 0
             status = await handle.wait_async(5)
@@ -190,7 +197,7 @@ def test_blocks_stay_quarantined_until_the_fence_succeeds(pair: Pair) -> None:
 
     async def main() -> None:
         transfer = await pair.manager.reserve("q", [5, 6, 7, 8], GREEDY, lease_s=10)
-        await pair.manager.abort(transfer.transfer_id, "test")
+        await pair.manager.abort(transfer.transfer_id, "test", AbortCause.CALLER)
         assert transfer.state is TransferState.ABORTED and pair.manager.num_quarantined == 1
         assert await pair.decode_blocks_used() > 0  # never reused while a write may land
         await pair.manager.reap()  # second refusal
@@ -212,7 +219,7 @@ def test_no_room_is_none_and_an_attached_stream_ends_on_abort(pair: Pair) -> Non
         assert transfers  # some fitted, then the engine said no
         stream = await pair.decode.attach(transfers[0].request_id)
         for t in transfers:
-            await pair.manager.abort(t.transfer_id, "test")
+            await pair.manager.abort(t.transfer_id, "test", AbortCause.CALLER)
         outputs = [out async for out in stream]
         assert outputs[-1].finish_reason is FinishReason.ABORT
         assert await pair.decode_blocks_used() == 0
@@ -224,7 +231,7 @@ def test_the_transport_forgets_ended_transfers(pair: Pair) -> None:
     async def main() -> None:
         for i in range(3):
             transfer = await pair.manager.reserve(f"f{i}", [5, 6, 7], GREEDY, lease_s=10)
-            await pair.manager.abort(transfer.transfer_id, "test")
+            await pair.manager.abort(transfer.transfer_id, "test", AbortCause.CALLER)
             assert pair.receiver.inbound_status(transfer.transfer_id) is None
 
     asyncio.run(main())
@@ -247,7 +254,8 @@ def test_a_closed_stream_never_frees_reserved_blocks_before_the_fence(pair: Pair
         await pair.decode.call(lambda e: None)  # let the engine thread run the abandon command
         assert transfer.state is TransferState.RESERVED
         assert await pair.decode_blocks_used() > 0
-        await pair.manager.abort(transfer.transfer_id, "stream closed")  # fence refuses once
+        # The fence refuses once.
+        await pair.manager.abort(transfer.transfer_id, "stream closed", AbortCause.CALLER)
         assert await pair.decode_blocks_used() > 0
         await pair.manager.reap()
         assert transfer.state is TransferState.FREED and await pair.decode_blocks_used() == 0
@@ -258,8 +266,53 @@ def test_a_closed_stream_never_frees_reserved_blocks_before_the_fence(pair: Pair
 def test_abort_request_fences_a_reserved_request(pair: Pair) -> None:
     async def main() -> None:
         transfer = await pair.manager.reserve("ab", [5, 6, 7, 8], GREEDY, lease_s=10)
-        assert await pair.manager.abort_request("ab", "caller")
+        assert await pair.manager.abort_request("ab", "caller", AbortCause.CALLER)
         assert transfer.state is TransferState.FREED and await pair.decode_blocks_used() == 0
-        assert not await pair.manager.abort_request("ab", "again")
+        assert not await pair.manager.abort_request("ab", "again", AbortCause.CALLER)
 
     asyncio.run(main())
+
+
+def test_each_abort_records_its_cause(pair: Pair) -> None:
+    """The servicer recomputes after a failed handoff, never after the caller's own abort: the
+    cause tells them apart."""
+
+    async def main() -> None:
+        caller = await pair.manager.reserve("c", [5, 6, 7], GREEDY, lease_s=10)
+        await pair.manager.abort_request("c", "stream closed", AbortCause.CALLER)
+        expired = await pair.manager.reserve("e", [5, 6, 7], GREEDY, lease_s=0.0)
+        await pair.manager.reap()
+        early = await pair.manager.reserve("b", [5, 6, 7], GREEDY, lease_s=10)
+        with pytest.raises(CommitRefused):
+            await pair.manager.commit(early.transfer_id, 11)
+        assert caller.abort_cause is AbortCause.CALLER and not caller.abort_cause.is_failure
+        assert expired.abort_cause is AbortCause.LEASE_EXPIRED
+        assert early.abort_cause is AbortCause.BAD_COMMIT
+        assert all(t.abort_cause.is_failure for t in (expired, early))
+        assert await pair.decode_blocks_used() == 0
+
+    asyncio.run(main())
+
+
+def test_a_failed_push_is_aborted_at_once_not_at_its_lease(tiny_llama_dir: Path) -> None:
+    """The writer failing its push ends the transfer at the next reap (peers.md #4), long
+    before a 60 s lease would."""
+    pair = Pair(tiny_llama_dir, LoopbackFaults(fail_after_bytes=1))
+    prompt = list(range(400, 480))
+    try:
+
+        async def main() -> None:
+            transfer = await pair.manager.reserve("broken", prompt, GREEDY, lease_s=60)
+            pair.first_token("broken", prompt)
+            handle = pair.push("broken", transfer)
+            assert (await handle.wait_async(5)).value == "failed"
+            pair.prefill.release_kv("broken")
+            await pair.manager.reap()
+            assert transfer.state is TransferState.FREED
+            assert transfer.abort_cause is AbortCause.PUSH_FAILED
+            assert "the push ended failed" in transfer.abort_reason
+            assert await pair.decode_blocks_used() == 0
+
+        asyncio.run(main())
+    finally:
+        pair.close()

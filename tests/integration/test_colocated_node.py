@@ -96,6 +96,10 @@ def test_concurrent_streams_equal_the_engine(tiny_llama_dir: Path) -> None:
             assert finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
             assert finished.usage.prompt_tokens == len(prompt)
             assert finished.usage.completion_tokens == 8
+            timings = finished.timings  # the prompt never left this node: no transfer, no queue
+            assert timings.prefill_queue_s >= 0 and timings.prefill_compute_s > 0
+            assert timings.kv_transfer_s == 0 and timings.decode_queue_s == 0
+            assert 0 < timings.first_decode_step_s <= timings.decode_s
         report = await wait_idle(stub)
         assert report.role == "colocated" and report.kv_blocks_total > 0
         assert len(report.kv_layout_fingerprint) == 16

@@ -19,7 +19,14 @@ import grpc
 import pytest
 
 from decode_node.role import decode_services
-from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from pdserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    kv_pb2,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 from prefill_node.role import prefill_services
 from services.engine import LLM, SamplingParams
 from services.node_config import Role, parse_node_config
@@ -63,6 +70,11 @@ class Cluster:
 
     async def generate(self, request_id: str, prompt: list[int], sampling=GREEDY, tamper=None):
         """The gateway's two legs; returns (tokens, finished event)."""
+        tokens, _, finished = await self.generate_full(request_id, prompt, sampling, tamper)
+        return tokens, finished
+
+    async def generate_full(self, request_id: str, prompt: list[int], sampling=GREEDY, tamper=None):
+        """The gateway's two legs; returns (tokens, prefill result, finished event)."""
         stream = self.decode.Generate(
             decode_pb2.GenerateRequest(
                 request_id=request_id,
@@ -97,7 +109,7 @@ class Cluster:
                 tokens.extend(event.tokens.token_ids)
             else:
                 finished = event.finished
-        return tokens, finished
+        return tokens, result, finished
 
     async def blocks_in_use(self) -> tuple[int, int]:
         request = common_pb2.GetLoadRequest()
@@ -123,12 +135,18 @@ class Cluster:
             engine.shutdown()
 
 
-def run_cluster(model_dir: Path, body, metrics_ports: tuple[int, int] | None = None) -> None:
+def run_cluster(
+    model_dir: Path,
+    body,
+    metrics_ports: tuple[int, int] | None = None,
+    prefill_flags: tuple[str, ...] = (),
+) -> None:
     prefill_extra, decode_extra = (
         (("--metrics-port", str(metrics_ports[0])), ("--metrics-port", str(metrics_ports[1])))
         if metrics_ports
         else ((), ())
     )
+    prefill_extra = (*prefill_extra, *prefill_flags)
 
     async def main() -> None:
         prefill = await start_node(
@@ -361,5 +379,205 @@ def test_bad_destinations_are_invalid_argument(tiny_llama_dir, tamper, decode_ta
         assert message in error.value.details()
         stream.cancel()
         await cluster.wait_all_free()
+
+    run_cluster(tiny_llama_dir, body)
+
+
+def test_finished_carries_the_prefill_cache_hits_and_every_stage(tiny_llama_dir: Path) -> None:
+    prompt = list(range(100, 170))  # 70 tokens: 4 full blocks of 16 can come from the cache
+
+    async def body(cluster: Cluster) -> None:
+        await cluster.generate("warm", prompt)
+        _, result, finished = await cluster.generate_full("hit", prompt)
+        assert result.cached_prompt_tokens == 64
+        assert finished.usage.cached_prompt_tokens == 64
+        assert finished.usage.prompt_tokens == 70 and finished.usage.completion_tokens == 10
+        timings = finished.timings
+        # The prefill node's stages travel in the commit; the decode node adds its own.
+        assert timings.prefill_queue_s == result.timings.prefill_queue_s >= 0
+        assert timings.prefill_compute_s == result.timings.prefill_compute_s > 0
+        assert timings.kv_transfer_s == result.timings.kv_transfer_s > 0
+        assert timings.decode_queue_s >= 0
+        assert 0 < timings.first_decode_step_s <= timings.decode_s
+        await cluster.wait_all_free()
+
+    run_cluster(tiny_llama_dir, body)
+
+
+RECOMPUTE = decode_pb2.KV_FAILURE_POLICY_RECOMPUTE
+FAIL = decode_pb2.KV_FAILURE_POLICY_FAIL
+
+
+def open_stream(cluster: Cluster, request_id, prompt, *, lease_ms=5000, policy=RECOMPUTE):
+    request = decode_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=GREEDY,
+        kv_source="prefill",
+        lease_ms=lease_ms,
+        on_kv_failure=policy,
+    )
+    return cluster.decode.Generate(request, timeout=30)
+
+
+async def read_events(stream) -> list:
+    events = []
+    while (event := await stream.read()) is not grpc.aio.EOF:
+        events.append(event)
+    return events
+
+
+def test_recompute_streams_every_token_after_a_failed_handoff(tiny_llama_dir: Path) -> None:
+    """Under on_kv_failure=RECOMPUTE a lease that expires and a commit whose pages never landed
+    both end in the decode node computing the prompt itself: Recomputing, then tokens 1..N equal
+    to the single engine's, counted by cause."""
+    prompts = {"expired": list(range(10, 50)), "early": list(range(60, 130))}
+    offline = LLM(tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outputs = offline.generate(list(prompts.values()), params)
+    expected = {name: out.token_ids for name, out in zip(prompts, outputs, strict=True)}
+    ports = (free_port(), free_port())
+
+    async def body(cluster: Cluster) -> None:
+        expired = open_stream(cluster, "expired", prompts["expired"], lease_ms=200)
+        early = open_stream(cluster, "early", prompts["early"])
+        assert (await expired.read()).WhichOneof("event") == "reservation"
+        reservation = (await early.read()).reservation
+        with pytest.raises(grpc.aio.AioRpcError) as error:  # no page was pushed
+            commit = kv_pb2.KvCommit(transfer_id=reservation.transfer_id, first_token_id=5)
+            await cluster.decode.CommitKv(commit, timeout=5)
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        for name, stream, reason in (
+            ("expired", expired, "lease expired"),
+            ("early", early, "committed before its pages landed"),
+        ):
+            events = await read_events(stream)
+            kinds = [event.WhichOneof("event") for event in events]
+            assert kinds[0] == "recomputing" and kinds[-1] == "finished"
+            assert set(kinds[1:-1]) == {"tokens"}
+            assert reason in events[0].recomputing.reason
+            tokens = [t for event in events[1:-1] for t in event.tokens.token_ids]
+            assert tokens == expected[name]  # token 1 included: it came from this node
+            finished = events[-1].finished
+            assert finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert finished.usage.completion_tokens == 10
+            assert finished.timings.prefill_compute_s > 0 and finished.timings.kv_transfer_s == 0
+        await cluster.wait_all_free()
+        metrics = scrape(ports[1])
+        for cause in ("lease_expired", "bad_commit"):
+            assert re.search(
+                rf'pdserve:kv_recomputes_total\{{[^}}]*cause="{cause}"[^}}]*\}} 1\.0', metrics
+            ), cause
+
+    run_cluster(tiny_llama_dir, body, metrics_ports=ports)
+
+
+def test_the_callers_abort_and_the_fail_policy_are_never_recomputed(tiny_llama_dir) -> None:
+    async def body(cluster: Cluster) -> None:
+        aborted = open_stream(cluster, "aborted", list(range(10, 50)))
+        failing = open_stream(cluster, "failing", list(range(60, 90)), lease_ms=200, policy=FAIL)
+        assert (await aborted.read()).WhichOneof("event") == "reservation"
+        assert (await failing.read()).WhichOneof("event") == "reservation"
+        abort = decode_pb2.AbortRequest(request_id="aborted")
+        assert (await cluster.decode.Abort(abort, timeout=5)).found
+        for stream, detail in ((aborted, "aborted by the caller"), (failing, "lease expired")):
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stream.read()
+            assert error.value.code() == grpc.StatusCode.ABORTED
+            assert detail in error.value.details()
+        await cluster.wait_all_free()
+
+    run_cluster(tiny_llama_dir, body)
+
+
+# The prefill node's pushes hold their last message back this long: pages are moving meanwhile.
+PUSH_PAUSE = ("--test-kv-push-pause-s", "1.0")
+
+
+@pytest.mark.parametrize("cancel_prefill", [False, True], ids=["decode-leg", "both-legs"])
+def test_cancelling_mid_transfer_frees_both_nodes(tiny_llama_dir, cancel_prefill) -> None:
+    """The Generate stream (and, as a disconnecting gateway does, the Prefill call) is cancelled
+    while the prefill node is pushing: the decode node fences and frees, the push ends without
+    its commit, and both nodes end with no blocks in use and keep serving."""
+
+    async def body(cluster: Cluster) -> None:
+        prompt = list(range(10, 250))
+        stream = open_stream(cluster, "moving", prompt, policy=RECOMPUTE)
+        reservation = (await stream.read()).reservation
+        prefill_call = cluster.prefill.Prefill(
+            prefill_pb2.PrefillRequest(
+                request_id="moving",
+                prompt_token_ids=prompt,
+                sampling=GREEDY,
+                destination=reservation,
+                decode_target=cluster.decode_address,
+            ),
+            timeout=30,
+        )
+        await asyncio.sleep(0.3)  # computed (milliseconds), now inside the paused push
+        assert not prefill_call.done()
+        assert (await cluster.blocks_in_use())[0] > 0  # the prefill node holds its pages
+        stream.cancel()  # the caller's cancel: never recomputed
+        if cancel_prefill:
+            prefill_call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await prefill_call
+        else:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await prefill_call
+            # The fenced transfer refused the rest of the push.
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "KV push" in error.value.details()
+        await cluster.wait_all_free()
+
+    async def after(cluster: Cluster) -> None:
+        await body(cluster)
+        tokens, _ = await cluster.generate("after", [1, 2, 3])  # both nodes still serve
+        assert len(tokens) == 10
+
+    run_cluster(tiny_llama_dir, after, prefill_flags=PUSH_PAUSE)
+
+
+def test_cancelling_mid_decode_frees_both_nodes(tiny_llama_dir: Path) -> None:
+    """After the commit, a cancelled stream and an Abort both end the decode within a step."""
+    sampling = common_pb2.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+    async def one(cluster: Cluster, request_id: str, use_abort: bool) -> None:
+        prompt = list(range(10, 40))
+        stream = cluster.decode.Generate(
+            decode_pb2.GenerateRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                kv_source="prefill",
+            ),
+            timeout=30,
+        )
+        reservation = (await stream.read()).reservation
+        await cluster.prefill.Prefill(
+            prefill_pb2.PrefillRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                destination=reservation,
+                decode_target=cluster.decode_address,
+            ),
+            timeout=30,
+        )
+        for _ in range(3):
+            assert (await stream.read()).WhichOneof("event") == "tokens"
+        if use_abort:
+            abort = decode_pb2.AbortRequest(request_id=request_id)
+            assert (await cluster.decode.Abort(abort, timeout=5)).found
+            events = await read_events(stream)
+            assert events[-1].finished.finish_reason == common_pb2.FINISH_REASON_ABORT
+            assert events[-1].finished.usage.completion_tokens < 200
+        else:
+            stream.cancel()
+        await cluster.wait_all_free()
+
+    async def body(cluster: Cluster) -> None:
+        await one(cluster, "cancelled", use_abort=False)
+        await one(cluster, "aborted", use_abort=True)
 
     run_cluster(tiny_llama_dir, body)
