@@ -1,0 +1,163 @@
+"""Generation events (token ids) to text events: detokenized, with stop strings applied.
+
+Both API front ends iterate ``stream_text`` over ``Generator.generate``. Per request:
+
+1. Each ``TokenChunk`` becomes one ``TextDelta`` with the chunk's ids and logprobs and the text
+   they complete; the text is empty while a character or a possible stop string is held back.
+2. A stop string ends the stream: the text before it goes out in the last delta, the node legs
+   are cancelled at once (the events are closed before anything else is yielded), and the
+   ``TextFinished`` counts the tokens up to and including the one that completed the match.
+3. Otherwise the events' ``Finished`` flushes the held text into a last delta (when there is
+   any) and becomes the ``TextFinished``.
+
+Exactly one ``TextFinished`` ends every stream; the events are closed however it ends, so a
+consumer that stops early (a client gone) also cancels the node legs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.generation import (
+    Finished,
+    FinishReason,
+    GenerationEvent,
+    StageTimings,
+    TokenChunk,
+    TokenLogprob,
+    Usage,
+)
+from gateway.stop_strings import StopMatch, StopStringMatcher
+from gateway.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+    """Text these tokens completed; may be empty (held back) or carry earlier tokens' text."""
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None
+    """One per token id when logprobs were asked for."""
+
+
+@dataclass(frozen=True)
+class TextFinished:
+    finish_reason: FinishReason
+    usage: Usage
+    timings: StageTimings
+    error: str | None
+    """Set with ``FinishReason.ERROR``."""
+    stop_reason: str | int | None
+    """The stop string that ended the text (vLLM's ``stop_reason``); None otherwise."""
+
+
+TextEvent = TextDelta | TextFinished
+
+
+@runtime_checkable
+class _Closable(Protocol):
+    def aclose(self) -> Awaitable[object]: ...
+
+
+@dataclass(frozen=True)
+class _ChunkText:
+    text: str
+    num_tokens: int
+    """Tokens of the chunk consumed: all of them, or up to and including a stop's last."""
+    matched: str | None
+
+
+async def stream_text(
+    events: AsyncIterator[GenerationEvent],
+    tokenizer: Tokenizer,
+    prompt_token_ids: Sequence[int],
+    stop: tuple[str, ...] = (),
+    include_stop_str_in_output: bool = False,
+    skip_special_tokens: bool = True,
+) -> AsyncIterator[TextEvent]:
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+    matcher = StopStringMatcher(stop, include_stop_str_in_output)
+    num_output_tokens = 0
+    try:
+        async for event in events:
+            if isinstance(event, Finished):
+                tail = _flush(detokenizer, matcher)
+                if tail.text:
+                    yield TextDelta(tail.text, (), None)
+                yield TextFinished(
+                    finish_reason=FinishReason.STOP if tail.stopped else event.finish_reason,
+                    usage=event.usage,
+                    timings=event.timings,
+                    error=None if tail.stopped else event.error,
+                    stop_reason=tail.matched,
+                )
+                return
+            chunk = _chunk_text(event, detokenizer, matcher)
+            num_output_tokens += chunk.num_tokens
+            token_ids = event.token_ids[: chunk.num_tokens]
+            logprobs = None if event.logprobs is None else event.logprobs[: chunk.num_tokens]
+            if chunk.matched is None:
+                yield TextDelta(chunk.text, token_ids, logprobs)
+                continue
+            # Cancel the node legs before the client sees anything: they are still decoding.
+            await _close(events)
+            yield TextDelta(chunk.text, token_ids, logprobs)
+            yield TextFinished(
+                finish_reason=FinishReason.STOP,
+                usage=Usage(len(prompt_token_ids), num_output_tokens),
+                # NOTE: the legs are cancelled before their Finished, so stage timings are lost.
+                timings=StageTimings(),
+                error=None,
+                stop_reason=chunk.matched,
+            )
+            return
+        logger.error("generation events ended without a Finished event")
+        tail = _flush(detokenizer, matcher)
+        if tail.text:
+            yield TextDelta(tail.text, (), None)
+        yield TextFinished(
+            finish_reason=FinishReason.ERROR,
+            usage=Usage(len(prompt_token_ids), num_output_tokens),
+            timings=StageTimings(),
+            error="generation ended without a final event",
+            stop_reason=None,
+        )
+    finally:
+        await _close(events)
+
+
+def _chunk_text(
+    chunk: TokenChunk, detokenizer: IncrementalDetokenizer, matcher: StopStringMatcher
+) -> _ChunkText:
+    # Token by token, so that a stop is pinned to the token that completed it.
+    pieces = []
+    for index, token_id in enumerate(chunk.token_ids):
+        text = detokenizer.add((token_id,))
+        if not text:
+            continue
+        match = matcher.feed(text)
+        pieces.append(match.text)
+        if match.stopped:
+            return _ChunkText("".join(pieces), index + 1, match.matched)
+    return _ChunkText("".join(pieces), len(chunk.token_ids), None)
+
+
+def _flush(detokenizer: IncrementalDetokenizer, matcher: StopStringMatcher) -> StopMatch:
+    """The held text at the end of the stream; it may still complete a stop string."""
+    match = matcher.feed(detokenizer.flush())
+    if match.stopped:
+        return match
+    return StopMatch(match.text + matcher.flush())
+
+
+async def _close(events: AsyncIterator[GenerationEvent]) -> None:
+    # Generator.generate's iterators cancel both node legs on aclose (gateway/generation.py);
+    # closing twice is a no-op.
+    if isinstance(events, _Closable):
+        await events.aclose()
