@@ -259,7 +259,7 @@ class Tokenizer:
             None if chat_template is None else compile_chat_template(chat_template)
         )
         decoder = json.loads(backend.to_str()).get("decoder") or {}
-        decoder_json = json.dumps(decoder)
+        decoder_json = json.dumps(decoder, ensure_ascii=False)
         self._is_byte_level = '"ByteLevel"' in decoder_json
         # Metaspace-style vocabularies mark word starts with "▁", which decode() strips from a
         # lone first token; token_text restores it as vLLM's logprobs do.

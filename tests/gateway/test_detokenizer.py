@@ -148,6 +148,18 @@ def test_special_tokens_skipped_or_kept(tokenizer: Tokenizer) -> None:
     assert "".join(kept) == "hi<|im_end|>"
 
 
+def test_sentencepiece_token_text_and_bytes(sp_tokenizer: Tokenizer) -> None:
+    # Tokenizer behaviour, tested here where the SentencePiece-style vocabulary is built.
+    hello_id = sp_tokenizer.backend.token_to_id("\u2581Hello")
+    assert sp_tokenizer.encode("Hello", add_special_tokens=False) == [hello_id]
+    assert sp_tokenizer.decode([hello_id]) == "Hello"
+    # vLLM's logprobs restore the word-start space decode() strips from a lone token.
+    assert sp_tokenizer.token_text(hello_id) == " Hello"
+    assert sp_tokenizer.token_bytes(hello_id) == b" Hello"
+    ids = sp_tokenizer.encode("a 日本", add_special_tokens=False)
+    assert b"".join(sp_tokenizer.token_bytes(i) for i in ids) == " a 日本".encode()
+
+
 def test_sentencepiece_keeps_the_first_words_space(sp_tokenizer: Tokenizer) -> None:
     prompt_ids = sp_tokenizer.encode("Hello")
     output_ids = sp_tokenizer.encode("world fox", add_special_tokens=False)
