@@ -81,6 +81,10 @@ async def stream_text(
     include_stop_str_in_output: bool = False,
     skip_special_tokens: bool = True,
 ) -> AsyncIterator[TextEvent]:
+    """Text events for ``events``: one ``TextDelta`` per ``TokenChunk``, then one ``TextFinished``.
+
+    A ``GatewayError`` the events raise before their first chunk propagates unchanged.
+    """
     detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
     matcher = StopStringMatcher(stop, include_stop_str_in_output)
     num_output_tokens = 0
