@@ -466,6 +466,8 @@ async def send_request(
                             is_done = True
                             continue
                         chunk = json.loads(payload)
+                        if not isinstance(chunk, dict):
+                            raise StreamError(f"not a JSON object: {payload[:MAX_ERROR_CHARS]}")
                         if (message := chunk_error(chunk)) is not None:
                             raise StreamError(f"error event: {message[:MAX_ERROR_CHARS]}")
                         if usage := chunk.get("usage"):
@@ -492,7 +494,8 @@ async def send_request(
         record.error = str(e)
     except TimeoutError:
         record.error = f"timeout after {config.request_timeout_s:g} s"
-    except (aiohttp.ClientError, OSError, ValueError) as e:  # ValueError: a malformed chunk
+    # A refused connection, a malformed chunk: this request fails, never the run.
+    except Exception as e:
         record.error = f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS]
     return record
 

@@ -12,6 +12,7 @@ import json
 import math
 import random
 import re
+import socket
 import statistics
 import sys
 import threading
@@ -230,7 +231,8 @@ class FakeOpenAI:
 
     ok: one empty chunk, then tokens ``tokens_per_chunk`` at a time, a finish chunk, usage
     (when ``send_usage``) and [DONE]. http_error: 503. error_event: two chunks, then an error
-    event. cut: tokens but no [DONE]. hang: headers, then nothing until released.
+    event. cut: tokens but no [DONE]. garbage: chunks that are not JSON objects. hang: headers,
+    then nothing until released.
     """
 
     behaviours: list[str]
@@ -274,6 +276,10 @@ class FakeOpenAI:
                 choice["text"] = text
             return {"choices": [choice]}
 
+        if behaviour == "garbage":
+            await send("not json")
+            await send("[1, 2]")
+            return response
         if behaviour == "hang":
             await asyncio.wait_for(self.release.wait(), timeout=30)
             return response
@@ -398,7 +404,7 @@ def test_chat_without_usage_counts_content_chunks(start_fake: Any, tiny_llama_di
 
 
 def test_timeouts_and_broken_streams_are_failures_not_crashes(start_fake: Any) -> None:
-    server = start_fake(FakeOpenAI(["hang", "cut", "ok"]))
+    server = start_fake(FakeOpenAI(["hang", "cut", "garbage", "ok"]))
     config = serve.LoadConfig(
         url=server.base_url + "/v1/completions",
         model="tiny",
@@ -406,9 +412,10 @@ def test_timeouts_and_broken_streams_are_failures_not_crashes(start_fake: Any) -
         num_warmups=0,
         show_progress=False,
     )
-    records, _ = asyncio.run(serve.run_load(config, [serve.RequestInput([5, 6], 2, 3)] * 3))
+    records, _ = asyncio.run(serve.run_load(config, [serve.RequestInput([5, 6], 2, 3)] * 4))
     errors = sorted(r.error or "ok" for r in records)
-    assert errors == ["ok", "stream ended before [DONE]", "timeout after 1 s"]
+    assert errors[0].startswith("JSONDecodeError: ")
+    assert errors[1:] == ["ok", "stream ended before [DONE]", "timeout after 1 s"]
 
 
 def test_max_concurrency_bounds_requests_in_flight(start_fake: Any) -> None:
@@ -447,3 +454,18 @@ def test_plot_compares_saved_runs(start_fake: Any, tiny_llama_dir: Path, tmp_pat
     assert plot.read_bytes().startswith(b"\x89PNG")
     labels = [serve.load_result(Path(p))[0] for p in paths]
     assert labels == ["a", "a", "b"]
+
+
+def test_a_server_that_is_not_there_fails_each_request() -> None:
+    with socket.socket() as sock:  # a free port, closed again: nothing listens on it
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = serve.LoadConfig(
+        url=f"http://127.0.0.1:{port}/v1/completions",
+        model="tiny",
+        num_warmups=0,
+        show_progress=False,
+    )
+    records, _ = asyncio.run(serve.run_load(config, [serve.RequestInput([5], 1, 4)] * 3))
+    assert [r.success for r in records] == [False] * 3
+    assert all(r.error and r.error.startswith("ClientConnectorError") for r in records)
