@@ -30,7 +30,9 @@ def free_port() -> int:
 
 
 class NodeProcess:
-    def __init__(self, module: str, role: str, model_dir: Path, kv_memory: str) -> None:
+    def __init__(
+        self, module: str, role: str, model_dir: Path, kv_memory: str, *extra: str
+    ) -> None:
         self.port = free_port()
         self.process = subprocess.Popen(
             [
@@ -55,6 +57,7 @@ class NodeProcess:
                 kv_memory,
                 "--drain-grace-s",
                 "2",
+                *extra,
             ],  # fmt: skip
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -106,20 +109,25 @@ def nodes(tiny_llama_dir: Path):
     assert prefill_code in (0, -signal.SIGKILL)  # the last test kills it
 
 
-def disaggregated_generate(prefill: NodeProcess, decode: NodeProcess, request_id, prompt):
+def open_stream(
+    prefill: NodeProcess, decode: NodeProcess, request_id, prompt, lease_ms=20_000, policy=0
+):
     decode_stub = decode_pb2_grpc.DecodeServiceStub(decode.channel)
-    stream = decode_stub.Generate(
+    return decode_stub.Generate(
         decode_pb2.GenerateRequest(
             request_id=request_id,
             prompt_token_ids=prompt,
             sampling=GREEDY,
             kv_source=prefill.address,
-            lease_ms=20_000,
+            lease_ms=lease_ms,
+            on_kv_failure=policy,
         ),
         timeout=60,
     )
-    reservation = next(stream).reservation
-    result = prefill_pb2_grpc.PrefillServiceStub(prefill.channel).Prefill(
+
+
+def prefill_into(prefill: NodeProcess, decode: NodeProcess, request_id, prompt, reservation):
+    return prefill_pb2_grpc.PrefillServiceStub(prefill.channel).Prefill(
         prefill_pb2.PrefillRequest(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -129,6 +137,12 @@ def disaggregated_generate(prefill: NodeProcess, decode: NodeProcess, request_id
         ),
         timeout=60,
     )
+
+
+def disaggregated_generate(prefill: NodeProcess, decode: NodeProcess, request_id, prompt):
+    stream = open_stream(prefill, decode, request_id, prompt)
+    reservation = next(stream).reservation
+    result = prefill_into(prefill, decode, request_id, prompt, reservation)
     tokens = [result.first_token_id]
     for event in stream:
         tokens.extend(event.tokens.token_ids)
@@ -197,3 +211,68 @@ def test_a_killed_prefill_node_leaves_no_decode_blocks(nodes, tiny_llama_dir) ->
     health = health_pb2_grpc.HealthStub(decode.channel)
     status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
     assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_prefill_node_killed_during_the_push(tiny_llama_dir: Path) -> None:
+    """SIGKILL while pages are moving over UCX (the push holds its last message back): the
+    decode node frees both reservations at their lease (UCX over shared memory cannot see a
+    dead peer, so the lease is what notices); the FAIL request ends ABORTED, the RECOMPUTE one
+    streams every token from the decode node; a replacement prefill node then serves with it,
+    and both report zero blocks in use."""
+    prompts = {"fail": list(range(30, 150)), "recompute": list(range(200, 400))}
+    offline = LLM(tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outputs = offline.generate(list(prompts.values()), params)
+    expected = {name: out.token_ids for name, out in zip(prompts, outputs, strict=True)}
+    paused = NodeProcess(
+        "prefill_node", "prefill", tiny_llama_dir, "3MiB", "--test-kv-push-pause-s", "30"
+    )
+    decode = NodeProcess("decode_node", "decode", tiny_llama_dir, "5MiB")
+    replacement = None
+    try:
+        paused.wait_healthy()
+        decode.wait_healthy()
+        policies = {
+            "fail": decode_pb2.KV_FAILURE_POLICY_FAIL,
+            "recompute": decode_pb2.KV_FAILURE_POLICY_RECOMPUTE,
+        }
+        streams = {
+            name: open_stream(paused, decode, name, prompt, lease_ms=3000, policy=policies[name])
+            for name, prompt in prompts.items()
+        }
+        reservations = {name: next(stream).reservation for name, stream in streams.items()}
+        with ThreadPoolExecutor(2) as pool:
+            pushes = [
+                pool.submit(prefill_into, paused, decode, name, prompts[name], reservations[name])
+                for name in prompts
+            ]
+            time.sleep(1.0)  # computed in milliseconds; now inside the paused pushes
+            assert not any(push.done() for push in pushes)
+            assert blocks_in_use(decode) > 0 and blocks_in_use(paused) > 0
+            paused.process.send_signal(signal.SIGKILL)
+            for push in pushes:
+                with pytest.raises(grpc.RpcError) as error:
+                    push.result()
+                assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.RpcError) as error:
+            next(streams["fail"])
+        assert error.value.code() == grpc.StatusCode.ABORTED
+        assert "lease expired" in error.value.details()
+        events = list(streams["recompute"])
+        assert events[0].WhichOneof("event") == "recomputing"
+        assert "lease expired" in events[0].recomputing.reason
+        tokens = [t for event in events[1:-1] for t in event.tokens.token_ids]
+        assert tokens == expected["recompute"]
+        assert events[-1].finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        wait_free(decode)
+        replacement = NodeProcess("prefill_node", "prefill", tiny_llama_dir, "3MiB")
+        replacement.wait_healthy()
+        tokens, _ = disaggregated_generate(replacement, decode, "next", prompts["fail"])
+        assert tokens == expected["fail"]
+        wait_free(replacement)
+        wait_free(decode)
+    finally:
+        paused.stop()
+        assert decode.stop() == 0
+        if replacement is not None:
+            assert replacement.stop() == 0

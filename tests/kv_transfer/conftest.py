@@ -23,14 +23,21 @@ def transport_name(request: pytest.FixtureRequest) -> str:
 def make_pair(transport_name: str) -> Iterator[PairFactory]:
     """`make_pair(src_bytes, dst_bytes) -> (writer, receiver)` with regions "src" (random bytes)
     and "dst" (zeros) registered; the writer is connected. `stalled=True` makes a pair whose
-    transfers never complete (loopback: a stall fault; ucx: a receiver whose agent is hung)."""
+    transfers never complete (loopback: a stall fault; ucx: a receiver whose agent is hung);
+    `pause_before_last_s` makes the writer hold each transfer's last message back."""
     made: list[KvTransport] = []
 
-    def make(src_bytes: int = 1 << 20, dst_bytes: int = 1 << 20, stalled: bool = False):
-        if transport_name == "loopback" and stalled:
-            writer = make_transport("loopback", faults=LoopbackFaults(stall=True))
+    def make(
+        src_bytes: int = 1 << 20,
+        dst_bytes: int = 1 << 20,
+        stalled: bool = False,
+        pause_before_last_s: float = 0.0,
+    ):
+        if transport_name == "loopback":
+            faults = LoopbackFaults(stall=stalled, pause_before_last_s=pause_before_last_s)
+            writer = make_transport("loopback", faults=faults)
         else:
-            writer = make_transport(transport_name)
+            writer = make_transport(transport_name, pause_before_last_s=pause_before_last_s)
         receiver = make_transport(transport_name)
         made.extend([writer, receiver])
         writer.register("src", np.random.default_rng(0).integers(0, 256, src_bytes, np.uint8))

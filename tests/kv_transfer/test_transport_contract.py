@@ -79,6 +79,27 @@ def test_large_transfer(make_pair) -> None:
     assert np.array_equal(view(receiver, "dst"), view(writer, "src"))
 
 
+@pytest.mark.parametrize("cancel", [False, True], ids=["resumed", "cancelled"])
+def test_a_paused_push_holds_its_last_message_back(make_pair, cancel: bool) -> None:
+    """The test hook behind killing a node mid-push: the receiver sees the transfer begin and
+    holds part of it; the push then resumes to DONE, or a cancel ends it on both sides."""
+    size = 12 << 20  # three 4 MiB messages
+    writer, receiver = make_pair(src_bytes=size, dst_bytes=size, pause_before_last_s=0.5)
+    pages = [PageCopy("src", i * PAGE, "dst", i * PAGE, PAGE) for i in range(size // PAGE)]
+    start = time.monotonic()
+    handle = writer.write(receiver.address(), pages, transfer_id="p", deadline=deadline())
+    time.sleep(0.2)
+    assert not handle.status.is_terminal
+    assert receiver.inbound_status("p") is TransferStatus.IN_PROGRESS
+    if cancel:
+        assert handle.cancel()
+        assert receiver.wait_inbound("p", 5) is TransferStatus.CANCELLED
+        return
+    assert handle.wait(10) is TransferStatus.DONE, handle
+    assert time.monotonic() - start >= 0.5
+    assert np.array_equal(view(receiver, "dst"), view(writer, "src"))
+
+
 def test_status_goes_pending_to_done(make_pair) -> None:
     writer, receiver = make_pair()
     handle = writer.write(
