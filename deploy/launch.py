@@ -1,0 +1,249 @@
+"""``python -m deploy.launch``: runs a topology on this machine — nodes and gateway as child
+processes — waits until each is healthy, prints where to reach it, and stops everything on
+Ctrl-C / SIGTERM / SIGHUP (a second Ctrl-C skips the drain).
+
+``make run`` calls it. The topology comes from ``--topology FILE`` (default: one prefill and one
+decode node), then the flags below override the file. Exit code: 0 after a requested stop, 1 when
+a process failed to start or died on its own, 2 for a bad topology or a taken port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import errno
+import shlex
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+from deploy.commands import ProcessSpec, connect_host, local_processes
+from deploy.supervisor import Output, Supervisor
+from deploy.topology import DTYPES, Role, Topology, load_topology
+
+LAUNCH = "launch"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m deploy.launch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--topology", type=Path, help="topology YAML (deploy/topology.example.yaml)")
+    add("--model", help="Hugging Face model directory (default: models/tiny-llama)")
+    add("--served-model-name", help="name clients send (default: the directory's name)")
+    add("--dtype", choices=DTYPES)
+    add("--prefill", type=int, metavar="N", help="number of prefill nodes")
+    add("--decode", type=int, metavar="N", help="number of decode nodes")
+    add("--colocated", type=int, metavar="N", help="number of colocated nodes")
+    add("--host", help="address every server binds (default 127.0.0.1)")
+    add("--http-port", type=int, help="gateway OpenAI HTTP port (default 8000)")
+    add("--grpc-port", type=int, help="gateway public gRPC port (default 50051)")
+    for role in Role:
+        add(f"--{role}-port", type=int, metavar="PORT", help=f"first {role} node's gRPC port")
+    add("--no-gateway", action="store_true", help="run the nodes only (to develop the gateway)")
+    add(
+        "--startup-timeout-s",
+        type=float,
+        default=600.0,
+        help="how long every process may take to become healthy (model loading)",
+    )
+    add(
+        "--grace-s",
+        type=float,
+        default=40.0,
+        help="after SIGTERM, how long a process may drain before SIGKILL",
+    )
+    return parser
+
+
+def topology_from_args(args: argparse.Namespace) -> Topology:
+    topology = load_topology(args.topology) if args.topology else Topology()
+    top: dict[str, object] = {}
+    for key in ("model", "served_model_name", "dtype", "host"):
+        if getattr(args, key) is not None:
+            top[key] = getattr(args, key)
+    gateway: dict[str, object] = {}
+    for key in ("http_port", "grpc_port"):
+        if getattr(args, key) is not None:
+            gateway[key] = getattr(args, key)
+    if gateway:
+        top["gateway"] = dataclasses.replace(topology.gateway, **gateway)
+    for role in Role:
+        port = getattr(args, f"{role}_port")
+        if port is not None:
+            top[str(role)] = dataclasses.replace(topology.group(role), base_grpc_port=port)
+    topology = dataclasses.replace(topology, **top)
+    return topology.with_counts(prefill=args.prefill, decode=args.decode, colocated=args.colocated)
+
+
+def taken_ports(topology: Topology, with_gateway: bool) -> list[int]:
+    """Ports something already listens on. gRPC servers bind with SO_REUSEPORT, so a stale node
+    would share the port silently instead of failing: better to refuse up front."""
+    ports = [node.grpc_port for node in topology.nodes]
+    ports += [n.metrics_port for n in topology.nodes if n.metrics_port is not None]
+    if with_gateway:
+        ports += [topology.gateway.http_port, topology.gateway.grpc_port]
+    taken = []
+    for port in ports:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((topology.host, port))
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                taken.append(port)
+    return taken
+
+
+class Launcher:
+    def __init__(
+        self,
+        topology: Topology,
+        specs: Sequence[ProcessSpec],
+        *,
+        grace_s: float,
+        startup_timeout_s: float,
+        output: Output,
+    ) -> None:
+        self.topology = topology
+        self.specs = list(specs)
+        self.startup_timeout_s = startup_timeout_s
+        self.output = output
+        self.supervisor = Supervisor(output, grace_s=grace_s)
+        self.stop_requested = threading.Event()
+
+    def log(self, message: str) -> None:
+        self.output.write_line("", f"[{LAUNCH}] {message}")
+
+    def on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        if self.stop_requested.is_set():
+            self.supervisor.force.set()
+            return
+        self.log(f"{signal.Signals(signum).name}: stopping (again to skip the drain)")
+        self.stop_requested.set()
+
+    def run(self) -> int:
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, self.on_signal)
+        self.supervisor.start(self.specs)
+        for child in self.supervisor.children:
+            self.log(f"started {child.spec.name} pid {child.pid}: {shlex.join(child.spec.argv)}")
+        exit_code = 0
+        try:
+            if self.wait_healthy():
+                self.log(self.banner())
+                exit_code = self.watch()
+            elif not self.stop_requested.is_set():
+                exit_code = 1
+        finally:
+            codes = self.supervisor.stop(first=("gateway",))
+            summary = ", ".join(f"{name} {code}" for name, code in codes.items())
+            self.log(f"stopped (exit codes: {summary})")
+        return exit_code
+
+    def wait_healthy(self) -> bool:
+        start = time.monotonic()
+        pending = {spec.name: list(spec.health) for spec in self.specs}
+        while pending:
+            if self.stop_requested.is_set():
+                return False
+            dead = self.supervisor.exited()
+            if dead:
+                for child in dead:
+                    self.log(
+                        f"{child.spec.name} exited with {child.process.returncode} "
+                        "before it was healthy"
+                    )
+                return False
+            if time.monotonic() - start > self.startup_timeout_s:
+                waiting = ", ".join(f"{n} ({', '.join(map(str, t))})" for n, t in pending.items())
+                self.log(f"not healthy after {self.startup_timeout_s:.0f} s: {waiting}")
+                return False
+            for name, targets in list(pending.items()):
+                while targets and targets[0].check(timeout_s=1.0):
+                    targets.pop(0)
+                if not targets:
+                    del pending[name]
+                    self.log(f"{name} healthy after {time.monotonic() - start:.1f} s")
+            self.stop_requested.wait(0.25)
+        return True
+
+    def watch(self) -> int:
+        """Until a stop is requested (0) or a child dies on its own (1)."""
+        while not self.stop_requested.wait(0.5):
+            dead = self.supervisor.exited()
+            if dead:
+                for child in dead:
+                    self.log(
+                        f"{child.spec.name} exited with {child.process.returncode}; "
+                        "stopping the rest"
+                    )
+                return 1
+        return 0
+
+    def banner(self) -> str:
+        t = self.topology
+        host = connect_host(t)
+        nodes = ", ".join(f"{n.name} {host}:{n.grpc_port}" for n in t.nodes)
+        counts = ", ".join(
+            f"{g.count} {g.role}" for g in (t.prefill, t.decode, t.colocated) if g.count
+        )
+        lines = [f"pdserve is up: {counts}, model {t.model_name} ({t.dtype})", f"  nodes: {nodes}"]
+        if any(spec.name == "gateway" for spec in self.specs):
+            http = f"http://{host}:{t.gateway.http_port}"
+            body = f'{{"model": "{t.model_name}", "prompt": "Hello, my name is", "max_tokens": 16}}'
+            lines += [
+                f"  OpenAI HTTP API: {http}/v1   (health {http}/health, metrics {http}/metrics)",
+                f"  gRPC API:        {host}:{t.gateway.grpc_port}   "
+                "(pdserve.v1.GatewayService, reflection on)",
+                "  try:",
+                f"    curl {http}/v1/completions -H 'Content-Type: application/json' \\",
+                f"      -d '{body}'",
+                f'    grpcurl -plaintext -d \'{{"text": "Hello", "sampling": '
+                f'{{"max_tokens": 16}}}}\' {host}:{t.gateway.grpc_port} '
+                "pdserve.v1.GatewayService/Generate",
+            ]
+        lines.append("  Ctrl-C stops everything.")
+        return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        topology = topology_from_args(args)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+    with_gateway = not args.no_gateway
+    if not Path(topology.model).is_dir():
+        parser.error(
+            f"model directory {topology.model} does not exist (make model builds the tiny one)"
+        )
+    taken = taken_ports(topology, with_gateway)
+    if taken:
+        parser.error(
+            f"port(s) {taken} on {topology.host} are in use (another pdserve?); "
+            "choose others with --http-port/--grpc-port/--<role>-port or a topology"
+        )
+    specs = local_processes(topology, with_gateway=with_gateway)
+    launcher = Launcher(
+        topology,
+        specs,
+        grace_s=args.grace_s,
+        startup_timeout_s=args.startup_timeout_s,
+        output=Output(sys.stdout),
+    )
+    return launcher.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,380 @@
+"""What runs where: the one description the local launcher, the compose generator and the Envoy
+generator all read, so node counts, ports and GPU pins are written in one place.
+
+A topology file is YAML (``deploy/topology.example.yaml`` documents every key)::
+
+    model: models/tiny-llama
+    prefill: {count: 2, gpu_ids: [0, 1]}
+    decode: {count: 2, gpu_ids: [2, 3], args: {max-num-seqs: 128}}
+
+Every key is optional; an unknown key is an error naming it. ``Topology`` and its parts are
+frozen and validated on construction; ``Topology.nodes`` derives the node instances
+(``prefill-0`` on ``base_grpc_port``, ``prefill-1`` on ``base_grpc_port + 1``, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DTYPES = ("float32", "bfloat16", "float16")
+KV_TRANSPORTS = ("loopback", "ucx")
+_FLAG_NAME = re.compile(r"^[a-z][a-z0-9-]*$")
+_ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+
+# A flag and its value as argv pieces would carry them: ("max-num-seqs", "64"); a value of ""
+# is a switch given alone (``no-prefix-caching: true`` in YAML).
+FlagArgs = tuple[tuple[str, str], ...]
+EnvVars = tuple[tuple[str, str], ...]
+
+
+class Role(enum.StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+    @property
+    def module(self) -> str:
+        """The ``python -m`` entry point that runs this role."""
+        return "prefill_node" if self is Role.PREFILL else "decode_node"
+
+
+DEFAULT_BASE_PORTS = {Role.PREFILL: 50061, Role.DECODE: 50071, Role.COLOCATED: 50081}
+# A group left out of a topology, or given without a count: one prefill+decode pair.
+DEFAULT_COUNTS = {Role.PREFILL: 1, Role.DECODE: 1, Role.COLOCATED: 0}
+
+
+def _check_port(name: str, port: int) -> None:
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{name} must be in [1, 65535], got {port}")
+
+
+def _check_flags(owner: str, args: FlagArgs, env: EnvVars) -> None:
+    for flag, _ in args:
+        if not _FLAG_NAME.match(flag):
+            raise ValueError(f"{owner}.args: {flag!r} is not a flag name like 'max-num-seqs'")
+    for name, _ in env:
+        if not _ENV_NAME.match(name):
+            raise ValueError(f"{owner}.env: {name!r} is not an environment variable name")
+
+
+@dataclass(frozen=True)
+class NodeInstance:
+    """One node process (locally) or one container (compose)."""
+
+    role: Role
+    index: int
+    grpc_port: int
+    metrics_port: int | None
+    gpu_id: int | None
+    """The GPU this node is pinned to under compose; None runs it on the CPU."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """All nodes of one role: how many, their ports and GPUs, and extra flags."""
+
+    role: Role
+    count: int = 0
+    base_grpc_port: int | None = None
+    """Node i listens on base_grpc_port + i; None takes the role's default (50061, 50071,
+    50081)."""
+    base_metrics_port: int | None = None
+    """Node i serves Prometheus metrics on base_metrics_port + i; None serves none."""
+    gpu_ids: tuple[int, ...] = ()
+    """One GPU per node, in node order (compose pins them); empty: the nodes run on the CPU."""
+    args: FlagArgs = ()
+    """Extra node flags, e.g. (("max-num-seqs", "64"),), passed to every node of the role."""
+    env: EnvVars = ()
+
+    def __post_init__(self) -> None:
+        if self.count < 0:
+            raise ValueError(f"{self.role}.count must be >= 0, got {self.count}")
+        _check_port(f"{self.role}.base_grpc_port", self.first_grpc_port)
+        _check_port(f"{self.role}.last grpc port", self.first_grpc_port + max(self.count - 1, 0))
+        if self.base_metrics_port is not None:
+            _check_port(f"{self.role}.base_metrics_port", self.base_metrics_port)
+        if self.gpu_ids and len(self.gpu_ids) != self.count:
+            raise ValueError(
+                f"{self.role}.gpu_ids names {len(self.gpu_ids)} GPUs for {self.count} nodes; "
+                "give one per node, or none for CPU"
+            )
+        if any(gpu < 0 for gpu in self.gpu_ids):
+            raise ValueError(f"{self.role}.gpu_ids must be >= 0, got {list(self.gpu_ids)}")
+        _check_flags(str(self.role), self.args, self.env)
+        reserved = {"role", "grpc-port", "metrics-port", "node-id"} & {f for f, _ in self.args}
+        if reserved:
+            raise ValueError(
+                f"{self.role}.args may not set {sorted(reserved)}: the topology derives them"
+            )
+
+    @property
+    def first_grpc_port(self) -> int:
+        if self.base_grpc_port is None:
+            return DEFAULT_BASE_PORTS[self.role]
+        return self.base_grpc_port
+
+    @property
+    def instances(self) -> tuple[NodeInstance, ...]:
+        return tuple(
+            NodeInstance(
+                role=self.role,
+                index=i,
+                grpc_port=self.first_grpc_port + i,
+                metrics_port=None if self.base_metrics_port is None else self.base_metrics_port + i,
+                gpu_id=self.gpu_ids[i] if self.gpu_ids else None,
+            )
+            for i in range(self.count)
+        )
+
+
+def _default_group(role: Role) -> NodeGroup:
+    return NodeGroup(role, count=DEFAULT_COUNTS[role])
+
+
+@dataclass(frozen=True)
+class GatewaySpec:
+    http_port: int = 8000
+    grpc_port: int = 50051
+    replicas: int = 1
+    """Gateway replicas under compose (stateless; Envoy balances them), replica i on
+    http_port + i and grpc_port + i. The launcher runs one."""
+    args: FlagArgs = ()
+    """Extra gateway flags, e.g. (("max-concurrent-requests", "64"),)."""
+    env: EnvVars = ()
+
+    def __post_init__(self) -> None:
+        _check_port("gateway.http_port", self.http_port)
+        _check_port("gateway.grpc_port", self.grpc_port)
+        if self.replicas < 1:
+            raise ValueError(f"gateway.replicas must be >= 1, got {self.replicas}")
+        _check_flags("gateway", self.args, self.env)
+
+
+@dataclass(frozen=True)
+class EnvoySpec:
+    """The edge proxy of a compose deployment (the local launcher runs none)."""
+
+    http_port: int = 8080
+    """OpenAI HTTP/SSE API."""
+    grpc_port: int = 8081
+    """Public gRPC API (HTTP/2)."""
+    admin_port: int = 9901
+    """Admin interface, bound to 127.0.0.1 only."""
+    image: str = "envoyproxy/envoy:v1.34.1"
+    stream_idle_timeout_s: float = 300.0
+    """A stream that moves no byte for this long is reset (a stuck generation, a dead client)."""
+    max_requests: int = 1024
+    """Circuit breaker: concurrent requests to all gateway replicas together."""
+
+    def __post_init__(self) -> None:
+        for name in ("http_port", "grpc_port", "admin_port"):
+            _check_port(f"envoy.{name}", getattr(self, name))
+        if self.stream_idle_timeout_s <= 0:
+            raise ValueError("envoy.stream_idle_timeout_s must be > 0")
+        if self.max_requests < 1:
+            raise ValueError("envoy.max_requests must be >= 1")
+
+
+@dataclass(frozen=True)
+class Topology:
+    model: str = "models/tiny-llama"
+    """A Hugging Face model directory: a host path locally, the path inside the model volume
+    (``/models/<name>``) under compose."""
+    served_model_name: str | None = None
+    """The name clients send; default: the model directory's name."""
+    dtype: str = "bfloat16"
+    kv_transport: str = "ucx"
+    """Between processes it must be ucx: loopback only works inside one process."""
+    host: str = "127.0.0.1"
+    """Where the launcher binds every server and where it connects to them."""
+    image: str = "pdserve"
+    """Compose: image name prefix (``pdserve-node``, ``pdserve-gateway``)."""
+    model_volume: str = "${PDSERVE_MODELS_DIR:-../models}"
+    """Compose: host directory (or named volume) mounted read-only at /models; relative paths
+    are relative to deploy/."""
+    shm_size: str = "16gb"
+    """Compose: size of /dev/shm in the IPC namespace the nodes share (UCX shared memory)."""
+    prefill: NodeGroup = field(default_factory=lambda: _default_group(Role.PREFILL))
+    decode: NodeGroup = field(default_factory=lambda: _default_group(Role.DECODE))
+    colocated: NodeGroup = field(default_factory=lambda: _default_group(Role.COLOCATED))
+    gateway: GatewaySpec = field(default_factory=GatewaySpec)
+    envoy: EnvoySpec = field(default_factory=EnvoySpec)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must name a model directory")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(
+                f"kv_transport must be one of {KV_TRANSPORTS}, got {self.kv_transport!r}"
+            )
+        for group, role in (
+            (self.prefill, Role.PREFILL),
+            (self.decode, Role.DECODE),
+            (self.colocated, Role.COLOCATED),
+        ):
+            if group.role is not role:
+                raise ValueError(f"the {role} group has role {group.role}")
+        if (self.prefill.count == 0) != (self.decode.count == 0):
+            raise ValueError(
+                f"prefill and decode nodes come in pairs: got {self.prefill.count} prefill, "
+                f"{self.decode.count} decode (use colocated nodes for a single-process node)"
+            )
+        if self.decode.count == 0 and self.colocated.count == 0:
+            raise ValueError("no nodes: give prefill and decode counts, or a colocated count")
+        self._check_ports_unique()
+        gpus = [n.gpu_id for n in self.nodes if n.gpu_id is not None]
+        if len(gpus) != len(set(gpus)):
+            raise ValueError(f"a GPU is pinned to two nodes: {gpus}")
+
+    def _check_ports_unique(self) -> None:
+        """Under compose every service shares the host's network, so no two may share a port."""
+        owners: dict[int, str] = {}
+        ports = [(f"envoy {name}", getattr(self.envoy, f"{name}_port"))
+                 for name in ("http", "grpc", "admin")]  # fmt: skip
+        for i in range(self.gateway.replicas):
+            ports += [(f"gateway-{i} http", self.gateway.http_port + i),
+                      (f"gateway-{i} grpc", self.gateway.grpc_port + i)]  # fmt: skip
+        for node in self.nodes:
+            ports.append((f"{node.name} grpc", node.grpc_port))
+            if node.metrics_port is not None:
+                ports.append((f"{node.name} metrics", node.metrics_port))
+        for owner, port in ports:
+            if port in owners:
+                raise ValueError(f"port {port} is used by both {owners[port]} and {owner}")
+            owners[port] = owner
+
+    @property
+    def nodes(self) -> tuple[NodeInstance, ...]:
+        return self.prefill.instances + self.decode.instances + self.colocated.instances
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+    def group(self, role: Role) -> NodeGroup:
+        return {
+            Role.PREFILL: self.prefill,
+            Role.DECODE: self.decode,
+            Role.COLOCATED: self.colocated,
+        }[role]
+
+    def with_counts(
+        self, *, prefill: int | None = None, decode: int | None = None, colocated: int | None = None
+    ) -> Topology:
+        """Another node count per role; GPU pins are dropped where the count changes."""
+        changed: dict[str, NodeGroup] = {}
+        for role, count in (
+            (Role.PREFILL, prefill),
+            (Role.DECODE, decode),
+            (Role.COLOCATED, colocated),
+        ):
+            group = self.group(role)
+            if count is not None and count != group.count:
+                changed[str(role)] = dataclasses.replace(group, count=count, gpu_ids=())
+        return dataclasses.replace(self, **changed)
+
+
+def load_topology(path: str | Path) -> Topology:
+    """Reads a topology YAML file; errors name the file and the offending key."""
+    text = Path(path).read_text()
+    try:
+        raw = yaml.safe_load(text) or {}
+        return topology_from_dict(raw)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+
+
+def topology_from_dict(raw: Mapping[str, Any]) -> Topology:
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"a topology is a mapping, got {type(raw).__name__}")
+    _check_keys("topology", raw, Topology)
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in ("prefill", "decode", "colocated"):
+            values[key] = _group_from_dict(Role(key), value or {})
+        elif key == "gateway":
+            values[key] = _spec_from_dict("gateway", GatewaySpec, value or {})
+        elif key == "envoy":
+            values[key] = _spec_from_dict("envoy", EnvoySpec, value or {})
+        else:
+            values[key] = _scalar(key, value)
+    return Topology(**values)
+
+
+def _group_from_dict(role: Role, raw: Mapping[str, Any]) -> NodeGroup:
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{role}: expected a mapping, got {raw!r}")
+    _check_keys(str(role), raw, NodeGroup, exclude=("role",))
+    values = _spec_values(str(role), raw)
+    values.setdefault("count", DEFAULT_COUNTS[role])
+    if "gpu_ids" in values:
+        gpu_ids = values["gpu_ids"]
+        if not isinstance(gpu_ids, list) or not all(isinstance(g, int) for g in gpu_ids):
+            raise ValueError(f"{role}.gpu_ids must be a list of GPU indexes, got {gpu_ids!r}")
+        values["gpu_ids"] = tuple(gpu_ids)
+    return NodeGroup(role=role, **values)
+
+
+def _spec_from_dict(owner: str, cls: type, raw: Mapping[str, Any]) -> Any:
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{owner}: expected a mapping, got {raw!r}")
+    _check_keys(owner, raw, cls)
+    return cls(**_spec_values(owner, raw))
+
+
+def _spec_values(owner: str, raw: Mapping[str, Any]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key == "args":
+            values[key] = _flag_args(owner, value)
+        elif key == "env":
+            values[key] = _env_vars(owner, value)
+        else:
+            values[key] = value
+    return values
+
+
+def _flag_args(owner: str, raw: Any) -> FlagArgs:
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{owner}.args must map flag names to values, got {raw!r}")
+    pairs: list[tuple[str, str]] = []
+    for flag, value in raw.items():
+        if value is False or value is None:
+            continue  # a switch that is off is simply not passed
+        pairs.append((str(flag), "" if value is True else str(value)))
+    return tuple(pairs)
+
+
+def _env_vars(owner: str, raw: Any) -> EnvVars:
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{owner}.env must map variable names to values, got {raw!r}")
+    return tuple((str(name), str(value)) for name, value in raw.items())
+
+
+def _scalar(key: str, value: Any) -> Any:
+    if isinstance(value, Mapping | list):
+        raise ValueError(f"topology.{key} must be a single value, got {value!r}")
+    return value
+
+
+def _check_keys(
+    owner: str, raw: Mapping[str, Any], cls: type, exclude: tuple[str, ...] = ()
+) -> None:
+    known = {f.name for f in dataclasses.fields(cls)} - set(exclude)
+    unknown = set(raw) - known
+    if unknown:
+        raise ValueError(f"{owner}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")

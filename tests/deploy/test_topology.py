@@ -1,0 +1,124 @@
+"""The topology: YAML loading, validation that names the bad key, derived node instances, and
+the processes the launcher builds from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deploy.commands import local_processes
+from deploy.topology import Role, Topology, load_topology, topology_from_dict
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def test_default_is_one_prefill_and_one_decode_on_the_default_ports() -> None:
+    topology = Topology()
+    assert [(n.name, n.grpc_port) for n in topology.nodes] == [
+        ("prefill-0", 50061),
+        ("decode-0", 50071),
+    ]
+    assert topology.model_name == "tiny-llama"
+
+
+def test_counts_ports_and_gpus_are_derived_per_node() -> None:
+    topology = topology_from_dict(
+        {
+            "model": "/models/Qwen2.5-0.5B-Instruct",
+            "prefill": {"count": 2, "gpu_ids": [0, 1], "base_metrics_port": 9101},
+            "decode": {"count": 2, "gpu_ids": [2, 3], "base_grpc_port": 52000},
+            "colocated": {"count": 1},
+        }
+    )
+    assert [(n.name, n.grpc_port, n.metrics_port, n.gpu_id) for n in topology.nodes] == [
+        ("prefill-0", 50061, 9101, 0),
+        ("prefill-1", 50062, 9102, 1),
+        ("decode-0", 52000, None, 2),
+        ("decode-1", 52001, None, 3),
+        ("colocated-0", 50081, None, None),
+    ]
+    assert topology.model_name == "Qwen2.5-0.5B-Instruct"
+
+
+def test_the_example_files_load() -> None:
+    example = load_topology(DEPLOY / "topology.example.yaml")
+    assert example.prefill.args == (("kv-cache-memory", "256MiB"),
+                                    ("max-num-batched-tokens", "2048"))  # fmt: skip
+    assert example.prefill.env == (("OMP_NUM_THREADS", "2"),)
+    compose = load_topology(DEPLOY / "topology.yaml")
+    assert all(n.gpu_id is not None for n in compose.nodes)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"prefil": {"count": 1}}, "unknown key"),
+        ({"decode": {"count": 1, "gpus": [0]}}, "unknown key"),
+        ({"prefill": {"count": 2}, "decode": {"count": 0}}, "come in pairs"),
+        ({"prefill": {"count": 0}, "decode": {"count": 0}}, "no nodes"),
+        ({"prefill": {"count": 2, "gpu_ids": [0]}}, "one per node"),
+        ({"prefill": {"gpu_ids": [0]}, "decode": {"gpu_ids": [0]}}, "a GPU is pinned to two"),
+        ({"prefill": {"count": 11}}, "port 50071 is used by both"),
+        ({"gateway": {"http_port": 50061}}, "port 50061"),
+        ({"dtype": "fp8"}, "dtype"),
+        ({"kv_transport": "tcp"}, "kv_transport"),
+        ({"decode": {"args": {"grpc-port": 1}}}, "may not set"),
+        ({"decode": {"args": {"--max-num-seqs": 1}}}, "not a flag name"),
+        ({"gateway": {"replicas": 0}}, "replicas"),
+        ({"model": ["a"]}, "single value"),
+    ],
+)
+def test_bad_topologies_name_what_is_wrong(raw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        topology_from_dict(raw)
+
+
+def test_a_bad_file_names_itself(tmp_path: Path) -> None:
+    path = tmp_path / "t.yaml"
+    path.write_text("decode: {count: -1}\n")
+    with pytest.raises(ValueError, match=f"{path}: decode.count"):
+        load_topology(path)
+
+
+def test_with_counts_drops_gpu_pins_only_where_the_count_changes() -> None:
+    topology = topology_from_dict({"prefill": {"gpu_ids": [0]}, "decode": {"gpu_ids": [1]}})
+    scaled = topology.with_counts(prefill=2, decode=1)
+    assert scaled.prefill.count == 2 and scaled.prefill.gpu_ids == ()
+    assert scaled.decode.gpu_ids == (1,)
+
+
+def test_local_processes_pass_the_topology_as_flags() -> None:
+    topology = topology_from_dict(
+        {
+            "model": "/m/qwen",
+            "dtype": "float32",
+            "prefill": {"gpu_ids": [3], "args": {"no-prefix-caching": True, "seed": 7}},
+            "colocated": {"count": 1},
+            "gateway": {"http_port": 9000, "args": {"max-retries": 1}},
+        }
+    )
+    prefill, decode, colocated, gateway = local_processes(topology, python="py")
+    assert prefill.argv[:3] == ("py", "-m", "prefill_node")
+    argv = " ".join(prefill.argv)
+    assert "--device cuda:3" in argv and "--kv-transport ucx" in argv
+    assert "--grpc-port 50061" in argv and "--node-id prefill-0" in argv
+    assert argv.endswith("--no-prefix-caching --seed 7")
+    assert "--device cpu" in " ".join(decode.argv)
+    assert colocated.argv[2:5] == ("decode_node", "--role", "colocated")
+    gateway_argv = " ".join(gateway.argv)
+    assert "--prefill 127.0.0.1:50061 --decode 127.0.0.1:50071" in gateway_argv
+    assert "--colocated 127.0.0.1:50081" in gateway_argv
+    assert "--served-model-name qwen" in gateway_argv and gateway_argv.endswith("--max-retries 1")
+    assert [str(t) for t in gateway.health] == [
+        "http http://127.0.0.1:9000/health",
+        "grpc 127.0.0.1:50051",
+    ]
+
+
+def test_a_server_bound_to_every_interface_is_reached_on_loopback() -> None:
+    topology = Topology(host="0.0.0.0")
+    *_, gateway = local_processes(topology, python="py")
+    assert "--host 0.0.0.0" in " ".join(gateway.argv)
+    assert "--decode 127.0.0.1:50071" in " ".join(gateway.argv)
+    assert Role.DECODE.module == "decode_node"
