@@ -76,6 +76,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                                     if isinstance(item.stop_reason, str)
                                     else "",
                                     request_id=generation.request_id,
+                                    num_retries=item.num_retries,
                                 )
                             )
                 finally:

@@ -275,7 +275,8 @@ class RoutedGenerator:
             self._generate_request(leg_id, request, prefill.address, timeout), timeout=timeout
         )
         reader = _DecodeReader(stream, decode, self.metrics)
-        prefill_task: asyncio.Task[prefill_pb2.PrefillResult] | None = None
+        prefill_call: grpc.aio.UnaryUnaryCall | None = None
+        prefill_task: asyncio.Future[prefill_pb2.PrefillResult] | None = None
         next_event: asyncio.Future | None = None
         try:
             first = await reader.read()
@@ -283,18 +284,17 @@ class RoutedGenerator:
                 raise _RetryableFailure(
                     "decode_protocol", decode, "the decode stream did not begin with a reservation"
                 )
-            prefill_task = asyncio.create_task(
-                prefill.prefill.Prefill(
-                    prefill_pb2.PrefillRequest(
-                        request_id=leg_id,
-                        prompt_token_ids=request.prompt_token_ids,
-                        sampling=sampling_to_proto(request.sampling),
-                        destination=first.reservation,
-                        decode_target=decode.address,
-                    ),
-                    timeout=timeout,
-                )
+            prefill_call = prefill.prefill.Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id=leg_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    sampling=sampling_to_proto(request.sampling),
+                    destination=first.reservation,
+                    decode_target=decode.address,
+                ),
+                timeout=timeout,
             )
+            prefill_task = asyncio.ensure_future(prefill_call)
             # Until the prefill answers, decode events are held: tokens 2..N may overtake the
             # prefill's reply, and the first token must go out first.
             held: list[TokenChunk | Finished] = []
@@ -308,7 +308,7 @@ class RoutedGenerator:
                 next_event = None
                 if isinstance(event, _Recomputing):
                     recomputing = True
-                    prefill_task.cancel()
+                    prefill_call.cancel()
                     break
                 held.append(event)
                 if isinstance(event, Finished):
@@ -350,8 +350,12 @@ class RoutedGenerator:
         finally:
             if next_event is not None:
                 next_event.cancel()
-            if prefill_task is not None and not prefill_task.done():
-                prefill_task.cancel()
+            if next_event is not None and next_event.done() and not next_event.cancelled():
+                next_event.exception()  # retrieved: a failure after the attempt ended is moot
+            if prefill_call is not None and not prefill_call.done():
+                prefill_call.cancel()  # the prefill node aborts and frees (peers.md #5)
+            if prefill_task is not None and prefill_task.done() and not prefill_task.cancelled():
+                prefill_task.exception()
             stream.cancel()
             decode.num_in_flight -= 1
             if prefill is not None:

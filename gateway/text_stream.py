@@ -55,6 +55,8 @@ class TextFinished:
     """Set with ``FinishReason.ERROR``."""
     stop_reason: str | int | None
     """The stop string that ended the text (vLLM's ``stop_reason``); None otherwise."""
+    num_retries: int = 0
+    """Pairs tried before the one that served the request (known when the nodes finished it)."""
 
 
 TextEvent = TextDelta | TextFinished
@@ -100,6 +102,7 @@ async def stream_text(
                     timings=event.timings,
                     error=None if tail.stopped else event.error,
                     stop_reason=tail.matched,
+                    num_retries=event.num_retries,
                 )
                 return
             chunk = _chunk_text(event, detokenizer, matcher)

@@ -18,7 +18,7 @@ import pytest
 from decode_node.role import decode_services
 from gateway.config import parse_gateway_config
 from gateway.server import GatewayServer
-from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from prefill_node.role import prefill_services
 from services.engine import LLM, SamplingParams
 from services.node_config import Role, parse_node_config
@@ -173,15 +173,27 @@ def test_a_full_decode_node_is_retried_on_another(tiny_llama_dir: Path, expected
     prompts, tokens = expected
 
     async def body(stack: Stack) -> None:
-        # decode0 (tried first: both idle, it is listed first) cannot hold a 150-token prompt.
-        result = await stack.generate(prompts[4])
+        # Another client's reservation fills decode0 behind the gateway's back (its pool does
+        # not poll during the test, so decode0 still looks idle and, listed first, is tried).
+        server, _ = stack.nodes["decode0"]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            holder = decode_pb2_grpc.DecodeServiceStub(channel).Generate(
+                decode_pb2.GenerateRequest(
+                    prompt_token_ids=[7] * 250, sampling=GREEDY, kv_source="x", lease_ms=30_000
+                ),
+                timeout=30,
+            )
+            assert (await holder.read()).WhichOneof("event") == "reservation"
+            result = await stack.generate(prompts[4])
+            holder.cancel()
         assert result[0] == tokens[4]
         assert result[2].num_retries == 1
-        metrics = stack.gateway.metrics.retries.labels(cause="decode_full")._value.get()
-        assert metrics == 1
+        retries = stack.gateway.metrics.retries.labels(cause="decode_full")._value.get()
+        assert retries == 1
         await stack.wait_all_free()
 
-    # 64 KiB of KV: a handful of tiny-model blocks, fewer than a 150-token prompt needs.
+    # 600 KiB of fp32 KV is 18 blocks of 16 tiny-model tokens (2 KiB per token): the 250-token
+    # reservation leaves 2, and the 150-token prompt needs 10.
     run_stack(tiny_llama_dir, body, decode_kv=("600KiB", "5MiB"))
 
 
