@@ -1,0 +1,247 @@
+"""The OpenAI-compatible wire format: request and response bodies of ``/v1/completions``,
+``/v1/chat/completions`` and ``/v1/models``, as pydantic models.
+
+Requests are strict: a wrong JSON type is refused, not coerced (``"max_tokens": "5"`` is a 400),
+an unknown field is refused rather than silently ignored, and non-finite floats are refused.
+Static ranges are declared here so the OpenAPI document states them; the bounds that depend on
+the deployment (``RequestLimits``, the prompt's length) are checked by the app. vLLM's sampling
+extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``) are accepted.
+Fields that exist only to be refused (``echo``, ``suffix``, ``tools``, ...) are declared so that
+the refusal names them with a message saying what is unsupported.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TokenId = Annotated[int, Field(ge=0)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+FinishReasonName = Literal["stop", "length", "abort", "error"]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    """Send a last chunk with ``choices: []`` and the usage of the whole request."""
+
+
+class _GenerationParams(_Request):
+    """Parameters shared by completions and chat completions."""
+
+    model: str
+    n: int = Field(1, ge=1)
+    """Choices to generate (concurrently). With a seed, choice ``i`` samples with ``seed + i``,
+    so the choices differ and each one is reproducible."""
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+    """Unsupported: only an empty map is accepted."""
+    user: str | None = None
+    """Accepted and ignored (OpenAI uses it for abuse monitoring)."""
+
+
+class CompletionRequest(_GenerationParams):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    """A string, a batch of strings, a list of token ids, or a batch of token-id lists. Choice
+    ``p * n + i`` is the ``i``-th choice of prompt ``p``."""
+    max_tokens: int | None = Field(None, ge=1)
+    """Default 16 (as OpenAI), lowered when the prompt leaves less room."""
+    logprobs: int | None = Field(None, ge=0, le=20)
+    """Top-n alternatives per token, in the legacy completions format."""
+    echo: bool = False
+    """Unsupported: only false."""
+    suffix: str | None = None
+    """Unsupported: only null or empty."""
+    best_of: int | None = Field(None, ge=1)
+    """Unsupported beyond ``best_of == n``."""
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported.
+    Other parts (images, audio, files) parse, so that their refusal can name them."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    """Text parts of a list are joined with newlines."""
+    name: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: str
+    """Only ``text`` is supported."""
+
+
+class ChatCompletionRequest(_GenerationParams):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    """Deprecated by OpenAI in favour of ``max_completion_tokens``, which wins when both are set.
+    Default: what is left of the context after the prompt, capped by the server's limit."""
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    """Alternatives per token; needs ``logprobs: true``."""
+    tools: list[dict[str, Any]] | None = None
+    """Unsupported: only null or empty."""
+    tool_choice: str | dict[str, Any] | None = None
+    """Unsupported beyond ``"none"``."""
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    """Unsupported (deprecated by OpenAI): only null or empty."""
+    function_call: str | dict[str, Any] | None = None
+    """Unsupported beyond ``"none"``."""
+    response_format: ResponseFormat | None = None
+    audio: dict[str, Any] | None = None
+    """Unsupported: only null."""
+    modalities: list[str] | None = None
+    """Only ``["text"]``."""
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    """Counted once per prompt, however many choices it has (as OpenAI counts)."""
+    completion_tokens: int
+    """Summed over all choices."""
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+    """Characters into the choice's text where each token starts."""
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReasonName | None = None
+    stop_reason: int | str | None = None
+    """vLLM extension: the stop string or stop token id that ended the choice."""
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobInfo(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobInfo] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReasonName | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    """Sent once, in a choice's first chunk, together with its first content."""
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReasonName | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pdserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

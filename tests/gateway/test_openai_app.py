@@ -1,0 +1,745 @@
+"""The OpenAI HTTP/SSE bridge, served by a real uvicorn and driven by the official ``openai``
+client and by raw httpx, over a scripted fake generator and the real tiny-model tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from gateway.admission import Admission
+from gateway.auth import ApiKeys
+from gateway.errors import ErrorKind, GatewayError
+from gateway.frontend import Frontend
+from gateway.generation import (
+    Finished,
+    FinishReason,
+    GenerationEvent,
+    GenerationRequest,
+    TokenChunk,
+    TokenLogprob,
+    Usage,
+)
+from gateway.limits import RequestLimits
+from gateway.metrics import GatewayMetrics
+from gateway.openai_app import build_openai_app
+from gateway.tokenizer import Tokenizer
+
+MODEL = "tiny-llama"
+OUTPUT_TEXT = "Hello world, this is a test of the gateway; it streams tokens back one at a time."
+HANG = "hang"  # a script step: wait until cancelled
+
+
+# --- the fake generator -----------------------------------------------------------------------
+
+Step = TokenChunk | Finished | Exception | float | str
+Script = Callable[[GenerationRequest], list[Step]]
+
+
+class FakeGenerator:
+    """Plays a script per request: chunks and a Finished, an exception to raise, a float to
+    sleep, or HANG; records each request and whether its iterator was closed before its end."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.requests: list[GenerationRequest] = []
+        self.closed_ids: list[str] = []
+        self.closed = threading.Event()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        self.requests.append(request)
+        steps = self.script(request)
+        try:
+            for step in steps:
+                if isinstance(step, Exception):
+                    raise step
+                if isinstance(step, float):
+                    await asyncio.sleep(step)
+                elif step == HANG:
+                    await asyncio.Event().wait()
+                else:
+                    yield step  # type: ignore[misc]
+        except (GeneratorExit, asyncio.CancelledError):
+            if isinstance(steps[-1], Finished) and step is steps[-1]:
+                raise  # closed after its Finished: a normal end, not a cancellation
+            self.closed_ids.append(request.request_id)
+            self.closed.set()
+            raise
+
+
+def output_script(tokenizer: Tokenizer, text: str = OUTPUT_TEXT) -> Script:
+    """One token per chunk of ``text``, cut at max_tokens; logprobs when asked for."""
+    output_ids = tokenizer.encode(text, add_special_tokens=False)
+
+    def script(request: GenerationRequest) -> list[Step]:
+        ids = output_ids[: request.sampling.max_tokens]
+        steps: list[Step] = []
+        for token_id in ids:
+            logprobs = None
+            if request.sampling.logprobs is not None:
+                top = ((token_id, -0.25), (token_id + 1, -1.5), (token_id + 2, float("-inf")))
+                top = top[: request.sampling.logprobs]
+                logprobs = (TokenLogprob(token_id, -0.25, top),)
+            steps.append(TokenChunk((token_id,), logprobs))
+        reason = FinishReason.LENGTH if len(ids) < len(output_ids) else FinishReason.STOP
+        steps.append(Finished(reason, Usage(len(request.prompt_token_ids), len(ids), 3)))
+        return steps
+
+    return script
+
+
+# --- serving --------------------------------------------------------------------------------
+
+
+@dataclass
+class Served:
+    url: str
+    frontend: Frontend
+    generator: FakeGenerator
+    tokenizer: Tokenizer
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=10)
+
+    def post(self, path: str, body: object, **kwargs: Any) -> httpx.Response:
+        return httpx.post(f"{self.url}{path}", json=body, timeout=10, **kwargs)
+
+
+class _ThreadedUvicorn:
+    def __init__(self, app: object) -> None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1
+        )  # type: ignore[arg-type]
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
+        )
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir: Path) -> Tokenizer:
+    return Tokenizer.from_model_dir(tiny_llama_dir)
+
+
+@pytest.fixture
+def serve(tokenizer: Tokenizer) -> Iterator[Callable[..., Served]]:
+    """``serve(script=None, api_keys=(), max_concurrent=8, max_queued=8, ready=True,
+    **limits) -> Served``: a fresh app on its own port."""
+    servers: list[_ThreadedUvicorn] = []
+
+    def make(
+        script: Script | None = None,
+        api_keys: tuple[str, ...] = (),
+        max_concurrent: int = 8,
+        max_queued: int = 8,
+        ready: bool = True,
+        **limits: Any,
+    ) -> Served:
+        generator = FakeGenerator(script or output_script(tokenizer))
+        frontend = Frontend(
+            served_model_name=MODEL,
+            tokenizer=tokenizer,
+            generator=generator,
+            admission=Admission(max_concurrent, max_queued),
+            api_keys=ApiKeys(api_keys),
+            limits=RequestLimits(**{"max_model_len": 256, "max_tokens": 100, **limits}),
+            metrics=GatewayMetrics(),
+            is_ready=lambda: ready,
+            request_timeout_s=30.0,
+        )
+        server = _ThreadedUvicorn(build_openai_app(frontend))
+        servers.append(server)
+        return Served(f"http://127.0.0.1:{server.port}", frontend, generator, tokenizer)
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+def sse_lines(response: httpx.Response) -> list[str]:
+    """The raw body split on blank lines; asserts the exact framing of each event."""
+    body = response.text
+    assert body.endswith("\n\n")
+    events = body[:-2].split("\n\n")
+    for event in events:
+        assert event.startswith("data: ") and "\n" not in event, event
+    return [event.removeprefix("data: ") for event in events]
+
+
+def sse_chunks(response: httpx.Response) -> list[dict[str, Any]]:
+    lines = sse_lines(response)
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param, error
+    assert error["message"]
+    return error
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+# --- the happy paths, through the official client ----------------------------------------------
+
+
+def test_completion_with_the_openai_client(serve: Callable[..., Served]) -> None:
+    served = serve()
+    completion = served.client().completions.create(model=MODEL, prompt="Once upon a time")
+
+    (request,) = served.generator.requests
+    prompt_ids = served.tokenizer.encode("Once upon a time")
+    assert request.prompt_token_ids == tuple(prompt_ids)
+    assert request.sampling.max_tokens == 16  # OpenAI's default for completions
+    assert request.request_id.startswith("cmpl-") and completion.id == request.request_id
+    assert request.deadline == pytest.approx(request.arrival + 30.0)
+    output_ids = served.tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False)
+    assert len(output_ids) > 16, "the script must run past max_tokens for this test"
+    assert completion.choices[0].text == served.tokenizer.decode(output_ids[:16])
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.model == MODEL and completion.object == "text_completion"
+    usage = completion.usage
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt_ids), 16)
+    assert usage.total_tokens == len(prompt_ids) + 16
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == 3
+
+
+def test_streamed_completion_with_the_openai_client(serve: Callable[..., Served]) -> None:
+    served = serve()
+    stream = served.client().completions.create(
+        model=MODEL, prompt=[5, 6, 7], max_tokens=50, stream=True
+    )
+    chunks = list(stream)
+
+    assert served.generator.requests[0].prompt_token_ids == (5, 6, 7)
+    assert "".join(chunk.choices[0].text for chunk in chunks) == OUTPUT_TEXT
+    assert [chunk.choices[0].finish_reason for chunk in chunks][-1] == "stop"
+    assert all(chunk.choices[0].finish_reason is None for chunk in chunks[:-1])
+    assert all(chunk.choices[0].text for chunk in chunks[:-1]), "no empty text chunks"
+
+
+def test_chat_with_the_openai_client(serve: Callable[..., Served]) -> None:
+    served = serve()
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}],
+        },
+    ]
+    chat = served.client().chat.completions.create(model=MODEL, messages=messages)  # type: ignore[arg-type]
+
+    (request,) = served.generator.requests
+    expected = served.tokenizer.encode_chat(
+        [messages[0], {"role": "user", "content": "Hi\n!"}], add_generation_prompt=True
+    )
+    assert request.prompt_token_ids == tuple(expected)
+    # Chat's default: what the context leaves, capped by the server's max_tokens.
+    assert request.sampling.max_tokens == min(256 - len(expected), 100)
+    assert request.request_id.startswith("chatcmpl-")
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == OUTPUT_TEXT
+    assert chat.choices[0].finish_reason == "stop"
+    assert chat.object == "chat.completion"
+
+
+def test_streamed_chat_sends_the_role_with_the_first_token(serve: Callable[..., Served]) -> None:
+    served = serve()
+    stream = served.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=80,
+        max_completion_tokens=7,
+        stream=True,
+    )
+    chunks = list(stream)
+
+    assert served.generator.requests[0].sampling.max_tokens == 7  # max_completion_tokens wins
+    first = chunks[0].choices[0].delta
+    assert first.role == "assistant" and first.content, "role rides with the first content"
+    assert all(chunk.choices[0].delta.role is None for chunk in chunks[1:])
+    output_ids = served.tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+    assert text == served.tokenizer.decode(output_ids[:7])
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].object == "chat.completion.chunk"
+
+
+# --- SSE framing ------------------------------------------------------------------------------
+
+
+def test_sse_framing_and_the_usage_chunk(serve: Callable[..., Served]) -> None:
+    served = serve()
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    response = served.post("/v1/chat/completions", body, headers={"X-Request-Id": "abc-1"})
+
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.headers["x-request-id"] == "abc-1"
+    chunks = sse_chunks(response)
+    assert {chunk["id"] for chunk in chunks} == {"abc-1"}
+    *token_chunks, finish, usage_chunk = chunks
+    assert len(token_chunks) == 5
+    assert all(chunk["usage"] is None for chunk in token_chunks + [finish])
+    assert finish["choices"] == [
+        {
+            "index": 0,
+            "delta": {"role": None, "content": None},
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+        }
+    ]
+    assert usage_chunk["choices"] == []
+    prompt_len = len(served.generator.requests[0].prompt_token_ids)
+    assert usage_chunk["usage"] == {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": 5,
+        "total_tokens": prompt_len + 5,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
+    assert served.generator.requests[0].request_id == "abc-1"
+
+
+def test_stream_error_before_the_first_token_keeps_its_status(
+    serve: Callable[..., Served],
+) -> None:
+    def script(request: GenerationRequest) -> list[Step]:
+        return [0.2, GatewayError(ErrorKind.RESOURCE_EXHAUSTED, "every decode node is full")]
+
+    served = serve(script)
+    body = {"model": MODEL, "prompt": "x", "stream": True}
+    error = assert_error(served.post("/v1/completions", body), 429, None)
+    assert error["message"] == "every decode node is full"
+    assert error["type"] == "rate_limit_error"
+
+
+def test_an_error_after_tokens_ends_the_stream_with_an_error_event(
+    serve: Callable[..., Served], tokenizer: Tokenizer
+) -> None:
+    ids = tokenizer.encode("Hello there", add_special_tokens=False)
+
+    def script(request: GenerationRequest) -> list[Step]:
+        usage = Usage(len(request.prompt_token_ids), len(ids))
+        return [TokenChunk(tuple(ids)), Finished(FinishReason.ERROR, usage, error="decode died")]
+
+    served = serve(script)
+    body = {"model": MODEL, "prompt": "x", "stream": True}
+    response = served.post("/v1/completions", body)
+
+    assert response.status_code == 200
+    lines = sse_lines(response)
+    assert lines[-1] == "[DONE]"
+    text_chunk, finish_chunk, error_event = (json.loads(line) for line in lines[:-1])
+    assert text_chunk["choices"][0]["text"] == "Hello there"
+    assert finish_chunk["choices"][0]["finish_reason"] == "error"
+    assert "decode died" in error_event["error"]["message"]
+
+    with pytest.raises(openai.APIError, match="decode died"):
+        list(served.client().completions.create(model=MODEL, prompt="x", stream=True))
+    # Not streamed: nothing reached the client, so the whole request is an error.
+    assert_error(served.post("/v1/completions", {"model": MODEL, "prompt": "x"}), 503, None)
+
+
+# --- n, stop strings, logprobs ----------------------------------------------------------------
+
+
+def test_n_choices_run_concurrently_with_their_own_ids_and_seeds(
+    serve: Callable[..., Served],
+) -> None:
+    served = serve()
+    body = {"model": MODEL, "prompt": ["one", "two"], "n": 3, "seed": 7, "max_tokens": 4}
+    response = served.post("/v1/completions", body, headers={"X-Request-Id": "req"})
+
+    assert response.status_code == 200, response.text
+    requests = {request.request_id: request for request in served.generator.requests}
+    assert sorted(requests) == [f"req-{index}" for index in range(6)]
+    assert [requests[f"req-{index}"].sampling.seed for index in range(6)] == [7, 8, 9] * 2
+    one, two = (tuple(served.tokenizer.encode(text)) for text in ("one", "two"))
+    assert [requests[f"req-{index}"].prompt_token_ids for index in range(6)] == [one] * 3 + [
+        two
+    ] * 3
+    payload = response.json()
+    assert [choice["index"] for choice in payload["choices"]] == list(range(6))
+    # Prompts count once each; completion tokens add up over the six choices.
+    assert payload["usage"]["prompt_tokens"] == len(one) + len(two)
+    assert payload["usage"]["completion_tokens"] == 6 * 4
+
+
+def test_n_choices_stream_with_their_indexes(serve: Callable[..., Served]) -> None:
+    served = serve()
+    stream = served.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2, max_tokens=3, stream=True
+    )
+    texts = {0: "", 1: ""}
+    finishes = {}
+    roles = {0: 0, 1: 0}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            roles[choice.index] += choice.delta.role == "assistant"
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    output_ids = served.tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False)
+    assert texts == {index: served.tokenizer.decode(output_ids[:3]) for index in (0, 1)}
+    assert finishes == {0: "length", 1: "length"}
+    assert roles == {0: 1, 1: 1}
+
+
+def test_stop_string_truncates_and_closes_the_generation(serve: Callable[..., Served]) -> None:
+    served = serve()
+    completion = served.client().completions.create(
+        model=MODEL, prompt="x", max_tokens=50, stop=[" test", "zzz"]
+    )
+    assert completion.choices[0].text == "Hello world, this is a"
+    assert completion.choices[0].finish_reason == "stop"
+    assert completion.choices[0].model_extra == {"stop_reason": " test"}
+    assert served.generator.closed.wait(2), "a stop string must close the generator"
+
+    completion = served.client().completions.create(
+        model=MODEL,
+        prompt="x",
+        max_tokens=50,
+        stop=" test",
+        extra_body={"include_stop_str_in_output": True},
+    )
+    assert completion.choices[0].text == "Hello world, this is a test"
+
+
+def test_completion_logprobs_in_the_legacy_format(serve: Callable[..., Served]) -> None:
+    served = serve()
+    completion = served.client().completions.create(
+        model=MODEL, prompt="x", max_tokens=4, logprobs=2
+    )
+
+    assert served.generator.requests[0].sampling.logprobs == 2
+    logprobs = completion.choices[0].logprobs
+    assert logprobs is not None
+    output_ids = served.tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False)[:4]
+    assert logprobs.tokens == [served.tokenizer.token_text(t) for t in output_ids]
+    assert logprobs.token_logprobs == [-0.25] * 4
+    assert logprobs.top_logprobs is not None and len(logprobs.top_logprobs) == 4
+    assert logprobs.top_logprobs[0] == {
+        served.tokenizer.token_text(output_ids[0]): -0.25,
+        served.tokenizer.token_text(output_ids[0] + 1): -1.5,
+    }
+    text = completion.choices[0].text
+    offsets = logprobs.text_offset
+    assert offsets is not None and offsets[0] == 0
+    assert [text[a:b] for a, b in zip(offsets, [*offsets[1:], len(text)], strict=True)] == (
+        logprobs.tokens
+    )
+
+
+def test_chat_logprobs_with_bytes_and_alternatives(serve: Callable[..., Served]) -> None:
+    served = serve()
+    stream = served.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
+    )
+    entries = [
+        entry
+        for chunk in stream
+        for choice in chunk.choices
+        if choice.logprobs is not None
+        for entry in choice.logprobs.content or ()
+    ]
+
+    output_ids = served.tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False)[:3]
+    assert [entry.token for entry in entries] == [
+        served.tokenizer.token_text(t) for t in output_ids
+    ]
+    for entry, token_id in zip(entries, output_ids, strict=True):
+        assert entry.bytes == list(served.tokenizer.token_bytes(token_id))
+        assert entry.logprob == -0.25
+        assert [top.logprob for top in entry.top_logprobs] == [-0.25, -1.5, -9999.0]
+
+
+# --- refusals --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "change", "status", "param"),
+    [
+        ("/v1/completions", {"max_tokens": "5"}, 400, "max_tokens"),
+        ("/v1/completions", {"temperature": "hot"}, 400, "temperature"),
+        ("/v1/completions", {"temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {"stream": "yes"}, 400, "stream"),
+        ("/v1/completions", {"prompt": None}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": []}, 400, "prompt"),
+        ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [999999]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [-1]}, 400, "prompt"),
+        ("/v1/completions", {"model": "gpt-4"}, 404, "model"),
+        ("/v1/completions", {"max_tokens": 10**9}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": [3] * 200, "max_tokens": 90}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": [3] * 256}, 400, "prompt"),
+        ("/v1/completions", {"n": 17}, 400, "n"),
+        ("/v1/completions", {"n": 0}, 400, "n"),
+        ("/v1/completions", {"stop": ["a"] * 17}, 400, "stop"),
+        ("/v1/completions", {"stop": ""}, 400, "stop"),
+        ("/v1/completions", {"logprobs": 21}, 400, "logprobs"),
+        ("/v1/completions", {"echo": True}, 400, "echo"),
+        ("/v1/completions", {"suffix": "end"}, 400, "suffix"),
+        ("/v1/completions", {"best_of": 3}, 400, "best_of"),
+        ("/v1/completions", {"logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+        ("/v1/completions", {"min_tokens": 20}, 400, "min_tokens"),
+        ("/v1/completions", {"top_k": 0}, 400, "top_k"),
+        ("/v1/completions", {"seed": 2**63}, 400, "seed"),
+        ("/v1/completions", {"stop_token_ids": [10**6]}, 400, "stop_token_ids"),
+        ("/v1/completions", {"stream_options": {"include_usage": True}}, 400, "stream_options"),
+        ("/v1/completions", {"frobnicate": 1}, 400, "frobnicate"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
+         "messages[0].role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, 400, "tools"),
+        ("/v1/chat/completions", {"tool_choice": "auto"}, 400, "tool_choice"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, 400,
+         "response_format"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, 400, "top_logprobs"),
+        ("/v1/chat/completions", {"max_completion_tokens": 10**6}, 400,
+         "max_completion_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400,
+         "messages[0].content[0].type"),
+    ],
+)  # fmt: skip
+def test_bad_requests_name_their_param(
+    serve: Callable[..., Served],
+    path: str,
+    change: dict[str, Any],
+    status: int,
+    param: str,
+) -> None:
+    served = serve()
+    if path.endswith("/chat/completions"):
+        body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    else:
+        body = {"model": MODEL, "prompt": "Hi"}
+    body.update(change)
+    assert_error(served.post(path, body), status, param)
+    assert served.generator.requests == [], "no node is asked for a refused request"
+
+
+def test_malformed_bodies_are_400s(serve: Callable[..., Served]) -> None:
+    served = serve()
+    url = f"{served.url}/v1/completions"
+    json_headers = {"content-type": "application/json"}
+    assert_error(httpx.post(url, content=b'{"model": ', headers=json_headers), 400, None)
+    assert_error(httpx.post(url, content=b"[1, 2]", headers=json_headers), 400, None)
+    assert_error(httpx.post(url, content=b"", headers=json_headers), 400, None)
+    nested = b"[" * 100_000 + b"]" * 100_000
+    assert_error(httpx.post(url, content=nested, headers=json_headers), 400, None)
+    error = assert_error(served.post("/v1/completions", {"prompt": "x"}), 400, "model")
+    assert error["type"] == "invalid_request_error" and error["code"] == 400
+    bad_id = {"X-Request-Id": "has spaces"}
+    assert_error(served.post("/v1/completions", {"model": MODEL, "prompt": "x"}, headers=bad_id),
+                 400, None)  # fmt: skip
+
+
+def test_oversized_bodies_are_413s(serve: Callable[..., Served]) -> None:
+    served = serve(max_body_bytes=1000)
+    body = {"model": MODEL, "prompt": "x" * 2000}
+    assert_error(served.post("/v1/completions", body), 413, None)
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: the size is only known by reading
+        yield json.dumps(body).encode()
+
+    response = httpx.post(
+        f"{served.url}/v1/completions",
+        content=chunked(),
+        headers={"content-type": "application/json"},
+    )
+    assert "content-length" not in response.request.headers
+    assert_error(response, 413, None)
+    assert served.post("/v1/completions", {"model": MODEL, "prompt": "x"}).status_code == 200
+
+
+def test_unknown_paths_are_404s_in_the_openai_shape(serve: Callable[..., Served]) -> None:
+    served = serve()
+    error = assert_error(httpx.get(f"{served.url}/v1/nothing"), 404, None)
+    assert error["type"] == "not_found_error"
+    assert httpx.get(f"{served.url}/v1/completions").status_code == 405
+
+
+def test_api_keys_guard_v1_but_not_health_or_metrics(serve: Callable[..., Served]) -> None:
+    served = serve(api_keys=("sesame",))
+    body = {"model": MODEL, "prompt": "x"}
+    assert_error(served.post("/v1/completions", body), 401, None)
+    assert_error(
+        served.post("/v1/completions", body, headers={"Authorization": "Bearer wrong"}), 401, None
+    )
+    assert_error(httpx.get(f"{served.url}/v1/models"), 401, None)
+    with pytest.raises(openai.AuthenticationError):
+        served.client("wrong").models.list()
+    assert served.client("sesame").completions.create(**body).choices[0].text  # type: ignore[call-overload]
+    assert httpx.get(f"{served.url}/health").status_code == 200
+    assert httpx.get(f"{served.url}/metrics").status_code == 200
+
+
+def test_a_full_queue_is_a_429_and_a_stream_holds_its_slot(
+    serve: Callable[..., Served], tokenizer: Tokenizer
+) -> None:
+    first_id = tokenizer.encode("Hi", add_special_tokens=False)[0]
+
+    def script(request: GenerationRequest) -> list[Step]:
+        if request.request_id == "slow":
+            return [TokenChunk((first_id,)), HANG]
+        return [TokenChunk((first_id,)), Finished(FinishReason.STOP, Usage(1, 1))]
+
+    served = serve(script, max_concurrent=1, max_queued=0)
+    body = {"model": MODEL, "prompt": "x", "stream": True}
+    with (
+        httpx.Client(base_url=served.url, timeout=10) as client,
+        client.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": "slow"}) as r,
+    ):
+        assert r.status_code == 200
+        lines = r.iter_lines()  # NOTE: dropping the iterator would close the connection
+        next(lines)  # the slow stream is running: it holds the only slot
+        assert_error(served.post("/v1/completions", {**body, "stream": False}), 429, None)
+    # The slow stream's client left: its slot comes back.
+    wait_until(lambda: served.frontend.admission.num_running == 0)
+    assert served.post("/v1/completions", {**body, "stream": False}).status_code == 200
+    metrics = httpx.get(f"{served.url}/metrics").text
+    assert 'pdserve:request_errors_total{reason="resource_exhausted"} 1.0' in metrics
+    assert "pdserve:request_queue_time_seconds_count 2.0" in metrics
+
+
+# --- client disconnects ----------------------------------------------------------------------
+
+
+def _hang_after_one_token(tokenizer: Tokenizer) -> Script:
+    first_id = tokenizer.encode("Hi", add_special_tokens=False)[0]
+    return lambda request: [TokenChunk((first_id,)), HANG]
+
+
+def test_disconnect_mid_stream_closes_the_generation(
+    serve: Callable[..., Served], tokenizer: Tokenizer
+) -> None:
+    served = serve(_hang_after_one_token(tokenizer))
+    body = {"model": MODEL, "prompt": "x", "stream": True}
+    with (
+        httpx.Client(base_url=served.url, timeout=10) as client,
+        client.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: {")
+        time.sleep(0.2)
+        assert not served.generator.closed.is_set()
+    assert served.generator.closed.wait(2), "the stream's disconnect must close the generator"
+    wait_until(lambda: served.frontend.admission.num_running == 0)
+
+
+def test_disconnect_mid_non_stream_closes_the_generation(
+    serve: Callable[..., Served], tokenizer: Tokenizer
+) -> None:
+    served = serve(_hang_after_one_token(tokenizer))
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{served.url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=0.5
+        )
+    assert served.generator.closed.wait(2), "a non-streaming disconnect must close it too"
+    wait_until(lambda: served.frontend.admission.num_running == 0)
+
+
+def test_disconnect_before_the_first_token_closes_the_generation(
+    serve: Callable[..., Served],
+) -> None:
+    served = serve(lambda request: [HANG])
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=0.5)
+    assert served.generator.closed.wait(2)
+
+
+# --- the other routes ------------------------------------------------------------------------
+
+
+def test_models_health_and_metrics(serve: Callable[..., Served]) -> None:
+    served = serve()
+    (model,) = served.client().models.list().data
+    assert model.id == MODEL and model.owned_by == "pdserve"
+    assert served.client().models.retrieve(MODEL).id == MODEL
+    assert_error(httpx.get(f"{served.url}/v1/models/other"), 404, "model")
+    assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
+    metrics = httpx.get(f"{served.url}/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    assert "pdserve:request_queue_time_seconds" in metrics.text
+
+    not_ready = serve(ready=False)
+    assert_error(httpx.get(f"{not_ready.url}/health"), 503, None)
+
+
+def test_openapi_document(serve: Callable[..., Served]) -> None:
+    served = serve()
+    document = httpx.get(f"{served.url}/openapi.json").json()
+    assert document["openapi"].startswith("3.")
+    paths = document["paths"]
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(
+        paths
+    )
+    completions = paths["/v1/completions"]["post"]
+    assert "422" not in completions["responses"]
+    assert {"200", "400", "401", "404", "413", "429", "503"} <= set(completions["responses"])
+    assert "text/event-stream" in completions["responses"]["200"]["content"]
+    assert "HTTPValidationError" not in document["components"]["schemas"]
+
+    def refs(node: object) -> Iterator[str]:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "$ref":
+                    yield value
+                else:
+                    yield from refs(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from refs(value)
+
+    schemas = document["components"]["schemas"]
+    for ref in refs(document):
+        assert ref.startswith("#/components/schemas/") and ref.split("/")[-1] in schemas, ref
