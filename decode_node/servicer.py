@@ -54,6 +54,9 @@ from services.stage_timings import DecodeClock, StageTimings
 
 logger = logging.getLogger(__name__)
 
+# The stream ending in these states aborts the transfer (COMMITTING: once the engine has it).
+_UNCOMMITTED = (TransferState.RESERVED, TransferState.RECEIVING, TransferState.COMMITTING)
+
 DEFAULT_LEASE_MS = 10_000
 MAX_LEASE_MS = 600_000
 
@@ -217,7 +220,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 clock.timings(transfer.prefill_timings),
             )
         finally:
-            if transfer.state in (TransferState.RESERVED, TransferState.RECEIVING):
+            if transfer.state in _UNCOMMITTED:
                 await self.transfers.abort(
                     transfer.transfer_id, "the Generate stream ended", AbortCause.CALLER
                 )

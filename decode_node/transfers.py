@@ -2,14 +2,17 @@
 
 Life cycle of a transfer (design §3):
 
-    RESERVED ──(first inbound byte)──▶ RECEIVING ──commit──▶ COMMITTED ──(request ends)──▶ FREED
+    RESERVED ──(first inbound byte)──▶ RECEIVING ──commit──▶ COMMITTING ──▶ COMMITTED
         └──────────────┴──abort / lease expiry / bad commit──▶ ABORTED ──fence ok──▶ FREED
 
 - ``reserve`` takes blocks from the engine for the prompt and gives the transfer a fresh id
   (a retry is always a new transfer: peers.md #13) and a lease deadline.
 - ``commit`` is accepted only from RESERVED/RECEIVING, and only when the transport itself
   reports every byte of the transfer DONE: completion is confirmed, never counted (peers.md #2).
-  The request then joins the running batch; its blocks are the request's from here on.
+  The request then joins the running batch; its blocks are the request's from here on (the
+  engine frees them when it ends). COMMITTING is the one engine call in between: no lease or
+  failure can abort it (every byte is in), and a caller's abort there is kept and carried out
+  on the running request as soon as the engine has it.
 - ``abort`` (the caller went away, the lease expired, the push failed, the commit was bad)
   moves to ABORTED and frees the blocks only after ``fence`` proves that no byte of the transfer
   can still land (peers.md #1, #3). A fence that times out leaves the blocks quarantined; the
@@ -43,6 +46,7 @@ logger = logging.getLogger(__name__)
 class TransferState(enum.Enum):
     RESERVED = "reserved"
     RECEIVING = "receiving"
+    COMMITTING = "committing"
     COMMITTED = "committed"
     ABORTED = "aborted"
     FREED = "freed"
@@ -86,6 +90,8 @@ class Transfer:
     """From the commit: the prefill node's stages (queue, compute, transfer)."""
     committed_at: float | None = None
     """time.monotonic() when the commit was accepted (the decode queue starts here)."""
+    is_abandoned: bool = False
+    """The caller went away while COMMITTING: abort the request once the engine runs it."""
 
 
 @dataclass
@@ -171,6 +177,8 @@ class TransferManager:
         if transfer.state not in _OPEN:
             raise CommitRefused(f"transfer {transfer_id} is {transfer.state.value}")
         status = await asyncio.to_thread(self.transport.wait_inbound, transfer_id, 0.5)
+        if transfer.state not in _OPEN:  # aborted (or committed by a duplicate) meanwhile
+            raise CommitRefused(f"transfer {transfer_id} is {transfer.state.value}")
         if status is not TransferStatus.DONE:
             seen = status.value if status is not None else "no bytes seen"
             await self.abort(
@@ -182,9 +190,11 @@ class TransferManager:
         transfer.cached_prompt_tokens = cached_prompt_tokens
         transfer.prefill_timings = prefill_timings
         transfer.committed_at = time.monotonic()
+        previous, transfer.state = transfer.state, TransferState.COMMITTING
         try:
             await self.engine.commit(transfer.request_id, first_token_id, logprobs)
         except (KeyError, ValueError) as exc:
+            transfer.state = previous
             await self.abort(
                 transfer_id, f"commit rejected by the engine: {exc}", AbortCause.BAD_COMMIT
             )
@@ -195,11 +205,18 @@ class TransferManager:
         del self.transfers[transfer_id]
         self.transport.forget_inbound(transfer_id)
         self.counters.committed += 1
+        if transfer.is_abandoned:
+            # Every byte landed, so nothing needs fencing: a plain abort frees the blocks.
+            await self.engine.abort(transfer.request_id)
         return transfer
 
     async def abort(self, transfer_id: str, reason: str, cause: AbortCause) -> None:
         """End an uncommitted transfer; its blocks are freed once the transport is quiet."""
         transfer = self.transfers.get(transfer_id)
+        if transfer is not None and transfer.state is TransferState.COMMITTING:
+            if cause is AbortCause.CALLER:
+                transfer.is_abandoned = True
+            return
         if transfer is None or transfer.state not in _OPEN:
             return
         logger.info(
@@ -221,7 +238,10 @@ class TransferManager:
         """Abort the request's open transfer, if it has one (True); its blocks are freed after
         the fence, like any abort."""
         open_transfers = [
-            t for t in self.transfers.values() if t.request_id == request_id and t.state in _OPEN
+            t
+            for t in self.transfers.values()
+            if t.request_id == request_id
+            and (t.state in _OPEN or t.state is TransferState.COMMITTING)
         ]
         for transfer in open_transfers:
             await self.abort(transfer.transfer_id, reason, cause)

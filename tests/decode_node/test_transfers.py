@@ -316,3 +316,60 @@ def test_a_failed_push_is_aborted_at_once_not_at_its_lease(tiny_llama_dir: Path)
         asyncio.run(main())
     finally:
         pair.close()
+
+
+class GatedCommit:
+    """Wraps an AsyncEngine whose ``commit`` waits for ``gate``: holds a transfer COMMITTING."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.gate = inner, asyncio.Event()
+
+    async def commit(self, *args, **kwargs):
+        await self.gate.wait()
+        return await self.inner.commit(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def test_a_caller_abort_while_committing_ends_the_request_once_committed(pair: Pair) -> None:
+    """No lease or failure aborts a COMMITTING transfer (every byte is in); the caller's abort
+    is kept and carried out on the running request, which frees its blocks."""
+    prompt = list(range(200, 250))
+    pair.manager.engine = GatedCommit(pair.decode)
+
+    async def main() -> None:
+        transfer = await pair.manager.reserve("c", prompt, GREEDY, lease_s=0.3)
+        first = pair.first_token("c", prompt)
+        assert (await pair.push("c", transfer).wait_async(5)).value == "done"
+        pair.prefill.release_kv("c")
+        stream = await pair.decode.attach("c")
+        commit = asyncio.ensure_future(pair.manager.commit(transfer.transfer_id, first))
+        while transfer.state is not TransferState.COMMITTING:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.4)
+        await pair.manager.reap()  # the lease has passed: a committing transfer is left alone
+        assert transfer.state is TransferState.COMMITTING
+        assert await pair.manager.abort_request("c", "stream closed", AbortCause.CALLER)
+        pair.manager.engine.gate.set()
+        await commit
+        assert transfer.state is TransferState.COMMITTED and transfer.is_abandoned
+        outputs = [out async for out in stream]
+        assert outputs[-1].finish_reason is FinishReason.ABORT
+        assert await pair.decode_blocks_used() == 0
+
+    asyncio.run(main())
+
+
+def test_a_commit_that_waited_while_the_transfer_was_aborted_is_refused(pair: Pair) -> None:
+    async def main() -> None:
+        transfer = await pair.manager.reserve("w", [5, 6, 7], GREEDY, lease_s=10)
+        commit = asyncio.ensure_future(pair.manager.commit(transfer.transfer_id, 11))
+        await asyncio.sleep(0.1)  # inside its wait for the pages (none will come)
+        await pair.manager.abort(transfer.transfer_id, "stream closed", AbortCause.CALLER)
+        with pytest.raises(CommitRefused, match="is freed"):
+            await commit
+        assert transfer.abort_cause is AbortCause.CALLER
+        assert await pair.decode_blocks_used() == 0
+
+    asyncio.run(main())
