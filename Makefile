@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL_DIR := models/tiny-llama
 PROTO_FILES := $(shell find protos -name '*.proto' 2>/dev/null)
 
-.PHONY: setup protos test lint format model run bench clean
+.PHONY: setup protos test lint format model run up down bench clean
 
 setup: $(STAMP)
 
@@ -52,10 +52,35 @@ $(MODEL_DIR)/config.json:
 	$(PY) -m services.models.tiny $(MODEL_DIR).tmp --arch llama --size tiny
 	rm -rf $(MODEL_DIR) && mv $(MODEL_DIR).tmp $(MODEL_DIR)
 
-run: model
-	@echo "Built the tiny model in $(MODEL_DIR)."
-	@echo "The serving stack (prefill/decode nodes, gateway) is not available yet;"
-	@echo "it arrives with the gateway and service issues. Run 'make test' to exercise the engine."
+# make run [MODEL=hf-dir] [DTYPE=bfloat16] [PREFILL=1] [DECODE=1] [COLOCATED=0] [HOST=127.0.0.1]
+#          [HTTP_PORT=8000] [GRPC_PORT=50051] [PREFILL_PORT=50061] [DECODE_PORT=50071]
+#          [COLOCATED_PORT=50081] [TOPOLOGY=deploy/topology.example.yaml]
+# Variables given override the topology file; the tiny model is built unless MODEL names one.
+RUN_ARGS = $(if $(TOPOLOGY),--topology $(TOPOLOGY)) $(if $(MODEL),--model $(MODEL)) \
+	$(if $(DTYPE),--dtype $(DTYPE)) $(if $(PREFILL),--prefill $(PREFILL)) \
+	$(if $(DECODE),--decode $(DECODE)) $(if $(COLOCATED),--colocated $(COLOCATED)) \
+	$(if $(HOST),--host $(HOST)) $(if $(HTTP_PORT),--http-port $(HTTP_PORT)) \
+	$(if $(GRPC_PORT),--grpc-port $(GRPC_PORT)) $(if $(PREFILL_PORT),--prefill-port $(PREFILL_PORT)) \
+	$(if $(DECODE_PORT),--decode-port $(DECODE_PORT)) \
+	$(if $(COLOCATED_PORT),--colocated-port $(COLOCATED_PORT))
+
+run: protos $(if $(MODEL),,model)
+	$(PY) -m deploy.launch $(RUN_ARGS)
+
+# make up [TOPOLOGY=deploy/topology.yaml] [CPU=1]: the compose deployment (docker compose v2).
+# With TOPOLOGY, docker-compose.yml and envoy.yaml are regenerated from it first; without, the
+# committed files (generated from deploy/topology.yaml) are used as they are.
+COMPOSE ?= docker compose
+COMPOSE_FILES = -f deploy/docker-compose.yml $(if $(CPU),-f deploy/docker-compose.cpu.yml)
+
+up: $(if $(TOPOLOGY),setup)
+ifneq ($(TOPOLOGY),)
+	$(PY) -m deploy.generate --topology $(TOPOLOGY)
+endif
+	$(COMPOSE) $(COMPOSE_FILES) up --detach --build --wait
+
+down:
+	$(COMPOSE) $(COMPOSE_FILES) down --remove-orphans
 
 bench: setup
 	$(PY) benchmarks/offline_throughput.py
