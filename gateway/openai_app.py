@@ -1076,22 +1076,36 @@ def _validation_error(exc: RequestValidationError) -> GatewayError:
     if not loc:
         if first.get("type") == "missing":
             return invalid("a JSON request body is required")
+        if isinstance(first.get("input"), dict):  # e.g. a key that is not valid Unicode
+            return invalid(f"invalid request body: {first.get('msg', '')}")
         return invalid("the request body must be a JSON object (Content-Type: application/json)")
+    if first.get("type") == "extra_forbidden":
+        # The last element is the unknown key itself, whatever characters it holds.
+        key = str(loc[-1]).encode("utf-8", "backslashreplace").decode()
+        path = _field_path(loc[:-1])
+        path = f"{path}.{key}" if path else key
+        return invalid(f"unsupported parameter: {path}", param=path)
+    path = _field_path(loc)
+    message = f"{path}: {first.get('msg', 'invalid value')}"
+    if any(isinstance(part, str) and not _is_field_name(part) for part in loc):
+        # pydantic names the member of a union it tried: it is no part of the field's path.
+        message += " (the value matches none of the types this field accepts)"
+    return invalid(message, param=path)
+
+
+def _field_path(loc: Sequence[int | str]) -> str:
+    """``("messages", 0, "content")`` → ``messages[0].content``, without union member tags."""
     path = ""
-    is_union = False
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif part.isidentifier() and part.lower() not in _VALIDATION_TYPE_NAMES:
+        elif _is_field_name(part):
             path += f".{part}" if path else part
-        else:
-            is_union = True  # pydantic names the union member it tried: not part of the path
-    if first.get("type") == "extra_forbidden":
-        return invalid(f"unsupported parameter: {path}", param=path)
-    message = f"{path}: {first.get('msg', 'invalid value')}"
-    if is_union:
-        message += " (the value matches none of the types this field accepts)"
-    return invalid(message, param=path)
+    return path
+
+
+def _is_field_name(part: str) -> bool:
+    return part.isidentifier() and part.lower() not in _VALIDATION_TYPE_NAMES
 
 
 def _drop_fastapi_422(app: FastAPI) -> None:

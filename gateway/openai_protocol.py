@@ -15,10 +15,21 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+
+def _check_utf8(text: str) -> str:
+    # JSON can spell a lone surrogate ("\ud800"); no tokenizer or UTF-8 encoder takes one.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"not valid Unicode: a lone surrogate at index {error.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_check_utf8)]
+"""A string that can reach the tokenizer: valid Unicode."""
 TokenId = Annotated[int, Field(ge=0)]
-NonEmptyStr = Annotated[str, Field(min_length=1)]
 FinishReasonName = Literal["stop", "length", "abort", "error"]
 
 
@@ -40,7 +51,7 @@ class _GenerationParams(_Request):
     so the choices differ and each one is reproducible."""
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
@@ -61,7 +72,7 @@ class _GenerationParams(_Request):
 
 
 class CompletionRequest(_GenerationParams):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     """A string, a batch of strings, a list of token ids, or a batch of token-id lists. Choice
     ``p * n + i`` is the ``i``-th choice of prompt ``p``."""
     max_tokens: int | None = Field(None, ge=1)
@@ -83,14 +94,14 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     type: str
-    text: str | None = None
+    text: Text | None = None
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
+    content: Text | list[ContentPart] | None = None
     """Text parts of a list are joined with newlines."""
-    name: str | None = None
+    name: Text | None = None
 
 
 class ResponseFormat(BaseModel):

@@ -582,6 +582,33 @@ def test_malformed_bodies_are_400s(serve: Callable[..., Served]) -> None:
                  400, None)  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", '{"model": "M", "prompt": "a\\ud800"}', "prompt"),
+        ("/v1/completions", '{"model": "M", "prompt": ["a", "\\udfff"]}', "prompt"),
+        ("/v1/completions", '{"model": "M", "prompt": "a", "stop": "\\ud800"}', "stop"),
+        ("/v1/completions", '{"model": "M", "prompt": "a", "\\ud800": 1}', None),
+        ("/v1/completions", '{"model": "M", "prompt": "a", "foo-bar": 1}', "foo-bar"),
+        ("/v1/chat/completions", '{"model": "M", "messages": [{"role": "user", '
+         '"content": "\\ud800"}]}', "messages[0].content"),
+        ("/v1/chat/completions", '{"model": "M", "messages": [{"role": "user", '
+         '"content": "hi", "name": "\\ud800"}]}', "messages[0].name"),
+    ],
+)  # fmt: skip
+def test_lone_surrogates_and_odd_keys_are_400s(
+    serve: Callable[..., Served], path: str, body: str, param: str | None
+) -> None:
+    """JSON can spell what UTF-8 cannot; such strings must not reach the tokenizer (a 500)."""
+    served = serve()
+    content = body.replace('"M"', json.dumps(MODEL)).encode()
+    response = httpx.post(
+        f"{served.url}{path}", content=content, headers={"content-type": "application/json"}
+    )
+    assert_error(response, 400, param)
+    assert served.generator.requests == []
+
+
 def test_oversized_bodies_are_413s(serve: Callable[..., Served]) -> None:
     served = serve(max_body_bytes=1000)
     body = {"model": MODEL, "prompt": "x" * 2000}
