@@ -282,3 +282,55 @@ def test_api_keys_guard_the_grpc_api(tiny_llama_dir: Path) -> None:
         assert models.models[0].max_model_len == MAX_MODEL_LEN
 
     run_stack(tiny_llama_dir, body, colocated=True, extra=("--api-key", "sesame"))
+
+
+def test_openai_client_through_the_disaggregated_stack(tiny_llama_dir: Path, expected) -> None:
+    import httpx
+    import openai
+
+    prompts, tokens = expected
+
+    async def body(stack: Stack) -> None:
+        tokenizer = stack.gateway.frontend.tokenizer
+        base = f"http://127.0.0.1:{stack.gateway.http_port}"
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        greedy = dict(max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
+        model = stack.gateway.frontend.served_model_name
+        plain = await client.completions.create(model=model, prompt=prompts[3], **greedy)
+        assert plain.choices[0].text == tokenizer.decode(tokens[3])
+        assert plain.choices[0].finish_reason == "length"
+        assert plain.usage.completion_tokens == 8
+        streamed = ""
+        async for chunk in await client.completions.create(
+            model=model, prompt=prompts[3], stream=True, **greedy
+        ):
+            streamed += chunk.choices[0].text if chunk.choices else ""
+        assert streamed == plain.choices[0].text
+        chat = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "héllo 😀"}], **greedy
+        )
+        assert chat.choices[0].message.role == "assistant"
+        assert chat.usage.completion_tokens == 8
+
+        # A client that hangs up mid-stream frees the blocks on every node.
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            for _ in range(2):
+                async with http.stream(
+                    "POST",
+                    "/v1/completions",
+                    json={
+                        "model": model,
+                        "prompt": prompts[2],
+                        "max_tokens": 200,
+                        "stream": True,
+                        "ignore_eos": True,
+                    },  # fmt: skip
+                ) as response:
+                    assert response.status_code == 200
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: {"):
+                            break
+        await stack.wait_all_free()
+        await client.close()
+
+    run_stack(tiny_llama_dir, body)
