@@ -81,7 +81,9 @@ class Stack:
             engine.shutdown()
 
 
-def run_stack(model_dir: Path, body, decode_kv=("5MiB", "5MiB"), colocated=False, extra=()):
+def run_stack(
+    model_dir: Path, body, decode_kv=("5MiB", "5MiB"), colocated=False, extra=(), prefill_extra=()
+):
     async def main() -> None:
         nodes = {}
         if colocated:
@@ -91,7 +93,11 @@ def run_stack(model_dir: Path, body, decode_kv=("5MiB", "5MiB"), colocated=False
             )
         else:
             nodes["prefill"] = await start_node(
-                parse_node_config(node_argv(model_dir, "prefill", "3MiB"), {}, role=Role.PREFILL),
+                parse_node_config(
+                    [*node_argv(model_dir, "prefill", "3MiB"), *prefill_extra],
+                    {},
+                    role=Role.PREFILL,
+                ),
                 prefill_services,
             )
             for i, memory in enumerate(decode_kv):
@@ -334,3 +340,24 @@ def test_openai_client_through_the_disaggregated_stack(tiny_llama_dir: Path, exp
         await client.close()
 
     run_stack(tiny_llama_dir, body)
+
+
+def test_a_stalled_push_is_recomputed_by_the_decode_node(tiny_llama_dir, expected) -> None:
+    """on_kv_failure=recompute: the prefill node stalls mid-push past the reservation's lease;
+    the decode node recomputes the prompt itself and the client gets every token from it."""
+    prompts, tokens = expected
+
+    async def body(stack: Stack) -> None:
+        result = await stack.generate(prompts[2])
+        assert result[0] == tokens[2]
+        assert result[2].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        retries = stack.gateway.metrics.retries.labels(cause="kv_recompute")._value.get()
+        assert retries == 1
+        await stack.wait_all_free()
+
+    run_stack(
+        tiny_llama_dir,
+        body,
+        extra=("--on-kv-failure", "recompute", "--lease-ms", "300"),
+        prefill_extra=("--test-kv-push-pause-s", "2"),
+    )
