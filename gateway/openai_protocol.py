@@ -29,7 +29,9 @@ def _check_utf8(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_check_utf8)]
 """A string that can reach the tokenizer: valid Unicode."""
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_check_utf8)]
 TokenId = Annotated[int, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 FinishReasonName = Literal["stop", "length", "abort", "error"]
 
 
@@ -51,7 +53,7 @@ class _GenerationParams(_Request):
     so the choices differ and each one is reproducible."""
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Text | list[Text] | None = None
+    stop: NonEmptyText | list[NonEmptyText] | None = None
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
@@ -72,7 +74,12 @@ class _GenerationParams(_Request):
 
 
 class CompletionRequest(_GenerationParams):
-    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    prompt: (
+        NonEmptyText
+        | Annotated[list[NonEmptyText], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
     """A string, a batch of strings, a list of token ids, or a batch of token-id lists. Choice
     ``p * n + i`` is the ``i``-th choice of prompt ``p``."""
     max_tokens: int | None = Field(None, ge=1)

@@ -17,6 +17,8 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gateway.admission import Admission
 from gateway.auth import ApiKeys
@@ -770,3 +772,72 @@ def test_openapi_document(serve: Callable[..., Served]) -> None:
     schemas = document["components"]["schemas"]
     for ref in refs(document):
         assert ref.startswith("#/components/schemas/") and ref.split("/")[-1] in schemas, ref
+
+
+# --- no 5xx for any body ---------------------------------------------------------------------
+
+_FIELDS = (
+    "model prompt messages max_tokens max_completion_tokens n stream stream_options stop "
+    "temperature top_p top_k min_p seed presence_penalty frequency_penalty repetition_penalty "
+    "min_tokens ignore_eos stop_token_ids skip_special_tokens include_stop_str_in_output "
+    "logprobs top_logprobs echo suffix best_of logit_bias user tools tool_choice response_format"
+).split()
+
+
+def _json_values() -> st.SearchStrategy[object]:
+    scalars = (
+        st.none()
+        | st.booleans()
+        | st.integers(min_value=-(2**70), max_value=2**70)
+        | st.integers(min_value=-3, max_value=40)
+        | st.floats()
+        | st.text(max_size=20)
+        | st.sampled_from(["\ud800", MODEL, "user", "text", "image_url", "", "none"])
+    )
+    return st.recursive(
+        scalars,
+        lambda children: (
+            st.lists(children, max_size=4)
+            | st.dictionaries(
+                st.sampled_from(["role", "content", "type", "text", "include_usage"])
+                | st.text(max_size=5),
+                children,
+                max_size=4,
+            )
+        ),  # fmt: skip
+        max_leaves=12,
+    )
+
+
+def test_no_body_gets_a_5xx(serve: Callable[..., Served]) -> None:
+    served = serve()
+    client = httpx.Client(base_url=served.url, timeout=10)
+    bases = {
+        "/v1/completions": {"model": MODEL, "prompt": "Hi", "max_tokens": 3},
+        "/v1/chat/completions": {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 3,
+        },
+    }
+
+    @settings(
+        max_examples=200,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+    @given(
+        path=st.sampled_from(sorted(bases)),
+        changes=st.dictionaries(st.sampled_from(_FIELDS) | st.text(max_size=5), _json_values()),
+    )
+    def check(path: str, changes: dict[str, object]) -> None:
+        body = json.dumps({**bases[path], **changes}).encode()  # NaN and Infinity included
+        response = client.post(path, content=body, headers={"content-type": "application/json"})
+        assert response.status_code < 500, response.text
+        if response.status_code != 200:
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+        elif response.headers["content-type"].startswith("text/event-stream"):
+            assert response.text.endswith("data: [DONE]\n\n")
+
+    with client:
+        check()
