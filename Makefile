@@ -65,7 +65,7 @@ RUN_ARGS = $(if $(TOPOLOGY),--topology $(TOPOLOGY)) $(if $(MODEL),--model $(MODE
 	$(if $(COLOCATED_PORT),--colocated-port $(COLOCATED_PORT))
 
 run: protos $(if $(MODEL),,model)
-	$(PY) -m deploy.launch $(RUN_ARGS)
+	$(PY) -m deploy.launch $(strip $(RUN_ARGS))
 
 # make up [TOPOLOGY=deploy/topology.yaml] [CPU=1]: the compose deployment (docker compose v2).
 # With TOPOLOGY, docker-compose.yml and envoy.yaml are regenerated from it first; without, the
@@ -77,10 +77,10 @@ up: $(if $(TOPOLOGY),setup)
 ifneq ($(TOPOLOGY),)
 	$(PY) -m deploy.generate --topology $(TOPOLOGY)
 endif
-	$(COMPOSE) $(COMPOSE_FILES) up --detach --build --wait
+	$(COMPOSE) $(strip $(COMPOSE_FILES)) up --detach --build --wait
 
 down:
-	$(COMPOSE) $(COMPOSE_FILES) down --remove-orphans
+	$(COMPOSE) $(strip $(COMPOSE_FILES)) down --remove-orphans
 
 bench: setup
 	$(PY) benchmarks/offline_throughput.py

@@ -1,0 +1,54 @@
+"""``make run`` / ``make up`` / ``make down`` pass their variables on (checked with ``make -n``,
+which prints the commands without running them)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make not installed")
+
+
+def dry_run(*args: str) -> list[str]:
+    result = subprocess.run(
+        ["make", "-n", *args], cwd=REPO, capture_output=True, text=True, timeout=60, check=True
+    )
+    return result.stdout.splitlines()
+
+
+def test_run_passes_every_variable_to_the_launcher() -> None:
+    lines = dry_run("run", "MODEL=/m/qwen", "DTYPE=float32", "PREFILL=2", "DECODE=3",
+                    "COLOCATED=1", "HOST=0.0.0.0", "HTTP_PORT=9000", "GRPC_PORT=9051",
+                    "PREFILL_PORT=60061", "DECODE_PORT=60071", "COLOCATED_PORT=60081",
+                    "TOPOLOGY=deploy/topology.example.yaml")  # fmt: skip
+    (launch,) = [line for line in lines if "-m deploy.launch" in line]
+    assert launch.split()[3:] == [
+        "--topology", "deploy/topology.example.yaml", "--model", "/m/qwen",
+        "--dtype", "float32", "--prefill", "2", "--decode", "3", "--colocated", "1",
+        "--host", "0.0.0.0", "--http-port", "9000", "--grpc-port", "9051",
+        "--prefill-port", "60061", "--decode-port", "60071", "--colocated-port", "60081",
+    ]  # fmt: skip
+    assert not any("services.models.tiny" in line for line in lines)  # MODEL given: no tiny
+
+
+def test_plain_run_builds_the_tiny_model_when_missing() -> None:
+    lines = dry_run("run")
+    assert lines[-1].split()[1:] == ["-m", "deploy.launch"]
+    model = REPO / "models" / "tiny-llama" / "config.json"
+    assert model.exists() or any("services.models.tiny" in line for line in lines)
+
+
+def test_up_and_down_use_compose_with_the_cpu_override_on_request() -> None:
+    (up,) = [line for line in dry_run("up") if " up " in line]
+    assert up == "docker compose -f deploy/docker-compose.yml up --detach --build --wait"
+    cpu_up = dry_run("up", "CPU=1", "TOPOLOGY=deploy/topology.yaml")
+    assert any("-m deploy.generate --topology deploy/topology.yaml" in line for line in cpu_up)
+    assert "-f deploy/docker-compose.cpu.yml up" in cpu_up[-1]
+    assert dry_run("down", "CPU=1")[-1] == (
+        "docker compose -f deploy/docker-compose.yml -f deploy/docker-compose.cpu.yml "
+        "down --remove-orphans"
+    )
