@@ -102,6 +102,9 @@ def build_openai_app(frontend: Frontend) -> FastAPI:
         version="0.1.0",
     )
     metrics = frontend.metrics
+    # Read at scrape time, so always exact: Admission counts for every front end sharing it.
+    metrics.num_requests_running.set_function(lambda: frontend.admission.num_running)
+    metrics.num_requests_waiting.set_function(lambda: frontend.admission.num_queued)
     app.add_middleware(_Gate, frontend=frontend)
     _install_error_handlers(app, frontend)
     _drop_fastapi_422(app)

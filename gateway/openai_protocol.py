@@ -36,7 +36,14 @@ FinishReasonName = Literal["stop", "length", "abort", "error"]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    # use_attribute_docstrings: the docstrings below become the OpenAPI document's descriptions.
+    model_config = ConfigDict(
+        extra="forbid", strict=True, allow_inf_nan=False, use_attribute_docstrings=True
+    )
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True)
 
 
 class StreamOptions(_Request):
@@ -98,7 +105,7 @@ class ContentPart(BaseModel):
     """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported.
     Other parts (images, audio, files) parse, so that their refusal can name them."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, use_attribute_docstrings=True)
 
     type: str
     text: Text | None = None
@@ -112,7 +119,7 @@ class ChatMessage(_Request):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, use_attribute_docstrings=True)
 
     type: str
     """Only ``text`` is supported."""
@@ -143,22 +150,22 @@ class ChatCompletionRequest(_GenerationParams):
     """Only ``["text"]``."""
 
 
-class ErrorDetail(BaseModel):
+class ErrorDetail(_Response):
     message: str
     type: str
     param: str | None = None
     code: int | str | None = None
 
 
-class ErrorResponse(BaseModel):
+class ErrorResponse(_Response):
     error: ErrorDetail
 
 
-class PromptTokensDetails(BaseModel):
+class PromptTokensDetails(_Response):
     cached_tokens: int = 0
 
 
-class UsageInfo(BaseModel):
+class UsageInfo(_Response):
     prompt_tokens: int
     """Counted once per prompt, however many choices it has (as OpenAI counts)."""
     completion_tokens: int
@@ -167,7 +174,7 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-class CompletionLogprobs(BaseModel):
+class CompletionLogprobs(_Response):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
@@ -175,7 +182,7 @@ class CompletionLogprobs(BaseModel):
     """Characters into the choice's text where each token starts."""
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -184,7 +191,7 @@ class CompletionChoice(BaseModel):
     """vLLM extension: the stop string or stop token id that ended the choice."""
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(_Response):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
@@ -193,7 +200,7 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
-class TopLogprob(BaseModel):
+class TopLogprob(_Response):
     token: str
     logprob: float
     bytes: list[int] | None = None
@@ -203,16 +210,16 @@ class TokenLogprobInfo(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
-class ChatLogprobs(BaseModel):
+class ChatLogprobs(_Response):
     content: list[TokenLogprobInfo] | None = None
 
 
-class ChatResponseMessage(BaseModel):
+class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_Response):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
@@ -220,7 +227,7 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_Response):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -229,13 +236,13 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
-class ChatDelta(BaseModel):
+class ChatDelta(_Response):
     role: Literal["assistant"] | None = None
     """Sent once, in a choice's first chunk, together with its first content."""
     content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_Response):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
@@ -243,7 +250,7 @@ class ChatChunkChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Response):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -252,7 +259,7 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
-class ModelCard(BaseModel):
+class ModelCard(_Response):
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -260,6 +267,6 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
-class ModelList(BaseModel):
+class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]

@@ -671,6 +671,7 @@ def test_a_full_queue_is_a_429_and_a_stream_holds_its_slot(
         lines = r.iter_lines()  # NOTE: dropping the iterator would close the connection
         next(lines)  # the slow stream is running: it holds the only slot
         assert_error(served.post("/v1/completions", {**body, "stream": False}), 429, None)
+        assert "pdserve:num_requests_running 1.0" in httpx.get(f"{served.url}/metrics").text
     # The slow stream's client left: its slot comes back.
     wait_until(lambda: served.frontend.admission.num_running == 0)
     assert served.post("/v1/completions", {**body, "stream": False}).status_code == 200
@@ -757,6 +758,8 @@ def test_openapi_document(serve: Callable[..., Served]) -> None:
     assert {"200", "400", "401", "404", "413", "429", "503"} <= set(completions["responses"])
     assert "text/event-stream" in completions["responses"]["200"]["content"]
     assert "HTTPValidationError" not in document["components"]["schemas"]
+    n = document["components"]["schemas"]["CompletionRequest"]["properties"]["n"]
+    assert "seed + i" in n["description"], "the n/seed contract is documented"
 
     def refs(node: object) -> Iterator[str]:
         if isinstance(node, dict):
