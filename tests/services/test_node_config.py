@@ -17,6 +17,7 @@ def test_defaults_per_role() -> None:
     config = parse_node_config([], {}, role=Role.DECODE)
     assert config.engine.cache.block_size == 16 and config.kv_transport == "ucx"
     assert config.metrics_port is None and config.engine.cache.enable_prefix_caching
+    assert config.test_kv_push_pause_s == 0.0  # the test hook is off unless asked for
 
 
 def test_environment_fills_what_the_command_line_leaves_out() -> None:
@@ -30,6 +31,7 @@ def test_environment_fills_what_the_command_line_leaves_out() -> None:
         "PDSERVE_NO_PREFIX_CACHING": "true",
         "PDSERVE_SCHEDULING_POLICY": "priority",
         "PDSERVE_METRICS_PORT": "9100",
+        "PDSERVE_TEST_KV_PUSH_PAUSE_S": "0.5",
     }
     config = parse_node_config(
         ["--grpc-port", "7000", "--max-num-seqs", "4"], env, role=Role.PREFILL
@@ -40,6 +42,7 @@ def test_environment_fills_what_the_command_line_leaves_out() -> None:
     assert config.kv_transport == "loopback" and config.metrics_port == 9100
     assert not config.engine.cache.enable_prefix_caching
     assert config.engine.scheduler.policy is SchedulingPolicy.PRIORITY
+    assert config.test_kv_push_pause_s == 0.5
 
 
 def test_role_can_come_from_the_environment() -> None:
@@ -55,6 +58,7 @@ def test_role_can_come_from_the_environment() -> None:
         (["--block-size", "0"], {}, "block_size must be a positive integer"),
         (["--dtype", "int8"], {}, "--dtype"),
         (["--grpc-port", "70000"], {}, "grpc_port must be in [0, 65535]"),
+        (["--test-kv-push-pause-s", "-1"], {}, "test_kv_push_pause_s must be >= 0"),
         ([], {}, "--role is required"),
     ],
 )
