@@ -355,6 +355,41 @@ def test_stream_error_before_the_first_token_keeps_its_status(
     assert error["type"] == "rate_limit_error"
 
 
+def test_one_choice_refused_before_output_fails_the_request_and_closes_the_others(
+    serve: Callable[..., Served], tokenizer: Tokenizer
+) -> None:
+    first_id = tokenizer.encode("Hi", add_special_tokens=False)[0]
+
+    def script(request: GenerationRequest) -> list[Step]:
+        if request.request_id.endswith("-1"):
+            return [0.2, GatewayError(ErrorKind.UNAVAILABLE, "no healthy decode node")]
+        return [TokenChunk((first_id,)), HANG]
+
+    served = serve(script)
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": "x", "n": 2, "stream": stream}
+        response = served.post("/v1/completions", body, headers={"X-Request-Id": f"r{stream}"})
+        error = assert_error(response, 503, None)
+        assert error["message"] == "no healthy decode node"
+        wait_until(lambda stream=stream: f"r{stream}-0" in served.generator.closed_ids)
+    metrics = httpx.get(f"{served.url}/metrics").text
+    assert 'pdserve:request_errors_total{reason="unavailable"} 2.0' in metrics
+
+
+def test_a_choice_that_ends_before_any_token(serve: Callable[..., Served]) -> None:
+    served = serve(lambda request: [Finished(FinishReason.ABORT, Usage(3, 0))])
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    (chunk,) = sse_chunks(served.post("/v1/chat/completions", body))
+    assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunk["choices"][0]["finish_reason"] == "abort"
+
+    chat = served.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}]
+    )
+    assert chat.choices[0].message.content == ""
+    assert chat.choices[0].finish_reason == "abort"  # type: ignore[comparison-overlap]
+
+
 def test_an_error_after_tokens_ends_the_stream_with_an_error_event(
     serve: Callable[..., Served], tokenizer: Tokenizer
 ) -> None:
