@@ -69,6 +69,7 @@ class Output:
     stream: TextIO
     width: int = 8
     lock: threading.Lock = field(default_factory=threading.Lock)
+    is_closed: bool = False
 
     @property
     def colored(self) -> bool:
@@ -80,8 +81,15 @@ class Output:
 
     def write_line(self, prefix: str, line: str) -> None:
         with self.lock:
-            self.stream.write(prefix + line.rstrip("\n") + "\n")
-            self.stream.flush()
+            if self.is_closed:
+                return
+            try:
+                self.stream.write(prefix + line.rstrip("\n") + "\n")
+                self.stream.flush()
+            except (BrokenPipeError, ValueError):
+                # The reader went away (``make run | head``). Keep draining the children's
+                # pipes regardless: a child blocked on a full pipe would never drain on SIGTERM.
+                self.is_closed = True
 
 
 class Supervisor:
