@@ -210,8 +210,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     f"KV transfer {transfer.transfer_id} aborted before its commit: "
                     f"{transfer.abort_reason}",
                 )
-            assert last is not None and transfer.committed_at is not None
-            clock.started = transfer.committed_at
+            assert last is not None
+            # Never committed (the engine shut down first): no decode step ran to time.
+            clock.started = transfer.committed_at or 0.0
             yield self._finished(
                 last,
                 len(prompt),
