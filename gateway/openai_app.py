@@ -709,11 +709,10 @@ class _GenerationResponse(Response):
         self._frontend = frontend
         self._job = job
         self._is_started = False
-        n = job.body.n
+        self._n = job.body.n
         self._format: _Format = (_ChatFormat if job.is_chat else _CompletionFormat)(
             job, frontend.tokenizer, frontend.served_model_name
         )
-        self._n = n
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         serve = asyncio.create_task(self._serve(send))
@@ -725,7 +724,9 @@ class _GenerationResponse(Response):
                 logger.info("request %s: client disconnected", self._job.request_id)
                 self._frontend.metrics.request_errors.labels(reason="client_disconnected").inc()
                 serve.cancel()
-            await asyncio.gather(serve, return_exceptions=True)
+            (outcome,) = await asyncio.gather(serve, return_exceptions=True)
+            if isinstance(outcome, Exception):  # _serve handles its own; this is sending failing
+                logger.error("request %s: response failed: %r", self._job.request_id, outcome)
         finally:
             serve.cancel()
             watch.cancel()

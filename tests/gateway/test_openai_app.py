@@ -506,6 +506,13 @@ def test_completion_logprobs_in_the_legacy_format(serve: Callable[..., Served]) 
         logprobs.tokens
     )
 
+    stream = served.client().completions.create(
+        model=MODEL, prompt="x", max_tokens=4, logprobs=2, stream=True
+    )
+    streamed = [chunk.choices[0].logprobs for chunk in stream if chunk.choices[0].text]
+    assert [lp.tokens for lp in streamed if lp] == [[token] for token in logprobs.tokens]
+    assert [lp.text_offset for lp in streamed if lp] == [[offset] for offset in offsets]
+
 
 def test_chat_logprobs_with_bytes_and_alternatives(serve: Callable[..., Served]) -> None:
     served = serve()
