@@ -232,8 +232,9 @@ def test_gateway_and_nodes_serve_http_and_grpc_then_stop_cleanly(launch) -> None
     assert set(pids) == {"prefill-0", "decode-0", "gateway"}
     assert f"curl http://127.0.0.1:{http_port}/v1/completions" in launched.output
 
+    # ignore_eos: the tiny model's random weights may pick EOS early; length is what is tested.
     body = {"model": "tiny-llama", "prompt": "Hello, my name is", "max_tokens": 8,
-            "temperature": 0}  # fmt: skip
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
     request = urllib.request.Request(
         f"http://127.0.0.1:{http_port}/v1/completions",
         data=json.dumps(body).encode(),
@@ -251,7 +252,9 @@ def test_gateway_and_nodes_serve_http_and_grpc_then_stop_cleanly(launch) -> None
             stub.Generate(
                 gateway_pb2.GatewayGenerateRequest(
                     text="Hello, my name is",
-                    sampling=common_pb2.SamplingParams(max_tokens=8, temperature=0.0),
+                    sampling=common_pb2.SamplingParams(
+                        max_tokens=8, temperature=0.0, ignore_eos=True
+                    ),
                 ),
                 timeout=60,
             )
