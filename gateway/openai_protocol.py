@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 
 def _check_utf8(text: str) -> str:
@@ -32,6 +32,17 @@ Text = Annotated[str, AfterValidator(_check_utf8)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_check_utf8)]
 TokenId = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
+def _null_means(default: object, kind: object) -> BeforeValidator:
+    """``null`` is the default, as OpenAI takes it for optional parameters (clients send it)."""
+    return BeforeValidator(
+        lambda value: default if value is None else value, json_schema_input_type=kind | None
+    )
+
+
+Flag = Annotated[bool, _null_means(False, bool)]
+TrueFlag = Annotated[bool, _null_means(True, bool)]
 FinishReasonName = Literal["stop", "length", "abort", "error"]
 
 
@@ -55,10 +66,10 @@ class _GenerationParams(_Request):
     """Parameters shared by completions and chat completions."""
 
     model: str
-    n: int = Field(1, ge=1)
+    n: Annotated[int, Field(ge=1), _null_means(1, Annotated[int, Field(ge=1)])] = 1
     """Choices to generate (concurrently). With a seed, choice ``i`` samples with ``seed + i``,
     so the choices differ and each one is reproducible."""
-    stream: bool = False
+    stream: Flag = False
     stream_options: StreamOptions | None = None
     stop: NonEmptyText | list[NonEmptyText] | None = None
     temperature: float | None = Field(None, ge=0)
@@ -70,10 +81,10 @@ class _GenerationParams(_Request):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
     min_tokens: int | None = Field(None, ge=0)
-    ignore_eos: bool = False
+    ignore_eos: Flag = False
     stop_token_ids: list[TokenId] | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    skip_special_tokens: TrueFlag = True
+    include_stop_str_in_output: Flag = False
     logit_bias: dict[str, float] | None = None
     """Unsupported: only an empty map is accepted."""
     user: str | None = None
@@ -93,7 +104,7 @@ class CompletionRequest(_GenerationParams):
     """Default 16 (as OpenAI), lowered when the prompt leaves less room."""
     logprobs: int | None = Field(None, ge=0, le=20)
     """Top-n alternatives per token, in the legacy completions format."""
-    echo: bool = False
+    echo: Flag = False
     """Unsupported: only false."""
     suffix: str | None = None
     """Unsupported: only null or empty."""
@@ -131,7 +142,7 @@ class ChatCompletionRequest(_GenerationParams):
     """Deprecated by OpenAI in favour of ``max_completion_tokens``, which wins when both are set.
     Default: what is left of the context after the prompt, capped by the server's limit."""
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: Flag = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     """Alternatives per token; needs ``logprobs: true``."""
     tools: list[dict[str, Any]] | None = None

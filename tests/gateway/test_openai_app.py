@@ -610,6 +610,19 @@ def test_bad_requests_name_their_param(
     assert served.generator.requests == [], "no node is asked for a refused request"
 
 
+def test_null_means_the_default(serve: Callable[..., Served]) -> None:
+    served = serve()
+    names = "n stream echo ignore_eos skip_special_tokens stop include_stop_str_in_output logprobs"
+    nulls = dict.fromkeys([*names.split(), "temperature", "seed"])
+    response = served.post("/v1/completions", {"model": MODEL, "prompt": "x", **nulls})
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 1
+    (request,) = served.generator.requests
+    assert request.sampling.logprobs is None and not request.sampling.ignore_eos
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "logprobs": None}
+    assert served.post("/v1/chat/completions", body).status_code == 200
+
+
 def test_malformed_bodies_are_400s(serve: Callable[..., Served]) -> None:
     served = serve()
     url = f"{served.url}/v1/completions"
