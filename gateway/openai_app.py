@@ -407,7 +407,7 @@ def _sampling_options(
         max_tokens=max_tokens,
         min_tokens=body.min_tokens or 0,
         temperature=body.temperature,
-        top_k=body.top_k,
+        top_k=-1 if body.top_k == 0 else body.top_k,
         top_p=body.top_p,
         min_p=body.min_p or 0.0,
         seed=seed,

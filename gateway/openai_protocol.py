@@ -75,6 +75,7 @@ class _GenerationParams(_Request):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
+    """-1 or 0: off (vLLM takes both)."""
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     presence_penalty: float | None = Field(None, ge=-2, le=2)

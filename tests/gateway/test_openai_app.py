@@ -36,6 +36,7 @@ from gateway.generation import (
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
 from gateway.openai_app import build_openai_app
+from gateway.sampling import SamplingOptions
 from gateway.tokenizer import Tokenizer
 
 MODEL = "tiny-llama"
@@ -442,6 +443,23 @@ def test_n_choices_run_concurrently_with_their_own_ids_and_seeds(
     assert payload["usage"]["completion_tokens"] == 6 * 4
 
 
+def test_sampling_parameters_reach_the_generator(serve: Callable[..., Served]) -> None:
+    served = serve()
+    params = {
+        "temperature": 0.5, "top_p": 0.9, "top_k": 0, "min_p": 0.1, "seed": 2**63 - 1,
+        "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
+        "min_tokens": 2, "ignore_eos": True, "stop_token_ids": [3, 4], "max_tokens": 5, "n": 2,
+    }  # fmt: skip
+    assert served.post("/v1/completions", {"model": MODEL, "prompt": "x", **params}).is_success
+    first, second = sorted(served.generator.requests, key=lambda request: request.request_id)
+    assert first.sampling == SamplingOptions(
+        max_tokens=5, min_tokens=2, temperature=0.5, top_k=-1, top_p=0.9, min_p=0.1,
+        seed=2**63 - 1, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=-0.5,
+        stop_token_ids=(3, 4), ignore_eos=True,
+    )  # fmt: skip
+    assert second.sampling.seed == -(2**63), "seed + 1 wraps around within int64"
+
+
 def test_n_choices_stream_with_their_indexes(serve: Callable[..., Served]) -> None:
     served = serve()
     stream = served.client().chat.completions.create(
@@ -572,7 +590,7 @@ def test_chat_logprobs_with_bytes_and_alternatives(serve: Callable[..., Served])
         ("/v1/completions", {"best_of": 3}, 400, "best_of"),
         ("/v1/completions", {"logit_bias": {"5": 1.0}}, 400, "logit_bias"),
         ("/v1/completions", {"min_tokens": 20}, 400, "min_tokens"),
-        ("/v1/completions", {"top_k": 0}, 400, "top_k"),
+        ("/v1/completions", {"top_k": -2}, 400, "top_k"),
         ("/v1/completions", {"seed": 2**63}, 400, "seed"),
         ("/v1/completions", {"stop_token_ids": [10**6]}, 400, "stop_token_ids"),
         ("/v1/completions", {"stream_options": {"include_usage": True}}, 400, "stream_options"),
