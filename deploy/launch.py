@@ -134,11 +134,12 @@ class Launcher:
     def run(self) -> int:
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, self.on_signal)
-        self.supervisor.start(self.specs)
-        for child in self.supervisor.children:
-            self.log(f"started {child.spec.name} pid {child.pid}: {shlex.join(child.spec.argv)}")
         exit_code = 0
         try:
+            self.supervisor.start(self.specs)  # inside: a failed spawn still stops the others
+            for child in self.supervisor.children:
+                argv = shlex.join(child.spec.argv)
+                self.log(f"started {child.spec.name} pid {child.pid}: {argv}")
             if self.wait_healthy():
                 self.log(self.banner())
                 exit_code = self.watch()
