@@ -7,8 +7,8 @@ Life cycle:
 2. ``generate()``    an async iterator per request: the request is added on the engine thread
                      (input errors surface as ``ValueError`` from the first ``__anext__``) and
                      each step's ``EngineCoreOutput`` is handed to the request's asyncio queue.
-                     A consumer that stops early (stream closed, deadline, cancellation) aborts
-                     the request: it leaves the batch before the next step and its blocks are
+                     A consumer that stops early (stream closed, deadline, cancellation — even
+                     while its add is still queued) aborts the request: it leaves the batch before the next step and its blocks are
                      freed — except a RESERVED request's, which its owner frees after a fence.
 3. ``call(fn)``      runs ``fn(engine)`` on the engine thread between two steps (reserve,
                      commit, stats, ...): the engine itself is never touched from two threads.
@@ -45,6 +45,8 @@ class EngineDeadError(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[EngineCoreOutput | BaseException] = field(default_factory=asyncio.Queue)
+    is_added: bool = False
+    """Its request entered the engine (set and read on the engine thread only)."""
 
 
 class AsyncEngine:
@@ -99,8 +101,19 @@ class AsyncEngine:
         def add(engine: EngineCore) -> None:
             engine.add_request(request_id, prompt_token_ids, params, hold_kv=hold_kv)
             self._streams[request_id] = stream
+            stream.is_added = True
 
-        await self.call(add)
+        def take_back() -> None:
+            if stream.is_added:
+                self._abandon_on_engine(request_id)
+
+        try:
+            await self.call(add)
+        except asyncio.CancelledError:
+            # The caller went away while the add was queued (behind a long step): it still runs,
+            # so take the request out after it — a held prefill request would keep its blocks.
+            self._submit(take_back)
+            raise
         async for output in self._drain(request_id, stream):
             yield output
 

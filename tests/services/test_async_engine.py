@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -93,6 +94,35 @@ def test_a_cancelled_task_frees_the_request(engine: AsyncEngine) -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         await wait_until(engine, lambda e: e.stats().num_blocks_used == 0)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("hold_kv", [False, True], ids=["plain", "hold_kv"])
+def test_a_caller_cancelled_before_its_add_ran_leaves_nothing(engine, hold_kv) -> None:
+    """The add is queued behind a long command (a busy engine's step) when the caller goes
+    away: it still runs on the engine thread, and must be taken out again — a prefill node's
+    hold_kv request would otherwise keep its blocks for good."""
+
+    async def main() -> None:
+        busy = asyncio.ensure_future(engine.call(lambda e: time.sleep(0.3)))
+        # hold_kv: a prefill node's first token; plain: a long generation nobody would read.
+        params = SamplingParams(max_tokens=1 if hold_kv else 500, ignore_eos=True)
+
+        async def first() -> None:
+            async for _ in engine.generate("gone", list(range(10, 60)), params, hold_kv=hold_kv):
+                pass
+
+        task = asyncio.ensure_future(first())
+        await asyncio.sleep(0.05)  # its add waits behind the busy command
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await busy
+        await asyncio.sleep(0.2)  # a step or two, if anything was left running
+        stats = await engine.call(lambda e: e.stats())
+        assert stats.num_blocks_used == 0 and stats.num_held == 0, stats
+        assert not await engine.call(lambda e: e.has_unfinished_requests)
 
     asyncio.run(main())
 
