@@ -191,6 +191,19 @@ class TransferManager:
         transfer.prefill_timings = prefill_timings
         transfer.committed_at = time.monotonic()
         previous, transfer.state = transfer.state, TransferState.COMMITTING
+        # Shielded: a caller that goes away now (the prefill node's CommitKv cancelled) must not
+        # leave the transfer half handed over; the engine call runs either way.
+        return await asyncio.shield(self._hand_over(transfer, previous, first_token_id, logprobs))
+
+    async def _hand_over(
+        self,
+        transfer: Transfer,
+        previous: TransferState,
+        first_token_id: int,
+        logprobs: dict[int, float] | None,
+    ) -> Transfer:
+        """COMMITTING → COMMITTED: the engine takes the request into its running batch."""
+        transfer_id = transfer.transfer_id
         try:
             await self.engine.commit(transfer.request_id, first_token_id, logprobs)
         except (KeyError, ValueError) as exc:

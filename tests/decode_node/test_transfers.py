@@ -373,3 +373,29 @@ def test_a_commit_that_waited_while_the_transfer_was_aborted_is_refused(pair: Pa
         assert await pair.decode_blocks_used() == 0
 
     asyncio.run(main())
+
+
+def test_a_commit_whose_caller_goes_away_is_still_handed_over(pair: Pair) -> None:
+    """The prefill node's CommitKv cancelled mid-commit leaves no transfer half handed over."""
+    prompt = list(range(200, 250))
+    pair.manager.engine = GatedCommit(pair.decode)
+
+    async def main() -> None:
+        transfer = await pair.manager.reserve("h", prompt, GREEDY, lease_s=10)
+        first = pair.first_token("h", prompt)
+        assert (await pair.push("h", transfer).wait_async(5)).value == "done"
+        pair.prefill.release_kv("h")
+        stream = await pair.decode.attach("h")
+        commit = asyncio.ensure_future(pair.manager.commit(transfer.transfer_id, first))
+        while transfer.state is not TransferState.COMMITTING:
+            await asyncio.sleep(0.01)
+        commit.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await commit
+        pair.manager.engine.gate.set()
+        outputs = [out async for out in stream]
+        assert outputs[-1].finish_reason is FinishReason.LENGTH
+        assert transfer.state is TransferState.COMMITTED and not pair.manager.transfers
+        assert await pair.decode_blocks_used() == 0
+
+    asyncio.run(main())
