@@ -739,7 +739,10 @@ class _GenerationResponse(Response):
             queued_at = time.monotonic()
             async with frontend.admission.admit():
                 metrics.request_queue_time.observe(time.monotonic() - queued_at)
-                prompts = _prompt_token_ids(self._job, frontend.tokenizer)
+                # In a thread: a long prompt takes seconds to tokenize (4 MiB: ~6 s), which on
+                # the loop would stall every other stream. NOTE: Tokenizer.encode holds the GIL
+                # today; the loop gains only once it encodes through a GIL-releasing call.
+                prompts = await asyncio.to_thread(_prompt_token_ids, self._job, frontend.tokenizer)
                 states, requests = self._plan(prompts)
                 async with _Choices(frontend, self._job, requests) as choices:
                     first_events = await choices.first_events()
