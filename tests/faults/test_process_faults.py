@@ -1,0 +1,344 @@
+"""Fault injection over real processes on localhost: two prefill and two decode nodes (tiny
+model, KV over UCX) behind a gateway, each a process of its own, started as the launcher starts
+them (``deploy.commands``, ``deploy.supervisor``).
+
+Each scenario checks three things: what the client sees (a completed answer through a retry,
+or a clear error — never a hang past the request deadline); that the surviving services stay
+healthy and serve the next request; and that every live node's KV blocks in use return to zero.
+Killed nodes are restarted before the next scenario, so scenarios do not depend on each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import os
+import random
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from deploy.commands import ProcessSpec, local_processes
+from deploy.supervisor import Output, Supervisor
+from deploy.topology import GatewaySpec, NodeGroup, Role, Topology
+from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+MAX_MODEL_LEN = 512
+REQUEST_TIMEOUT_S = 8
+NODE_ARGS = (
+    ("kv-cache-memory", "8MiB"), ("max-model-len", str(MAX_MODEL_LEN)), ("drain-grace-s", "2"),
+    ("dtype", "float32"),
+)  # fmt: skip
+# prefill-0 pauses before the last message of each push, so a test can kill it mid-push.
+PUSH_PAUSE = ("--test-kv-push-pause-s", "1.5")
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+class Cluster:
+    """Each process under its own ``Supervisor``, so one can be killed and restarted alone."""
+
+    def __init__(self, model_dir: Path) -> None:
+        # Consecutive ports per group: a topology numbers its nodes from a base port.
+        base = free_ports(1)[0]
+        while not all(_port_free(base + i) for i in range(6)):
+            base = free_ports(1)[0]
+        self.topology = Topology(
+            model=str(model_dir),
+            served_model_name="tiny-llama",
+            kv_transport="ucx",
+            host="127.0.0.1",
+            prefill=NodeGroup(Role.PREFILL, count=2, base_grpc_port=base, args=NODE_ARGS),
+            decode=NodeGroup(Role.DECODE, count=2, base_grpc_port=base + 2, args=NODE_ARGS),
+            colocated=NodeGroup(Role.COLOCATED, count=0),
+            gateway=GatewaySpec(
+                http_port=base + 4,
+                grpc_port=base + 5,
+                args=(
+                    ("max-model-len", str(MAX_MODEL_LEN)),
+                    ("request-timeout-s", str(REQUEST_TIMEOUT_S)),
+                    ("health-interval-s", "0.3"),
+                    ("lease-ms", "4000"),
+                ),
+            ),
+        )
+        specs = {spec.name: spec for spec in local_processes(self.topology)}
+        paused = specs["prefill-0"]
+        specs["prefill-0"] = replace(paused, argv=(*paused.argv, *PUSH_PAUSE))
+        self.specs: dict[str, ProcessSpec] = specs
+        self.running: dict[str, Supervisor] = {}
+        self.log = io.StringIO()
+        self.base_url = f"http://127.0.0.1:{self.topology.gateway.http_port}"
+
+    def address(self, name: str) -> str:
+        port = dict((n.name, n.grpc_port) for n in self.topology.nodes)[name]
+        return f"127.0.0.1:{port}"
+
+    def start(self, *names: str) -> None:
+        for name in names:
+            supervisor = Supervisor(Output(self.log), grace_s=5)
+            supervisor.start([self.specs[name]])
+            self.running[name] = supervisor
+        self.wait_healthy(*names)
+
+    def wait_healthy(self, *names: str, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        for name in names:
+            while not all(target.check(1.0) for target in self.specs[name].health):
+                child = self.running[name].children[0]
+                assert child.is_alive, f"{name} exited: {self.log.getvalue()[-3000:]}"
+                assert time.monotonic() < deadline, f"{name} not healthy"
+                time.sleep(0.2)
+
+    def pid(self, name: str) -> int:
+        return self.running[name].children[0].pid
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        os.kill(self.pid(name), sig)
+        if sig == signal.SIGKILL:
+            self.running[name].children[0].process.wait(10)
+
+    def restart_dead(self) -> None:
+        for name, supervisor in list(self.running.items()):
+            if not supervisor.children[0].is_alive:
+                supervisor.stop()
+                self.start(name)
+        # The gateway needs a poll to see restarted nodes as healthy again.
+        self.wait_gateway_ready()
+
+    def wait_gateway_ready(self) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                ready = httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200
+                if ready and self._every_node_healthy_in_gateway():
+                    return
+            time.sleep(0.2)
+        raise AssertionError("the gateway never saw every node healthy again")
+
+    def _every_node_healthy_in_gateway(self) -> bool:
+        metrics = httpx.get(f"{self.base_url}/metrics", timeout=2).text
+        healthy = 0
+        for line in metrics.splitlines():
+            if line.startswith("pdserve:healthy_nodes{"):
+                healthy += int(float(line.rsplit(" ", 1)[1]))
+        return healthy == len(self.node_names)
+
+    @property
+    def node_names(self) -> list[str]:
+        return [n.name for n in self.topology.nodes]
+
+    def blocks_in_use(self) -> dict[str, int]:
+        async def load() -> dict[str, int]:
+            used = {}
+            for name in self.node_names:
+                if not self.running[name].children[0].is_alive:
+                    continue
+                async with grpc.aio.insecure_channel(self.address(name)) as channel:
+                    stub = (
+                        prefill_pb2_grpc.PrefillServiceStub(channel)
+                        if name.startswith("prefill")
+                        else decode_pb2_grpc.DecodeServiceStub(channel)
+                    )
+                    report = await stub.GetLoad(common_pb2.GetLoadRequest(), timeout=5)
+                    used[name] = report.kv_blocks_used
+            return used
+
+        return asyncio.run(load())
+
+    def wait_all_free(self, timeout_s: float = 15) -> None:
+        deadline = time.monotonic() + timeout_s
+        while (used := self.blocks_in_use()) and any(used.values()):
+            assert time.monotonic() < deadline, f"blocks still in use: {used}"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for name in ["gateway", *self.node_names]:
+            if name in self.running:
+                self.running[name].stop()
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir: Path) -> Iterator[Cluster]:
+    cluster = Cluster(tiny_llama_dir)
+    try:
+        cluster.start(*cluster.node_names)
+        cluster.start("gateway")
+        cluster.wait_gateway_ready()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def healthy(cluster: Cluster) -> Iterator[Cluster]:
+    """The cluster with every process alive before the test; zero blocks checked after it."""
+    cluster.restart_dead()
+    yield cluster
+    cluster.wait_all_free()  # on every node still alive
+    assert complete(cluster)["choices"][0]["finish_reason"] == "length"  # the survivors serve
+
+
+def body(prompt: list[int], max_tokens: int = 8, **extra) -> dict:
+    return {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, **extra}  # fmt: skip
+
+
+def complete(cluster: Cluster, prompt: list[int] | None = None, **extra) -> dict:
+    response = httpx.post(
+        f"{cluster.base_url}/v1/completions",
+        json=body(prompt or [5, 6, 7, 8], **extra),
+        timeout=REQUEST_TIMEOUT_S + 5,
+    )
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def stream_events(cluster: Cluster, request: dict, on_chunk=None) -> list[dict]:
+    """Every SSE event of a streamed completion (``[DONE]`` as the string)."""
+    events = []
+    with httpx.stream(
+        "POST", f"{cluster.base_url}/v1/completions", json={**request, "stream": True},
+        timeout=REQUEST_TIMEOUT_S + 5,
+    ) as response:  # fmt: skip
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line.removeprefix("data: ")
+            events.append(data if data == "[DONE]" else json.loads(data))
+            if on_chunk is not None:
+                on_chunk(events)
+    return events
+
+
+def test_decode_killed_before_the_first_token_is_retried(healthy: Cluster) -> None:
+    # Both decodes are idle; the gateway tries decode-0 first until its poll says otherwise.
+    healthy.kill("decode-0")
+    results = [complete(healthy, [10 + i, 11, 12, 13]) for i in range(3)]
+    assert all(r["choices"][0]["finish_reason"] == "length" for r in results)
+    assert all(r["usage"]["completion_tokens"] == 8 for r in results)
+
+
+def test_decode_killed_after_tokens_ends_the_stream_with_an_error(healthy: Cluster) -> None:
+    killed: list[str] = []
+
+    def kill_its_decode(events: list) -> None:
+        if len(events) == 3 and not killed:
+            used = healthy.blocks_in_use()
+            [serving] = [name for name in ("decode-0", "decode-1") if used[name]]
+            healthy.kill(serving)
+            killed.append(serving)
+
+    events = stream_events(healthy, body([20, 21, 22], max_tokens=400), kill_its_decode)
+    assert killed
+    finish = [e for e in events if isinstance(e, dict) and e.get("choices")][-1]
+    assert finish["choices"][0]["finish_reason"] == "error"
+    assert any(isinstance(e, dict) and "error" in e for e in events)
+    assert events[-1] == "[DONE]"
+
+
+def test_prefill_killed_during_its_push_is_retried_on_the_other(healthy: Cluster) -> None:
+    """prefill-0 pauses 1.5 s before the last message of every push: kill it then."""
+    results: dict = {}
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S + 5) as client:
+            task = asyncio.create_task(
+                client.post(f"{healthy.base_url}/v1/completions", json=body(list(range(30, 90))))
+            )
+            await asyncio.sleep(0.8)  # routed (to prefill-0: idle, listed first) and pushing
+            healthy.kill("prefill-0")
+            results["response"] = await task
+
+    asyncio.run(run())
+    response = results["response"]
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 8
+
+
+def test_a_stopped_node_never_hangs_a_request_past_its_deadline(healthy: Cluster) -> None:
+    healthy.kill("decode-0", signal.SIGSTOP)
+    healthy.kill("decode-1", signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        response = httpx.post(f"{healthy.base_url}/v1/completions", json=body([40, 41]), timeout=60)
+        elapsed = time.monotonic() - started
+        assert response.status_code in (503, 504), response.text
+        assert "error" in response.json()
+        assert elapsed < REQUEST_TIMEOUT_S + 3
+    finally:
+        healthy.kill("decode-0", signal.SIGCONT)
+        healthy.kill("decode-1", signal.SIGCONT)
+
+
+def test_clients_that_disconnect_at_random_points_leak_nothing(healthy: Cluster) -> None:
+    rng = random.Random(3)
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        request = body([50 + i, 51, 52, 53] * rng.randint(1, 20), max_tokens=64, stream=True)
+        cut_after = rng.randint(0, 6)
+        with contextlib.suppress(httpx.HTTPError):
+            async with client.stream("POST", "/v1/completions", json=request) as response:
+                seen = 0
+                async for line in response.aiter_lines():
+                    seen += line.startswith("data: ")
+                    if seen >= cut_after:
+                        break
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=healthy.base_url, timeout=30) as client:
+            await asyncio.gather(*(one(client, i) for i in range(16)))
+
+    asyncio.run(run())
+
+
+def test_gateway_restarted_while_streams_are_open(healthy: Cluster) -> None:
+    opened = []
+
+    async def reader(client: httpx.AsyncClient) -> None:
+        request = body([60, 61, 62], max_tokens=400, stream=True)
+        with contextlib.suppress(httpx.HTTPError):
+            async with client.stream("POST", "/v1/completions", json=request) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        opened.append(1)
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=healthy.base_url, timeout=30) as client:
+            tasks = [asyncio.create_task(reader(client)) for _ in range(4)]
+            while len(opened) < 8:
+                await asyncio.sleep(0.05)
+            healthy.kill("gateway")
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
+
+    asyncio.run(run())
+    healthy.restart_dead()  # the nodes freed the dropped streams; a new gateway serves
