@@ -147,39 +147,53 @@ def tokenizer(tiny_llama_dir: Path) -> Tokenizer:
     return Tokenizer.from_model_dir(tiny_llama_dir)
 
 
+def start(
+    tokenizer: Tokenizer,
+    script: Script | None = None,
+    api_keys: tuple[str, ...] = (),
+    max_concurrent: int = 8,
+    max_queued: int = 8,
+    ready: bool = True,
+    **limits: Any,
+) -> tuple[Served, _ThreadedUvicorn]:
+    generator = FakeGenerator(script or output_script(tokenizer))
+    frontend = Frontend(
+        served_model_name=MODEL,
+        tokenizer=tokenizer,
+        generator=generator,
+        admission=Admission(max_concurrent, max_queued),
+        api_keys=ApiKeys(api_keys),
+        limits=RequestLimits(**{"max_model_len": 256, "max_tokens": 100, **limits}),
+        metrics=GatewayMetrics(),
+        is_ready=lambda: ready,
+        request_timeout_s=30.0,
+    )
+    server = _ThreadedUvicorn(build_openai_app(frontend))
+    return Served(f"http://127.0.0.1:{server.port}", frontend, generator, tokenizer), server
+
+
 @pytest.fixture
 def serve(tokenizer: Tokenizer) -> Iterator[Callable[..., Served]]:
     """``serve(script=None, api_keys=(), max_concurrent=8, max_queued=8, ready=True,
     **limits) -> Served``: a fresh app on its own port."""
     servers: list[_ThreadedUvicorn] = []
 
-    def make(
-        script: Script | None = None,
-        api_keys: tuple[str, ...] = (),
-        max_concurrent: int = 8,
-        max_queued: int = 8,
-        ready: bool = True,
-        **limits: Any,
-    ) -> Served:
-        generator = FakeGenerator(script or output_script(tokenizer))
-        frontend = Frontend(
-            served_model_name=MODEL,
-            tokenizer=tokenizer,
-            generator=generator,
-            admission=Admission(max_concurrent, max_queued),
-            api_keys=ApiKeys(api_keys),
-            limits=RequestLimits(**{"max_model_len": 256, "max_tokens": 100, **limits}),
-            metrics=GatewayMetrics(),
-            is_ready=lambda: ready,
-            request_timeout_s=30.0,
-        )
-        server = _ThreadedUvicorn(build_openai_app(frontend))
+    def make(*args: Any, **kwargs: Any) -> Served:
+        served, server = start(tokenizer, *args, **kwargs)
         servers.append(server)
-        return Served(f"http://127.0.0.1:{server.port}", frontend, generator, tokenizer)
+        return served
 
     yield make
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def refusing(tokenizer: Tokenizer) -> Iterator[Served]:
+    """One default app shared by the tests of refusals (they leave no state behind)."""
+    served, server = start(tokenizer)
+    yield served
+    server.stop()
 
 
 def sse_lines(response: httpx.Response) -> list[str]:
@@ -612,13 +626,9 @@ def test_chat_logprobs_with_bytes_and_alternatives(serve: Callable[..., Served])
     ],
 )  # fmt: skip
 def test_bad_requests_name_their_param(
-    serve: Callable[..., Served],
-    path: str,
-    change: dict[str, Any],
-    status: int,
-    param: str,
+    refusing: Served, path: str, change: dict[str, Any], status: int, param: str
 ) -> None:
-    served = serve()
+    served = refusing
     if path.endswith("/chat/completions"):
         body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
     else:
@@ -672,10 +682,10 @@ def test_malformed_bodies_are_400s(serve: Callable[..., Served]) -> None:
     ],
 )  # fmt: skip
 def test_lone_surrogates_and_odd_keys_are_400s(
-    serve: Callable[..., Served], path: str, body: str, param: str | None
+    refusing: Served, path: str, body: str, param: str | None
 ) -> None:
     """JSON can spell what UTF-8 cannot; such strings must not reach the tokenizer (a 500)."""
-    served = serve()
+    served = refusing
     content = body.replace('"M"', json.dumps(MODEL)).encode()
     response = httpx.post(
         f"{served.url}{path}", content=content, headers={"content-type": "application/json"}
