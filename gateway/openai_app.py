@@ -18,6 +18,7 @@ Life of one ``/v1/completions`` or ``/v1/chat/completions`` request here:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import re
@@ -826,6 +827,23 @@ class _GenerationResponse(Response):
                 await self._send_body(
                     send, sse_event(self._format.usage_chunk(self._usage(states)))
                 )
+        except asyncio.CancelledError:
+            # Cancelled with the client still there (the server shutting down): end each open
+            # choice with "abort" rather than cut the stream. A client that left gets nothing.
+            with contextlib.suppress(Exception):
+                for state in states:
+                    if state.finished is None:
+                        state.finished = TextFinished(
+                            finish_reason=FinishReason.ABORT,
+                            usage=Usage(len(state.prompt_token_ids), state.num_tokens),
+                            timings=StageTimings(),
+                            error=None,
+                            stop_reason=None,
+                        )
+                        await self._send_body(send, sse_event(self._format.finish_chunk(state)))
+                await self._send_body(send, DONE)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            raise
         except Exception:  # a bug: end the stream visibly rather than leave the client hanging
             logger.exception("request %s: stream failed", self._job.request_id)
             self._frontend.metrics.request_errors.labels(reason="internal").inc()

@@ -810,6 +810,25 @@ def test_disconnect_before_the_first_token_closes_the_generation(
     assert served.generator.closed.wait(2)
 
 
+def test_server_shutdown_ends_open_streams_with_abort(tokenizer: Tokenizer) -> None:
+    served, server = start(tokenizer, _hang_after_one_token(tokenizer))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    with (
+        httpx.Client(base_url=served.url, timeout=10) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: {")
+        stopping = threading.Thread(target=server.stop)
+        stopping.start()  # uvicorn waits 1 s for the stream, then cancels it
+        rest = [line for line in lines if line]
+        stopping.join()
+    assert rest[-1] == "data: [DONE]"
+    finish = json.loads(rest[-2].removeprefix("data: "))
+    assert finish["choices"][0]["finish_reason"] == "abort"
+    assert served.generator.closed.is_set()
+
+
 # --- the other routes ------------------------------------------------------------------------
 
 
