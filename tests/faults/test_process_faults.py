@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import io
 import json
 import os
 import random
 import signal
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -33,6 +35,8 @@ from deploy.topology import GatewaySpec, NodeGroup, Role, Topology
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
 
 MAX_MODEL_LEN = 512
 REQUEST_TIMEOUT_S = 8
@@ -342,3 +346,23 @@ def test_gateway_restarted_while_streams_are_open(healthy: Cluster) -> None:
 
     asyncio.run(run())
     healthy.restart_dead()  # the nodes freed the dropped streams; a new gateway serves
+
+
+def test_a_short_soak_loses_and_leaks_nothing(healthy: Cluster) -> None:
+    """benchmarks/soak.py for a few seconds: random streams, a fifth of them cancelled."""
+    spec = importlib.util.spec_from_file_location("soak", REPO / "benchmarks/soak.py")
+    soak = importlib.util.module_from_spec(spec)
+    sys.modules["soak"] = soak  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(soak)
+    args = soak.build_parser().parse_args(
+        ["--base-url", healthy.base_url, "--model", "tiny-llama", "--duration-s", "12",
+         "--concurrency", "8", "--max-input-len", "120", "--max-output-len", "32",
+         *(f"--node={name}={healthy.address(name)}" for name in healthy.node_names),
+         *(f"--process={name}={healthy.pid(name)}" for name in [*healthy.node_names, "gateway"])],
+    )  # fmt: skip
+    report = asyncio.run(soak.soak(args))
+    assert report.errors == {}
+    assert report.completed > 0 and report.cancelled > 0
+    assert set(report.blocks_in_use_end) == set(healthy.node_names)
+    assert not any(report.blocks_in_use_end.values())
+    assert set(report.rss_growth_mib) == {*healthy.node_names, "gateway"}
