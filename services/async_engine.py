@@ -8,8 +8,9 @@ Life cycle:
                      (input errors surface as ``ValueError`` from the first ``__anext__``) and
                      each step's ``EngineCoreOutput`` is handed to the request's asyncio queue.
                      A consumer that stops early (stream closed, deadline, cancellation — even
-                     while its add is still queued) aborts the request: it leaves the batch before the next step and its blocks are
-                     freed — except a RESERVED request's, which its owner frees after a fence.
+                     while its add is still queued) aborts the request: it leaves the batch
+                     before the next step and its blocks are freed — except a RESERVED
+                     request's, which its owner frees after a fence.
 3. ``call(fn)``      runs ``fn(engine)`` on the engine thread between two steps (reserve,
                      commit, stats, ...): the engine itself is never touched from two threads.
 4. ``shutdown()``    stops the loop; requests still streaming end with finish reason ``abort``.
