@@ -1,0 +1,139 @@
+"""Hypothesis over the public gRPC API's request fields: whatever a client sends, the gateway
+answers OK or a client-error status naming the problem — never UNKNOWN/INTERNAL, never a hang —
+and no request is left running on the node behind it (a fake node, so examples are cheap)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.config import parse_gateway_config
+from gateway.server import GatewayServer
+from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+ALLOWED = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+floats = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, 1.0, -1.0, 1e30])
+)
+uint32 = st.integers(min_value=0, max_value=2**32 - 1)
+small_uint = st.one_of(st.integers(min_value=0, max_value=64), uint32)
+
+
+@st.composite
+def sampling(draw) -> common_pb2.SamplingParams:
+    message = common_pb2.SamplingParams(
+        min_tokens=draw(small_uint),
+        min_p=draw(floats),
+        presence_penalty=draw(floats),
+        frequency_penalty=draw(floats),
+        stop_token_ids=draw(st.lists(uint32, max_size=4)),
+        ignore_eos=draw(st.booleans()),
+        priority=draw(st.integers(min_value=-(2**31), max_value=2**31 - 1)),
+    )
+    optional = {
+        "max_tokens": small_uint, "temperature": floats, "top_k": st.integers(-(2**31), 2**31 - 1),
+        "top_p": floats, "seed": st.integers(-(2**63), 2**63 - 1), "repetition_penalty": floats,
+        "logprobs": small_uint,
+    }  # fmt: skip
+    for name, strategy in optional.items():
+        if draw(st.booleans()):
+            setattr(message, name, draw(strategy))
+    return message
+
+
+@st.composite
+def requests(draw) -> gateway_pb2.GatewayGenerateRequest:
+    message = gateway_pb2.GatewayGenerateRequest(
+        model=draw(st.sampled_from(["", "tiny", "other", "\x00"])),
+        sampling=draw(sampling()),
+        stop=draw(st.lists(st.text(max_size=8), max_size=4)),
+        include_stop_str_in_output=draw(st.booleans()),
+        request_id=draw(st.text(max_size=8)),
+    )
+    kind = draw(st.sampled_from(["text", "token_ids", "chat", "none"]))
+    if kind == "text":
+        message.text = draw(st.text(max_size=64))
+    elif kind == "token_ids":
+        message.token_ids.ids.extend(draw(st.lists(uint32, max_size=32)))
+    elif kind == "chat":
+        roles = st.sampled_from(["user", "system", "assistant", "tool", "", "robot"])
+        for _ in range(draw(st.integers(0, 3))):
+            message.chat.messages.add(role=draw(roles), content=draw(st.text(max_size=16)))
+    return message
+
+
+def test_any_request_gets_ok_or_a_client_error(tiny_llama_dir: Path) -> None:
+    spec = importlib.util.spec_from_file_location("fake_node", ROOT / "benchmarks/fake_node.py")
+    fake_node = importlib.util.module_from_spec(spec)
+    sys.modules["fake_node"] = fake_node
+    spec.loader.exec_module(fake_node)
+    loop = asyncio.new_event_loop()
+
+    async def start():
+        args = argparse.Namespace(
+            role="colocated", port=0, ttft_ms=0.0, itl_ms=0.0, fail_after_tokens=None, refuse=False
+        )
+        node = fake_node.FakeNode(args)
+        server = grpc.aio.server()
+        fake_node.decode_pb2_grpc.add_DecodeServiceServicer_to_server(node, server)
+        health = fake_node.health.aio.HealthServicer()
+        fake_node.health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        config = parse_gateway_config(
+            ["--model", str(tiny_llama_dir), "--served-model-name", "tiny", "--host",
+             "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--max-model-len", "256",
+             "--max-tokens-limit", "64", "--colocated", f"127.0.0.1:{port}"],
+            {},
+        )  # fmt: skip
+        gateway = GatewayServer(config)
+        await gateway.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.grpc_port}")
+        return node, server, gateway, channel
+
+    node, server, gateway, channel = loop.run_until_complete(start())
+    stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+
+    async def call(request) -> grpc.StatusCode:
+        try:
+            async for _ in stub.Generate(request, timeout=10):
+                pass
+        except grpc.aio.AioRpcError as exc:
+            assert exc.details(), exc.code()
+            return exc.code()
+        return grpc.StatusCode.OK
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(requests())
+    def check(request) -> None:
+        code = loop.run_until_complete(call(request))
+        assert code in ALLOWED, (code, request)
+        if code is grpc.StatusCode.OK:
+            # What the gateway accepted is valid for a node.
+            sampling = request.sampling
+            if sampling.HasField("temperature"):
+                assert math.isfinite(sampling.temperature) and sampling.temperature >= 0
+
+    try:
+        check()
+        assert node.running == 0
+    finally:
+        loop.run_until_complete(channel.close())
+        loop.run_until_complete(gateway.stop(grace_s=0.5))
+        loop.run_until_complete(server.stop(0))
+        loop.close()
