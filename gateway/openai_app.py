@@ -710,6 +710,7 @@ class _GenerationResponse(Response):
         self._frontend = frontend
         self._job = job
         self._is_started = False
+        self._is_client_gone = False
         self._n = job.body.n
         self._format: _Format = (_ChatFormat if job.is_chat else _CompletionFormat)(
             job, frontend.tokenizer, frontend.served_model_name
@@ -721,6 +722,7 @@ class _GenerationResponse(Response):
         try:
             done, _ = await asyncio.wait({serve, watch}, return_when=asyncio.FIRST_COMPLETED)
             if serve not in done:
+                self._is_client_gone = True
                 # The client is gone: cancelling closes every choice's generation at once.
                 logger.info("request %s: client disconnected", self._job.request_id)
                 self._frontend.metrics.request_errors.labels(reason="client_disconnected").inc()
@@ -751,6 +753,13 @@ class _GenerationResponse(Response):
                         await self._stream(send, states, choices, first_events)
                     else:
                         await self._respond(send, states, choices, first_events)
+        except asyncio.CancelledError:
+            if not self._is_started and not self._is_client_gone:
+                # The server is shutting down before the first token: say so, do not just hang up.
+                with contextlib.suppress(Exception):
+                    error = GatewayError(ErrorKind.UNAVAILABLE, "the server is shutting down")
+                    await self._send_json(send, 503, error.openai_body())
+            raise
         except GatewayError as error:
             metrics.request_errors.labels(reason=error.kind.name.lower()).inc()
             if not self._is_started:

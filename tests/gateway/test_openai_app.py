@@ -829,6 +829,16 @@ def test_server_shutdown_ends_open_streams_with_abort(tokenizer: Tokenizer) -> N
     assert served.generator.closed.is_set()
 
 
+def test_server_shutdown_before_the_first_token_is_a_503(tokenizer: Tokenizer) -> None:
+    served, server = start(tokenizer, lambda request: [HANG])
+    stopping = threading.Timer(0.3, server.stop)
+    stopping.start()
+    response = served.post("/v1/completions", {"model": MODEL, "prompt": "x"})
+    stopping.join()
+    assert_error(response, 503, None)
+    assert served.generator.closed.is_set()
+
+
 # --- the other routes ------------------------------------------------------------------------
 
 
