@@ -484,10 +484,14 @@ class _Choices:
                     skip_special_tokens=job.body.skip_special_tokens,
                 )
                 try:
+                    is_finished = False
                     async for event in texts:
                         self._queue.put_nowait((index, event))
+                        is_finished = isinstance(event, TextFinished)
+                    if not is_finished:  # the consumer waits for a TextFinished: never a hang
+                        raise RuntimeError("the text stream ended without a final event")
                 finally:
-                    await texts.aclose()
+                    await _aclose(texts)
             finally:
                 await _aclose(events)
         except GatewayError as error:
