@@ -1,0 +1,106 @@
+"""The concurrent choices of one HTTP request (prompts × n): each generation pumped by its own
+task into one queue, so that events of one choice stay in order while choices interleave.
+
+Life cycle: ``async with ChoiceFanout(...)`` starts every generation at once → ``first_events()``
+waits for each choice's first event (the first ``GatewayError`` among them is raised: it decides
+the response's status) → ``next()`` until every choice has its ``TextFinished`` → leaving the
+block, however it is left, cancels the pumps, and closing each iterator cancels its node legs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from gateway.errors import GatewayError
+from gateway.frontend import Frontend
+from gateway.generation import GenerationRequest
+from gateway.openai_job import OpenAIJob
+from gateway.text_stream import TextDelta, TextFinished, stream_text
+
+logger = logging.getLogger(__name__)
+
+ChoiceEvent = TextDelta | TextFinished
+
+
+class ChoiceFanout:
+    """The generations of one HTTP request, in choice order: prompt 0's n choices, then 1's..."""
+
+    def __init__(
+        self,
+        frontend: Frontend,
+        job: OpenAIJob,
+        requests: Sequence[GenerationRequest],
+    ) -> None:
+        self._frontend = frontend
+        self._job = job
+        self._requests = requests
+        self._queue: asyncio.Queue[tuple[int, ChoiceEvent | Exception]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> ChoiceFanout:
+        self._tasks = [
+            asyncio.create_task(self._pump(index, request), name=request.request_id)
+            for index, request in enumerate(self._requests)
+        ]
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        # Cancelling a pump closes its iterators; the generator then cancels its node legs.
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def first_events(self) -> list[tuple[int, ChoiceEvent]]:
+        """Events up to every choice's first one; the first error among them is raised."""
+        waiting = set(range(len(self._requests)))
+        events: list[tuple[int, ChoiceEvent]] = []
+        while waiting:
+            index, item = await self._queue.get()
+            if isinstance(item, Exception):
+                raise item
+            events.append((index, item))
+            waiting.discard(index)
+        return events
+
+    async def next(self) -> tuple[int, ChoiceEvent | Exception]:
+        return await self._queue.get()
+
+    async def _pump(self, index: int, request: GenerationRequest) -> None:
+        job = self._job
+        try:
+            events = self._frontend.generator.generate(request)
+            try:
+                texts = stream_text(
+                    events,
+                    self._frontend.tokenizer,
+                    request.prompt_token_ids,
+                    stop=job.stop,
+                    include_stop_str_in_output=job.body.include_stop_str_in_output,
+                    skip_special_tokens=job.body.skip_special_tokens,
+                )
+                try:
+                    is_finished = False
+                    async for event in texts:
+                        self._queue.put_nowait((index, event))
+                        is_finished = isinstance(event, TextFinished)
+                    if not is_finished:  # the consumer waits for a TextFinished: never a hang
+                        raise RuntimeError("the text stream ended without a final event")
+                finally:
+                    await _aclose(texts)
+            finally:
+                await _aclose(events)
+        except GatewayError as error:
+            self._queue.put_nowait((index, error))
+        except Exception as error:  # a bug: the request fails, the server goes on
+            logger.exception("request %s failed", request.request_id)
+            self._queue.put_nowait((index, error))
+
+
+async def _aclose(iterator: object) -> None:
+    # Generator.generate promises an AsyncIterator; the real ones are async generators, whose
+    # aclose() is what cancels the node legs when the generation did not run to its end.
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        await aclose()

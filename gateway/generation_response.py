@@ -1,0 +1,294 @@
+"""The ASGI response that runs one generation request after validation: admission, tokenization,
+the choices' generations, and sending them as SSE chunks or one JSON body.
+
+Life cycle of one response (``GenerationResponse.__call__``), while a task watches the ASGI
+receive channel for the client's disconnect: an admission slot (429) → tokenization and length
+checks (400) → one generation per choice, all started at once → each choice's first event (a
+``GatewayError`` here is the response's status, also when streaming) → SSE chunks as tokens
+arrive, or one JSON body at the end. A disconnect at any point cancels all of it; the admission
+slot is released when it ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+
+from fastapi.responses import Response
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from gateway.choice_fanout import ChoiceEvent, ChoiceFanout
+from gateway.client_send import send_json
+from gateway.errors import ErrorKind, GatewayError
+from gateway.frontend import Frontend
+from gateway.generation import FinishReason, GenerationRequest, StageTimings, Usage
+from gateway.openai_errors import internal_error_body
+from gateway.openai_format import ChatFormat, ChoiceState, CompletionFormat, OpenAIFormat
+from gateway.openai_job import OpenAIJob, prompt_token_ids, sampling_options
+from gateway.openai_protocol import PromptTokensDetails, UsageInfo
+from gateway.sse import DONE, MEDIA_TYPE, sse_event
+from gateway.text_stream import TextDelta, TextFinished
+
+logger = logging.getLogger(__name__)
+
+
+class GenerationResponse(Response):
+    """An ASGI response that runs the request: its status is known only once every choice has
+    its first event, so the admission, the generation and the sending all happen here."""
+
+    def __init__(self, frontend: Frontend, job: OpenAIJob) -> None:
+        super().__init__()
+        self._frontend = frontend
+        self._job = job
+        self._is_started = False
+        self._is_client_gone = False
+        self._n = job.body.n
+        self._format: OpenAIFormat = (ChatFormat if job.is_chat else CompletionFormat)(
+            job, frontend.tokenizer, frontend.served_model_name
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        serve = asyncio.create_task(self._serve(send))
+        watch = asyncio.create_task(_wait_for_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait({serve, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if serve not in done:
+                self._is_client_gone = True
+                # The client is gone: cancelling closes every choice's generation at once.
+                logger.info("request %s: client disconnected", self._job.request_id)
+                self._frontend.metrics.request_errors.labels(reason="client_disconnected").inc()
+                serve.cancel()
+            (outcome,) = await asyncio.gather(serve, return_exceptions=True)
+            if isinstance(outcome, Exception):  # _serve handles its own; this is sending failing
+                logger.error("request %s: response failed: %r", self._job.request_id, outcome)
+        finally:
+            serve.cancel()
+            watch.cancel()
+            await asyncio.gather(serve, watch, return_exceptions=True)
+
+    async def _serve(self, send: Send) -> None:
+        frontend = self._frontend
+        metrics = frontend.metrics
+        try:
+            queued_at = time.monotonic()
+            async with frontend.admission.admit():
+                metrics.request_queue_time.observe(time.monotonic() - queued_at)
+                # In a thread: a long prompt takes seconds to tokenize (4 MiB: ~6 s), which on
+                # the loop would stall every other stream. NOTE: Tokenizer.encode holds the GIL
+                # today; the loop gains only once it encodes through a GIL-releasing call.
+                prompts = await asyncio.to_thread(prompt_token_ids, self._job, frontend.tokenizer)
+                states, requests = self._plan(prompts)
+                async with ChoiceFanout(frontend, self._job, requests) as choices:
+                    first_events = await choices.first_events()
+                    if self._job.body.stream:
+                        await self._stream(send, states, choices, first_events)
+                    else:
+                        await self._respond(send, states, choices, first_events)
+        except asyncio.CancelledError:
+            if not self._is_started and not self._is_client_gone:
+                # The server is shutting down before the first token: say so, do not just hang up.
+                with contextlib.suppress(Exception):
+                    error = GatewayError(ErrorKind.UNAVAILABLE, "the server is shutting down")
+                    await self._send_json(send, 503, error.openai_body())
+            raise
+        except GatewayError as error:
+            metrics.request_errors.labels(reason=error.kind.name.lower()).inc()
+            if not self._is_started:
+                await self._send_json(send, error.kind.http_status, error.openai_body())
+        except Exception:
+            logger.exception("request %s failed", self._job.request_id)
+            metrics.request_errors.labels(reason="internal").inc()
+            if not self._is_started:
+                await self._send_json(send, 500, internal_error_body())
+
+    def _plan(
+        self, prompts: list[tuple[int, ...]]
+    ) -> tuple[list[ChoiceState], list[GenerationRequest]]:
+        job = self._job
+        num_choices = len(prompts) * self._n
+        states, requests = [], []
+        for prompt_index, prompt in enumerate(prompts):
+            for choice in range(self._n):
+                index = prompt_index * self._n + choice
+                request_id = job.request_id if num_choices == 1 else f"{job.request_id}-{index}"
+                sampling = sampling_options(job, len(prompt), choice, self._frontend)
+                states.append(ChoiceState(index=index, prompt_token_ids=prompt))
+                requests.append(
+                    GenerationRequest(
+                        request_id=request_id,
+                        prompt_token_ids=prompt,
+                        sampling=sampling,
+                        deadline=self._deadline(),
+                        arrival=job.arrival,
+                    )
+                )
+        return states, requests
+
+    def _deadline(self) -> float | None:
+        timeout_s = self._frontend.request_timeout_s
+        return None if timeout_s is None else self._job.arrival + timeout_s
+
+    async def _stream(
+        self,
+        send: Send,
+        states: list[ChoiceState],
+        choices: ChoiceFanout,
+        first_events: list[tuple[int, ChoiceEvent]],
+    ) -> None:
+        headers = [
+            (b"content-type", f"{MEDIA_TYPE}; charset=utf-8".encode()),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),  # nginx and the like: do not hold chunks back
+            (b"x-request-id", self._job.request_id.encode()),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        self._is_started = True
+        errors: list[str] = []
+
+        async def emit(index: int, item: ChoiceEvent | Exception) -> None:
+            state = states[index]
+            event = self._update(state, item)
+            if isinstance(event, TextDelta):
+                chunk = self._format.delta_chunk(state, event)
+                if chunk is not None:
+                    state.is_started = True
+                    await self._send_body(send, sse_event(chunk))
+                return
+            await self._send_body(send, sse_event(self._format.finish_chunk(state)))
+            if event.finish_reason == FinishReason.ERROR:
+                errors.append(f"choice {index} failed: {event.error or 'unknown error'}")
+
+        try:
+            for index, event in first_events:
+                await emit(index, event)
+            while any(state.finished is None for state in states):
+                await emit(*await choices.next())
+            if self._job.include_usage:
+                await self._send_body(
+                    send, sse_event(self._format.usage_chunk(self._usage(states)))
+                )
+        except asyncio.CancelledError:
+            # Cancelled with the client still there (the server shutting down): end each open
+            # choice with "abort" rather than cut the stream. A client that left gets nothing.
+            with contextlib.suppress(Exception):
+                for state in states:
+                    if state.finished is None:
+                        state.finished = TextFinished(
+                            finish_reason=FinishReason.ABORT,
+                            usage=Usage(len(state.prompt_token_ids), state.num_tokens),
+                            timings=StageTimings(),
+                            error=None,
+                            stop_reason=None,
+                        )
+                        await self._send_body(send, sse_event(self._format.finish_chunk(state)))
+                await self._send_body(send, DONE)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            raise
+        except Exception:  # a bug: end the stream visibly rather than leave the client hanging
+            logger.exception("request %s: stream failed", self._job.request_id)
+            self._frontend.metrics.request_errors.labels(reason="internal").inc()
+            errors.append("internal error")
+        if errors:
+            self._frontend.metrics.request_errors.labels(reason="generation_failed").inc()
+            error = GatewayError(ErrorKind.UNAVAILABLE, "; ".join(errors))
+            await self._send_body(send, sse_event(error.openai_body()))
+        await self._send_body(send, DONE)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _respond(
+        self,
+        send: Send,
+        states: list[ChoiceState],
+        choices: ChoiceFanout,
+        first_events: list[tuple[int, ChoiceEvent]],
+    ) -> None:
+        for index, event in first_events:
+            self._update(states[index], event)
+        while any(state.finished is None for state in states):
+            index, item = await choices.next()
+            self._update(states[index], item)
+        failed = [
+            s for s in states if s.finished and s.finished.finish_reason == FinishReason.ERROR
+        ]
+        if failed:
+            # Nothing reached the client yet: a whole error beats a silently truncated text.
+            message = "; ".join(
+                f"choice {s.index} failed after {s.num_tokens} tokens: {s.finished.error}"
+                for s in failed
+                if s.finished is not None
+            )
+            self._frontend.metrics.request_errors.labels(reason="generation_failed").inc()
+            await self._send_json(
+                send, 503, GatewayError(ErrorKind.UNAVAILABLE, message).openai_body()
+            )
+            return
+        response = self._format.response(states, self._usage(states))
+        await self._send_json(send, 200, response)
+
+    def _update(self, state: ChoiceState, item: ChoiceEvent | Exception) -> ChoiceEvent:
+        """Record one event of a choice; an exception after the choice's first event ends it
+        with reason ``error``.
+
+        NOTE: latency and finish metrics are the generator's to observe (it sees every front
+        end's tokens); observing them here too would count each request twice.
+        """
+        if isinstance(item, Exception):
+            item = TextFinished(
+                finish_reason=FinishReason.ERROR,
+                usage=Usage(len(state.prompt_token_ids), state.num_tokens),
+                timings=StageTimings(),
+                error=str(item) or type(item).__name__,
+                stop_reason=None,
+            )
+        if isinstance(item, TextFinished):
+            state.finished = item
+            return item
+        # Legacy text offsets: where each token starts, clamped into this delta's text.
+        end = state.num_chars + len(item.text)
+        offset = state.num_chars
+        for lp in item.logprobs or ():
+            state.text_offsets.append(min(offset, end))
+            offset += len(self._frontend.tokenizer.token_text(lp.token_id))
+        state.texts.append(item.text)
+        state.logprobs.extend(item.logprobs or ())
+        state.num_chars = end
+        state.num_tokens += len(item.token_ids)
+        return item
+
+    def _usage(self, states: Sequence[ChoiceState]) -> UsageInfo:
+        # Per prompt: its tokens count once (as OpenAI counts), the best cache hit among its
+        # choices; completion tokens add up over every choice.
+        num_prompt_tokens = num_cached = num_completion = 0
+        for first in range(0, len(states), self._n):
+            group = states[first : first + self._n]
+            num_prompt_tokens += len(group[0].prompt_token_ids)
+            num_cached += max(
+                (s.finished.usage.cached_prompt_tokens for s in group if s.finished), default=0
+            )
+            num_completion += sum(s.finished.usage.completion_tokens for s in group if s.finished)
+        return UsageInfo(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=num_completion,
+            total_tokens=num_prompt_tokens + num_completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
+        )
+
+    async def _send_body(self, send: Send, body: bytes) -> None:
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+
+    async def _send_json(
+        self, send: Send, status: int, body: BaseModel | dict[str, object]
+    ) -> None:
+        self._is_started = True
+        await send_json(send, status, body, [(b"x-request-id", self._job.request_id.encode())])
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

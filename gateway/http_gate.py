@@ -1,0 +1,90 @@
+"""The edge of the HTTP API: auth and body size, checked before FastAPI reads anything."""
+
+from __future__ import annotations
+
+import time
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.client_send import send_json
+from gateway.errors import ErrorKind, GatewayError, invalid
+from gateway.frontend import Frontend
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its request body arrived whole."""
+
+
+class HttpGate:
+    """ASGI middleware: arrival time, the API key on ``/v1/*``, and the body-size bound.
+
+    The body is read here, whole, so that its size is known before FastAPI parses it (a client
+    may lie in Content-Length or send chunked); the app then receives it as one message.
+    """
+
+    def __init__(self, app: ASGIApp, frontend: Frontend) -> None:
+        self._app = app
+        self._frontend = frontend
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        scope.setdefault("state", {})["arrival"] = time.monotonic()
+        headers = {name.lower(): value for name, value in scope["headers"]}
+        try:
+            path = scope["path"]
+            if path == "/v1" or path.startswith("/v1/"):
+                authorization = headers.get(b"authorization")
+                self._frontend.api_keys.check(
+                    None if authorization is None else authorization.decode("latin-1")
+                )
+            body = await self._read_body(receive, headers.get(b"content-length"))
+        except GatewayError as error:
+            self._frontend.metrics.request_errors.labels(reason=error.kind.name.lower()).inc()
+            extra = []
+            if error.kind is ErrorKind.UNAUTHENTICATED:
+                extra = [(b"www-authenticate", b"Bearer")]
+            await send_json(send, error.kind.http_status, error.openai_body(), extra)
+            return
+        except ClientDisconnected:
+            return
+        is_replayed = False
+
+        async def replay() -> Message:
+            nonlocal is_replayed
+            if not is_replayed:
+                is_replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self._app(scope, replay, send)
+
+    async def _read_body(self, receive: Receive, content_length: bytes | None) -> bytes:
+        max_bytes = self._frontend.limits.max_body_bytes
+        if content_length is not None:
+            try:
+                declared = int(content_length)
+            except ValueError:
+                raise invalid("Content-Length is not a number") from None
+            if declared > max_bytes:
+                raise _too_large(max_bytes)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnected()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > max_bytes:
+                raise _too_large(max_bytes)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def _too_large(max_bytes: int) -> GatewayError:
+    return GatewayError(
+        ErrorKind.PAYLOAD_TOO_LARGE, f"request body is larger than {max_bytes} bytes"
+    )

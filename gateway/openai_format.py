@@ -1,0 +1,220 @@
+"""The two OpenAI output formats: ``/v1/completions`` and ``/v1/chat/completions`` chunks (SSE)
+and whole responses, rendered from the ``ChoiceState`` each choice accumulates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from gateway.generation import TokenLogprob
+from gateway.openai_job import OpenAIJob
+from gateway.openai_protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    TokenLogprobInfo,
+    TopLogprob,
+    UsageInfo,
+)
+from gateway.text_stream import TextDelta, TextFinished
+from gateway.tokenizer import Tokenizer
+
+# OpenAI's stand-in for a logprob of -inf: JSON has no infinities.
+_MIN_LOGPROB = -9999.0
+
+
+@dataclass
+class ChoiceState:
+    index: int
+    prompt_token_ids: tuple[int, ...]
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    text_offsets: list[int] = field(default_factory=list)
+    num_chars: int = 0
+    num_tokens: int = 0
+    is_started: bool = False
+    """A chunk of this choice went out (chat: the role was sent)."""
+    finished: TextFinished | None = None
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else _MIN_LOGPROB
+
+
+class OpenAIFormat:
+    """How one API shapes chunks and responses; one subclass per route."""
+
+    def __init__(self, job: OpenAIJob, tokenizer: Tokenizer, model: str) -> None:
+        self.job = job
+        self.tokenizer = tokenizer
+        self.model = model
+
+    def delta_chunk(self, state: ChoiceState, delta: TextDelta) -> BaseModel | None:
+        raise NotImplementedError
+
+    def finish_chunk(self, state: ChoiceState) -> BaseModel:
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        raise NotImplementedError
+
+    def response(self, states: Sequence[ChoiceState], usage: UsageInfo) -> BaseModel:
+        raise NotImplementedError
+
+    def has_logprobs(self, delta: TextDelta) -> bool:
+        return self.job.num_logprobs is not None and bool(delta.token_ids) and bool(delta.logprobs)
+
+
+class CompletionFormat(OpenAIFormat):
+    def legacy_logprobs(
+        self, logprobs: Sequence[TokenLogprob], offsets: Sequence[int]
+    ) -> CompletionLogprobs:
+        text = self.tokenizer.token_text
+        return CompletionLogprobs(
+            tokens=[text(lp.token_id) for lp in logprobs],
+            token_logprobs=[_finite(lp.logprob) for lp in logprobs],
+            top_logprobs=[{text(t): _finite(lp_) for t, lp_ in lp.top} for lp in logprobs],
+            text_offset=list(offsets),
+        )
+
+    def delta_chunk(self, state: ChoiceState, delta: TextDelta) -> BaseModel | None:
+        if not delta.text and not self.has_logprobs(delta):
+            return None
+        logprobs = None
+        if self.has_logprobs(delta):
+            logprobs = self.legacy_logprobs(
+                delta.logprobs or (), state.text_offsets[-len(delta.logprobs or ()) :]
+            )
+        return self._chunk(CompletionChoice(index=state.index, text=delta.text, logprobs=logprobs))
+
+    def finish_chunk(self, state: ChoiceState) -> BaseModel:
+        assert state.finished is not None
+        return self._chunk(
+            CompletionChoice(
+                index=state.index,
+                text="",
+                finish_reason=state.finished.finish_reason.value,
+                stop_reason=state.finished.stop_reason,
+            )
+        )
+
+    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        return CompletionResponse(
+            id=self.job.request_id, created=self.job.created, model=self.model, choices=[],
+            usage=usage,
+        )  # fmt: skip
+
+    def _chunk(self, choice: CompletionChoice) -> CompletionResponse:
+        return CompletionResponse(
+            id=self.job.request_id, created=self.job.created, model=self.model, choices=[choice]
+        )
+
+    def response(self, states: Sequence[ChoiceState], usage: UsageInfo) -> BaseModel:
+        choices = []
+        for state in states:
+            assert state.finished is not None
+            logprobs = None
+            if self.job.num_logprobs is not None:
+                logprobs = self.legacy_logprobs(state.logprobs, state.text_offsets)
+            choices.append(
+                CompletionChoice(
+                    index=state.index,
+                    text="".join(state.texts),
+                    logprobs=logprobs,
+                    finish_reason=state.finished.finish_reason.value,
+                    stop_reason=state.finished.stop_reason,
+                )
+            )
+        return CompletionResponse(
+            id=self.job.request_id, created=self.job.created, model=self.model, choices=choices,
+            usage=usage,
+        )  # fmt: skip
+
+
+class ChatFormat(OpenAIFormat):
+    def chat_logprobs(self, logprobs: Sequence[TokenLogprob]) -> ChatLogprobs:
+        def top(token_id: int, logprob: float) -> TopLogprob:
+            return TopLogprob(
+                token=self.tokenizer.token_text(token_id),
+                logprob=_finite(logprob),
+                bytes=list(self.tokenizer.token_bytes(token_id)),
+            )
+
+        content = []
+        for lp in logprobs:
+            sampled = top(lp.token_id, lp.logprob)
+            content.append(
+                TokenLogprobInfo(
+                    **sampled.model_dump(), top_logprobs=[top(t, lp_) for t, lp_ in lp.top]
+                )
+            )
+        return ChatLogprobs(content=content)
+
+    def delta_chunk(self, state: ChoiceState, delta: TextDelta) -> BaseModel | None:
+        # The first chunk of a choice carries the role with its first content, so a client's
+        # TTFT is measured at a real token.
+        if state.is_started and not delta.text and not self.has_logprobs(delta):
+            return None
+        logprobs = self.chat_logprobs(delta.logprobs or ()) if self.has_logprobs(delta) else None
+        choice = ChatChunkChoice(
+            index=state.index,
+            delta=ChatDelta(role=None if state.is_started else "assistant", content=delta.text),
+            logprobs=logprobs,
+        )
+        return self._chunk([choice])
+
+    def finish_chunk(self, state: ChoiceState) -> BaseModel:
+        assert state.finished is not None
+        delta = ChatDelta() if state.is_started else ChatDelta(role="assistant", content="")
+        return self._chunk(
+            [
+                ChatChunkChoice(
+                    index=state.index,
+                    delta=delta,
+                    finish_reason=state.finished.finish_reason.value,
+                    stop_reason=state.finished.stop_reason,
+                )
+            ]
+        )
+
+    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        chunk = self._chunk([])
+        chunk.usage = usage
+        return chunk
+
+    def _chunk(self, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.job.request_id, created=self.job.created, model=self.model, choices=choices
+        )
+
+    def response(self, states: Sequence[ChoiceState], usage: UsageInfo) -> BaseModel:
+        choices = []
+        for state in states:
+            assert state.finished is not None
+            logprobs = None
+            if self.job.num_logprobs is not None:
+                logprobs = self.chat_logprobs(state.logprobs)
+            choices.append(
+                ChatChoice(
+                    index=state.index,
+                    message=ChatResponseMessage(content="".join(state.texts)),
+                    logprobs=logprobs,
+                    finish_reason=state.finished.finish_reason.value,
+                    stop_reason=state.finished.stop_reason,
+                )
+            )
+        return ChatCompletionResponse(
+            id=self.job.request_id, created=self.job.created, model=self.model, choices=choices,
+            usage=usage,
+        )  # fmt: skip

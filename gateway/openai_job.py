@@ -1,0 +1,272 @@
+"""One OpenAI request turned into what the generator takes: an ``OpenAIJob``, then per choice a
+``GenerationRequest``'s prompt token ids and ``SamplingOptions``.
+
+Validation comes in two steps, each raising a ``GatewayError`` that names the offending field:
+``completion_job`` / ``chat_job`` check what needs no tokenizer, before admission (so a bad
+request never waits for a slot); ``prompt_token_ids`` and ``sampling_options`` check what needs
+the tokens, after admission, off the event loop.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from gateway.errors import ErrorKind, GatewayError, invalid
+from gateway.frontend import Frontend
+from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from gateway.sampling import SamplingOptions
+from gateway.tokenizer import Tokenizer
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+_COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_INT64 = 2**63
+
+
+# --- before admission: what needs no tokenizer ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpenAIJob:
+    """One validated generation request, not yet tokenized."""
+
+    body: CompletionRequest | ChatCompletionRequest
+    request_id: str
+    arrival: float
+    """``time.monotonic()`` when the request reached the gateway."""
+    created: int
+    stop: tuple[str, ...]
+    num_logprobs: int | None
+    """Alternatives per token to ask the nodes for; None: no logprobs."""
+
+    @property
+    def is_chat(self) -> bool:
+        return isinstance(self.body, ChatCompletionRequest)
+
+    @property
+    def include_usage(self) -> bool:
+        options = self.body.stream_options
+        return options is not None and options.include_usage
+
+
+def completion_job(body: CompletionRequest, request: Request, frontend: Frontend) -> OpenAIJob:
+    stop = _check_common(body, frontend)
+    if body.echo:
+        raise invalid("echo is not supported", param="echo")
+    if body.suffix:
+        raise invalid("suffix is not supported", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise invalid(f"best_of must equal n ({body.n}); ranking is not supported", "best_of")
+    prompts = body.prompt if isinstance(body.prompt, list) else [body.prompt]
+    if not prompts or any(len(prompt) == 0 for prompt in prompts if not isinstance(prompt, int)):
+        raise invalid("prompt must not be empty", param="prompt")
+    is_batch = isinstance(body.prompt, list) and isinstance(body.prompt[0], (str, list))
+    if is_batch and len(prompts) > frontend.limits.max_prompts:
+        raise invalid(
+            f"at most {frontend.limits.max_prompts} prompts per request, got {len(prompts)}",
+            param="prompt",
+        )
+    num_logprobs = body.logprobs
+    _check_num_logprobs(num_logprobs, "logprobs", frontend)
+    return _new_job(body, request, "cmpl", stop, num_logprobs)
+
+
+def chat_job(body: ChatCompletionRequest, request: Request, frontend: Frontend) -> OpenAIJob:
+    stop = _check_common(body, frontend)
+    if body.tools:
+        raise invalid("tools are not supported", param="tools")
+    if body.tool_choice not in (None, "none"):
+        raise invalid("tool_choice is not supported beyond 'none'", param="tool_choice")
+    if body.functions:
+        raise invalid("functions are not supported", param="functions")
+    if body.function_call not in (None, "none"):
+        raise invalid("function_call is not supported beyond 'none'", param="function_call")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise invalid(
+            f"response_format {body.response_format.type!r} is not supported; only 'text'",
+            param="response_format",
+        )
+    if body.audio is not None:
+        raise invalid("audio output is not supported", param="audio")
+    if body.modalities is not None and body.modalities != ["text"]:
+        raise invalid("only the 'text' modality is supported", param="modalities")
+    for index, message in enumerate(body.messages):
+        if isinstance(message.content, list):
+            for part_index, part in enumerate(message.content):
+                where = f"messages[{index}].content[{part_index}]"
+                if part.type != "text":
+                    raise invalid(
+                        f"{where}: content of type {part.type!r} is not supported; "
+                        "this server takes text only",
+                        param=f"{where}.type",
+                    )
+                if part.text is None:
+                    raise invalid(f"{where}: a text part needs 'text'", param=f"{where}.text")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
+    num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    _check_num_logprobs(num_logprobs, "top_logprobs", frontend)
+    return _new_job(body, request, "chatcmpl", stop, num_logprobs)
+
+
+def _check_common(
+    body: CompletionRequest | ChatCompletionRequest, frontend: Frontend
+) -> tuple[str, ...]:
+    """Checks shared by both routes; returns the stop strings as a tuple."""
+    check_model(body.model, frontend)
+    limits = frontend.limits
+    if body.n > limits.max_n:
+        raise invalid(f"n must be <= {limits.max_n}, got {body.n}", param="n")
+    if body.logit_bias:
+        raise invalid("logit_bias is not supported", param="logit_bias")
+    if body.stream_options is not None and not body.stream:
+        raise invalid("stream_options needs stream: true", param="stream_options")
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    if len(stop) > limits.max_stop_strings:
+        raise invalid(
+            f"at most {limits.max_stop_strings} stop strings, got {len(stop)}", param="stop"
+        )
+    for text in stop:
+        if not 1 <= len(text) <= limits.max_stop_string_chars:
+            raise invalid(
+                f"each stop string must have 1 to {limits.max_stop_string_chars} characters, "
+                f"got {len(text)}",
+                param="stop",
+            )
+    vocab_size = frontend.tokenizer.vocab_size
+    for token_id in body.stop_token_ids or ():
+        if token_id >= vocab_size:
+            raise invalid(
+                f"stop token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                param="stop_token_ids",
+            )
+    return stop
+
+
+def check_model(model: str, frontend: Frontend) -> None:
+    if model != frontend.served_model_name:
+        raise GatewayError(
+            ErrorKind.NOT_FOUND,
+            f"model {model!r} does not exist; this server serves {frontend.served_model_name!r}",
+            param="model",
+        )
+
+
+def _check_num_logprobs(num_logprobs: int | None, param: str, frontend: Frontend) -> None:
+    max_logprobs = frontend.limits.max_logprobs
+    if num_logprobs is not None and num_logprobs > max_logprobs:
+        raise invalid(f"{param} must be <= {max_logprobs}, got {num_logprobs}", param=param)
+
+
+def _new_job(
+    body: CompletionRequest | ChatCompletionRequest,
+    request: Request,
+    id_prefix: str,
+    stop: tuple[str, ...],
+    num_logprobs: int | None,
+) -> OpenAIJob:
+    request_id = request.headers.get("x-request-id")
+    if request_id is None:
+        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    elif not _REQUEST_ID.fullmatch(request_id):
+        # The id reaches log lines and node requests: keep it short and printable.
+        raise invalid("X-Request-Id must be 1 to 128 characters of [A-Za-z0-9._:-]")
+    return OpenAIJob(
+        body=body,
+        request_id=request_id,
+        arrival=request.state.arrival,
+        created=int(time.time()),
+        stop=stop,
+        num_logprobs=num_logprobs,
+    )
+
+
+# --- after admission: tokens ---------------------------------------------------------------
+
+
+def prompt_token_ids(job: OpenAIJob, tokenizer: Tokenizer) -> list[tuple[int, ...]]:
+    """The token ids of each prompt (chat: one), checked against the vocabulary."""
+    body = job.body
+    if isinstance(body, ChatCompletionRequest):
+        messages = [message.model_dump(exclude_none=True) for message in body.messages]
+        prompts = [tokenizer.encode_chat(messages, add_generation_prompt=True)]
+        param = "messages"
+    else:
+        prompt = body.prompt
+        param = "prompt"
+        if isinstance(prompt, str):
+            prompts = [tokenizer.encode(prompt)]
+        elif isinstance(prompt[0], str):
+            prompts = [tokenizer.encode(text) for text in prompt]  # type: ignore[arg-type]
+        elif isinstance(prompt[0], int):
+            prompts = [list(prompt)]  # type: ignore[arg-type]
+        else:
+            prompts = [list(ids) for ids in prompt]  # type: ignore[union-attr]
+    vocab_size = tokenizer.vocab_size
+    for index, ids in enumerate(prompts):
+        where = param if len(prompts) == 1 else f"{param}[{index}]"
+        if not ids:
+            raise invalid(f"{where} is empty", param=param)
+        out_of_vocab = next((token_id for token_id in ids if token_id >= vocab_size), None)
+        if out_of_vocab is not None:
+            raise invalid(
+                f"{where} has token id {out_of_vocab}, outside the vocabulary [0, {vocab_size})",
+                param=param,
+            )
+    return [tuple(ids) for ids in prompts]
+
+
+def sampling_options(
+    job: OpenAIJob, prompt_len: int, choice: int, frontend: Frontend
+) -> SamplingOptions:
+    body = job.body
+    limits = frontend.limits
+    param = "messages" if job.is_chat else "prompt"
+    room = limits.max_model_len - prompt_len
+    if room < 1:
+        raise invalid(
+            f"{param} has {prompt_len} tokens; max_model_len is {limits.max_model_len}, "
+            "which leaves no room for output",
+            param=param,
+        )
+    requested, max_param = body.max_tokens, "max_tokens"
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        requested, max_param = body.max_completion_tokens, "max_completion_tokens"
+    if requested is None:
+        default = limits.max_tokens if job.is_chat else _COMPLETIONS_DEFAULT_MAX_TOKENS
+        max_tokens = min(default, room, limits.max_tokens)
+    elif requested > limits.max_tokens:
+        raise invalid(
+            f"{max_param} must be <= {limits.max_tokens}, got {requested}", param=max_param
+        )
+    elif requested > room:
+        raise invalid(
+            f"{param} has {prompt_len} tokens and {max_param} is {requested}: more than "
+            f"max_model_len={limits.max_model_len} together",
+            param=max_param,
+        )
+    else:
+        max_tokens = requested
+    seed = None
+    if body.seed is not None:
+        # seed + choice: the n choices differ, and each stays reproducible; wrapped into int64.
+        seed = (body.seed + choice + _INT64) % (2 * _INT64) - _INT64
+    return SamplingOptions(
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens or 0,
+        temperature=body.temperature,
+        top_k=-1 if body.top_k == 0 else body.top_k,
+        top_p=body.top_p,
+        min_p=body.min_p or 0.0,
+        seed=seed,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        logprobs=job.num_logprobs,
+    )
