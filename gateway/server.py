@@ -121,7 +121,11 @@ class GatewayServer:
         )  # fmt: skip
 
     async def _watch_health(self) -> None:
-        """Polls the nodes and mirrors readiness into grpc.health.v1 and the metrics."""
+        """Polls the nodes and mirrors readiness into grpc.health.v1 and the healthy-node gauges.
+
+        NOTE: the request gauges are not set here: the HTTP app reads them from ``Admission`` at
+        scrape time (``build_openai_app``).
+        """
         while True:
             status = (
                 health_pb2.HealthCheckResponse.SERVING
@@ -138,8 +142,6 @@ class GatewayServer:
                 self.metrics.healthy_nodes.labels(role=role).set(
                     sum(node.is_healthy for node in nodes)
                 )
-            self.metrics.num_requests_running.set(self.admission.num_running)
-            self.metrics.num_requests_waiting.set(self.admission.num_queued)
             await asyncio.sleep(self.pool.interval_s)
             await self.pool.poll_once()
 
