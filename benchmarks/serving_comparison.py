@@ -144,8 +144,9 @@ def start_vllm(args: argparse.Namespace, processes: Processes) -> str:
          "--model", str(args.model), "--served-model-name", "model", "--host", "127.0.0.1",
          "--port", str(port), "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
          "--max-num-batched-tokens", str(args.max_num_batched_tokens)],
+        # As vLLM's CPU docs advise: its own OpenMP runtime preloaded (tcmalloc is not here).
         {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
-         "VLLM_NO_USAGE_STATS": "1"},
+         "VLLM_NO_USAGE_STATS": "1", "LD_PRELOAD": str(venv / "lib/libiomp5.so")},
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     wait_http(f"{base}/v1/models", processes)
