@@ -361,3 +361,32 @@ def test_a_stalled_push_is_recomputed_by_the_decode_node(tiny_llama_dir, expecte
         extra=("--on-kv-failure", "recompute", "--lease-ms", "300"),
         prefill_extra=("--test-kv-push-pause-s", "2"),
     )
+
+
+def test_stop_strings_and_reflection_end_to_end(tiny_llama_dir: Path, expected) -> None:
+    """A stop string taken from the middle of the greedy text ends it there, across token
+    boundaries; and the public API is discoverable through server reflection (as grpcurl
+    finds it)."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    prompts, tokens = expected
+
+    async def body(stack: Stack) -> None:
+        tokenizer = stack.gateway.frontend.tokenizer
+        full = tokenizer.decode(tokens[3])
+        stop = full[len(full) // 3 : len(full) // 3 + 2]
+        assert stop and full.index(stop) > 0
+        _, text, finished = await stack.generate(prompts[3], stop=[stop])
+        assert text == full[: full.index(stop)]
+        assert finished.finish_reason == common_pb2.FINISH_REASON_STOP
+        assert finished.stop_reason == stop
+        await stack.wait_all_free()
+
+        reflection = reflection_pb2_grpc.ServerReflectionStub(stack.channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        async for response in reflection.ServerReflectionInfo(iter([request])):
+            names = {s.name for s in response.list_services_response.service}
+            assert "pdserve.v1.GatewayService" in names
+            assert "grpc.health.v1.Health" in names
+
+    run_stack(tiny_llama_dir, body)
