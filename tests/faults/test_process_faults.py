@@ -32,7 +32,9 @@ import pytest
 from deploy.commands import ProcessSpec, local_processes
 from deploy.supervisor import Output, Supervisor
 from deploy.topology import GatewaySpec, NodeGroup, Role, Topology
+from gateway.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from services.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -366,3 +368,27 @@ def test_a_short_soak_loses_and_leaks_nothing(healthy: Cluster) -> None:
     assert set(report.blocks_in_use_end) == set(healthy.node_names)
     assert not any(report.blocks_in_use_end.values())
     assert set(report.rss_growth_mib) == {*healthy.node_names, "gateway"}
+
+
+def test_greedy_text_through_processes_equals_the_single_engine(
+    healthy: Cluster, tiny_llama_dir: Path
+) -> None:
+    """The baseline the faults are measured against: gateway, prefill and decode processes,
+    KV over UCX, give the single-process engine's greedy text."""
+    rng = random.Random(8)
+    prompts = [[rng.randrange(16, 4000) for _ in range(n)] for n in (5, 40, 130)]
+    offline = LLM(tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = offline.generate(prompts, greedy)
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=healthy.base_url, timeout=30) as client:
+            return await asyncio.gather(
+                *(client.post("/v1/completions", json=body(p, max_tokens=8)) for p in prompts)
+            )
+
+    responses = asyncio.run(run())
+    tokenizer = Tokenizer.from_model_dir(tiny_llama_dir)
+    for response, output in zip(responses, outputs, strict=True):
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == tokenizer.decode(output.token_ids)
