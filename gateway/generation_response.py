@@ -78,8 +78,7 @@ class GenerationResponse(Response):
             async with frontend.admission.admit():
                 metrics.request_queue_time.observe(time.monotonic() - queued_at)
                 # In a thread: a long prompt takes seconds to tokenize (4 MiB: ~6 s), which on
-                # the loop would stall every other stream. NOTE: Tokenizer.encode holds the GIL
-                # today; the loop gains only once it encodes through a GIL-releasing call.
+                # the loop would stall every other stream; Tokenizer.encode releases the GIL.
                 prompts = await asyncio.to_thread(prompt_token_ids, self._job, frontend.tokenizer)
                 states, requests = self._plan(prompts)
                 async with ChoiceFanout(frontend, self._job, requests) as choices:

@@ -335,7 +335,10 @@ class Tokenizer:
         return self._chat_template is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # NOTE: encode_batch, not encode: only the batch call releases the GIL, so a long prompt
+        # (4 MiB: ~6 s) tokenized in a worker thread does not freeze the event loop.
+        (encoding,) = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return encoding.ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # NOTE: no clean_up_tokenization_spaces: transformers 5 ignores it for BPE vocabularies,
