@@ -83,6 +83,8 @@ class GatewayConfig:
     limits: RequestLimits
     router: RouterConfig
     log_level: str = "info"
+    client_send_timeout_s: float | None = 30.0
+    """Longest one send to an HTTP client may wait for its socket to drain; None: no bound."""
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):
@@ -92,6 +94,8 @@ class GatewayConfig:
             raise ValueError("max_concurrent_requests must be >= 1, max_queued_requests >= 0")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.client_send_timeout_s is not None and self.client_send_timeout_s <= 0:
+            raise ValueError(f"client_send_timeout_s must be > 0, got {self.client_send_timeout_s}")
 
 
 def _addresses(text: str) -> tuple[str, ...]:
@@ -145,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--max-body-bytes", type=parse_bytes, default=4 * 2**20)
     add("--request-timeout-s", type=float, default=600.0, help="0: no deadline")
+    add(
+        "--client-send-timeout-s",
+        type=float,
+        default=30.0,
+        help="abort a request whose client reads nothing this long with its buffers full; 0: never",
+    )
     add("--max-retries", type=int, default=2)
     add("--on-kv-failure", default=KvFailurePolicy.FAIL, choices=KvFailurePolicy.ALL)
     add("--lease-ms", type=int, default=30_000)
@@ -191,6 +201,7 @@ def parse_gateway_config(
             limits=limits,
             router=router,
             log_level=args.log_level,
+            client_send_timeout_s=args.client_send_timeout_s or None,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -29,3 +29,6 @@ class Frontend:
     """True while at least one healthy prefill+decode pair or colocated node is available."""
     request_timeout_s: float | None = 600.0
     """Deadline of one request from its arrival; None: no deadline."""
+    client_send_timeout_s: float | None = 30.0
+    """Longest one send to an HTTP client may wait for its socket to drain before the request
+    is aborted (a client that stopped reading); None: no bound."""

@@ -5,8 +5,10 @@ Life cycle of one response (``GenerationResponse.__call__``), while a task watch
 receive channel for the client's disconnect: an admission slot (429) → tokenization and length
 checks (400) → one generation per choice, all started at once → each choice's first event (a
 ``GatewayError`` here is the response's status, also when streaming) → SSE chunks as tokens
-arrive, or one JSON body at the end. A disconnect at any point cancels all of it; the admission
-slot is released when it ends, however it ends.
+arrive, or one JSON body at the end. A disconnect at any point cancels all of it; so does a
+client that stops reading: one send that waits over ``client_send_timeout_s`` for its socket to
+drain aborts the request, and uvicorn closes the connection of the response left incomplete. The
+admission slot is released when it ends, however it ends.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from gateway.choice_fanout import ChoiceEvent, ChoiceFanout
-from gateway.client_send import send_json
+from gateway.client_send import SlowClientError, bounded_send, send_json
 from gateway.errors import ErrorKind, GatewayError
 from gateway.frontend import Frontend
 from gateway.generation import FinishReason, GenerationRequest, StageTimings, Usage
@@ -52,6 +54,9 @@ class GenerationResponse(Response):
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Every send of the response is bounded: a client that stops reading must not hold its
+        # admission slot and its node legs for as long as it keeps the connection open.
+        send = bounded_send(send, self._frontend.client_send_timeout_s)
         serve = asyncio.create_task(self._serve(send))
         watch = asyncio.create_task(_wait_for_disconnect(receive))
         try:
@@ -94,6 +99,11 @@ class GenerationResponse(Response):
                     error = GatewayError(ErrorKind.UNAVAILABLE, "the server is shutting down")
                     await self._send_json(send, 503, error.openai_body())
             raise
+        except SlowClientError as error:
+            # Leaving the fan-out closed every generation. Nothing more is sent: the response
+            # stays incomplete, which is what makes uvicorn close the connection.
+            logger.warning("request %s: aborted: %s", self._job.request_id, error)
+            metrics.request_errors.labels(reason="slow_client").inc()
         except GatewayError as error:
             metrics.request_errors.labels(reason=error.kind.name.lower()).inc()
             if not self._is_started:
@@ -187,6 +197,8 @@ class GenerationResponse(Response):
                 await self._send_body(send, DONE)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             raise
+        except SlowClientError:
+            raise  # the client reads nothing: no error event could reach it either
         except Exception:  # a bug: end the stream visibly rather than leave the client hanging
             logger.exception("request %s: stream failed", self._job.request_id)
             self._frontend.metrics.request_errors.labels(reason="internal").inc()

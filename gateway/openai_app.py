@@ -15,8 +15,9 @@ Life of one ``/v1/completions`` or ``/v1/chat/completions`` request here:
    (``choice_fanout.py``) → each choice's first event (a ``GatewayError`` here is the response's
    status, also when streaming) → SSE chunks as tokens arrive, or one JSON body at the end
    (``openai_format.py``).
-5. A disconnect at any point cancels step 4; closing each choice's event iterator is what
-   cancels its node legs. The admission slot is released when step 4 ends, however it ends.
+5. A disconnect at any point cancels step 4, and so does a client that stops reading (one send
+   blocked past ``frontend.client_send_timeout_s``); closing each choice's event iterator is
+   what cancels its node legs. The admission slot is released when step 4 ends, however it ends.
 """
 
 from __future__ import annotations

@@ -67,6 +67,7 @@ class GatewayServer:
             metrics=self.metrics,
             is_ready=self.pool.is_ready,
             request_timeout_s=config.request_timeout_s,
+            client_send_timeout_s=config.client_send_timeout_s,
         )
         self.health = health.aio.HealthServicer()
         self.http_port = 0

@@ -120,8 +120,10 @@ class Served:
 
 
 class _ThreadedUvicorn:
-    def __init__(self, app: object) -> None:
+    def __init__(self, app: object, send_buffer_bytes: int | None = None) -> None:
         sock = socket.socket()
+        if send_buffer_bytes is not None:  # accepted connections inherit it
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
@@ -154,6 +156,8 @@ def start(
     max_concurrent: int = 8,
     max_queued: int = 8,
     ready: bool = True,
+    client_send_timeout_s: float | None = 30.0,
+    send_buffer_bytes: int | None = None,
     **limits: Any,
 ) -> tuple[Served, _ThreadedUvicorn]:
     generator = FakeGenerator(script or output_script(tokenizer))
@@ -167,8 +171,9 @@ def start(
         metrics=GatewayMetrics(),
         is_ready=lambda: ready,
         request_timeout_s=30.0,
+        client_send_timeout_s=client_send_timeout_s,
     )
-    server = _ThreadedUvicorn(build_openai_app(frontend))
+    server = _ThreadedUvicorn(build_openai_app(frontend), send_buffer_bytes)
     return Served(f"http://127.0.0.1:{server.port}", frontend, generator, tokenizer), server
 
 
@@ -808,6 +813,58 @@ def test_disconnect_before_the_first_token_closes_the_generation(
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=0.5)
     assert served.generator.closed.wait(2)
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_others_stream_on(
+    serve: Callable[..., Served], tokenizer: Tokenizer
+) -> None:
+    slow_prompt_ids = tuple(tokenizer.encode("never read"))
+    token_id = tokenizer.encode("Hi", add_special_tokens=False)[0]
+    output = output_script(tokenizer)
+
+    def script(request: GenerationRequest) -> list[Step]:
+        if request.prompt_token_ids != slow_prompt_ids:
+            return output(request)
+        # Far more SSE bytes than the small socket buffers hold, then no end: only the send
+        # bound can end this request.
+        return [TokenChunk((token_id,))] * request.sampling.max_tokens + [HANG]
+
+    served = serve(
+        script,
+        client_send_timeout_s=0.5,
+        send_buffer_bytes=4096,
+        max_model_len=8192,
+        max_tokens=8000,
+    )
+    body = json.dumps(
+        {"model": MODEL, "prompt": "never read", "max_tokens": 8000, "stream": True}
+    ).encode()
+    with socket.socket() as slow:
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window
+        slow.connect(("127.0.0.1", int(served.url.rsplit(":", 1)[1])))
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nX-Request-Id: slow\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+        )
+        slow.sendall(head + body)
+        wait_until(lambda: len(served.generator.requests) == 1)
+
+        with served.client().completions.create(
+            model=MODEL, prompt="x", max_tokens=100, stream=True
+        ) as stream:
+            text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        assert text == OUTPUT_TEXT
+
+        assert served.generator.closed.wait(10), "the send bound must close the generation"
+        assert served.generator.closed_ids == ["slow"]
+        wait_until(lambda: served.frontend.admission.num_running == 0)
+        metrics = httpx.get(f"{served.url}/metrics").text
+        assert 'pdserve:request_errors_total{reason="slow_client"} 1.0' in metrics
+        # The connection ends after what was already buffered, without the stream's end.
+        slow.settimeout(10)
+        received = b"".join(iter(lambda: slow.recv(2**16), b""))
+    assert received.startswith(b"HTTP/1.1 200")
+    assert b"data: [DONE]" not in received
 
 
 def test_server_shutdown_ends_open_streams_with_abort(tokenizer: Tokenizer) -> None:

@@ -1,0 +1,25 @@
+"""The gateway's flags and their ``PDSERVE_*`` fallbacks, parsed into ``GatewayConfig``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.config import GatewayConfig, parse_gateway_config
+
+
+def parse(tiny_llama_dir: Path, *flags: str, **environ: str) -> GatewayConfig:
+    return parse_gateway_config(
+        ["--model", str(tiny_llama_dir), "--colocated", "127.0.0.1:50081", *flags], environ
+    )
+
+
+def test_client_send_timeout_from_flag_env_or_default(tiny_llama_dir: Path) -> None:
+    assert parse(tiny_llama_dir).client_send_timeout_s == 30.0
+    assert parse(tiny_llama_dir, "--client-send-timeout-s", "0.5").client_send_timeout_s == 0.5
+    from_env = parse(tiny_llama_dir, PDSERVE_CLIENT_SEND_TIMEOUT_S="2")
+    assert from_env.client_send_timeout_s == 2.0
+    assert parse(tiny_llama_dir, "--client-send-timeout-s", "0").client_send_timeout_s is None
+    with pytest.raises(SystemExit):
+        parse(tiny_llama_dir, "--client-send-timeout-s", "-1")
