@@ -82,8 +82,23 @@ endif
 down:
 	$(COMPOSE) $(strip $(COMPOSE_FILES)) down --remove-orphans
 
-bench: setup
-	$(PY) benchmarks/offline_throughput.py
+# make bench: the offline engine comparison, then the serving comparison (pdserve colocated and
+# disaggregated, and vLLM's CPU build when ../shared/peers/vllm-cpu.sh has installed it) on the
+# small model. Figures go to benchmarks/results/; docs/benchmarks.md says how to read them.
+SMALL_MODEL := models/small-llama
+VLLM_VENV ?= $(HOME)/.cache/pdserve/vllm-cpu
+comma := ,
+BENCH_SYSTEMS ?= colocated$(comma)disaggregated$(if $(wildcard $(VLLM_VENV)/bin/vllm),$(comma)vllm)
+
+bench: protos $(SMALL_MODEL)/config.json
+	$(PY) benchmarks/offline_throughput.py --model $(SMALL_MODEL)
+	$(PY) benchmarks/serving_comparison.py --model $(SMALL_MODEL) --systems $(BENCH_SYSTEMS) \
+		--vllm-venv $(VLLM_VENV)
+
+$(SMALL_MODEL)/config.json:
+	rm -rf $(SMALL_MODEL).tmp
+	$(PY) -m services.models.tiny $(SMALL_MODEL).tmp --arch llama --size small
+	rm -rf $(SMALL_MODEL) && mv $(SMALL_MODEL).tmp $(SMALL_MODEL)
 
 clean:
 	rm -rf .pytest_cache .ruff_cache .mypy_cache *.egg-info models benchmarks/results
