@@ -3,6 +3,7 @@ which prints the commands without running them)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,9 +15,13 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make not i
 
 
 def dry_run(*args: str) -> list[str]:
+    # Under `make test` this is a sub-make: without --no-print-directory (and the parent's
+    # MAKEFLAGS/MAKELEVEL) it adds "Entering/Leaving directory" lines around the commands.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
     result = subprocess.run(
-        ["make", "-n", *args], cwd=REPO, capture_output=True, text=True, timeout=60, check=True
-    )
+        ["make", "--no-print-directory", "-n", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=60, check=True, env=env,
+    )  # fmt: skip
     return result.stdout.splitlines()
 
 
