@@ -392,3 +392,31 @@ def test_greedy_text_through_processes_equals_the_single_engine(
     for response, output in zip(responses, outputs, strict=True):
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == tokenizer.decode(output.token_ids)
+
+
+def test_decode_killed_during_the_push_cuts_the_transfer(healthy: Cluster) -> None:
+    """The UCX peer of a transfer in flight vanishes: prefill-0 is mid-push (paused before its
+    last message) when the decode node it pushes to is killed. The push must not hang the
+    prefill node or leak its blocks (checked after the test), and the request completes on the
+    other decode."""
+    results: dict = {}
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S + 5) as client:
+            task = asyncio.create_task(
+                client.post(f"{healthy.base_url}/v1/completions", json=body(list(range(130, 190))))
+            )
+            # A prompt no node has seen: no prefix affinity, so prefill-0 (idle, listed first)
+            # serves it, with whichever decode the load order picks.
+            await asyncio.sleep(0.8)
+            used = await asyncio.to_thread(healthy.blocks_in_use)
+            results["used"] = used
+            [serving] = [name for name in ("decode-0", "decode-1") if used[name]]
+            healthy.kill(serving)
+            results["response"] = await task
+
+    asyncio.run(run())
+    assert results["used"]["prefill-0"] > 0, results["used"]  # killed while pushing
+    response = results["response"]
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 8
