@@ -46,8 +46,9 @@ NODE_ARGS = (
     ("kv-cache-memory", "8MiB"), ("max-model-len", str(MAX_MODEL_LEN)), ("drain-grace-s", "2"),
     ("dtype", "float32"),
 )  # fmt: skip
-# prefill-0 pauses before the last message of each push, so a test can kill it mid-push.
-PUSH_PAUSE = ("--test-kv-push-pause-s", "1.5")
+# prefill-0 pauses before the last message of each push, so a test can kill it mid-push, and
+# computes 16 tokens a step, so a long prompt keeps it computing for many steps.
+PREFILL_0_ARGS = ("--test-kv-push-pause-s", "1.5", "--max-num-batched-tokens", "16")
 
 
 def free_ports(n: int) -> list[int]:
@@ -89,7 +90,7 @@ class Cluster:
         )
         specs = {spec.name: spec for spec in local_processes(self.topology)}
         paused = specs["prefill-0"]
-        specs["prefill-0"] = replace(paused, argv=(*paused.argv, *PUSH_PAUSE))
+        specs["prefill-0"] = replace(paused, argv=(*paused.argv, *PREFILL_0_ARGS))
         self.specs: dict[str, ProcessSpec] = specs
         self.running: dict[str, Supervisor] = {}
         self.log = io.StringIO()
@@ -417,6 +418,38 @@ def test_decode_killed_during_the_push_cuts_the_transfer(healthy: Cluster) -> No
 
     asyncio.run(run())
     assert results["used"]["prefill-0"] > 0, results["used"]  # killed while pushing
+    response = results["response"]
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 8
+
+
+def test_prefill_killed_while_it_computes_is_retried_on_the_other(healthy: Cluster) -> None:
+    """prefill-0 computes 16 tokens a step: a 480-token prompt runs 30 steps there. It is killed
+    as soon as its engine reports the request running (computing, not yet pushing)."""
+    results: dict = {}
+
+    async def running_on_prefill_0() -> bool:
+        async with grpc.aio.insecure_channel(healthy.address("prefill-0")) as channel:
+            stub = prefill_pb2_grpc.PrefillServiceStub(channel)
+            report = await stub.GetLoad(common_pb2.GetLoadRequest(), timeout=5)
+            return report.num_running > 0
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S + 5) as client:
+            prompt = list(range(1000, 1480))  # unseen: no prefix affinity
+            task = asyncio.create_task(
+                client.post(f"{healthy.base_url}/v1/completions", json=body(prompt))
+            )
+            for _ in range(500):
+                if await running_on_prefill_0():
+                    break
+                await asyncio.sleep(0.002)
+            else:
+                raise AssertionError("the request never ran on prefill-0")
+            healthy.kill("prefill-0")
+            results["response"] = await task
+
+    asyncio.run(run())
     response = results["response"]
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 8
