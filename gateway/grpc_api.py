@@ -8,6 +8,7 @@ A cancelled call (client gone, deadline) closes the generator, which cancels bot
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -41,7 +42,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         frontend = self.frontend
         try:
             self._authenticate(context)
-            generation = self._generation_request(request, arrival)
+            # Tokenizing a long prompt takes a while; in a thread it does not stall other streams.
+            generation = await asyncio.to_thread(self._generation_request, request, arrival)
             skip_special = (
                 request.skip_special_tokens if request.HasField("skip_special_tokens") else True
             )
