@@ -88,6 +88,8 @@ class Transfer:
     """From the commit: prompt tokens the prefill node served from its prefix cache."""
     prefill_timings: StageTimings | None = None
     """From the commit: the prefill node's stages (queue, compute, transfer)."""
+    is_fencing: bool = False
+    """An abort's fence is running (the reaper must not start another)."""
     committed_at: float | None = None
     """time.monotonic() when the commit was accepted (the decode queue starts here)."""
     is_abandoned: bool = False
@@ -287,9 +289,18 @@ class TransferManager:
                     )
 
     async def _fence_and_free(self, transfer: Transfer) -> None:
-        quiet = await asyncio.to_thread(
-            self.transport.fence, transfer.transfer_id, self.fence_timeout_s
-        )
+        # One fence at a time per transfer: the reaper retries quarantined transfers, and must
+        # not start a second fence of one whose abort is still fencing — the second free would
+        # abort the request again, and by then the id may name its recomputation.
+        if transfer.is_fencing:
+            return
+        transfer.is_fencing = True
+        try:
+            quiet = await asyncio.to_thread(
+                self.transport.fence, transfer.transfer_id, self.fence_timeout_s
+            )
+        finally:
+            transfer.is_fencing = False
         if not quiet:
             logger.warning(
                 "transfer %s still has writes in flight: its %d blocks stay quarantined",

@@ -399,3 +399,47 @@ def test_a_commit_whose_caller_goes_away_is_still_handed_over(pair: Pair) -> Non
         assert await pair.decode_blocks_used() == 0
 
     asyncio.run(main())
+
+
+class SlowFence:
+    """Wraps a transport whose fence takes ``delay_s`` (a busy transport thread)."""
+
+    def __init__(self, inner, delay_s: float) -> None:
+        self.inner, self.delay_s = inner, delay_s
+
+    def fence(self, transfer_id: str, timeout: float) -> bool:
+        time.sleep(self.delay_s)
+        return self.inner.fence(transfer_id, timeout)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def test_the_reaper_never_fences_a_transfer_whose_abort_is_fencing(pair: Pair) -> None:
+    """An abort's fence is slow; the reaper runs meanwhile and sees the transfer ABORTED. It
+    must not fence and free it a second time: the second free would abort the request id again,
+    and a decode node that recomputes reuses that id for the recomputation."""
+    pair.manager.transport = SlowFence(pair.receiver, delay_s=0.3)
+    aborted: list[str] = []
+    engine_abort = pair.decode.abort
+
+    async def counting_abort(request_id: str) -> bool:
+        aborted.append(request_id)
+        return await engine_abort(request_id)
+
+    pair.decode.abort = counting_abort
+
+    async def main() -> None:
+        transfer = await pair.manager.reserve("slow", [5, 6, 7, 8], GREEDY, lease_s=10)
+        abort = asyncio.create_task(
+            pair.manager.abort(transfer.transfer_id, "test", AbortCause.LEASE_EXPIRED)
+        )
+        await asyncio.sleep(0.05)  # the abort is fencing
+        assert transfer.state is TransferState.ABORTED
+        await pair.manager.reap()  # must leave it alone (before the fix: KeyError, two aborts)
+        await abort
+        assert transfer.state is TransferState.FREED
+        assert aborted == ["slow"]
+        assert await pair.decode_blocks_used() == 0
+
+    asyncio.run(main())
