@@ -115,7 +115,9 @@ def test_a_failure_after_tokens_ends_the_stream_with_error(fake_node, tiny_llama
         fake_node,
         with_model(tiny_llama_dir, body),
         prefill=[{}],
-        decode=[{"fail_after_tokens": 3}, {"fail_after_tokens": 3}],
+        # 30 ms between tokens: the decode breaks well after the prefill's reply reached the
+        # gateway. (Breaking before it is a failure before any token, rightly retried.)
+        decode=[{"fail_after_tokens": 3, "itl_ms": 30}, {"fail_after_tokens": 3, "itl_ms": 30}],
     )
 
 
