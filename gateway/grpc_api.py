@@ -134,29 +134,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if not prompt:
             raise invalid(f"{kind}: the prompt is empty", param=kind)
         sampling = sampling_from_proto(request.sampling)
-        if sampling.max_tokens > limits.max_tokens:
-            raise invalid(
-                f"sampling.max_tokens must be <= {limits.max_tokens}, got {sampling.max_tokens}",
-                param="sampling.max_tokens",
-            )
-        if len(prompt) + sampling.max_tokens > limits.max_model_len:
-            raise invalid(
-                f"the prompt ({len(prompt)} tokens) plus sampling.max_tokens "
-                f"({sampling.max_tokens}) exceeds max_model_len {limits.max_model_len}",
-                param="sampling.max_tokens",
-            )
-        if sampling.logprobs is not None and sampling.logprobs > limits.max_logprobs:
-            raise invalid(
-                f"sampling.logprobs must be <= {limits.max_logprobs}", param="sampling.logprobs"
-            )
-        if len(request.stop) > limits.max_stop_strings or any(
-            not stop or len(stop) > limits.max_stop_string_chars for stop in request.stop
-        ):
-            raise invalid(
-                f"stop: at most {limits.max_stop_strings} non-empty strings of at most "
-                f"{limits.max_stop_string_chars} characters",
-                param="stop",
-            )
+        limits.check_max_tokens(
+            sampling.max_tokens, len(prompt), prompt_param=kind, max_param="sampling.max_tokens"
+        )
+        limits.check_logprobs(sampling.logprobs, "sampling.logprobs")
+        limits.check_stop(request.stop)
         deadline = (
             arrival + frontend.request_timeout_s if frontend.request_timeout_s is not None else None
         )

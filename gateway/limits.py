@@ -5,7 +5,10 @@ Each bound is refused with a message naming the parameter (HTTP 400/413, gRPC IN
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from gateway.errors import invalid
 
 
 @dataclass(frozen=True)
@@ -37,3 +40,49 @@ class RequestLimits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.max_logprobs <= 20:
             raise ValueError(f"max_logprobs must be in [0, 20], got {self.max_logprobs}")
+
+    def check_stop(self, stop: Sequence[str], param: str = "stop") -> None:
+        if len(stop) > self.max_stop_strings:
+            raise invalid(
+                f"at most {self.max_stop_strings} stop strings, got {len(stop)}", param=param
+            )
+        for text in stop:
+            if not 1 <= len(text) <= self.max_stop_string_chars:
+                raise invalid(
+                    f"each stop string must have 1 to {self.max_stop_string_chars} characters, "
+                    f"got {len(text)}",
+                    param=param,
+                )
+
+    def check_logprobs(self, num_logprobs: int | None, param: str) -> None:
+        if num_logprobs is not None and num_logprobs > self.max_logprobs:
+            raise invalid(
+                f"{param} must be <= {self.max_logprobs}, got {num_logprobs}", param=param
+            )
+
+    def output_room(self, prompt_len: int, prompt_param: str) -> int:
+        """Tokens left for output after a prompt of ``prompt_len``; refused when none are."""
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise invalid(
+                f"{prompt_param} has {prompt_len} tokens; max_model_len is "
+                f"{self.max_model_len}, which leaves no room for output",
+                param=prompt_param,
+            )
+        return room
+
+    def check_max_tokens(
+        self, max_tokens: int, prompt_len: int, *, prompt_param: str, max_param: str
+    ) -> None:
+        """An explicit ``max_tokens``: within the limit, and fits with the prompt."""
+        room = self.output_room(prompt_len, prompt_param)
+        if max_tokens > self.max_tokens:
+            raise invalid(
+                f"{max_param} must be <= {self.max_tokens}, got {max_tokens}", param=max_param
+            )
+        if max_tokens > room:
+            raise invalid(
+                f"{prompt_param} has {prompt_len} tokens and {max_param} is {max_tokens}: more "
+                f"than max_model_len={self.max_model_len} together",
+                param=max_param,
+            )

@@ -71,7 +71,7 @@ def completion_job(body: CompletionRequest, request: Request, frontend: Frontend
             param="prompt",
         )
     num_logprobs = body.logprobs
-    _check_num_logprobs(num_logprobs, "logprobs", frontend)
+    frontend.limits.check_logprobs(num_logprobs, "logprobs")
     return _new_job(body, request, "cmpl", stop, num_logprobs)
 
 
@@ -109,7 +109,7 @@ def chat_job(body: ChatCompletionRequest, request: Request, frontend: Frontend) 
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    _check_num_logprobs(num_logprobs, "top_logprobs", frontend)
+    frontend.limits.check_logprobs(num_logprobs, "top_logprobs")
     return _new_job(body, request, "chatcmpl", stop, num_logprobs)
 
 
@@ -126,17 +126,7 @@ def _check_common(
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options needs stream: true", param="stream_options")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    if len(stop) > limits.max_stop_strings:
-        raise invalid(
-            f"at most {limits.max_stop_strings} stop strings, got {len(stop)}", param="stop"
-        )
-    for text in stop:
-        if not 1 <= len(text) <= limits.max_stop_string_chars:
-            raise invalid(
-                f"each stop string must have 1 to {limits.max_stop_string_chars} characters, "
-                f"got {len(text)}",
-                param="stop",
-            )
+    limits.check_stop(stop)
     vocab_size = frontend.tokenizer.vocab_size
     for token_id in body.stop_token_ids or ():
         if token_id >= vocab_size:
@@ -154,12 +144,6 @@ def check_model(model: str, frontend: Frontend) -> None:
             f"model {model!r} does not exist; this server serves {frontend.served_model_name!r}",
             param="model",
         )
-
-
-def _check_num_logprobs(num_logprobs: int | None, param: str, frontend: Frontend) -> None:
-    max_logprobs = frontend.limits.max_logprobs
-    if num_logprobs is not None and num_logprobs > max_logprobs:
-        raise invalid(f"{param} must be <= {max_logprobs}, got {num_logprobs}", param=param)
 
 
 def _new_job(
@@ -226,30 +210,15 @@ def sampling_options(
     body = job.body
     limits = frontend.limits
     param = "messages" if job.is_chat else "prompt"
-    room = limits.max_model_len - prompt_len
-    if room < 1:
-        raise invalid(
-            f"{param} has {prompt_len} tokens; max_model_len is {limits.max_model_len}, "
-            "which leaves no room for output",
-            param=param,
-        )
     requested, max_param = body.max_tokens, "max_tokens"
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         requested, max_param = body.max_completion_tokens, "max_completion_tokens"
     if requested is None:
+        room = limits.output_room(prompt_len, param)
         default = limits.max_tokens if job.is_chat else _COMPLETIONS_DEFAULT_MAX_TOKENS
         max_tokens = min(default, room, limits.max_tokens)
-    elif requested > limits.max_tokens:
-        raise invalid(
-            f"{max_param} must be <= {limits.max_tokens}, got {requested}", param=max_param
-        )
-    elif requested > room:
-        raise invalid(
-            f"{param} has {prompt_len} tokens and {max_param} is {requested}: more than "
-            f"max_model_len={limits.max_model_len} together",
-            param=max_param,
-        )
     else:
+        limits.check_max_tokens(requested, prompt_len, prompt_param=param, max_param=max_param)
         max_tokens = requested
     seed = None
     if body.seed is not None:
