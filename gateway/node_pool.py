@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import time
 from dataclasses import dataclass
 
 import grpc
@@ -71,7 +70,6 @@ class Node:
         self.load = NodeLoad()
         self.num_in_flight = 0
         self.last_error: str | None = None
-        self.last_poll = 0.0
 
     @property
     def is_healthy(self) -> bool:
@@ -84,14 +82,17 @@ class Node:
         self.health = NodeHealth.UNHEALTHY
         self.last_error = reason
 
-    async def poll(self, timeout_s: float) -> None:
+    async def poll(self, timeout_s: float) -> bool:
+        """Refreshes health and load; True when the node just came back from UNHEALTHY (it may
+        have restarted with an empty cache)."""
+        was_unhealthy = self.health is NodeHealth.UNHEALTHY
         try:
             status = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
             stub = self.prefill if self.role is NodeRole.PREFILL else self.decode
             report = await stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             self._set(NodeHealth.UNHEALTHY, f"{exc.code().name}: {exc.details()}")
-            return
+            return False
         self.load = NodeLoad(
             num_running=report.num_running,
             num_waiting=report.num_waiting,
@@ -100,11 +101,11 @@ class Node:
             kv_blocks_total=report.kv_blocks_total,
             draining=report.draining,
         )
-        self.last_poll = time.monotonic()
         if status.status != health_pb2.HealthCheckResponse.SERVING:
             self._set(NodeHealth.UNHEALTHY, "health: NOT_SERVING")
-        else:
-            self._set(NodeHealth.HEALTHY, None)
+            return False
+        self._set(NodeHealth.HEALTHY, None)
+        return was_unhealthy
 
     def _set(self, health: NodeHealth, error: str | None) -> None:
         if health is not self.health:
@@ -119,7 +120,7 @@ class Node:
 
 
 class NodePool:
-    """Every configured node, polled every ``interval_s`` by ``run()``."""
+    """Every configured node; the gateway polls them every ``interval_s``."""
 
     def __init__(
         self,
@@ -134,7 +135,6 @@ class NodePool:
         self.colocated = [Node(address, NodeRole.COLOCATED) for address in colocated]
         self.interval_s = interval_s
         self.timeout_s = timeout_s
-        self._ready = asyncio.Event()
 
     @property
     def nodes(self) -> list[Node]:
@@ -147,26 +147,10 @@ class NodePool:
         )
         return has_pair or any(n.is_healthy for n in self.colocated)
 
-    async def poll_once(self) -> None:
-        await asyncio.gather(*(node.poll(self.timeout_s) for node in self.nodes))
-        if self.is_ready():
-            self._ready.set()
-        else:
-            self._ready.clear()
-
-    async def wait_ready(self, timeout_s: float) -> bool:
-        try:
-            await asyncio.wait_for(self._ready.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
-
-    async def run(self) -> None:
-        """Poll forever (cancel the task to stop)."""
-        while True:
-            started = time.monotonic()
-            await self.poll_once()
-            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+    async def poll_once(self) -> list[Node]:
+        """Polls every node; returns those that came back from UNHEALTHY."""
+        recovered = await asyncio.gather(*(node.poll(self.timeout_s) for node in self.nodes))
+        return [node for node, back in zip(self.nodes, recovered, strict=True) if back]
 
     async def close(self) -> None:
         await asyncio.gather(*(node.close() for node in self.nodes))

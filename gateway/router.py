@@ -70,6 +70,10 @@ class Router:
             return Route(decode=min(colocated, key=_decode_work), prefill=None)
         return None
 
+    def forget(self, node: Node) -> None:
+        """A node came back (perhaps restarted, its prefix cache empty): its affinity goes."""
+        self.affinity.forget(node.address)
+
     def pick_prefill(self, prompt: Sequence[int], candidates: list[Node]) -> Node:
         shortest = min(_prefill_queue(n) for n in candidates)
         matches = self.affinity.matched_tokens(prompt)

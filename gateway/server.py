@@ -144,7 +144,8 @@ class GatewayServer:
                     sum(node.is_healthy for node in nodes)
                 )
             await asyncio.sleep(self.pool.interval_s)
-            await self.pool.poll_once()
+            for node in await self.pool.poll_once():
+                self.router.forget(node)  # soft state: a restarted node's cache is empty
 
     async def stop(self, grace_s: float = 30.0) -> None:
         await self.health.enter_graceful_shutdown()

@@ -167,3 +167,15 @@ def test_no_healthy_node_is_unavailable(fake_node, tiny_llama_dir) -> None:
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE
 
     run(fake_node, with_model(tiny_llama_dir, body), colocated=[{}])
+
+
+def test_a_poll_reports_the_nodes_that_came_back(fake_node, tiny_llama_dir) -> None:
+    async def body(stub, gateway) -> None:
+        [node] = gateway.pool.nodes
+        assert await gateway.pool.poll_once() == []  # healthy before and after
+        node.mark_failed("a request saw it unreachable")
+        assert await gateway.pool.poll_once() == [node]  # back: its affinity will be dropped
+        assert node.is_healthy
+        assert await gateway.pool.poll_once() == []
+
+    run(fake_node, with_model(tiny_llama_dir, body), colocated=[{}])

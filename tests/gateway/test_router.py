@@ -118,3 +118,12 @@ def test_readiness_needs_a_pair_or_a_colocated_node(loop) -> None:
     assert not pool.is_ready()
     pool.colocated[0].health = NodeHealth.HEALTHY
     assert pool.is_ready()
+
+
+def test_a_node_that_comes_back_loses_its_prefix_affinity(loop) -> None:
+    router = make_router()
+    prompt = list(range(100, 116))
+    first = router.pick(prompt).prefill
+    assert router.affinity.matched_tokens(prompt) == {first.address: 16}
+    router.forget(first)  # what the gateway does when a poll finds it back from UNHEALTHY
+    assert router.affinity.matched_tokens(prompt) == {}
