@@ -1,6 +1,7 @@
 """How a list of pages becomes wire messages: validate, coalesce adjacent pages into runs, and
-group runs into messages that are either sent straight from/into the regions (large runs) or
-packed through a staging buffer (many small runs), so no message costs a per-page Python call.
+group runs into messages — a large run alone, small runs together up to MAX_STAGED_BYTES — so no
+message costs a per-page Python call. A message of many runs is moved as a scatter-gather list by
+the UCX transport and packed through a staging buffer by the in-process loopback.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from kv_transfer.page_table import PageTable
 
 # A run at least this long travels as its own message, without staging copies.
 MIN_DIRECT_BYTES = 256 * 1024
-# Small runs are packed into staged messages of at most this many bytes (pipelined).
+# Small runs are grouped into messages of at most this many bytes (pipelined).
 MAX_STAGED_BYTES = 4 * 1024 * 1024
 
 # Columns of TransferPlan.runs.

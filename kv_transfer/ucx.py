@@ -1,10 +1,13 @@
 """The UCX transport (ucxx): pages between processes and hosts over shared memory, TCP or RDMA.
 
-The ucxx Python bindings expose tagged messages but not RMA (no memory keys), so a one-sided
-`write()` is carried by tagged messages that the receiver matches itself. That gives the receiver
-a strong fence for free: it posts a receive into its blocks only for a message that has already
-arrived (probe, then receive with the probe's handle), and only while the transfer is allowed to
-write; anything else is drained into scratch memory. No receive into KV blocks is ever left posted.
+A one-sided `write()` is carried by tagged messages that the receiver matches itself. That gives
+the receiver a strong fence for free: it posts a receive into its blocks only for a message that
+has already arrived (probe, then receive with the probe's handle), and only while the transfer is
+allowed to write; anything else is drained into scratch memory. No receive into KV blocks is ever
+left posted. Every DATA message moves its pages in place on both sides, zero-copy: a contiguous
+span as a plain buffer (ucxx), scattered pages as a scatter-gather list (`ucp_native`: libucp's
+IOV datatype, which ucxx does not expose), so UCX copies each page from its source block straight
+into its destination block.
 
 A transfer's life on the writer: write() plans it (PENDING); the agent thread sends a HEADER and
 the DATA messages (IN_PROGRESS); the receiver's ACK ends it DONE or FAILED; cancel() or the
@@ -53,14 +56,11 @@ from kv_transfer.transfer_plan import (
     DST,
     DST_OFF,
     LEN,
-    MAX_STAGED_BYTES,
     SRC,
     SRC_OFF,
     TransferPlan,
     contiguous_span,
-    gather,
     make_plan,
-    scatter,
 )
 from kv_transfer.transfer_status import TransferStatus
 from kv_transfer.transport import KvTransport, TransportInfo, register_transport
@@ -75,6 +75,9 @@ import ucxx  # noqa: E402
 from ucxx._lib import libucxx as ucx_api  # noqa: E402
 from ucxx._lib.arr import Array  # noqa: E402
 
+from kv_transfer import ucp_native  # noqa: E402  (after ucxx: it uses the libucp ucxx loaded)
+from kv_transfer.ucp_native import ProbedMessage  # noqa: E402
+
 logger = logging.getLogger(__name__)
 
 _ID_BYTES = 16
@@ -83,8 +86,6 @@ _STATUS_CODES = list(TransferStatus)
 # on time), and with none; messages and commands (wake pipe) wake it at once.
 _WAITING_EPOLL_MS = 10
 _IDLE_EPOLL_MS = 100
-# Staging buffers (MAX_STAGED_BYTES each) kept for reuse: fresh ones cost page faults.
-_MAX_POOLED_STAGING = 16
 # Receiver grace past the writer's deadline before it declares a transfer TIMED_OUT.
 _RECEIVER_GRACE_S = 1.0
 # Sends still pending this long after their transfer ended are abandoned (a dead peer).
@@ -99,10 +100,8 @@ class _Outbound:
     plan: TransferPlan
     peer_id: bytes
     seq: int
-    # (request, bytes it carries, buffer it reads) for sends not yet complete.
+    # (request, bytes it carries, buffer or IOV table it reads) for sends not yet complete.
     pending: list[tuple[object, int, np.ndarray]] = field(default_factory=list)
-    # Pooled staging buffers the sends read; returned to the pool once no send is pending.
-    staging: list[np.ndarray] = field(default_factory=list)
     is_abort_sent: bool = False
     # The endpoint the messages go through, and the next DATA message to send (all are sent at
     # once, unless ``pause_before_last_s`` holds the last one back until ``resume_at``).
@@ -116,9 +115,11 @@ class _Inbound:
     header: Header
     deadline: float
     dst_views: list[np.ndarray]
+    # Address of each destination region's first byte: int64 [num_dst_regions].
+    dst_bases: np.ndarray
     num_remaining: int
-    # (request, message index, staging buffer or None for a direct receive) not yet complete.
-    pending: list[tuple[object, int, np.ndarray | None]] = field(default_factory=list)
+    # (request, message index) of receives into the destination blocks not yet complete.
+    pending: list[tuple[object, int]] = field(default_factory=list)
     is_dropped: bool = False
 
 
@@ -143,7 +144,6 @@ class UcxTransport(KvTransport):
         os.set_blocking(self._wake_w, False)
         self._epoll = select.epoll.fromfd(os.dup(self._worker.epoll_file_descriptor))
         self._epoll.register(self._wake_r, select.EPOLLIN)
-        self._staging_pool: list[np.ndarray] = []
         # Peer id → set once the peer answered our HELLO (it can then tell us when it closes).
         self._welcomed: dict[bytes, threading.Event] = {}
         self._worker_address = bytes(self._worker.address.tobytes())
@@ -161,6 +161,7 @@ class UcxTransport(KvTransport):
         self._closed_peers: set[bytes] = set()
         self._outbound: dict[int, _Outbound] = {}
         self._inbound: dict[tuple[int, int], _Inbound] = {}
+        # (request, buffer it reads or writes) of control sends and drained messages.
         self._drains: list[tuple[object, np.ndarray]] = []
         self._abandoned: list[tuple[float, _Outbound]] = []
         self._is_closed = False
@@ -290,8 +291,8 @@ class UcxTransport(KvTransport):
             command()
             is_busy = True
         for _ in range(256):
-            probe = self._worker.tag_probe(ucx_api.UCXXTag(0), ucx_api.UCXXTagMask(0), remove=True)
-            if not probe.matched:
+            probe = ucp_native.probe(self._worker.handle)
+            if probe is None:
                 break
             self._on_message(probe)
             is_busy = True
@@ -327,17 +328,17 @@ class UcxTransport(KvTransport):
         request = ep.tag_send(Array(body), ucx_api.UCXXTag(tag))  # type: ignore[attr-defined]
         self._drains.append((request, body))
 
-    def _recv_now(self, probe: object) -> np.ndarray:
+    def _recv_now(self, probe: ProbedMessage) -> np.ndarray:
         """Receives a probed control message (already here) into a fresh buffer."""
-        buffer = np.empty(max(probe.length, 1), dtype=np.uint8)  # type: ignore[attr-defined]
-        request = self._worker.tag_recv_with_handle(Array(buffer), probe)
+        buffer = np.empty(max(probe.length, 1), dtype=np.uint8)
+        request = ucp_native.receive(self._worker.handle, probe, buffer)
         limit = time.monotonic() + 5.0
         while not request.completed:
             if time.monotonic() > limit:
                 raise TimeoutError("a control message did not complete in 5 s")
             self._worker.progress()
         request.check_error()
-        return buffer[: probe.length]  # type: ignore[attr-defined]
+        return buffer[: probe.length]
 
     def _start_write(self, record: _Outbound, endpoint: bytes) -> None:
         handle, plan = record.handle, record.plan
@@ -374,6 +375,7 @@ class UcxTransport(KvTransport):
         last is held back by ``pause_before_last_s``; ``_poll_outbound`` resumes it)."""
         handle, plan = record.handle, record.plan
         src_views = [self._regions[n].view for n in plan.src_regions]
+        src_bases = np.array([self._regions[n].address for n in plan.src_regions], dtype=np.int64)
         while record.next_message < len(plan.messages):
             if handle.status.is_terminal:
                 return
@@ -386,19 +388,18 @@ class UcxTransport(KvTransport):
             message = plan.messages[index]
             record.next_message += 1
             runs = plan.runs[message.run_start : message.run_end]
-            # A message whose runs follow on at the source (a direct run, or pages scattered only
-            # at the destination) is sent in place; others are gathered into staging.
+            tag = make_tag(Kind.DATA, self._slot, record.seq, index)
+            # Runs that follow on at the source go as one buffer; scattered ones as an IOV list
+            # read in place (how the receiver lays them out is its own business).
             span = contiguous_span(runs, SRC, SRC_OFF)
             if span is None:
-                staging = self._take_staging()
-                record.staging.append(staging)
-                buffer = staging[: message.num_bytes]
-                gather(runs, src_views, buffer)
+                iov = ucp_native.iov_table(src_bases, runs, SRC, SRC_OFF, LEN)
+                request = ucp_native.send_iov(record.ep.handle, iov, tag)  # type: ignore[attr-defined]
+                record.pending.append((request, message.num_bytes, iov))
             else:
                 region, offset, length = span
                 buffer = src_views[region][offset : offset + length]
-            tag = make_tag(Kind.DATA, self._slot, record.seq, index)
-            self._send(record.ep, record, tag, buffer, message.num_bytes)
+                self._send(record.ep, record, tag, buffer, message.num_bytes)
 
     def _send(self, ep: object, record: _Outbound, tag: int, buffer: np.ndarray, n: int) -> None:
         request = ep.tag_send(Array(buffer), ucx_api.UCXXTag(tag))  # type: ignore[attr-defined]
@@ -435,9 +436,6 @@ class UcxTransport(KvTransport):
                     continue
                 handle.add_bytes(n)
             record.pending = still
-            if not still and record.staging:
-                self._give_staging(record.staging)
-                record.staging = []
             if not handle.status.is_terminal and now > handle.deadline:
                 handle.finish(TransferStatus.TIMED_OUT, "the deadline passed before the ACK")
             if handle.status.is_terminal:
@@ -450,15 +448,13 @@ class UcxTransport(KvTransport):
         kept = []
         for since, record in self._abandoned:
             record.pending = [p for p in record.pending if not p[0].completed]  # type: ignore[attr-defined]
-            if not record.pending:
-                self._give_staging(record.staging)
-            elif now - since < _ABANDON_AFTER_S:
+            if record.pending and now - since < _ABANDON_AFTER_S:
                 kept.append((since, record))
         self._abandoned = kept
         return is_busy
 
-    def _on_message(self, probe: object) -> None:
-        kind, slot, seq, index = split_tag(probe.sender_tag.value)  # type: ignore[attr-defined]
+    def _on_message(self, probe: ProbedMessage) -> None:
+        kind, slot, seq, index = split_tag(probe.tag)
         if kind is Kind.DATA:
             self._on_data(probe, (slot, seq), index)
             return
@@ -494,6 +490,9 @@ class UcxTransport(KvTransport):
             header=header,
             deadline=time.monotonic() + header.timeout_s + _RECEIVER_GRACE_S,
             dst_views=[self._regions[n].view for n in header.dst_regions],
+            dst_bases=np.array(
+                [self._regions[n].address for n in header.dst_regions], dtype=np.int64
+            ),
             num_remaining=len(header.messages),
         )
 
@@ -510,9 +509,9 @@ class UcxTransport(KvTransport):
             return "a page falls outside its destination region"
         return None
 
-    def _on_data(self, probe: object, key: tuple[int, int], index: int) -> None:
+    def _on_data(self, probe: ProbedMessage, key: tuple[int, int], index: int) -> None:
         record = self._inbound.get(key)
-        length = probe.length  # type: ignore[attr-defined]
+        length = probe.length
         if record is None or record.is_dropped or index >= len(record.header.messages):
             self._drain(probe)
             return
@@ -521,34 +520,24 @@ class UcxTransport(KvTransport):
             self._drain(probe)
             self._drop(key, TransferStatus.FAILED, f"message {index} has {length} bytes")
             return
-        runs = record.header.runs[message.run_start : message.run_end]
-        span = contiguous_span(runs, DST, DST_OFF)
-        if span is None:
-            staging = self._take_staging()
-            request = self._worker.tag_recv_with_handle(Array(staging[:length]), probe)
-            record.pending.append((request, index, staging))
-            return
-        # A direct run, or pages scattered only at the source: received in place, no scatter.
         if not self.inbound.begin_write(record.header.transfer_id):
             self._drain(probe)
             return
-        region, offset, _ = span
-        target = record.dst_views[region][offset : offset + length]
-        request = self._worker.tag_recv_with_handle(Array(target), probe)
-        record.pending.append((request, index, None))
+        # Received in place: a contiguous span as one buffer, scattered blocks as an IOV list.
+        runs = record.header.runs[message.run_start : message.run_end]
+        span = contiguous_span(runs, DST, DST_OFF)
+        if span is None:
+            iov = ucp_native.iov_table(record.dst_bases, runs, DST, DST_OFF, LEN)
+            request = ucp_native.receive_iov(self._worker.handle, probe, iov)
+        else:
+            region, offset, _ = span
+            target = record.dst_views[region][offset : offset + length]
+            request = ucp_native.receive(self._worker.handle, probe, target)
+        record.pending.append((request, index))
 
-    def _take_staging(self) -> np.ndarray:
-        if self._staging_pool:
-            return self._staging_pool.pop()
-        return np.empty(MAX_STAGED_BYTES, dtype=np.uint8)
-
-    def _give_staging(self, buffers: list[np.ndarray]) -> None:
-        room = _MAX_POOLED_STAGING - len(self._staging_pool)
-        self._staging_pool.extend(buffers[: max(room, 0)])
-
-    def _drain(self, probe: object) -> None:
-        scratch = np.empty(max(probe.length, 1), dtype=np.uint8)  # type: ignore[attr-defined]
-        self._drains.append((self._worker.tag_recv_with_handle(Array(scratch), probe), scratch))
+    def _drain(self, probe: ProbedMessage) -> None:
+        scratch = np.empty(max(probe.length, 1), dtype=np.uint8)
+        self._drains.append((ucp_native.receive(self._worker.handle, probe, scratch), scratch))
 
     def _poll_drains(self) -> bool:
         before = len(self._drains)
@@ -560,31 +549,19 @@ class UcxTransport(KvTransport):
         now = time.monotonic()
         for key, record in list(self._inbound.items()):
             tid = record.header.transfer_id
-            still: list[tuple[object, int, np.ndarray | None]] = []
-            for request, index, staging in record.pending:
+            still: list[tuple[object, int]] = []
+            for request, index in record.pending:
                 if not request.completed:  # type: ignore[attr-defined]
-                    still.append((request, index, staging))
+                    still.append((request, index))
                     continue
                 is_busy = True
-                message = record.header.messages[index]
                 try:
                     request.check_error()  # type: ignore[attr-defined]
                 except Exception as exc:
-                    if staging is None:
-                        self.inbound.end_write(tid, 0)
-                    record.pending = []
+                    self.inbound.end_write(tid, 0)
                     self._drop(key, TransferStatus.FAILED, f"receive failed: {exc}")
                     continue
-                if staging is None:
-                    self.inbound.end_write(tid, message.num_bytes)
-                elif not record.is_dropped and self.inbound.begin_write(tid):
-                    try:
-                        runs = record.header.runs[message.run_start : message.run_end]
-                        scatter(runs, staging, record.dst_views)
-                    finally:
-                        self.inbound.end_write(tid, message.num_bytes)
-                if staging is not None:
-                    self._give_staging([staging])
+                self.inbound.end_write(tid, record.header.messages[index].num_bytes)
                 record.num_remaining -= 1
             record.pending = still
             status = self.inbound.status(tid)
