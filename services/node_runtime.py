@@ -70,7 +70,9 @@ async def load_report(
 
 
 async def start_node(config: NodeConfig, role: RoleFactory) -> tuple[NodeServer, AsyncEngine]:
-    engine = AsyncEngine(EngineCore(config.engine))
+    # Built on the engine thread: that thread must be the only one to run torch ops (see
+    # services/async_engine.py). Blocks this loop while the model loads, before the port opens.
+    engine = AsyncEngine(lambda: EngineCore(config.engine))
     engine.start()
     ref = NodeServerRef()
     metrics = NodeMetrics(str(config.role), config.node_id, config.kv_transport)

@@ -240,3 +240,36 @@ def test_a_commit_whose_first_token_stops_ends_the_attached_stream(engine: Async
         assert await engine.call(lambda e: e.stats().num_blocks_used) == 0
 
     asyncio.run(main())
+
+
+def test_a_factory_builds_the_engine_on_the_engine_thread(tiny_llama_dir: Path) -> None:
+    built_on: list[str] = []
+
+    def factory() -> EngineCore:
+        built_on.append(threading.current_thread().name)
+        return make_engine(tiny_llama_dir)
+
+    async_engine = AsyncEngine(factory)
+    async_engine.start()  # returns once the engine is built
+    try:
+        assert built_on == ["engine"]
+        assert isinstance(async_engine.engine, EngineCore)
+        [expected] = LLM(tiny_llama_dir, dtype="float32", max_model_len=256).generate(
+            [[5, 6, 7]], GREEDY
+        )
+        tokens = asyncio.run(collect(async_engine, "f1", [5, 6, 7], GREEDY))
+        assert tokens == expected.token_ids
+    finally:
+        async_engine.shutdown()
+
+
+def test_a_failing_factory_fails_start_and_the_engine_refuses_calls() -> None:
+    def factory() -> EngineCore:
+        raise ValueError("no such model: /nowhere")
+
+    async_engine = AsyncEngine(factory)
+    with pytest.raises(ValueError, match="/nowhere"):
+        async_engine.start()
+    assert not async_engine.is_running
+    with pytest.raises(EngineDeadError, match="/nowhere"):
+        asyncio.run(async_engine.call(lambda core: core.stats()))
