@@ -3,7 +3,7 @@ the OpenAI API, stop it, and summarise — so every figure comes from the same r
 
     python benchmarks/serving_comparison.py --model models/small-llama \
         [--systems colocated,disaggregated,vllm] [--scenario burst|mixed] \
-        [--vllm-venv ~/.cache/pdserve/vllm-cpu] [--out benchmarks/results/serving]
+        [--vllm-venv ~/.cache/pdserve/vllm-cpu] [--out benchmarks/results/serving] [--repeat N]
 
 Systems:
 - ``colocated``: one pdserve colocated node (prefill and decode in one engine, all cores) behind
@@ -19,8 +19,11 @@ Scenarios:
   while long prompts arrive (Poisson, ``--long-rate`` per second): the decoders' TPOT shows how
   much the prefills stall them.
 
-Results: one serve.py JSON per system and scenario under ``--out``, a comparison plot, and a
-markdown table on stdout for docs/benchmarks.md.
+``--repeat N`` (burst): every system is started once and the bursts alternate between them, N
+rounds, with per-round and median throughput and the ratio to vLLM printed at the end.
+
+Results: one serve.py JSON per system and scenario (and round) under ``--out`` (``serve.py plot``
+draws them) and a markdown table on stdout for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -37,6 +41,8 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# Seed offset of the warm-up prompts (rounds use offsets 0, 1, ...).
+_WARMUP_SEED = 1000
 PYTHON = sys.executable
 
 
@@ -153,11 +159,16 @@ def start_vllm(args: argparse.Namespace, processes: Processes) -> str:
     return base
 
 
-def load(base: str, args: argparse.Namespace, out: Path, label: str, **workload) -> dict:
+def load(
+    base: str, args: argparse.Namespace, out: Path, label: str, seed_offset: int = 0, **workload
+) -> dict:
+    """One serve.py run. Prompts come from ``--seed`` + ``seed_offset``: every run that must not
+    hit the prefix cache of an earlier one on the same server (warm-up, repeated rounds) gets an
+    offset of its own."""
     argv = [
         PYTHON, str(ROOT / "benchmarks/serve.py"), "--base-url", base, "--model", "model",
         "--tokenizer", str(args.model), "--prompt-as-token-ids", "--disable-tqdm",
-        "--label", label, "--result-json", str(out), "--seed", str(args.seed),
+        "--label", label, "--result-json", str(out), "--seed", str(args.seed + seed_offset),
         "--goodput", "ttft:2000", "tpot:100",
     ]  # fmt: skip
     for key, value in workload.items():
@@ -166,7 +177,8 @@ def load(base: str, args: argparse.Namespace, out: Path, label: str, **workload)
     return json.loads(out.read_text())
 
 
-def run_system(system: str, args: argparse.Namespace, out_dir: Path) -> dict[str, dict]:
+def start_system(system: str, args: argparse.Namespace, out_dir: Path) -> tuple[str, Processes]:
+    """Starts one system and warms it up; returns its base URL and its processes."""
     log_dir = out_dir / f"logs-{system}"
     log_dir.mkdir(parents=True, exist_ok=True)
     processes = Processes(log_dir)
@@ -177,15 +189,28 @@ def run_system(system: str, args: argparse.Namespace, out_dir: Path) -> dict[str
             else start_pdserve(system, args, processes)
         )
         # Warm-up: first requests build kernels and fault pages in.
-        load(base, args, out_dir / f"warmup-{system}.json", system,
+        load(base, args, out_dir / f"warmup-{system}.json", system, seed_offset=_WARMUP_SEED,
              num_prompts=4, input_len=args.input_len, output_len=8)  # fmt: skip
+    except BaseException:
+        processes.stop()
+        raise
+    return base, processes
+
+
+def burst(system: str, base: str, args: argparse.Namespace, out: Path, round_: int = 0) -> dict:
+    return load(
+        base, args, out, system, seed_offset=round_,
+        num_prompts=args.num_prompts, input_len=args.input_len,
+        output_len=args.output_len, request_rate="inf",
+    )  # fmt: skip
+
+
+def run_system(system: str, args: argparse.Namespace, out_dir: Path) -> dict[str, dict]:
+    base, processes = start_system(system, args, out_dir)
+    try:
         results = {}
         if args.scenario == "burst":
-            results["burst"] = load(
-                base, args, out_dir / f"burst-{system}.json", system,
-                num_prompts=args.num_prompts, input_len=args.input_len,
-                output_len=args.output_len, request_rate="inf",
-            )  # fmt: skip
+            results["burst"] = burst(system, base, args, out_dir / f"burst-{system}.json")
         else:
             long_out = out_dir / f"mixed-long-{system}.json"
             background = subprocess.Popen(
@@ -207,6 +232,47 @@ def run_system(system: str, args: argparse.Namespace, out_dir: Path) -> dict[str
         processes.stop()
 
 
+def run_interleaved(systems: list[str], args: argparse.Namespace) -> dict[str, dict]:
+    """Bursts against every system in turn, ``--repeat`` rounds, all systems up (and idle but
+    for the one under load) the whole time: host drift then affects every system alike, which
+    one run per system on a shared machine does not give (±10 % between runs here)."""
+    running: dict[str, tuple[str, Processes]] = {}
+    summary: dict[str, dict] = {}
+    try:
+        for system in systems:
+            print(f"=== starting {system}", flush=True)
+            running[system] = start_system(system, args, args.out)
+        for round_ in range(args.repeat):
+            for system in systems:
+                print(f"=== {system} burst, round {round_ + 1}/{args.repeat}", flush=True)
+                out = args.out / f"burst-{system}-{round_ + 1}.json"
+                # Fresh prompts each round (the same for every system): a repeated prompt would be
+                # served from the prefix cache.
+                summary[f"{system}/burst/{round_ + 1}"] = burst(
+                    system, running[system][0], args, out, round_
+                )["summary"]
+    finally:
+        for _, processes in running.values():
+            processes.stop()
+    for system in systems:
+        rates = sorted(
+            summary[f"{system}/burst/{r + 1}"]["output_throughput"] for r in range(args.repeat)
+        )
+        print(f"{system}: output tok/s per round {rates}, median {statistics.median(rates):.1f}")
+    if "vllm" in systems:
+        for system in (s for s in systems if s != "vllm"):
+            ratios = [
+                summary[f"{system}/burst/{r + 1}"]["output_throughput"]
+                / summary[f"vllm/burst/{r + 1}"]["output_throughput"]
+                for r in range(args.repeat)
+            ]
+            print(
+                f"{system} / vllm per round: {[round(x, 2) for x in ratios]}, "
+                f"median {statistics.median(ratios):.2f}"
+            )
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=ROOT / "models/small-llama")
@@ -226,15 +292,25 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default="2GiB")
     parser.add_argument("--vllm-venv", default="~/.cache/pdserve/vllm-cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--repeat", type=int, default=1,
+        help="burst: start every system once, then this many rounds of one burst each in turn",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/serving")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
-    summary = {}
-    for system in args.systems.split(","):
-        print(f"=== {system} ({args.scenario})", flush=True)
-        for name, result in run_system(system, args, args.out).items():
-            summary[f"{system}/{name}"] = result["summary"]
+    systems = args.systems.split(",")
+    if args.repeat > 1:
+        if args.scenario != "burst":
+            parser.error("--repeat is for the burst scenario")
+        summary = run_interleaved(systems, args)
+    else:
+        summary = {}
+        for system in systems:
+            print(f"=== {system} ({args.scenario})", flush=True)
+            for name, result in run_system(system, args, args.out).items():
+                summary[f"{system}/{name}"] = result["summary"]
     (args.out / f"summary-{args.scenario}.json").write_text(json.dumps(summary, indent=2))
     keys = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
             "p99_tpot_ms", "median_itl_ms")  # fmt: skip
