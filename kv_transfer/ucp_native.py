@@ -61,34 +61,18 @@ def _load() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     # handles below are only valid in that copy of libucp.
     libraries = {lib._name.rsplit("/", 1)[-1].split(".so")[0]: lib for lib in libucx.load_library()}
     ucp, ucs = libraries["libucp"], libraries["libucs"]
-    ucp.ucp_tag_probe_nb.restype = ctypes.c_void_p
-    ucp.ucp_tag_probe_nb.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_uint64,
-        ctypes.c_uint64,
-        ctypes.c_int,
-        ctypes.POINTER(_TagRecvInfo),
-    ]
-    ucp.ucp_tag_msg_recv_nbx.restype = ctypes.c_void_p
-    ucp.ucp_tag_msg_recv_nbx.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_void_p,
-        ctypes.POINTER(_RequestParam),
-    ]
-    ucp.ucp_tag_send_nbx.restype = ctypes.c_void_p
-    ucp.ucp_tag_send_nbx.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_uint64,
-        ctypes.POINTER(_RequestParam),
-    ]
-    ucp.ucp_request_check_status.restype = ctypes.c_int
-    ucp.ucp_request_check_status.argtypes = [ctypes.c_void_p]
-    ucp.ucp_request_free.restype = None
-    ucp.ucp_request_free.argtypes = [ctypes.c_void_p]
+    ptr, u64, param = ctypes.c_void_p, ctypes.c_uint64, ctypes.POINTER(_RequestParam)
+    # name: (return type, argument types), as declared in ucp.h / status.h.
+    signatures = {
+        "ucp_tag_probe_nb": (ptr, [ptr, u64, u64, ctypes.c_int, ctypes.POINTER(_TagRecvInfo)]),
+        "ucp_tag_msg_recv_nbx": (ptr, [ptr, ptr, ctypes.c_size_t, ptr, param]),
+        "ucp_tag_send_nbx": (ptr, [ptr, ptr, ctypes.c_size_t, u64, param]),
+        "ucp_request_check_status": (ctypes.c_int, [ptr]),
+        "ucp_request_free": (None, [ptr]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        function = getattr(ucp, name)
+        function.restype, function.argtypes = restype, argtypes
     ucs.ucs_status_string.restype = ctypes.c_char_p
     ucs.ucs_status_string.argtypes = [ctypes.c_int]
     return ucp, ucs
