@@ -59,7 +59,11 @@ class _TagRecvInfo(ctypes.Structure):
 def _load() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     # The same libraries ucxx loaded (dlopen of an already-open path returns that handle): the
     # handles below are only valid in that copy of libucp.
-    libraries = {lib._name.rsplit("/", 1)[-1].split(".so")[0]: lib for lib in libucx.load_library()}
+    libraries = {
+        lib._name.rsplit("/", 1)[-1].split(".so")[0]: lib
+        for lib in libucx.load_library()
+        if lib is not None  # a library libucx could not find (ucxx then fails to import first)
+    }
     ucp, ucs = libraries["libucp"], libraries["libucs"]
     ptr, u64, param = ctypes.c_void_p, ctypes.c_uint64, ctypes.POINTER(_RequestParam)
     # name: (return type, argument types), as declared in ucp.h / status.h.

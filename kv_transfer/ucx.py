@@ -500,14 +500,7 @@ class UcxTransport(KvTransport):
         owner = self._slot_owners.get(header.slot)
         if owner is not None and owner != header.writer_id:
             return f"writer slot {header.slot} is held by another writer"
-        for name in header.dst_regions:
-            if name not in self._regions:
-                return f"destination region {name!r} is not registered"
-        limits = np.array([self._regions[n].length for n in header.dst_regions], dtype=np.int64)
-        runs = header.runs
-        if len(runs) and (runs[:, DST_OFF] + runs[:, LEN] > limits[runs[:, DST]]).any():
-            return "a page falls outside its destination region"
-        return None
+        return header.problem(self.region_lengths())
 
     def _on_data(self, probe: ProbedMessage, key: tuple[int, int], index: int) -> None:
         record = self._inbound.get(key)

@@ -10,11 +10,12 @@ from __future__ import annotations
 import enum
 import json
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from kv_transfer.transfer_plan import Message
+from kv_transfer.transfer_plan import DST, DST_OFF, LEN, Message
 
 MAX_SEQ = 1 << 20
 MAX_MESSAGES = 1 << 16
@@ -69,6 +70,34 @@ class Header:
         }
         meta = json.dumps(doc, separators=(",", ":")).encode()
         return _LEN.pack(len(meta)) + meta + np.ascontiguousarray(self.runs, np.int64).tobytes()
+
+    def problem(self, region_lengths: Mapping[str, int]) -> str | None:
+        """Why the receiver must refuse this header, or None. Its runs become raw addresses in
+        the receiver's KV regions (IOV receives), so every page is checked to lie inside its
+        region and every message to carry exactly its runs' bytes, before any byte lands."""
+        for name in self.dst_regions:
+            if name not in region_lengths:
+                return f"destination region {name!r} is not registered"
+        runs = self.runs
+        if not len(runs) or not self.messages:
+            return "a transfer without pages"
+        limits = np.array([region_lengths[n] for n in self.dst_regions], dtype=np.int64)
+        region = runs[:, DST]
+        if ((region < 0) | (region >= len(limits))).any():
+            return "a page names a destination region the header does not list"
+        offset, length = runs[:, DST_OFF], runs[:, LEN]
+        if ((offset < 0) | (length <= 0) | (offset + length > limits[region])).any():
+            return "a page falls outside its destination region"
+        expected_start = 0
+        for m in self.messages:
+            if m.run_start != expected_start or not m.run_start < m.run_end <= len(runs):
+                return "the messages do not cover the pages in order"
+            if int(length[m.run_start : m.run_end].sum()) != m.num_bytes:
+                return "a message's byte count does not match its pages"
+            expected_start = m.run_end
+        if expected_start != len(runs):
+            return "the messages do not cover the pages in order"
+        return None
 
     @classmethod
     def decode(cls, data: bytes | np.ndarray) -> Header:
