@@ -10,6 +10,7 @@ import sys
 
 from gateway.config import parse_gateway_config
 from gateway.server import GatewayServer
+from services.listen import ListenError
 
 logger = logging.getLogger("gateway")
 
@@ -23,7 +24,11 @@ async def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     server = GatewayServer(config)
-    await server.start()
+    try:
+        await server.start()
+    except ListenError as exc:
+        logger.error("%s", exc)
+        return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from collections.abc import Iterator
 
 import grpc
@@ -32,6 +31,7 @@ from gateway.routed_generator import RoutedGenerator
 from gateway.router import Router
 from gateway.tokenizer import Tokenizer
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+from services.listen import add_grpc_port, bind_tcp
 
 logger = logging.getLogger(__name__)
 
@@ -94,13 +94,14 @@ class GatewayServer:
             ),
             self._grpc,
         )
-        self.grpc_port = self._grpc.add_insecure_port(f"{config.host}:{config.grpc_port}")
-        await self._grpc.start()
-
-        sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((config.host, config.http_port))
+        # Both ports are taken before either server starts: a taken one ends start() with a
+        # ListenError and nothing left running.
+        self.grpc_port = add_grpc_port(
+            self._grpc, f"{config.host}:{config.grpc_port}", "the gRPC API"
+        )
+        sock = bind_tcp(config.host, config.http_port, "the HTTP API")
         self.http_port = sock.getsockname()[1]
+        await self._grpc.start()
         self._http = _EmbeddedUvicorn(
             uvicorn.Config(
                 build_openai_app(self.frontend),

@@ -25,6 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from services.listen import add_grpc_port
+
 logger = logging.getLogger(__name__)
 
 Registrar = Callable[[grpc.aio.Server], None]
@@ -54,7 +56,7 @@ class NodeServer:
              reflection.SERVICE_NAME],
             self.server,
         )  # fmt: skip
-        self.port = self.server.add_insecure_port(address)
+        self.port = add_grpc_port(self.server, address, "gRPC")
         self._draining = False
         self._in_flight = 0
         self._idle = asyncio.Event()

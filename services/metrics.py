@@ -13,6 +13,7 @@ import logging
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from services.async_engine import AsyncEngine, EngineDeadError
+from services.listen import ListenError
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,10 @@ class NodeMetrics:
         ).set(1)
 
     def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
+        try:
+            start_http_server(port, registry=self.registry)
+        except OSError as exc:
+            raise ListenError(f"cannot listen for metrics on :{port}: {exc.strerror}") from exc
         logger.info("metrics on :%d/metrics", port)
 
     async def refresh_forever(self, engine: AsyncEngine, interval_s: float = 0.5) -> None:

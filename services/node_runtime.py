@@ -1,8 +1,9 @@
 """Runs one node process: engine, engine thread, gRPC server, drain on SIGTERM, exit 0.
 
 Life cycle: load the engine (the slow part, before the port opens, so health never says
-SERVING for a node that cannot serve) → start the engine thread → start the server → serve
-until SIGTERM/SIGINT → drain (see ``NodeServer``) → stop the engine thread.
+SERVING for a node that cannot serve) → start the engine thread → open the gRPC and metrics
+ports (a taken one ends the process with exit code 1 and a one-line error) → start the server
+→ serve until SIGTERM/SIGINT → drain (see ``NodeServer``) → stop the engine thread.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from services.async_engine import AsyncEngine, EngineDeadError
 from services.convert import load_report_to_proto
 from services.engine import EngineCore
 from services.grpc_server import NodeServer, Registrar
+from services.listen import ListenError
 from services.metrics import NodeMetrics
 from services.node_config import NodeConfig
 
@@ -77,16 +79,21 @@ async def start_node(config: NodeConfig, role: RoleFactory) -> tuple[NodeServer,
     ref = NodeServerRef()
     metrics = NodeMetrics(str(config.role), config.node_id, config.kv_transport)
     services = role(config, engine, ref, metrics)
-    server = NodeServer(
-        config.grpc_address,
-        services.service_names,
-        services.registrars,
-        drain_grace_s=config.drain_grace_s,
-    )
+    try:
+        # Both ports are opened before the server starts serving.
+        server = NodeServer(
+            config.grpc_address,
+            services.service_names,
+            services.registrars,
+            drain_grace_s=config.drain_grace_s,
+        )
+        if config.metrics_port is not None:
+            metrics.serve(config.metrics_port)
+    except ListenError:
+        engine.shutdown()
+        raise
     ref.server = server
     await server.start()
-    if config.metrics_port is not None:
-        metrics.serve(config.metrics_port)
     # Held by the server object so it lives as long as the node.
     server.background_tasks.append(asyncio.ensure_future(metrics.refresh_forever(engine)))
     return server, engine
@@ -107,4 +114,8 @@ def run(config: NodeConfig, role: RoleFactory) -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(serve(config, role))
+    try:
+        asyncio.run(serve(config, role))
+    except ListenError as exc:
+        logger.error("%s", exc)
+        raise SystemExit(1) from None
