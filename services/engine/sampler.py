@@ -6,8 +6,9 @@ What happens to the logits of a step, ``[num_rows, vocab_size]``:
 2. ``min_tokens``: EOS and the row's stop ids go to -inf while the row is short of ``min_tokens``.
 3. Penalties: repetition (prompt and output tokens), then frequency and presence (output only).
 4. Greedy rows take the argmax of what steps 2-3 left.
-5. Random rows: temperature, top-k, top-p, min-p, then an exponential race drawn from the row's
-   own generator when its request has a seed, so its tokens do not depend on the other rows.
+5. Random rows: temperature, top-k, top-p, min-p, then one uniform draw per row against the
+   row's cumulative distribution, from the row's own generator when its request has a seed, so
+   its tokens do not depend on the other rows.
 
 Each step is skipped when no row of the batch needs it.
 """
@@ -216,7 +217,7 @@ def _sample_random(
         logits.masked_fill_(logits < threshold, float("-inf"))
 
     probs = logits.softmax(dim=-1)  # [num_rows, vocab_size]
-    return _exponential_race(probs, generators)
+    return _inverse_cdf(probs, generators)
 
 
 def _apply_top_k_top_p(
@@ -241,21 +242,27 @@ def _apply_top_k_top_p(
     return logits.scatter_(1, sorted_ids, sorted_logits)
 
 
-def _exponential_race(
-    probs: torch.Tensor, generators: Sequence[torch.Generator | None]
-) -> torch.Tensor:
-    """``argmax(probs / q)`` with ``q ~ Exponential(1)`` picks token i with probability probs[i]
-    (Gumbel-max in disguise) without a CPU sync. Seeded rows draw ``q`` from their own generator,
-    so their tokens depend only on their seed and their own logits."""
-    q = torch.empty_like(probs)  # [num_rows, vocab_size]
+def _inverse_cdf(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Token ids ``[num_rows]`` drawn from ``probs: [num_rows, vocab_size]``: the first token whose
+    cumulative probability exceeds a uniform draw. One random number per row, no CPU sync.
+    (An exponential race, argmax(probs / q) with q ~ Exp(1), needs vocab_size random numbers a
+    row: 35 ms for 64 x 32,000 on 2 CPU cores against 1.5 ms for this — a third of a decode
+    step. torch.multinomial costs the same 35 ms.) Seeded rows draw from their own generator, so
+    their tokens depend only on their seed and their own logits."""
+    num_rows = probs.shape[0]
+    # float64: summing 10^5 float32 probabilities would drift by more than the smallest ones.
+    cumulative = probs.to(torch.float64).cumsum_(dim=-1)  # [num_rows, vocab_size]
+    u = torch.empty(num_rows, 1, dtype=torch.float64, device=probs.device)
     seeded = [(i, g) for i, g in enumerate(generators) if g is not None]
-    if len(seeded) < len(generators):
-        q.exponential_()
+    if len(seeded) < num_rows:
+        u.uniform_()
     for i, generator in seeded:
-        q[i].exponential_(generator=generator)
-    # q = 0 would turn a masked token's 0 / 0 into NaN, which argmax picks; tiny keeps 0 / q = 0.
-    q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return probs.div_(q).argmax(dim=-1)
+        u[i].uniform_(generator=generator)
+    # Scaled by each row's total, which rounding keeps a hair off 1. A token of probability 0
+    # spans an empty interval, so it is never chosen; right=True skips ties at its boundary.
+    targets = u.mul_(cumulative[:, -1:])
+    token_ids = torch.searchsorted(cumulative, targets, right=True).squeeze(1)
+    return token_ids.clamp_(max=probs.shape[1] - 1)
 
 
 def _collect_logprobs(
