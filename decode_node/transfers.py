@@ -289,9 +289,9 @@ class TransferManager:
                     )
 
     async def _fence_and_free(self, transfer: Transfer) -> None:
-        # One fence at a time per transfer: the reaper retries quarantined transfers, and must
-        # not start a second fence of one whose abort is still fencing — the second free would
-        # abort the request again, and by then the id may name its recomputation.
+        # One fence and one free per transfer: the reaper retries quarantined transfers, and must
+        # not fence or free one whose abort is still doing so — the second free would abort the
+        # request again, and by then the id may name its recomputation.
         if transfer.is_fencing:
             return
         transfer.is_fencing = True
@@ -308,11 +308,13 @@ class TransferManager:
                 len(transfer.block_ids),
             )
             return
-        # AsyncEngine.abort: a stream already attached to the request ends with abort.
-        await self.engine.abort(transfer.request_id)
+        # FREED and forgotten before the engine call: while it runs the reaper must not see an
+        # ABORTED transfer with no fence running and free it again.
         transfer.state = TransferState.FREED
         del self.transfers[transfer.transfer_id]
         self.transport.forget_inbound(transfer.transfer_id)
+        # AsyncEngine.abort: a stream already attached to the request ends with abort.
+        await self.engine.abort(transfer.request_id)
 
     async def _reap_forever(self) -> None:
         while True:

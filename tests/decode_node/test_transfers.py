@@ -443,3 +443,36 @@ def test_the_reaper_never_fences_a_transfer_whose_abort_is_fencing(pair: Pair) -
         assert await pair.decode_blocks_used() == 0
 
     asyncio.run(main())
+
+
+def test_the_reaper_never_frees_a_transfer_whose_abort_is_freeing(pair: Pair) -> None:
+    """The fence is done and the abort is handing the blocks back to the engine (an engine call
+    that waits for a step) when the reaper runs: it must not free the transfer a second time.
+    CI caught this: the second engine abort ended the recomputation, and the reaper's second
+    removal from the table raised KeyError."""
+    aborted: list[str] = []
+    engine_abort = pair.decode.abort
+    in_engine_abort = asyncio.Event()
+
+    async def slow_abort(request_id: str) -> bool:
+        aborted.append(request_id)
+        in_engine_abort.set()
+        await asyncio.sleep(0.2)
+        return await engine_abort(request_id)
+
+    pair.decode.abort = slow_abort
+
+    async def main() -> None:
+        transfer = await pair.manager.reserve("freeing", [5, 6, 7, 8], GREEDY, lease_s=10)
+        abort = asyncio.create_task(
+            pair.manager.abort(transfer.transfer_id, "test", AbortCause.LEASE_EXPIRED)
+        )
+        await in_engine_abort.wait()
+        await pair.manager.reap()  # before the fix: a second fence, abort and KeyError
+        await abort
+        assert transfer.state is TransferState.FREED
+        assert aborted == ["freeing"]
+        assert pair.manager.transfers == {}
+        assert await pair.decode_blocks_used() == 0
+
+    asyncio.run(main())
