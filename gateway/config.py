@@ -46,6 +46,9 @@ class RouterConfig:
     affinity_max_imbalance: int = 4
     """A prefix-affine prefill node is skipped when its queue is this much deeper than the
     least loaded one's."""
+    local_prefill_max_tokens: int = 0
+    """Conditional disaggregation: a prompt of at most this many tokens is prefilled by its
+    decode node, with no prefill node and no KV handoff. 0: every prompt goes to a prefill node."""
 
     def __post_init__(self) -> None:
         for role in ("prefill", "decode", "colocated"):
@@ -66,6 +69,10 @@ class RouterConfig:
             raise ValueError("health_interval_s and health_timeout_s must be > 0")
         if self.affinity_block_size < 1 or self.affinity_max_imbalance < 0:
             raise ValueError("affinity_block_size must be >= 1, affinity_max_imbalance >= 0")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(
+                f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}"
+            )
 
 
 @dataclass(frozen=True)
@@ -158,6 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-retries", type=int, default=2)
     add("--on-kv-failure", default=KvFailurePolicy.FAIL, choices=KvFailurePolicy.ALL)
     add("--lease-ms", type=int, default=30_000)
+    add(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=0,
+        help="prompts of at most this many tokens are prefilled on their decode node (no KV "
+        "handoff); 0: all go to a prefill node",
+    )
     add("--health-interval-s", type=float, default=1.0)
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser  # fmt: skip
@@ -186,6 +200,7 @@ def parse_gateway_config(
             max_retries=args.max_retries,
             on_kv_failure=args.on_kv_failure,
             lease_ms=args.lease_ms,
+            local_prefill_max_tokens=args.local_prefill_max_tokens,
             health_interval_s=args.health_interval_s,
         )
         return GatewayConfig(

@@ -57,6 +57,11 @@ class GatewayMetrics:
             "pdserve:request_retries", "Attempts retried on another node, by cause",
             ("cause",), registry=registry,
         )  # fmt: skip
+        self.attempts = Counter(
+            "pdserve:request_attempts", "Attempts sent to nodes, by route: disaggregated, "
+            "local_prefill (a short prompt prefilled on its decode node) or colocated",
+            ("route",), registry=registry,
+        )  # fmt: skip
         self.num_requests_running = Gauge(
             "pdserve:num_requests_running", "Requests holding an admission slot", registry=registry
         )

@@ -9,7 +9,8 @@ Life cycle of one request here:
    tokens 2..N come from the decode stream (buffered if they overtake the prefill's reply).
    If the decode node announces ``recomputing`` (``on_kv_failure=recompute`` after a failed
    push), the prefill leg is dropped and every token comes from the decode stream.
-   Colocated: one ``Generate`` stream carries every token.
+   Colocated, or a short prompt prefilled on its decode node (``local_prefill_max_tokens``):
+   one ``Generate`` stream without ``kv_source`` carries every token.
 3. RETRY: a refusal or failure before anything was sent to the client ends the attempt (both
    legs cancelled, so both nodes free their blocks); the next attempt uses a fresh leg id, so a
    fresh reservation and transfer id (peers.md #13), on nodes this request has not tried.
@@ -206,6 +207,7 @@ class RoutedGenerator:
         timeout = None if request.deadline is None else request.deadline - time.monotonic()
         if timeout is not None and timeout <= 0:
             raise _deadline_error(self.metrics)
+        self.metrics.attempts.labels(route=route.kind).inc()
         if route.prefill is None:
             leg = self._colocated(route.decode, leg_id, request, timeout)
         else:

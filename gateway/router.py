@@ -7,6 +7,10 @@
   prefix of this prompt, while its queue is at most ``affinity_max_imbalance`` deeper than the
   shortest; otherwise the shortest queue. Requests sharing a system prompt therefore land on
   the prefill node whose prefix cache holds it.
+- **Short prompts stay on the decode node** (conditional disaggregation, as in NVIDIA Dynamo):
+  a prompt of at most ``local_prefill_max_tokens`` tokens is prefilled by the decode node
+  itself. Its prefill adds a small chunk to one decode step, where on a prefill node it would
+  queue behind long prompts and then pay the reservation, push and commit.
 - **Colocated nodes** serve when no pair is available (none configured, none healthy, or all
   already tried by this request).
 
@@ -21,7 +25,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from gateway.config import RouterConfig
-from gateway.node_pool import Node, NodePool
+from gateway.node_pool import Node, NodePool, NodeRole
 from gateway.prefix_affinity import PrefixAffinity
 
 logger = logging.getLogger(__name__)
@@ -34,12 +38,15 @@ _KV_USAGE_PENALTY = 32
 @dataclass(frozen=True)
 class Route:
     decode: Node
-    """The decode node, or the colocated node when ``prefill`` is None."""
+    """Generates; it also computes the prompt when ``prefill`` is None."""
     prefill: Node | None
 
     @property
-    def is_colocated(self) -> bool:
-        return self.prefill is None
+    def kind(self) -> str:
+        """The metric label: ``disaggregated``, ``local_prefill`` or ``colocated``."""
+        if self.prefill is not None:
+            return "disaggregated"
+        return "local_prefill" if self.decode.role is NodeRole.DECODE else "colocated"
 
 
 def _prefill_queue(node: Node) -> int:
@@ -62,6 +69,8 @@ class Router:
         prefills = [n for n in self.pool.prefill if n.is_healthy and n.address not in exclude]
         if decodes and prefills:
             decode = min(decodes, key=_decode_work)
+            if len(prompt) <= self.config.local_prefill_max_tokens:
+                return Route(decode=decode, prefill=None)
             prefill = self.pick_prefill(prompt, prefills)
             self.affinity.record(prompt, prefill.address)
             return Route(decode=decode, prefill=prefill)

@@ -23,3 +23,14 @@ def test_client_send_timeout_from_flag_env_or_default(tiny_llama_dir: Path) -> N
     assert parse(tiny_llama_dir, "--client-send-timeout-s", "0").client_send_timeout_s is None
     with pytest.raises(SystemExit):
         parse(tiny_llama_dir, "--client-send-timeout-s", "-1")
+
+
+def test_local_prefill_max_tokens_from_flag_env_or_default(tiny_llama_dir, capsys) -> None:
+    assert parse(tiny_llama_dir).router.local_prefill_max_tokens == 0
+    flag = parse(tiny_llama_dir, "--local-prefill-max-tokens", "128")
+    assert flag.router.local_prefill_max_tokens == 128
+    from_env = parse(tiny_llama_dir, PDSERVE_LOCAL_PREFILL_MAX_TOKENS="64")
+    assert from_env.router.local_prefill_max_tokens == 64
+    with pytest.raises(SystemExit):
+        parse(tiny_llama_dir, "--local-prefill-max-tokens", "-1")
+    assert "local_prefill_max_tokens must be >= 0" in capsys.readouterr().err

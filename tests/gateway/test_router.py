@@ -14,7 +14,9 @@ from gateway.router import Router
 BLOCK = 4
 
 
-def make_router(prefill: int = 2, decode: int = 2, colocated: int = 0) -> Router:
+def make_router(
+    prefill: int = 2, decode: int = 2, colocated: int = 0, local_prefill_max_tokens: int = 0
+) -> Router:
     pool = NodePool(
         tuple(f"127.0.0.1:{6100 + i}" for i in range(prefill)),
         tuple(f"127.0.0.1:{7100 + i}" for i in range(decode)),
@@ -28,6 +30,7 @@ def make_router(prefill: int = 2, decode: int = 2, colocated: int = 0) -> Router
         colocated=tuple(n.address for n in pool.colocated),
         affinity_block_size=BLOCK,
         affinity_max_imbalance=2,
+        local_prefill_max_tokens=local_prefill_max_tokens,
     )
     return Router(pool, config)
 
@@ -103,7 +106,7 @@ def test_unhealthy_draining_and_excluded_nodes_are_skipped(loop) -> None:
     assert (route.prefill, route.decode) == (p1, d0)
     # Every pair tried: the colocated node is the fallback.
     route = router.pick([1] * 8, exclude={d0.address})
-    assert route.is_colocated and route.decode is router.pool.colocated[0]
+    assert route.kind == "colocated" and route.decode is router.pool.colocated[0]
     router.pool.colocated[0].health = NodeHealth.UNHEALTHY
     assert router.pick([1] * 8, exclude={d0.address}) is None
 
@@ -127,3 +130,22 @@ def test_a_node_that_comes_back_loses_its_prefix_affinity(loop) -> None:
     assert router.affinity.matched_tokens(prompt) == {first.address: 16}
     router.forget(first)  # what the gateway does when a poll finds it back from UNHEALTHY
     assert router.affinity.matched_tokens(prompt) == {}
+
+
+def test_short_prompts_are_prefilled_on_the_least_loaded_decode_node(loop) -> None:
+    router = make_router(local_prefill_max_tokens=16)
+    d0, d1 = router.pool.decode
+    d0.load = NodeLoad(num_running=3)
+    route = router.pick([1] * 16)
+    assert (route.prefill, route.decode, route.kind) == (None, d1, "local_prefill")
+    assert router.affinity.matched_tokens([1] * 16) == {}  # no prefill node saw it
+    route = router.pick([1] * 17)
+    assert route.kind == "disaggregated" and route.decode is d1
+    # A refusal by the only other decode node: the short prompt goes to the loaded one.
+    route = router.pick([1] * 4, exclude={d1.address})
+    assert (route.prefill, route.decode) == (None, d0)
+
+
+def test_without_a_threshold_every_prompt_goes_to_a_prefill_node(loop) -> None:
+    router = make_router()
+    assert router.pick([7]).kind == "disaggregated"

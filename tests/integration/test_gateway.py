@@ -175,6 +175,28 @@ def test_colocated_greedy_equals_the_single_engine(tiny_llama_dir: Path, expecte
     run_stack(tiny_llama_dir, body, colocated=True)
 
 
+def test_short_prompts_are_prefilled_on_the_decode_node(tiny_llama_dir: Path, expected) -> None:
+    """--local-prefill-max-tokens 40: the prompts of 3, 16 and 40 tokens never reach the prefill
+    node (its engine saw two requests), the greedy tokens are the single engine's either way."""
+    prompts, tokens = expected
+
+    async def body(stack: Stack) -> None:
+        results = await asyncio.gather(*(stack.generate(p) for p in prompts))
+        assert [r[0] for r in results] == tokens
+        registry = stack.gateway.metrics.registry
+        attempts = {
+            route: registry.get_sample_value("pdserve:request_attempts_total", {"route": route})
+            for route in ("local_prefill", "disaggregated")
+        }
+        assert attempts == {"local_prefill": 3.0, "disaggregated": 2.0}
+        _, prefill_engine = stack.nodes["prefill"]
+        stats = await prefill_engine.call(lambda core: core.stats())
+        assert stats.prefix_cache_queried_tokens == 100 + 150  # the long prompts only
+        await stack.wait_all_free()
+
+    run_stack(tiny_llama_dir, body, extra=["--local-prefill-max-tokens", "40"])
+
+
 def test_a_full_decode_node_is_retried_on_another(tiny_llama_dir: Path, expected) -> None:
     prompts, tokens = expected
 
