@@ -149,9 +149,9 @@ class TransferManager:
     ) -> Transfer | None:
         """Blocks for the prompt, or None when the engine has no room (RESOURCE_EXHAUSTED).
         Input errors raise ``ValueError`` naming the field (INVALID_ARGUMENT)."""
-        block_ids = await self.engine.call(
-            lambda engine: engine.reserve(request_id, prompt_token_ids, params)
-        )
+        # AsyncEngine.reserve: a caller cancelled before the transfer below is recorded (no
+        # lease, no reaper would ever see it) leaves no blocks behind.
+        block_ids = await self.engine.reserve(request_id, prompt_token_ids, params)
         if block_ids is None:
             return None
         transfer = Transfer(

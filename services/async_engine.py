@@ -12,8 +12,10 @@ Life cycle:
                      while its add is still queued) aborts the request: it leaves the batch
                      before the next step and its blocks are freed — except a RESERVED
                      request's, which its owner frees after a fence.
-3. ``call(fn)``      runs ``fn(engine)`` on the engine thread between two steps (reserve,
-                     commit, stats, ...): the engine itself is never touched from two threads.
+3. ``call(fn)``      runs ``fn(engine)`` on the engine thread between two steps (commit,
+                     stats, ...): the engine itself is never touched from two threads.
+                     ``reserve()`` is the one such call with its own method: a caller that goes
+                     away while it is queued must not leave the blocks it took behind.
 4. ``shutdown()``    stops the loop; requests still streaming end with finish reason ``abort``.
 
 grpc.aio handlers never block on the engine: they await queues fed by the engine thread through
@@ -143,6 +145,31 @@ class AsyncEngine:
             raise
         async for output in self._drain(request_id, stream):
             yield output
+
+    async def reserve(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> list[int] | None:
+        """``EngineCore.reserve`` on the engine thread: the blocks' ids, or None (no room)."""
+        is_reserved = False  # set and read on the engine thread only
+
+        def reserve_on_engine(engine: EngineCore) -> list[int] | None:
+            nonlocal is_reserved
+            block_ids = engine.reserve(request_id, prompt_token_ids, params)
+            is_reserved = block_ids is not None
+            return block_ids
+
+        def take_back() -> None:
+            if is_reserved:
+                self._abort_on_engine(request_id)
+
+        try:
+            return await self.call(reserve_on_engine)
+        except asyncio.CancelledError:
+            # The caller went away while the reservation was queued (behind a long step): it
+            # still runs, and nobody holds its blocks — no transfer id was handed out, so no
+            # peer can be writing into them and they are freed at once, without a fence.
+            self._submit(take_back)
+            raise
 
     async def attach(self, request_id: str) -> AsyncIterator[EngineCoreOutput]:
         """Register for the outputs of a request that entered the engine another way (a decode

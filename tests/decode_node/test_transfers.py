@@ -8,6 +8,7 @@ TransferManager reserved.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -474,5 +475,29 @@ def test_the_reaper_never_frees_a_transfer_whose_abort_is_freeing(pair: Pair) ->
         assert aborted == ["freeing"]
         assert pair.manager.transfers == {}
         assert await pair.decode_blocks_used() == 0
+
+    asyncio.run(main())
+
+
+def test_a_reserve_whose_caller_goes_away_leaves_no_blocks(pair: Pair) -> None:
+    """The Generate stream is cancelled (client gone, deadline past) while its reservation waits
+    behind a busy engine: the reservation still runs on the engine thread, and with no transfer
+    recorded for it, no lease or reaper would ever free its blocks."""
+    gate = threading.Event()
+
+    async def main() -> None:
+        busy = asyncio.ensure_future(pair.decode.call(lambda e: gate.wait(5)))
+        reserve = asyncio.ensure_future(
+            pair.manager.reserve("gone", [5, 6, 7, 8], GREEDY, lease_s=10)
+        )
+        await asyncio.sleep(0)  # the reservation is queued behind the busy command
+        reserve.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reserve
+        gate.set()
+        await busy
+        assert pair.manager.transfers == {}
+        assert await pair.decode_blocks_used() == 0
+        assert not await pair.decode.call(lambda e: e.has_unfinished_requests)
 
     asyncio.run(main())

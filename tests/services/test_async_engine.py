@@ -127,6 +127,27 @@ def test_a_caller_cancelled_before_its_add_ran_leaves_nothing(engine, hold_kv) -
     asyncio.run(main())
 
 
+def test_a_caller_cancelled_before_its_reservation_ran_leaves_nothing(engine) -> None:
+    """A decode node's reservation queued behind a long command when its Generate stream goes
+    away: it still runs, and is taken back — no transfer was recorded to free it later."""
+    gate = threading.Event()
+
+    async def main() -> None:
+        busy = asyncio.ensure_future(engine.call(lambda e: gate.wait(5)))
+        task = asyncio.ensure_future(engine.reserve("gone", list(range(10, 60)), GREEDY))
+        await asyncio.sleep(0)  # the reservation is queued behind the busy command
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()
+        await busy
+        assert await engine.call(lambda e: e.stats().num_blocks_used) == 0
+        assert await engine.reserve("kept", list(range(10, 60)), GREEDY)
+        assert await engine.call(lambda e: e.stats().num_blocks_used) > 0
+
+    asyncio.run(main())
+
+
 def test_bad_input_raises_value_error_and_leaks_nothing(engine: AsyncEngine) -> None:
     async def main() -> None:
         with pytest.raises(ValueError, match="prompt_token_ids is empty"):
