@@ -17,7 +17,8 @@ Life cycle of a transfer (design §3):
   moves to ABORTED and frees the blocks only after ``fence`` proves that no byte of the transfer
   can still land (peers.md #1, #3). A fence that times out leaves the blocks quarantined; the
   reaper retries it. Each abort records its ``AbortCause``: the servicer recomputes the prompt
-  itself after a failure (``on_kv_failure=recompute``), never after the caller's own abort.
+  itself after a failure (``on_kv_failure=recompute``), never after the caller's own abort —
+  even one that comes while a failure's fence runs: it takes over the cause.
 - The reaper runs every ``reap_interval_s``: it aborts leases past their deadline and transfers
   whose writer ended them (failed, cancelled or timed out: no commit can follow, so waiting for
   the lease would only delay the caller, peers.md #4), and retries quarantined fences. Every
@@ -250,17 +251,17 @@ class TransferManager:
         await self._fence_and_free(transfer)
 
     async def abort_request(self, request_id: str, reason: str, cause: AbortCause) -> bool:
-        """Abort the request's open transfer, if it has one (True); its blocks are freed after
-        the fence, like any abort."""
-        open_transfers = [
-            t
-            for t in self.transfers.values()
-            if t.request_id == request_id
-            and (t.state in _OPEN or t.state is TransferState.COMMITTING)
-        ]
-        for transfer in open_transfers:
+        """Abort the request's transfer, if it still holds its blocks (True); they are freed
+        after the fence, like any abort."""
+        # ABORTED ones too (a failure's fence running, or quarantined): their blocks are freed by
+        # the fence, never by the engine abort the servicer falls back to when this is False.
+        transfers = [t for t in self.transfers.values() if t.request_id == request_id]
+        for transfer in transfers:
+            if transfer.state is TransferState.ABORTED and cause is AbortCause.CALLER:
+                # The caller's abort wins over the failure: its stream must not recompute.
+                transfer.abort_cause, transfer.abort_reason = cause, reason
             await self.abort(transfer.transfer_id, reason, cause)
-        return bool(open_transfers)
+        return bool(transfers)
 
     async def reap(self) -> None:
         """Abort expired leases and transfers their writer ended; retry quarantined fences."""

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from decode_node.servicer import DecodeServicer
 from decode_node.transfers import AbortCause, CommitRefused, TransferManager, TransferState
 from kv_transfer import LoopbackFaults, LoopbackTransport, PageCopy, make_transport
+from pdserve.v1 import decode_pb2
 from services.async_engine import AsyncEngine
 from services.engine import LLM, EngineCore, FinishReason, SamplingParams
 from services.engine.kv_layout import layer_copies
@@ -499,5 +501,52 @@ def test_a_reserve_whose_caller_goes_away_leaves_no_blocks(pair: Pair) -> None:
         assert pair.manager.transfers == {}
         assert await pair.decode_blocks_used() == 0
         assert not await pair.decode.call(lambda e: e.has_unfinished_requests)
+
+    asyncio.run(main())
+
+
+class GatedFence:
+    """Wraps a transport whose fence waits for ``release`` (writes still draining)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.entered, self.release = inner, threading.Event(), threading.Event()
+
+    def fence(self, transfer_id: str, timeout: float) -> bool:
+        self.entered.set()
+        self.release.wait(5)
+        return self.inner.fence(transfer_id, timeout)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def test_an_abort_rpc_during_a_failures_fence_waits_for_it_and_is_not_recomputed(
+    pair: Pair,
+) -> None:
+    """The lease expired and its fence is running when the caller's Abort comes. The transfer
+    is ABORTED, not open: the Abort must neither free the blocks through the engine before the
+    fence proves the transport quiet, nor leave the stream to recompute the prompt (the id the
+    fence's own engine abort would then end)."""
+    fence = GatedFence(pair.receiver)
+    pair.manager.transport = fence
+    servicer = DecodeServicer(None, pair.decode, None, pair.manager, None)
+
+    async def main() -> None:
+        transfer = await pair.manager.reserve("late", [5, 6, 7, 8], GREEDY, lease_s=10)
+        stream = await pair.decode.attach("late")
+        expire = asyncio.create_task(
+            pair.manager.abort(transfer.transfer_id, "lease expired", AbortCause.LEASE_EXPIRED)
+        )
+        await asyncio.to_thread(fence.entered.wait, 5)
+        response = await servicer.Abort(decode_pb2.AbortRequest(request_id="late"), None)
+        assert response.found
+        assert await pair.decode_blocks_used() > 0  # still fencing: nothing freed yet
+        fence.release.set()
+        await expire
+        outputs = [out async for out in stream]
+        assert outputs[-1].finish_reason is FinishReason.ABORT
+        assert transfer.state is TransferState.FREED
+        assert transfer.abort_cause is AbortCause.CALLER  # the servicer will not recompute
+        assert await pair.decode_blocks_used() == 0
 
     asyncio.run(main())
