@@ -211,9 +211,10 @@ class TransferManager:
             await self.engine.commit(transfer.request_id, first_token_id, logprobs)
         except (KeyError, ValueError) as exc:
             transfer.state = previous
-            await self.abort(
-                transfer_id, f"commit rejected by the engine: {exc}", AbortCause.BAD_COMMIT
-            )
+            # A caller's abort kept while the engine call ran is still the caller's: the stream
+            # (open if it came by the Abort RPC) must end, not recompute.
+            cause = AbortCause.CALLER if transfer.is_abandoned else AbortCause.BAD_COMMIT
+            await self.abort(transfer_id, f"commit rejected by the engine: {exc}", cause)
             raise CommitRefused(str(exc)) from None
         transfer.state = TransferState.COMMITTED
         # From here the blocks belong to the running request; the engine frees them at its end.

@@ -550,3 +550,29 @@ def test_an_abort_rpc_during_a_failures_fence_waits_for_it_and_is_not_recomputed
         assert await pair.decode_blocks_used() == 0
 
     asyncio.run(main())
+
+
+def test_a_caller_abort_while_a_refused_commit_runs_is_not_recomputed(pair: Pair) -> None:
+    """The Abort RPC comes while the engine is taking the commit (kept for after it); the engine
+    then refuses the commit. The abort that follows is the caller's: the stream, still open,
+    must end rather than recompute the prompt the caller gave up on."""
+    prompt = list(range(200, 250))
+    pair.manager.engine = GatedCommit(pair.decode)
+
+    async def main() -> None:
+        transfer = await pair.manager.reserve("refused", prompt, GREEDY, lease_s=10)
+        pair.first_token("refused", prompt)
+        assert (await pair.push("refused", transfer).wait_async(5)).value == "done"
+        pair.prefill.release_kv("refused")
+        commit = asyncio.ensure_future(pair.manager.commit(transfer.transfer_id, 10**6))
+        while transfer.state is not TransferState.COMMITTING:
+            await asyncio.sleep(0.01)
+        assert await pair.manager.abort_request("refused", "Abort", AbortCause.CALLER)
+        pair.manager.engine.gate.set()
+        with pytest.raises(CommitRefused, match="outside the vocabulary"):
+            await commit
+        assert transfer.state is TransferState.FREED
+        assert transfer.abort_cause is AbortCause.CALLER  # the servicer will not recompute
+        assert await pair.decode_blocks_used() == 0
+
+    asyncio.run(main())
