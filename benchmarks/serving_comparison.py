@@ -296,7 +296,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default="2GiB")
     parser.add_argument(
         "--local-prefill-max-tokens", type=int, default=256,
-        help="the conditional system: prompts of at most this many tokens prefill on the decode node",
+        help="conditional system: prompts of at most this many tokens prefill on the decode node",
     )  # fmt: skip
     parser.add_argument("--vllm-venv", default="~/.cache/pdserve/vllm-cpu")
     parser.add_argument("--seed", type=int, default=0)
