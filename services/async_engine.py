@@ -16,7 +16,13 @@ Life cycle:
                      stats, ...): the engine itself is never touched from two threads.
                      ``reserve()`` is the one such call with its own method: a caller that goes
                      away while it is queued must not leave the blocks it took behind.
-4. ``shutdown()``    stops the loop; requests still streaming end with finish reason ``abort``.
+4. ``stats``         the engine's counts as of its last step or command, read without waiting:
+                     a load report or health poll must never queue behind a long step (a
+                     1,536-token prefill on one core took longer than the gateway's 2 s poll,
+                     so a busy prefill node looked dead). Refreshed on the engine thread before
+                     any output or ``call`` result is handed over, so whoever sees a request
+                     end or a call return reads stats that include it.
+5. ``shutdown()``    stops the loop; requests still streaming end with finish reason ``abort``.
 
 grpc.aio handlers never block on the engine: they await queues fed by the engine thread through
 ``loop.call_soon_threadsafe``.
@@ -42,7 +48,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from services.engine import EngineCore, EngineCoreOutput, FinishReason, SamplingParams
+from services.engine import (
+    EngineCore,
+    EngineCoreOutput,
+    EngineStats,
+    FinishReason,
+    SamplingParams,
+)
 from services.engine.request import RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -70,8 +82,10 @@ class AsyncEngine:
         ``self.engine`` exists once ``start()`` has returned)."""
         self.engine: EngineCore
         self._factory: Callable[[], EngineCore] | None = None
+        self._stats: EngineStats | None = None  # written on the engine thread only
         if isinstance(engine, EngineCore):
             self.engine = engine
+            self._stats = engine.stats()  # the thread is not started: no one else touches it
         else:
             self._factory = engine
         self._built = threading.Event()
@@ -99,6 +113,13 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
 
+    @property
+    def stats(self) -> EngineStats:
+        """The snapshot of the last step or command (a frozen dataclass, swapped whole)."""
+        if not self.is_running or self._stats is None:
+            raise EngineDeadError(f"the engine is not running ({self._error or 'stopped'})")
+        return self._stats
+
     async def call(self, fn: Callable[[EngineCore], T]) -> T:
         """Run ``fn(engine)`` on the engine thread; its result or exception comes back here."""
         loop = asyncio.get_running_loop()
@@ -108,8 +129,10 @@ class AsyncEngine:
             try:
                 result = fn(self.engine)
             except BaseException as exc:  # noqa: BLE001 (handed to the caller)
+                self._refresh_stats()
                 loop.call_soon_threadsafe(_set_exception, future, exc)
             else:
+                self._refresh_stats()
                 loop.call_soon_threadsafe(_set_result, future, result)
 
         if not self._submit(command):
@@ -244,6 +267,7 @@ class AsyncEngine:
         """Abort on the engine thread; a stream still being read ends with finish reason abort."""
         found = self.engine.abort(request_id)
         stream = self._streams.pop(request_id, None)
+        self._refresh_stats()
         if stream is not None:
             ended = EngineCoreOutput(request_id, [], None, FinishReason.ABORT, 0)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, ended)
@@ -253,6 +277,7 @@ class AsyncEngine:
         if self._factory is not None:
             try:
                 self.engine = self._factory()
+                self._refresh_stats()
             except BaseException as exc:  # noqa: BLE001 (raised again by start())
                 self._error = exc
                 self._stopping.set()
@@ -264,6 +289,7 @@ class AsyncEngine:
         try:
             while not self._stopping.is_set():
                 self._run_commands(block=not self.engine.has_work)
+                self._refresh_stats()  # commands that were not calls (a stream's abandon)
                 if self.engine.has_work and not self._stopping.is_set():
                     self._publish(self.engine.step())
         except BaseException as exc:  # noqa: BLE001 (a crashed step must reach every stream)
@@ -290,6 +316,7 @@ class AsyncEngine:
         # One hand-off per loop per step, not one per request: each call_soon_threadsafe wakes
         # the loop and takes the GIL, which the engine thread needs between every op it
         # dispatches (a 64 x 256/64 burst served: 243 -> 274 output tok/s on the same host).
+        self._refresh_stats()
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
@@ -300,6 +327,9 @@ class AsyncEngine:
             deliveries.setdefault(stream.loop, []).append((stream.queue, output))
         for loop, items in deliveries.items():
             loop.call_soon_threadsafe(_deliver, items)
+
+    def _refresh_stats(self) -> None:
+        self._stats = self.engine.stats()
 
     def _end_streams(self) -> None:
         """Every open stream ends: with the crash, or with finish reason abort on shutdown."""

@@ -107,7 +107,7 @@ class NodeMetrics:
     async def refresh_forever(self, engine: AsyncEngine, interval_s: float = 0.5) -> None:
         while True:
             try:
-                stats = await engine.call(lambda e: e.stats())
+                stats = engine.stats
             except EngineDeadError:
                 return
             self.num_requests_running.set(stats.num_running)

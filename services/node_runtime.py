@@ -57,9 +57,10 @@ async def load_report(
     server: NodeServerRef,
     context: grpc.aio.ServicerContext,
 ) -> common_pb2.LoadReport:
-    """GetLoad for every role: the engine's stats as the router reads them."""
+    """GetLoad for every role: the engine's stats as the router reads them — the last step's
+    snapshot, never waiting for the step in progress (the gateway's poll has a deadline)."""
     try:
-        stats = await engine.call(lambda core: core.stats())
+        stats = engine.stats
     except EngineDeadError as exc:
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
     return load_report_to_proto(

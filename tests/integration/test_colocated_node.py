@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from services.node_runtime import start_node
 
 MAX_MODEL_LEN = 128
 GREEDY = common_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+GREEDY_PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def node_argv(model_dir: Path) -> list[str]:
@@ -39,15 +41,17 @@ def node_argv(model_dir: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def run_with_node(model_dir: Path, body) -> None:
-    """Start a node in this process, run ``await body(stub)``, then drain it."""
+def run_with_node(model_dir: Path, body, *, with_engine: bool = False) -> None:
+    """Start a node in this process, run ``await body(stub)`` (``body(stub, engine)`` with
+    ``with_engine``), then drain it."""
 
     async def main() -> None:
         config = parse_node_config(node_argv(model_dir), {}, role=Role.DECODE)
         server, engine = await start_node(config, decode_services)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
         try:
-            await body(decode_pb2_grpc.DecodeServiceStub(channel))
+            stub = decode_pb2_grpc.DecodeServiceStub(channel)
+            await (body(stub, engine) if with_engine else body(stub))
         finally:
             await channel.close()
             await server.drain()
@@ -156,6 +160,28 @@ def test_a_cancelled_stream_frees_its_blocks_and_abort_ends_a_stream(tiny_llama_
         assert not (await stub.Abort(decode_pb2.AbortRequest(request_id="abort-me"))).found
 
     run_with_node(tiny_llama_dir, body)
+
+
+def test_get_load_answers_while_the_engine_is_busy(tiny_llama_dir: Path) -> None:
+    """The gateway polls GetLoad with a deadline: a node whose engine is in a long step (here
+    held in a call) still answers, from the last step's snapshot, and the report counts what the
+    engine did before."""
+
+    async def body(stub, engine) -> None:
+        await engine.reserve("held", list(range(10, 50)), GREEDY_PARAMS)
+        gate = threading.Event()
+        busy = asyncio.ensure_future(engine.call(lambda core: gate.wait(10)))
+        try:
+            report = await stub.GetLoad(common_pb2.GetLoadRequest(), timeout=2)
+            assert report.num_reserved == 1 and report.kv_blocks_used > 0
+            assert not busy.done()
+        finally:
+            gate.set()
+            await busy
+        await engine.abort("held")
+        await wait_idle(stub)
+
+    run_with_node(tiny_llama_dir, body, with_engine=True)
 
 
 def test_kv_source_is_refused_by_a_colocated_node(tiny_llama_dir: Path) -> None:

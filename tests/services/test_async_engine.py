@@ -294,3 +294,31 @@ def test_a_failing_factory_fails_start_and_the_engine_refuses_calls() -> None:
     assert not async_engine.is_running
     with pytest.raises(EngineDeadError, match="/nowhere"):
         asyncio.run(async_engine.call(lambda core: core.stats()))
+
+
+def test_stats_answer_at_once_while_a_step_runs_and_include_what_returned(engine) -> None:
+    """``stats`` never waits for the engine thread (a load report must not queue behind a long
+    prefill step), and it already counts whatever a returned call or an ended stream did."""
+    gate = threading.Event()
+
+    async def main() -> None:
+        assert engine.stats.num_blocks_used == 0
+        block_ids = await engine.reserve("held", list(range(10, 50)), GREEDY)
+        assert engine.stats.num_reserved == 1
+        assert engine.stats.num_blocks_used == len(block_ids)
+        busy = asyncio.ensure_future(engine.call(lambda e: gate.wait(5)))
+        await asyncio.sleep(0.05)  # the engine thread is inside the busy call now
+        assert engine.stats.num_reserved == 1  # answered while the thread is held
+        assert not busy.done()
+        gate.set()
+        await busy
+        await engine.abort("held")
+        assert engine.stats.num_reserved == engine.stats.num_blocks_used == 0
+        tokens = await collect(engine, "streamed", list(range(60, 80)), GREEDY)
+        assert len(tokens) == 10
+        assert engine.stats.num_blocks_used == 0  # freed before its last output was handed over
+        engine.shutdown()
+        with pytest.raises(EngineDeadError):
+            engine.stats  # noqa: B018
+
+    asyncio.run(main())
