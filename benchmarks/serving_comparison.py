@@ -320,12 +320,16 @@ def main() -> None:
             for name, result in run_system(system, args, args.out).items():
                 summary[f"{system}/{name}"] = result["summary"]
     (args.out / f"summary-{args.scenario}.json").write_text(json.dumps(summary, indent=2))
-    keys = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
-            "p99_tpot_ms", "median_itl_ms")  # fmt: skip
+    # completed / failed first: a system that refuses requests looks fast on the rest.
+    keys = ("completed", "failed", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
+            "median_tpot_ms", "p99_tpot_ms", "median_itl_ms")  # fmt: skip
     print("| run | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 1) + "|")
     for name, stats in summary.items():
         print(f"| {name} | " + " | ".join(f"{stats.get(k, float('nan')):.1f}" for k in keys) + " |")
+    for name, stats in summary.items():
+        if stats.get("failed"):
+            print(f"WARNING {name}: {stats['failed']} requests failed: {stats.get('errors')}")
 
 
 if __name__ == "__main__":

@@ -67,10 +67,11 @@ class Router:
     def pick(self, prompt: Sequence[int], exclude: Collection[str] = ()) -> Route | None:
         decodes = [n for n in self.pool.decode if n.is_healthy and n.address not in exclude]
         prefills = [n for n in self.pool.prefill if n.is_healthy and n.address not in exclude]
+        if decodes and len(prompt) <= self.config.local_prefill_max_tokens:
+            # Needs no prefill node: served even while none is healthy.
+            return Route(decode=min(decodes, key=_decode_work), prefill=None)
         if decodes and prefills:
             decode = min(decodes, key=_decode_work)
-            if len(prompt) <= self.config.local_prefill_max_tokens:
-                return Route(decode=decode, prefill=None)
             prefill = self.pick_prefill(prompt, prefills)
             self.affinity.record(prompt, prefill.address)
             return Route(decode=decode, prefill=prefill)

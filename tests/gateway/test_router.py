@@ -144,6 +144,11 @@ def test_short_prompts_are_prefilled_on_the_least_loaded_decode_node(loop) -> No
     # A refusal by the only other decode node: the short prompt goes to the loaded one.
     route = router.pick([1] * 4, exclude={d1.address})
     assert (route.prefill, route.decode) == (None, d0)
+    # No prefill node is needed for it: short prompts are served while none is healthy.
+    for node in router.pool.prefill:
+        node.mark_failed("UNAVAILABLE")
+    assert router.pick([1] * 16).kind == "local_prefill"
+    assert router.pick([1] * 17) is None
 
 
 def test_without_a_threshold_every_prompt_goes_to_a_prefill_node(loop) -> None:
