@@ -352,19 +352,23 @@ def test_gateway_restarted_while_streams_are_open(healthy: Cluster) -> None:
 
 
 def test_a_short_soak_loses_and_leaks_nothing(healthy: Cluster) -> None:
-    """benchmarks/soak.py for a few seconds: random streams, a fifth of them cancelled."""
+    """benchmarks/soak.py for a few seconds: random streams, a fifth of them cancelled.
+
+    Load sized to the request deadline: prefill-0 holds every push 1.5 s and computes 16 tokens
+    a step, so 8 streams of up to 120 tokens queued there past the 8 s deadline (an HTTP 504
+    now and then on a busy 2-core host): the deadline working, not a loss or a leak."""
     spec = importlib.util.spec_from_file_location("soak", REPO / "benchmarks/soak.py")
     soak = importlib.util.module_from_spec(spec)
     sys.modules["soak"] = soak  # dataclasses look their module up while the class is built
     spec.loader.exec_module(soak)
     args = soak.build_parser().parse_args(
         ["--base-url", healthy.base_url, "--model", "tiny-llama", "--duration-s", "12",
-         "--concurrency", "8", "--max-input-len", "120", "--max-output-len", "32",
+         "--concurrency", "4", "--max-input-len", "64", "--max-output-len", "32",
          *(f"--node={name}={healthy.address(name)}" for name in healthy.node_names),
          *(f"--process={name}={healthy.pid(name)}" for name in [*healthy.node_names, "gateway"])],
     )  # fmt: skip
     report = asyncio.run(soak.soak(args))
-    assert report.errors == {}
+    assert report.errors == {}, healthy.log.getvalue()[-3000:]
     assert report.completed > 0 and report.cancelled > 0
     assert set(report.blocks_in_use_end) == set(healthy.node_names)
     assert not any(report.blocks_in_use_end.values())
