@@ -113,16 +113,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         clock = DecodeClock(started=time.monotonic(), from_peer=False)
         num_generated = 0
         last: EngineCoreOutput | None = None
+        # aclosing: a stream closed at a yield aborts the request now, not when the suspended
+        # engine stream is garbage-collected.
+        outputs = self.engine.generate(request_id, prompt, params)
         try:
-            async for out in self.engine.generate(request_id, prompt, params):
-                now = time.monotonic()
-                clock.observe(out, now)
-                if num_generated == 0 and out.new_token_ids:
-                    self.metrics.time_to_first_token.observe(now - clock.started)
-                last = out
-                num_generated += len(out.new_token_ids)
-                if out.new_token_ids:
-                    yield decode_pb2.GenerateResponse(tokens=_delta(out))
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    now = time.monotonic()
+                    clock.observe(out, now)
+                    if num_generated == 0 and out.new_token_ids:
+                        self.metrics.time_to_first_token.observe(now - clock.started)
+                    last = out
+                    num_generated += len(out.new_token_ids)
+                    if out.new_token_ids:
+                        yield decode_pb2.GenerateResponse(tokens=_delta(out))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineDeadError as exc:
@@ -173,12 +177,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             num_generated = 1  # the first token came from the prefill node
             last: EngineCoreOutput | None = None
             clock = DecodeClock(started=0.0, from_peer=True)
-            async for out in stream:
-                clock.observe(out, time.monotonic())
-                last = out
-                num_generated += len(out.new_token_ids)
-                if out.new_token_ids:
-                    yield decode_pb2.GenerateResponse(tokens=_delta(out))
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    clock.observe(out, time.monotonic())
+                    last = out
+                    num_generated += len(out.new_token_ids)
+                    if out.new_token_ids:
+                        yield decode_pb2.GenerateResponse(tokens=_delta(out))
             if transfer.state is TransferState.FREED or transfer.state is TransferState.ABORTED:
                 # Fenced and freed before its commit (the stream ends only after the fence).
                 cause = transfer.abort_cause

@@ -44,7 +44,7 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -194,7 +194,7 @@ class AsyncEngine:
             self._submit(take_back)
             raise
 
-    async def attach(self, request_id: str) -> AsyncIterator[EngineCoreOutput]:
+    async def attach(self, request_id: str) -> AsyncGenerator[EngineCoreOutput, None]:
         """Register for the outputs of a request that entered the engine another way (a decode
         node's reservation) and return their stream. Await it before the commit: once it
         returns, no output can be missed."""
@@ -238,7 +238,9 @@ class AsyncEngine:
             self._commands.put(command)
             return True
 
-    async def _drain(self, request_id: str, stream: _Stream) -> AsyncIterator[EngineCoreOutput]:
+    async def _drain(
+        self, request_id: str, stream: _Stream
+    ) -> AsyncGenerator[EngineCoreOutput, None]:
         finished = False
         try:
             while not finished:
