@@ -418,19 +418,31 @@ class SlowFence:
         return getattr(self.inner, name)
 
 
+def record_engine_aborts(
+    pair: Pair, *, entered: asyncio.Event | None = None, delay_s: float = 0.0
+) -> list[str]:
+    """Wrap the decode engine's ``abort``: the returned list records each request id aborted;
+    ``entered`` is set as an abort begins, and ``delay_s`` holds it open before it runs."""
+    aborted: list[str] = []
+    engine_abort = pair.decode.abort
+
+    async def recording_abort(request_id: str) -> bool:
+        aborted.append(request_id)
+        if entered is not None:
+            entered.set()
+        await asyncio.sleep(delay_s)
+        return await engine_abort(request_id)
+
+    pair.decode.abort = recording_abort
+    return aborted
+
+
 def test_the_reaper_never_fences_a_transfer_whose_abort_is_fencing(pair: Pair) -> None:
     """An abort's fence is slow; the reaper runs meanwhile and sees the transfer ABORTED. It
     must not fence and free it a second time: the second free would abort the request id again,
     and a decode node that recomputes reuses that id for the recomputation."""
     pair.manager.transport = SlowFence(pair.receiver, delay_s=0.3)
-    aborted: list[str] = []
-    engine_abort = pair.decode.abort
-
-    async def counting_abort(request_id: str) -> bool:
-        aborted.append(request_id)
-        return await engine_abort(request_id)
-
-    pair.decode.abort = counting_abort
+    aborted = record_engine_aborts(pair)
 
     async def main() -> None:
         transfer = await pair.manager.reserve("slow", [5, 6, 7, 8], GREEDY, lease_s=10)
@@ -453,17 +465,8 @@ def test_the_reaper_never_frees_a_transfer_whose_abort_is_freeing(pair: Pair) ->
     that waits for a step) when the reaper runs: it must not free the transfer a second time.
     CI caught this: the second engine abort ended the recomputation, and the reaper's second
     removal from the table raised KeyError."""
-    aborted: list[str] = []
-    engine_abort = pair.decode.abort
     in_engine_abort = asyncio.Event()
-
-    async def slow_abort(request_id: str) -> bool:
-        aborted.append(request_id)
-        in_engine_abort.set()
-        await asyncio.sleep(0.2)
-        return await engine_abort(request_id)
-
-    pair.decode.abort = slow_abort
+    aborted = record_engine_aborts(pair, entered=in_engine_abort, delay_s=0.2)
 
     async def main() -> None:
         transfer = await pair.manager.reserve("freeing", [5, 6, 7, 8], GREEDY, lease_s=10)
