@@ -1,8 +1,8 @@
 """``python -m deploy.generate [--topology FILE]``: writes ``deploy/docker-compose.yml``, its CPU
-override ``deploy/docker-compose.cpu.yml`` and ``deploy/envoy/envoy.yaml`` from one topology, so
-node counts, ports and GPU pins agree.
+override ``deploy/docker-compose.cpu.yml``, ``deploy/envoy/envoy.yaml`` and the Kubernetes
+manifests ``deploy/k8s/*.yaml`` from one topology, so node counts, ports and GPU pins agree.
 
-All three are committed, generated from ``deploy/topology.yaml``; a test regenerates them and
+All of them are committed, generated from ``deploy/topology.yaml``; a test regenerates them and
 fails when they differ, so a hand edit cannot drift from the topology unnoticed.
 """
 
@@ -17,13 +17,15 @@ import yaml
 
 from deploy.compose import Reset, compose_dict, cpu_override_dict
 from deploy.envoy.config import envoy_bootstrap
-from deploy.topology import load_topology
+from deploy.kubernetes import envoy_config, k8s_files
+from deploy.topology import Topology, load_topology
 
 DEPLOY_DIR = Path(__file__).parent
 DEFAULT_TOPOLOGY = DEPLOY_DIR / "topology.yaml"
 COMPOSE_FILE = DEPLOY_DIR / "docker-compose.yml"
 CPU_OVERRIDE_FILE = DEPLOY_DIR / "docker-compose.cpu.yml"
 ENVOY_FILE = DEPLOY_DIR / "envoy" / "envoy.yaml"
+K8S_DIR = DEPLOY_DIR / "k8s"
 
 
 class _Dumper(yaml.SafeDumper):
@@ -48,6 +50,27 @@ def write_yaml(path: Path, data: Any, *, source: Path | str) -> None:
     path.write_text(render_yaml(data, source=source))
 
 
+def render_k8s(topology: Topology, *, source: Path | str) -> dict[str, str]:
+    """File name under deploy/k8s → its text: several YAML documents each."""
+    envoy_yaml = render_yaml(envoy_config(topology), source=source)
+    files = {}
+    for name, resources in k8s_files(topology, envoy_yaml).items():
+        documents = [render_yaml(resource, source=source) for resource in resources]
+        header, _, _ = documents[0].partition("\n")
+        files[name] = header + "\n" + "---\n".join(d.partition("\n")[2] for d in documents)
+    return files
+
+
+def write_k8s(topology: Topology, *, source: Path | str) -> None:
+    K8S_DIR.mkdir(exist_ok=True)
+    files = render_k8s(topology, source=source)
+    for stale in K8S_DIR.glob("*.yaml"):
+        if stale.name not in files:  # a role the topology no longer has
+            stale.unlink()
+    for name, text in files.items():
+        (K8S_DIR / name).write_text(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m deploy.generate", description=__doc__)
     parser.add_argument("--topology", type=Path, default=DEFAULT_TOPOLOGY)
@@ -56,7 +79,8 @@ def main() -> None:
     write_yaml(COMPOSE_FILE, compose_dict(topology), source=args.topology)
     write_yaml(CPU_OVERRIDE_FILE, cpu_override_dict(topology), source=args.topology)
     write_yaml(ENVOY_FILE, envoy_bootstrap(topology), source=args.topology)
-    print(f"wrote {COMPOSE_FILE}, {CPU_OVERRIDE_FILE} and {ENVOY_FILE}")
+    write_k8s(topology, source=args.topology)
+    print(f"wrote {COMPOSE_FILE}, {CPU_OVERRIDE_FILE}, {ENVOY_FILE} and {K8S_DIR}/*.yaml")
 
 
 if __name__ == "__main__":

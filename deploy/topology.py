@@ -188,6 +188,34 @@ class EnvoySpec:
 
 
 @dataclass(frozen=True)
+class KubernetesSpec:
+    """The Kubernetes manifests' own settings (``deploy/k8s``; compose and the launcher ignore
+    them)."""
+
+    namespace: str = "pdserve"
+    models_claim: str = "pdserve-models"
+    """A PersistentVolumeClaim the operator creates, holding the model directories; mounted
+    read-only at /models."""
+    gateway_max_replicas: int = 8
+    """The HorizontalPodAutoscaler's ceiling; its floor is ``gateway.replicas``."""
+    gateway_queue_target: int = 16
+    """Queued requests per gateway replica the autoscaler aims at."""
+    tls: bool = False
+    """Mount Secret ``pdserve-tls-<role>`` (tls.crt, tls.key, ca.crt) into every pod and point
+    ``PDSERVE_TLS_CERT`` / ``_KEY`` / ``_CA`` at it."""
+
+    def __post_init__(self) -> None:
+        if not re.match(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", self.namespace):
+            raise ValueError(f"kubernetes.namespace {self.namespace!r} is not a DNS label")
+        if not self.models_claim:
+            raise ValueError("kubernetes.models_claim must name a PersistentVolumeClaim")
+        if self.gateway_max_replicas < 1 or self.gateway_queue_target < 1:
+            raise ValueError(
+                "kubernetes.gateway_max_replicas and gateway_queue_target must be >= 1"
+            )
+
+
+@dataclass(frozen=True)
 class Topology:
     model: str = "models/tiny-llama"
     """A Hugging Face model directory: a host path locally, the path inside the model volume
@@ -211,6 +239,7 @@ class Topology:
     colocated: NodeGroup = field(default_factory=lambda: _default_group(Role.COLOCATED))
     gateway: GatewaySpec = field(default_factory=GatewaySpec)
     envoy: EnvoySpec = field(default_factory=EnvoySpec)
+    kubernetes: KubernetesSpec = field(default_factory=KubernetesSpec)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -236,6 +265,8 @@ class Topology:
         if self.decode.count == 0 and self.colocated.count == 0:
             raise ValueError("no nodes: give prefill and decode counts, or a colocated count")
         self._check_ports_unique()
+        if self.kubernetes.gateway_max_replicas < self.gateway.replicas:
+            raise ValueError("kubernetes.gateway_max_replicas must be >= gateway.replicas")
         gpus = [n.gpu_id for n in self.nodes if n.gpu_id is not None]
         if len(gpus) != len(set(gpus)):
             raise ValueError(f"a GPU is pinned to two nodes: {gpus}")
@@ -310,6 +341,8 @@ def topology_from_dict(raw: Mapping[str, Any]) -> Topology:
             values[key] = _spec_from_dict("gateway", GatewaySpec, value or {})
         elif key == "envoy":
             values[key] = _spec_from_dict("envoy", EnvoySpec, value or {})
+        elif key == "kubernetes":
+            values[key] = _spec_from_dict("kubernetes", KubernetesSpec, value or {})
         else:
             values[key] = _scalar(key, value)
     return Topology(**values)
