@@ -2,7 +2,9 @@
 a frozen ``GatewayConfig``; the router, the limits and the servers each get only their part.
 
 Node lists are comma-separated ``host:port`` lists (``--prefill a:50061,b:50061``, or
-``PDSERVE_PREFILL``). API keys: ``--api-key`` (repeatable) or ``PDSERVE_API_KEYS=k1,k2``.
+``PDSERVE_PREFILL``); an entry ``dns:///name:port`` stands for every address the name resolves
+to, re-resolved every health interval (``gateway.node_discovery``). API keys: ``--api-key``
+(repeatable) or ``PDSERVE_API_KEYS=k1,k2``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 from gateway.limits import RequestLimits
 from services.cli import ENV_PREFIX, apply_env_defaults, parse_bytes
 
-_ADDRESS = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
+_ADDRESS = re.compile(r"^(dns:///)?[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
 
 
 class KvFailurePolicy:
@@ -54,7 +56,7 @@ class RouterConfig:
         for role in ("prefill", "decode", "colocated"):
             for address in getattr(self, role):
                 if not _ADDRESS.match(address):
-                    raise ValueError(f"--{role}: {address!r} is not host:port")
+                    raise ValueError(f"--{role}: {address!r} is not host:port or dns:///name:port")
         if bool(self.prefill) != bool(self.decode):
             raise ValueError("--prefill and --decode must be given together (a pair needs both)")
         if not (self.decode or self.colocated):

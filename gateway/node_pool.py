@@ -5,6 +5,12 @@ GetLoad answered → UNHEALTHY when a poll fails, the node reports NOT_SERVING o
 request to it failed with UNAVAILABLE (passive: marked at once, not at the next poll) → HEALTHY
 again at the next good poll. The state is soft (peers.md #12): everything comes from the last
 poll, so a restarted node is judged by what it reports now, never by what it held before.
+
+Life cycle of the node set: a ``dns:///`` entry is resolved again before every poll
+(``gateway.node_discovery``). A new address becomes a node in UNKNOWN, polled at once and routed
+to only once that poll finds it HEALTHY. An address gone from the answer RETIRES its node: no new
+request is routed to it, the requests it has finish, and its channel closes once it has none (if
+the address comes back first, the node returns as it is). A failed lookup changes nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.node_discovery import DnsResolver, ResolveError, Resolver, parse_target
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -120,7 +127,11 @@ class Node:
 
 
 class NodePool:
-    """Every configured node; the gateway polls them every ``interval_s``."""
+    """Every node the gateway routes to, by role; the gateway polls them every ``interval_s``.
+
+    ``prefill`` / ``decode`` / ``colocated`` hold the nodes requests may be routed to;
+    ``retiring`` those whose address left the DNS answer and that still have requests.
+    """
 
     def __init__(
         self,
@@ -129,12 +140,28 @@ class NodePool:
         colocated: tuple[str, ...],
         interval_s: float = 1.0,
         timeout_s: float = 2.0,
+        resolver: Resolver | None = None,
     ) -> None:
-        self.prefill = [Node(address, NodeRole.PREFILL) for address in prefill]
-        self.decode = [Node(address, NodeRole.DECODE) for address in decode]
-        self.colocated = [Node(address, NodeRole.COLOCATED) for address in colocated]
+        self._targets = {
+            NodeRole.PREFILL: [parse_target(a) for a in prefill],
+            NodeRole.DECODE: [parse_target(a) for a in decode],
+            NodeRole.COLOCATED: [parse_target(a) for a in colocated],
+        }
+        # Fixed entries are nodes from the start; DNS names get theirs at the first refresh.
+        self.prefill = self._fixed_nodes(NodeRole.PREFILL)
+        self.decode = self._fixed_nodes(NodeRole.DECODE)
+        self.colocated = self._fixed_nodes(NodeRole.COLOCATED)
+        self.retiring: list[Node] = []
         self.interval_s = interval_s
         self.timeout_s = timeout_s
+        self.resolver: Resolver = resolver or DnsResolver(timeout_s)
+
+    def _fixed_nodes(self, role: NodeRole) -> list[Node]:
+        return [Node(t.address, role) for t in self._targets[role] if not t.dns]
+
+    def _role_nodes(self, role: NodeRole) -> list[Node]:
+        return {NodeRole.PREFILL: self.prefill, NodeRole.DECODE: self.decode,
+                NodeRole.COLOCATED: self.colocated}[role]  # fmt: skip
 
     @property
     def nodes(self) -> list[Node]:
@@ -147,10 +174,51 @@ class NodePool:
         )
         return has_pair or any(n.is_healthy for n in self.colocated)
 
+    async def refresh(self) -> None:
+        """Resolves every DNS entry again: adds the nodes that appeared, retires those gone, and
+        closes retired nodes that have finished their requests."""
+        for role, targets in self._targets.items():
+            dns = [t for t in targets if t.dns]
+            if not dns:
+                continue
+            wanted = {t.address for t in targets if not t.dns}
+            try:
+                for target in dns:
+                    wanted.update(await self.resolver.resolve(target.host, target.port))
+            except ResolveError as exc:
+                logger.warning("%s nodes: keeping the current set: %s", role, exc)
+                continue
+            self._reconcile(role, wanted)
+        finished = [n for n in self.retiring if n.num_in_flight == 0]
+        self.retiring = [n for n in self.retiring if n.num_in_flight > 0]
+        for node in finished:
+            logger.info("node %s (%s) retired", node.address, node.role)
+        await asyncio.gather(*(node.close() for node in finished))
+
+    def _reconcile(self, role: NodeRole, wanted: set[str]) -> None:
+        current = self._role_nodes(role)
+        have = {n.address for n in current}
+        for node in [n for n in current if n.address not in wanted]:
+            logger.info("node %s (%s) left discovery: retiring (%d in flight)",
+                        node.address, role, node.num_in_flight)  # fmt: skip
+            current.remove(node)
+            self.retiring.append(node)
+        for address in sorted(wanted - have):
+            back = [n for n in self.retiring if n.address == address and n.role is role]
+            if back:
+                self.retiring.remove(back[0])
+                current.append(back[0])
+            else:
+                logger.info("node %s (%s) discovered", address, role)
+                current.append(Node(address, role))
+
     async def poll_once(self) -> list[Node]:
-        """Polls every node; returns those that came back from UNHEALTHY."""
-        recovered = await asyncio.gather(*(node.poll(self.timeout_s) for node in self.nodes))
-        return [node for node, back in zip(self.nodes, recovered, strict=True) if back]
+        """Refreshes the node set, then polls every node; returns those that came back from
+        UNHEALTHY."""
+        await self.refresh()
+        nodes = self.nodes
+        recovered = await asyncio.gather(*(node.poll(self.timeout_s) for node in nodes))
+        return [node for node, back in zip(nodes, recovered, strict=True) if back]
 
     async def close(self) -> None:
-        await asyncio.gather(*(node.close() for node in self.nodes))
+        await asyncio.gather(*(node.close() for node in [*self.nodes, *self.retiring]))
