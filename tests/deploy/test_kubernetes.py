@@ -11,6 +11,18 @@ import kubernetes_validate
 import pytest
 import yaml
 from envoy.config.bootstrap.v3 import bootstrap_pb2
+
+# Imported for their side effect: the typed_config "@type" URLs resolve to these messages.
+from envoy.extensions.access_loggers.stream.v3 import stream_pb2  # noqa: F401
+from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
+from envoy.extensions.filters.network.http_connection_manager.v3 import (  # noqa: F401
+    http_connection_manager_pb2,
+)
+from envoy.extensions.resource_monitors.downstream_connections.v3 import (  # noqa: F401
+    downstream_connections_pb2,
+)
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2  # noqa: F401
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
 from google.protobuf import json_format
 
 from deploy.generate import DEFAULT_TOPOLOGY, K8S_DIR, render_k8s
