@@ -13,7 +13,8 @@ What each piece is, and why:
   drain so the kubelet does not kill a draining node early, and
   ``terminationGracePeriodSeconds`` is the drain grace plus a margin.
 - **Headless Services** (``clusterIP: None``) per role: one DNS A record per ready pod, the
-  gateway's node discovery.
+  gateway's node discovery. A PodDisruptionBudget per role lets a host drain evict one node of
+  the role at a time.
 - **Gateway**: a Deployment behind a headless Service (Envoy's ``STRICT_DNS`` cluster resolves
   it to every replica and health-checks each), a PodDisruptionBudget, and a
   HorizontalPodAutoscaler on queued requests per replica (``pdserve:num_requests_waiting``,
@@ -272,7 +273,14 @@ def node_manifests(topology: Topology, group: NodeGroup) -> list[dict[str, Any]]
             "ports": [{"name": "grpc", "port": port, "targetPort": "grpc"}],
         },
     }
-    return [config_map(topology, role, config), service, statefulset]
+    budget = {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(topology, role, role),
+        # A host drain takes one node of the role at a time; the others keep serving.
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": pod_labels}},
+    }
+    return [config_map(topology, role, config), service, statefulset, budget]
 
 
 def gateway_manifests(topology: Topology) -> list[dict[str, Any]]:

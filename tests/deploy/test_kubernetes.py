@@ -139,6 +139,8 @@ def test_each_role_is_a_statefulset_of_one_gpu_pods_behind_a_headless_service(
         assert service["selector"] == spec["selector"]["matchLabels"]
         assert spec["template"]["metadata"]["labels"] == service["selector"]
         assert service["ports"][0]["port"] == port
+        budget = by_kind(docs, "PodDisruptionBudget")[role]["spec"]
+        assert budget["selector"] == spec["selector"] and budget["maxUnavailable"] == 1
 
 
 def test_the_gateway_discovers_nodes_through_their_services(docs, topology, tmp_path) -> None:
