@@ -84,10 +84,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def unused_subnets(pid: int) -> int:
+    """A k whose 10.213.k..k+2 no route in the root namespace uses (another run of this test)."""
+    routes = sh("ip", "-4", "route", "show").stdout
+    for i in range(60):
+        k = ((pid + i) % 60) * 4
+        if not any(f"10.213.{k + j}." in routes for j in range(3)):
+            return k
+    raise AssertionError("every 10.213.x subnet this test uses is taken")
+
+
 class TwoHosts:
     def __init__(self) -> None:
         pid = os.getpid()
-        k = (pid % 60) * 4  # three /30 subnets per run: 10.213.k.0, .k+1.0, .k+2.0
+        k = unused_subnets(pid)  # three /30 subnets: 10.213.k.0, 10.213.(k+1).0, 10.213.(k+2).0
         self.tag = f"pd{pid % 10**7}"
         self.ns_a, self.ns_b = f"{self.tag}A", f"{self.tag}B"
         self.link_a, self.link_b = f"{self.tag}ab", f"{self.tag}ba"
