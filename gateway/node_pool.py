@@ -185,7 +185,7 @@ class NodePool:
             try:
                 for target in dns:
                     wanted.update(await self.resolver.resolve(target.host, target.port))
-            except ResolveError as exc:
+            except (ResolveError, OSError) as exc:  # the poll loop must outlive DNS trouble
                 logger.warning("%s nodes: keeping the current set: %s", role, exc)
                 continue
             self._reconcile(role, wanted)

@@ -167,9 +167,10 @@ def test_new_nodes_join_after_a_health_check_and_failed_lookups_change_nothing(
             # The fixed entry points at nothing: polled unhealthy, never dropped.
             assert addresses(n for n in pool.decode if not n.is_healthy) == {"127.0.0.1:1"}
 
-            resolver.answers["decode.test"] = ResolveError("dns down")
-            await pool.poll_once()
-            assert addresses(pool.decode) == {"127.0.0.1:1", d1} and not pool.retiring
+            for failure in (ResolveError("dns down"), OSError("resolver socket")):
+                resolver.answers["decode.test"] = failure
+                await pool.poll_once()
+                assert addresses(pool.decode) == {"127.0.0.1:1", d1} and not pool.retiring
 
             resolver.answers["decode.test"] = [d1, d2]
             await pool.refresh()
