@@ -105,7 +105,7 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
     add("--max-num-batched-tokens", type=int, default=2048)
     add("--scheduling-policy", default="fcfs", choices=[p.value for p in SchedulingPolicy])
     add("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    add("--attention-backend", default="auto", choices=["auto", "torch", "native"])
+    add("--attention-backend", default="auto", choices=["auto", "torch", "native", "triton"])
     add("--drain-grace-s", type=float, default=30.0)
     add("--seed", type=int, default=0)
     add(

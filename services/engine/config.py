@@ -69,8 +69,8 @@ class EngineConfig:
     seed: int = 0
     """Seed of the sampler's shared generator (requests with their own seed are unaffected)."""
     attention_backend: str = "auto"
-    """``torch`` (portable), ``native`` (C++ CPU kernel, built on first use), or ``auto``:
-    native where it builds, torch otherwise."""
+    """``torch`` (portable), ``native`` (C++ CPU kernel, built on first use), ``triton`` (GPU
+    kernels), or ``auto``: triton on CUDA, native on CPU where it builds, torch otherwise."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -82,9 +82,10 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype == "float16" and self.device == "cpu":
             raise ValueError("dtype float16 is supported on GPU only; use bfloat16 or float32")
-        if self.attention_backend not in ("auto", "torch", "native"):
+        if self.attention_backend not in ("auto", "torch", "native", "triton"):
             raise ValueError(
-                f"attention_backend must be auto, torch or native, got {self.attention_backend!r}"
+                "attention_backend must be auto, torch, native or triton, "
+                f"got {self.attention_backend!r}"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
