@@ -71,8 +71,15 @@ class EngineConfig:
     attention_backend: str = "auto"
     """``torch`` (portable), ``native`` (C++ CPU kernel, built on first use), ``triton`` (GPU
     kernels), or ``auto``: triton on CUDA, native on CPU where it builds, torch otherwise."""
+    cuda_graphs: bool | None = None
+    """Decode-only steps on static buffers, replayed as CUDA graphs (``static_decode.py``).
+    None: on for CUDA, off on CPU. True on CPU runs the static buffers eagerly (for tests)."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @property
+    def use_static_decode(self) -> bool:
+        return self.cuda_graphs if self.cuda_graphs is not None else self.device != "cpu"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
