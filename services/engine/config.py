@@ -25,7 +25,8 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     """Bytes of KV cache to allocate. Default: 1 GiB on CPU; on GPU see gpu_memory_utilization."""
     gpu_memory_utilization: float = 0.9
-    """On GPU without kv_cache_memory: this fraction of the free memory left after the weights."""
+    """On GPU without kv_cache_memory: the share of the device's memory the node may use; the
+    KV cache gets what a profiling step (weights + activations) leaves of it."""
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
