@@ -253,24 +253,44 @@ def _prefill_kernel(
 @dataclass(frozen=True)
 class TileConfig:
     """Tile sizes of one (head size, dtype): chosen so that ``ptxas`` reports no register
-    spills on sm_90 (``services/models/triton_compile.py`` checks every variant)."""
+    spills on sm_90 with Triton 3.7.1 and 3.6.0 (``services/models/triton_compile.py`` checks
+    every variant)."""
 
     decode_block_n: int
     """Tokens per inner iteration of the decode loop; a split's partition is a multiple."""
+    decode_num_warps: int
     prefill_block_m: int
     """Queries per prefill program."""
     prefill_block_n: int
-    num_warps: int
+    prefill_num_warps: int
 
 
 def tile_config(head_dim: int, dtype: torch.dtype) -> TileConfig:
     # Bytes of one padded K/V row: registers per thread grow with tile rows x this.
     row_bytes = max(_MIN_MMA, triton.next_power_of_2(head_dim)) * dtype.itemsize
     if row_bytes <= 128:
-        return TileConfig(decode_block_n=64, prefill_block_m=32, prefill_block_n=32, num_warps=4)
+        return TileConfig(
+            decode_block_n=64,
+            decode_num_warps=4,
+            prefill_block_m=32,
+            prefill_block_n=32,
+            prefill_num_warps=4,
+        )
     if row_bytes <= 256:
-        return TileConfig(decode_block_n=32, prefill_block_m=32, prefill_block_n=32, num_warps=4)
-    return TileConfig(decode_block_n=16, prefill_block_m=16, prefill_block_n=16, num_warps=8)
+        return TileConfig(
+            decode_block_n=32,
+            decode_num_warps=4,
+            prefill_block_m=32,
+            prefill_block_n=32,
+            prefill_num_warps=8,
+        )
+    return TileConfig(
+        decode_block_n=16,
+        decode_num_warps=8,
+        prefill_block_m=16,
+        prefill_block_n=16,
+        prefill_num_warps=8,
+    )
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -350,7 +370,7 @@ def paged_decode(
         BLOCK_SIZE=block_size,
         UPCAST=INTERPRET,
         PRECISION=_precision(query.dtype),
-        num_warps=tiles.num_warps,
+        num_warps=tiles.decode_num_warps,
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
         out,
@@ -418,7 +438,7 @@ def paged_prefill(
         BLOCK_SIZE=block_size,
         UPCAST=INTERPRET,
         PRECISION=_precision(query.dtype),
-        num_warps=tiles.num_warps,
+        num_warps=tiles.prefill_num_warps,
     )
 
 

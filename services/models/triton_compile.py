@@ -189,7 +189,11 @@ def compile_all(
             {"HEAD_DIM": head_dim, "BLOCK_D": block_d},
         )
         for name, (fn, signature, constexprs) in builds.items():
-            warps = 4 if name == "decode_reduce" else tiles.num_warps
+            warps = {
+                "decode_partial": tiles.decode_num_warps,
+                "decode_reduce": 4,
+                "prefill": tiles.prefill_num_warps,
+            }[name]
             compiled = _compile(fn, signature, constexprs, arch, warps)
             registers, spill_bytes = _ptxas_report(compiled.asm["ptx"], arch)
             results.append(
