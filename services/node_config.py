@@ -110,7 +110,8 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="decode steps on static buffers replayed as CUDA graphs (default: on for CUDA)",
+        help="decode steps on static buffers replayed as CUDA graphs "
+        "(default: on for CUDA with the triton attention backend)",
     )
     add("--drain-grace-s", type=float, default=30.0)
     add("--seed", type=int, default=0)

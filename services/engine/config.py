@@ -74,13 +74,10 @@ class EngineConfig:
     kernels), or ``auto``: triton on CUDA, native on CPU where it builds, torch otherwise."""
     cuda_graphs: bool | None = None
     """Decode-only steps on static buffers, replayed as CUDA graphs (``static_decode.py``).
-    None: on for CUDA, off on CPU. True on CPU runs the static buffers eagerly (for tests)."""
+    None: on for CUDA with an attention backend that reads only each context's own blocks
+    (triton), off otherwise. True on CPU runs the static buffers eagerly (for tests)."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-
-    @property
-    def use_static_decode(self) -> bool:
-        return self.cuda_graphs if self.cuda_graphs is not None else self.device != "cpu"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))

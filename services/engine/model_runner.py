@@ -68,7 +68,12 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
-        self.use_static_decode = config.use_static_decode
+        # Default: graphs on CUDA where the backend does not pay for the fixed table width.
+        self.use_static_decode = (
+            config.cuda_graphs
+            if config.cuda_graphs is not None
+            else self.device.type == "cuda" and self.backend.reads_only_context_blocks
+        )
         self.static_decode: StaticDecode | None = None
         self._shared_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._generators: dict[str, torch.Generator] = {}

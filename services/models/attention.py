@@ -124,6 +124,11 @@ class PaddedPrefill:
 class AttentionBackend(ABC):
     """Writes the step's new K/V into the paged cache and attends over each request's context."""
 
+    reads_only_context_blocks: bool = False
+    """True when decode cost follows each context's length, not the block table's width: then
+    a fixed-width table (the static decode path's) costs nothing. The torch path gathers the
+    whole width."""
+
     def __init__(self, block_size: int, scale: float) -> None:
         self.block_size = block_size
         self.scale = scale

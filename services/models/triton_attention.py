@@ -464,6 +464,8 @@ class _PrefillBatch:
 class TritonPagedAttention(AttentionBackend):
     """Decodes and prefill chunks on Triton kernels that walk the block tables in place."""
 
+    reads_only_context_blocks = True
+
     def __init__(self, block_size: int, scale: float) -> None:
         super().__init__(block_size, scale)
         self._prefills: _PrefillBatch | None = None

@@ -20,7 +20,7 @@ def prompts(n: int, seed: int = 3) -> list[list[int]]:
     return [[rng.randrange(5, 4096) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
 
 
-def make_llm(model_dir, cuda_graphs: bool, backend: str = "torch", device: str = "cpu") -> LLM:
+def make_llm(model_dir, cuda_graphs: bool | None, backend: str = "torch", device: str = "cpu") -> LLM:
     return LLM(
         model_dir,
         dtype="float32",
@@ -32,6 +32,12 @@ def make_llm(model_dir, cuda_graphs: bool, backend: str = "torch", device: str =
         attention_backend=backend,
         cuda_graphs=cuda_graphs,
     )
+
+
+def test_off_by_default_on_cpu(tiny_llama_dir) -> None:
+    llm = make_llm(tiny_llama_dir, cuda_graphs=None)
+    assert llm.engine.runner.static_decode is None
+    assert llm.engine.kv_cache.num_blocks == llm.engine.runner.kv_caches[0].shape[1]
 
 
 def test_buckets() -> None:
