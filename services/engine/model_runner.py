@@ -192,7 +192,12 @@ class ModelRunner:
         prefills = [c for c in output.chunks if c.num_tokens > 1]
         static = self.static_decode
         spans: list[PrefillSpan] = []
-        if static is not None and not prefills and static.bucket_for(len(decodes)) is not None:
+        if (
+            static is not None
+            and decodes
+            and not prefills
+            and static.bucket_for(len(decodes)) is not None
+        ):
             hidden = self._run_static(static, decodes)
         else:
             input_ids, positions, metadata = self._prepare_inputs(decodes, prefills)
