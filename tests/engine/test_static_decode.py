@@ -20,7 +20,9 @@ def prompts(n: int, seed: int = 3) -> list[list[int]]:
     return [[rng.randrange(5, 4096) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
 
 
-def make_llm(model_dir, cuda_graphs: bool | None, backend: str = "torch", device: str = "cpu") -> LLM:
+def make_llm(
+    model_dir, cuda_graphs: bool | None, backend: str = "torch", device: str = "cpu"
+) -> LLM:
     return LLM(
         model_dir,
         dtype="float32",
