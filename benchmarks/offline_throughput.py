@@ -1,7 +1,7 @@
 """Offline throughput: pdserve's engine against transformers ``generate()`` with static batches.
 
     python benchmarks/offline_throughput.py [--model DIR] [--num-prompts 64] [--input-len 256]
-        [--output-len 64] [--dtype bfloat16] [--hf-batch-size 16] [--json OUT.json]
+        [--output-len 64] [--dtype bfloat16] [--hf-batch-size 16] [--device cpu] [--json OUT.json]
 
 Both run in this process on the same random prompts (every prompt exactly ``--input-len``
 tokens, so the static baseline pads nothing) and generate exactly ``--output-len`` tokens each
@@ -38,6 +38,7 @@ def run_pdserve(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
     llm = LLM(
         args.model,
         dtype=args.dtype,
+        device=args.device,
         max_model_len=args.input_len + args.output_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -57,18 +58,21 @@ def run_hf(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, floa
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, local_files_only=True)
-    model.eval()
+    model.to(args.device).eval()
     gen = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
     with torch.inference_mode():
-        model.generate(torch.tensor(prompts[:2]), max_new_tokens=4, min_new_tokens=4, **gen)
+        warmup = torch.tensor(prompts[:2], device=args.device)
+        model.generate(warmup, max_new_tokens=4, min_new_tokens=4, **gen)
         start = time.perf_counter()
         num_out = 0
         for i in range(0, len(prompts), args.hf_batch_size):
-            batch = torch.tensor(prompts[i : i + args.hf_batch_size])
+            batch = torch.tensor(prompts[i : i + args.hf_batch_size], device=args.device)
             out = model.generate(
                 batch, max_new_tokens=args.output_len, min_new_tokens=args.output_len, **gen
             )
             num_out += (out.shape[1] - batch.shape[1]) * batch.shape[0]
+        if args.device != "cpu":
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
     return {"seconds": elapsed, "output_tokens": num_out, "output_tok_per_s": num_out / elapsed}
 
@@ -81,6 +85,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N], for both systems")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--skip-hf", action="store_true")

@@ -105,7 +105,14 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
     add("--max-num-batched-tokens", type=int, default=2048)
     add("--scheduling-policy", default="fcfs", choices=[p.value for p in SchedulingPolicy])
     add("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    add("--attention-backend", default="auto", choices=["auto", "torch", "native"])
+    add("--attention-backend", default="auto", choices=["auto", "torch", "native", "triton"])
+    add(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode steps on static buffers replayed as CUDA graphs "
+        "(default: on for CUDA with the triton attention backend)",
+    )
     add("--drain-grace-s", type=float, default=30.0)
     add("--seed", type=int, default=0)
     add(
@@ -140,6 +147,7 @@ def parse_node_config(
             max_model_len=args.max_model_len,
             seed=args.seed,
             attention_backend=args.attention_backend,
+            cuda_graphs=args.cuda_graphs,
             cache=CacheConfig(
                 block_size=args.block_size,
                 kv_cache_memory=args.kv_cache_memory,

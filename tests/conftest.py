@@ -1,14 +1,22 @@
-"""Fixtures shared by every test directory: tiny checkpoints, and skipping GPU tests on CPU."""
+"""Fixtures shared by every test directory: tiny checkpoints, skipping GPU tests on CPU, and
+Triton's interpreter on CPU."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from services.models.tiny import build_tiny_model
+# The Triton attention kernels run on CPU tensors under Triton's interpreter, which Triton reads
+# when it is first imported (transformers imports it through torch._dynamo): set it before
+# anything else is imported. With CUDA the kernels are compiled for the GPU instead.
+if os.environ.get("TRITON_INTERPRET") is None and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from services.models.tiny import build_tiny_model  # noqa: E402 (after TRITON_INTERPRET)
 
 TinyModelFactory = Callable[..., Path]
 

@@ -25,7 +25,8 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     """Bytes of KV cache to allocate. Default: 1 GiB on CPU; on GPU see gpu_memory_utilization."""
     gpu_memory_utilization: float = 0.9
-    """On GPU without kv_cache_memory: this fraction of the free memory left after the weights."""
+    """On GPU without kv_cache_memory: the share of the device's memory the node may use; the
+    KV cache gets what a profiling step (weights + activations) leaves of it."""
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -69,8 +70,12 @@ class EngineConfig:
     seed: int = 0
     """Seed of the sampler's shared generator (requests with their own seed are unaffected)."""
     attention_backend: str = "auto"
-    """``torch`` (portable), ``native`` (C++ CPU kernel, built on first use), or ``auto``:
-    native where it builds, torch otherwise."""
+    """``torch`` (portable), ``native`` (C++ CPU kernel, built on first use), ``triton`` (GPU
+    kernels), or ``auto``: triton on CUDA, native on CPU where it builds, torch otherwise."""
+    cuda_graphs: bool | None = None
+    """Decode-only steps on static buffers, replayed as CUDA graphs (``static_decode.py``).
+    None: on for CUDA with an attention backend that reads only each context's own blocks
+    (triton), off otherwise. True on CPU runs the static buffers eagerly (for tests)."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -82,9 +87,10 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype == "float16" and self.device == "cpu":
             raise ValueError("dtype float16 is supported on GPU only; use bfloat16 or float32")
-        if self.attention_backend not in ("auto", "torch", "native"):
+        if self.attention_backend not in ("auto", "torch", "native", "triton"):
             raise ValueError(
-                f"attention_backend must be auto, torch or native, got {self.attention_backend!r}"
+                "attention_backend must be auto, torch, native or triton, "
+                f"got {self.attention_backend!r}"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")

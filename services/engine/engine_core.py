@@ -42,15 +42,18 @@ class EngineCore:
         self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
         self.runner = ModelRunner(self.model_config, config, max_model_len=self.max_model_len)
         num_blocks = self.runner.num_blocks_for(config.cache)
-        capacity = num_blocks * config.cache.block_size
+        # The pool hands out the first num_usable blocks; the runner keeps the rest (a dummy
+        # block for the static decode path's padding rows).
+        num_usable = num_blocks - self.runner.num_reserved_blocks
+        capacity = num_usable * config.cache.block_size
         if capacity < self.max_model_len:
             raise ValueError(
-                f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than "
+                f"the KV cache holds {capacity} tokens ({num_usable} blocks), fewer than "
                 f"max_model_len={self.max_model_len}: raise kv_cache_memory or lower max_model_len"
             )
         self.runner.allocate_kv_cache(num_blocks)
         self.kv_cache = KVCacheManager(
-            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+            num_usable, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(
             config.scheduler,

@@ -31,6 +31,7 @@ class LLM:
         scheduling_policy: str = "fcfs",
         seed: int = 0,
         attention_backend: str = "auto",
+        cuda_graphs: bool | None = None,
     ) -> None:
         config = EngineConfig(
             model_dir=Path(model_dir),
@@ -39,6 +40,7 @@ class LLM:
             max_model_len=max_model_len,
             seed=seed,
             attention_backend=attention_backend,
+            cuda_graphs=cuda_graphs,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=kv_cache_memory,

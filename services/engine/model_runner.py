@@ -1,7 +1,8 @@
 """Turns a ``SchedulerOutput`` into model inputs, runs the model and samples.
 
 Life cycle: ``load`` the weights, size the KV cache (``num_blocks_for``), ``allocate_kv_cache``
-once, then ``execute`` every step; ``release`` drops a finished request's sampling state.
+once (which also sets up the static decode path and captures its CUDA graphs), then ``execute``
+every step; ``release`` drops a finished request's sampling state.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import math
 import torch
 
 from services.engine.config import CacheConfig, EngineConfig
+from services.engine.gpu_memory import CudaMemoryReader, MemoryReader, kv_cache_budget
 from services.engine.sampler import Sampler, SamplingMetadata
 from services.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
+from services.engine.static_decode import StaticDecode
 from services.host_memory import advise_huge_pages, keep_freed_memory_mapped
 from services.models.attention import AttentionMetadata, PrefillSpan, make_attention_backend
 from services.models.config import ModelConfig
@@ -22,6 +25,14 @@ from services.models.loader import load_model
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+# Clears a backend's per-step state after the profiling step.
+_NO_STEP = AttentionMetadata(
+    slot_mapping=torch.zeros(0, dtype=torch.int64),
+    num_decodes=0,
+    decode_block_tables=torch.zeros(0, 0, dtype=torch.int64),
+    decode_seq_lens=torch.zeros(0, dtype=torch.int64),
+    prefills=[],
+)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -54,6 +65,16 @@ class ModelRunner:
         )
         self.sampler = Sampler(model_config.eos_token_ids)
         self.kv_caches: list[torch.Tensor] = []
+        self.max_model_len = max_model_len
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
+        # Default: graphs on CUDA where the backend does not pay for the fixed table width.
+        self.use_static_decode = (
+            config.cuda_graphs
+            if config.cuda_graphs is not None
+            else self.device.type == "cuda" and self.backend.reads_only_context_blocks
+        )
+        self.static_decode: StaticDecode | None = None
         self._shared_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._generators: dict[str, torch.Generator] = {}
 
@@ -64,12 +85,16 @@ class ModelRunner:
         per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
         return per_token * self.block_size * self.dtype.itemsize
 
-    def num_blocks_for(self, cache: CacheConfig) -> int:
+    def num_blocks_for(self, cache: CacheConfig, reader: MemoryReader | None = None) -> int:
+        """KV blocks to allocate: ``kv_cache_memory`` if set; on CUDA what a profiling step
+        leaves of ``gpu_memory_utilization`` (``gpu_memory.py``); 1 GiB on CPU."""
         if cache.kv_cache_memory is not None:
             budget = cache.kv_cache_memory
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cache.gpu_memory_utilization)
+        elif self.device.type == "cuda" or reader is not None:
+            reader = reader or CudaMemoryReader(self.device)
+            reader.reset_peak()
+            self.profile_run()
+            budget = kv_cache_budget(reader.snapshot(), cache.gpu_memory_utilization)
         else:
             budget = DEFAULT_CPU_KV_CACHE_MEMORY
         num_blocks = budget // self.block_bytes
@@ -79,6 +104,55 @@ class ModelRunner:
                 f"(one block of {self.block_size} tokens takes {self.block_bytes} bytes)"
             )
         return num_blocks
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """The heaviest step the scheduler can issue: ``max_num_batched_tokens`` prompt tokens
+        (chunks of at most ``max_model_len``) on a scratch KV cache, plus the logits of up to
+        ``max_num_seqs`` samples. Run before the real cache exists, to measure peak memory."""
+        cfg, size = self.model_config, self.block_size
+        num_tokens = self.max_num_batched_tokens
+        spans: list[PrefillSpan] = []
+        position_parts = []
+        num_blocks = 0
+        for start in range(0, num_tokens, self.max_model_len):
+            n = min(self.max_model_len, num_tokens - start)
+            blocks = -(-n // size)
+            block_ids = torch.arange(num_blocks, num_blocks + blocks, device=self.device)
+            spans.append(PrefillSpan(start, n, 0, block_ids))
+            position_parts.append(torch.arange(n, device=self.device))
+            num_blocks += blocks
+        positions = torch.cat(position_parts)
+        slot_mapping = torch.cat(
+            [
+                (s.block_ids[:, None] * size + torch.arange(size, device=self.device)).view(-1)[
+                    : s.num_tokens
+                ]
+                for s in spans
+            ]
+        )
+        shape = (2, num_blocks, size, cfg.num_kv_heads, cfg.head_dim)
+        scratch = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)
+        ]
+        metadata = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decodes=0,
+            decode_block_tables=torch.zeros(0, 1, dtype=torch.int64, device=self.device),
+            decode_seq_lens=torch.zeros(0, dtype=torch.int64, device=self.device),
+            prefills=spans,
+        )
+        self.backend.prepare(metadata)
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model(input_ids, positions, scratch, metadata)
+        self.model.compute_logits(hidden[: min(self.max_num_seqs, num_tokens)])
+        self.backend.prepare(_NO_STEP)
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        """Blocks of the cache the block pool must not hand out: the static decode path's
+        dummy block (the last one), where padding rows write."""
+        return 1 if self.use_static_decode else 0
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.model_config
@@ -96,6 +170,18 @@ class ModelRunner:
             self.block_size,
             num_blocks * self.block_bytes / 2**20,
         )
+        if self.use_static_decode:
+            self.static_decode = StaticDecode(
+                self.model,
+                self.backend,
+                self.kv_caches,
+                max_num_seqs=self.max_num_seqs,
+                max_model_len=self.max_model_len,
+                block_size=self.block_size,
+                dummy_block=num_blocks - 1,
+                use_graphs=self.device.type == "cuda",
+            )
+            self.static_decode.capture()
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -104,9 +190,20 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]:
         decodes = [c for c in output.chunks if c.num_tokens == 1]
         prefills = [c for c in output.chunks if c.num_tokens > 1]
-        input_ids, positions, metadata = self._prepare_inputs(decodes, prefills)
-        self.backend.prepare(metadata)
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        static = self.static_decode
+        spans: list[PrefillSpan] = []
+        if (
+            static is not None
+            and decodes
+            and not prefills
+            and static.bucket_for(len(decodes)) is not None
+        ):
+            hidden = self._run_static(static, decodes)
+        else:
+            input_ids, positions, metadata = self._prepare_inputs(decodes, prefills)
+            self.backend.prepare(metadata)
+            hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+            spans = metadata.prefills
 
         sampled_chunks: list[ScheduledChunk] = []
         rows: list[int] = []
@@ -114,7 +211,7 @@ class ModelRunner:
             if chunk.needs_sample:
                 sampled_chunks.append(chunk)
                 rows.append(row)
-        for span, chunk in zip(metadata.prefills, prefills, strict=True):
+        for span, chunk in zip(spans, prefills, strict=True):
             if chunk.needs_sample:
                 sampled_chunks.append(chunk)
                 rows.append(span.token_start + span.num_tokens - 1)
@@ -147,6 +244,21 @@ class ModelRunner:
             generator = torch.Generator(device=self.device).manual_seed(seed)
             self._generators[request_id] = generator
         return generator
+
+    def _run_static(self, static: StaticDecode, decodes: list[ScheduledChunk]) -> torch.Tensor:
+        size = self.block_size
+        positions = [c.start_position for c in decodes]
+        return static.run(
+            token_ids=[c.request.token_ids[p] for c, p in zip(decodes, positions, strict=True)],
+            positions=positions,
+            slots=[
+                c.block_ids[p // size] * size + p % size
+                for c, p in zip(decodes, positions, strict=True)
+            ],
+            block_tables=[
+                c.block_ids[: p // size + 1] for c, p in zip(decodes, positions, strict=True)
+            ],
+        )
 
     def _prepare_inputs(
         self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]

@@ -124,6 +124,11 @@ class PaddedPrefill:
 class AttentionBackend(ABC):
     """Writes the step's new K/V into the paged cache and attends over each request's context."""
 
+    reads_only_context_blocks: bool = False
+    """True when decode cost follows each context's length, not the block table's width: then
+    a fixed-width table (the static decode path's) costs nothing. The torch path gathers the
+    whole width."""
+
     def __init__(self, block_size: int, scale: float) -> None:
         self.block_size = block_size
         self.scale = scale
@@ -308,7 +313,25 @@ class TorchPagedAttention(AttentionBackend):
 def make_attention_backend(
     name: str, device: torch.device, *, block_size: int, scale: float
 ) -> AttentionBackend:
-    """``torch``, ``native`` (raises if the CPU kernel cannot be built) or ``auto``."""
+    """``torch``, ``native`` (raises if the CPU kernel cannot be built), ``triton`` (raises
+    without CUDA, unless under ``TRITON_INTERPRET=1``) or ``auto``: triton on CUDA, native on
+    CPU, the torch path where neither is available."""
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        try:
+            from services.models.triton_attention import (
+                TritonPagedAttention,
+                triton_unavailable_reason,
+            )
+        except ImportError as exc:
+            reason: str | None = f"cannot import triton: {exc}"
+        else:
+            reason = triton_unavailable_reason(device)
+            if reason is None:
+                return TritonPagedAttention(block_size, scale)
+        if name == "triton":
+            raise ValueError(f"attention_backend 'triton' is unavailable: {reason}")
+        logger.warning("Triton attention unavailable (%s); using the torch path", reason)
+        return TorchPagedAttention(block_size, scale)
     if name == "torch" or (name == "auto" and device.type != "cpu"):
         return TorchPagedAttention(block_size, scale)
     try:

@@ -256,6 +256,10 @@ def test_dockerfile_builds_cuda_nodes_and_a_torch_free_gateway() -> None:
     node = next(s for s in sections if " AS node\n" in s)
     gateway = next(s for s in sections if " AS gateway\n" in s)
     assert "whl/cpu" not in node and "torch.version.cuda" in node
+    # PyPI's torch 2.13.0 is a CUDA 13 build: the base image, UCX wheels and CuPy match it.
+    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:13\.", text, re.M)
+    assert "ucxx-cu13==" in node and "libucx-cu13==" in node and "cupy-cuda13x==" in node
+    assert "'-cu12' not in d" in node and "startswith('13')" in node
     assert "--no-deps" in gateway and "requirements-gateway.txt" in gateway
     assert '! python -c "import torch"' in gateway
     assert (DEPLOY_DIR / "Dockerfile.dockerignore").exists()

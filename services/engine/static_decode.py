@@ -1,0 +1,154 @@
+"""Decode-only steps on static buffers, replayed as CUDA graphs on a GPU.
+
+Why: a decode step of a small model on a GPU is mostly kernel-launch overhead (hundreds of small
+kernels per step); a CUDA graph replays them in one launch. A graph records device addresses
+and shapes, so everything a step reads must live in tensors allocated once:
+
+- batch-size buckets (1, 2, 4, 8, then multiples of 16 up to ``max_num_seqs``): a step of ``n``
+  decodes runs the smallest bucket >= n, its padding rows doing harmless work;
+- static buffers of the largest bucket: token ids, positions, slot mapping, sequence lengths
+  (all on the device), and block tables of a fixed width (``max_model_len`` / ``block_size``),
+  so the attention kernels' grid and split count depend on the bucket alone;
+- padding rows (and table columns past a context) point at a reserved dummy block that the
+  block pool never hands out: a padding row writes its K/V there and attends over one token.
+
+Life cycle: built by the model runner after the KV cache is allocated (the dummy block is the
+cache's last block); ``capture`` once (CUDA only: warm-up, then one graph per bucket, largest
+first, sharing one memory pool); then ``run`` for every decode-only step with at most
+``max_batch`` requests. On CPU nothing is captured and ``run`` calls the model eagerly on the
+same buffers, which is how the CPU suite checks the static path against the dynamic one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from services.models.attention import AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, 16, 32, 48, ... up to and including ``max_num_seqs``."""
+    buckets = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    buckets += list(range(16, max_num_seqs, 16))
+    return buckets + [max_num_seqs]
+
+
+class StaticDecode:
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: AttentionBackend,
+        kv_caches: list[torch.Tensor],
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        dummy_block: int,
+        use_graphs: bool,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.dummy_block = dummy_block
+        self.buckets = batch_buckets(max_num_seqs)
+        self.max_batch = self.buckets[-1]
+        self.max_blocks = -(-max_model_len // block_size)
+        device = kv_caches[0].device
+        size = self.max_batch
+        # Static inputs: [max_batch] int64 each, block_tables [max_batch, max_blocks] int64.
+        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.zeros(size, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(size, dtype=torch.int64, device=device)
+        self.block_tables = torch.full(
+            (size, self.max_blocks), dummy_block, dtype=torch.int64, device=device
+        )
+        self._reset_padding(0)
+        self._metadata = {b: self._bucket_metadata(b) for b in self.buckets}
+        self.use_graphs = use_graphs and device.type == "cuda"
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        """The hidden states [bucket, hidden_size] each graph writes."""
+
+    def bucket_for(self, num_decodes: int) -> int | None:
+        """The smallest bucket that holds ``num_decodes``, or None (run the dynamic path)."""
+        return next((b for b in self.buckets if b >= num_decodes), None)
+
+    def _bucket_metadata(self, bucket: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bucket],
+            num_decodes=bucket,
+            decode_block_tables=self.block_tables[:bucket],
+            decode_seq_lens=self.seq_lens[:bucket],
+            prefills=[],
+        )
+
+    def _reset_padding(self, start: int) -> None:
+        # Padding rows: token 0 at position 0, written to the dummy block's first slot.
+        self.input_ids[start:].zero_()
+        self.positions[start:].zero_()
+        self.slot_mapping[start:].fill_(self.dummy_block * self.block_size)
+        self.seq_lens[start:].fill_(1)
+        self.block_tables[start:].fill_(self.dummy_block)
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        metadata = self._metadata[bucket]
+        self.backend.prepare(metadata)
+        return self.model(
+            self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, metadata
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """One CUDA graph per bucket (CUDA only), largest first so smaller ones reuse its pool."""
+        if not self.use_graphs:
+            return
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for bucket in reversed(self.buckets):
+                self._forward(bucket)  # warm-up: autotuning, lazy init, kernel compiles
+        torch.cuda.current_stream().wait_stream(stream)
+        for bucket in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[bucket] = self._forward(bucket)
+            self._graphs[bucket] = graph
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch %s)", len(self._graphs), self.buckets)
+
+    @torch.inference_mode()
+    def run(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        """Hidden states [num_decodes, hidden_size] of one decode-only step; decode i is token
+        ``token_ids[i]`` at ``positions[i]``, written to ``slots[i]``, over ``block_tables[i]``."""
+        num = len(token_ids)
+        bucket = self.bucket_for(num)
+        assert bucket is not None, f"{num} decodes exceed the largest bucket {self.max_batch}"
+        # One host-to-device copy per buffer; rows [num:bucket] are reset to padding.
+        self.input_ids[:num].copy_(torch.tensor(token_ids, dtype=torch.int64))
+        self.positions[:num].copy_(torch.tensor(positions, dtype=torch.int64))
+        self.slot_mapping[:num].copy_(torch.tensor(slots, dtype=torch.int64))
+        self.seq_lens[:num].copy_(torch.tensor(positions, dtype=torch.int64) + 1)
+        width, dummy = self.max_blocks, self.dummy_block
+        padded = [list(table) + [dummy] * (width - len(table)) for table in block_tables]
+        self.block_tables[:num].copy_(torch.tensor(padded, dtype=torch.int64).view(num, width))
+        self._reset_padding(num)
+        graph = self._graphs.get(bucket)
+        if graph is None:
+            return self._forward(bucket)[:num]
+        graph.replay()
+        return self._outputs[bucket][:num]

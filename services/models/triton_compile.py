@@ -1,0 +1,225 @@
+"""Ahead-of-time compile of every Triton attention kernel variant, without a GPU.
+
+Why: the interpreter (how the CPU suite runs the kernels) accepts tile shapes that the real
+compiler rejects or that spill registers to local memory, which would only show on a GPU.
+``triton.compile`` builds PTX and a cubin for a target architecture with no device present;
+``ptxas -v`` (shipped in Triton's wheel) then reports registers and spill bytes per kernel.
+
+    python -m services.models.triton_compile [--arch 90]    # prints one JSON line per variant
+
+Must run without ``TRITON_INTERPRET`` (under the interpreter ``triton.jit`` returns functions
+the compiler cannot take), which is why the test runs it in a subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import re
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from services.models import triton_attention as kernels
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+# Llama/Qwen head sizes, and GQA groups from MHA (1) to Llama-3-70B's 8.
+# The GQA group changes masks and indices only (decode pads it to 16 MMA rows): one suffices.
+HEAD_DIMS = (64, 128)
+GROUP = 4
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class CompiledVariant:
+    kernel: str
+    dtype: str
+    head_dim: int
+    group: int
+    block_size: int
+    num_registers: int
+    spill_bytes: int
+    """Spill stores + spill loads reported by ptxas; must be 0."""
+    shared_bytes: int
+
+
+def _decode_signature(dtype: str) -> dict[str, str]:
+    f32, tensor = "*fp32", f"*{dtype}"
+    return {
+        "part_acc_ptr": f32,
+        "part_max_ptr": f32,
+        "part_sum_ptr": f32,
+        "q_ptr": tensor,
+        "k_cache_ptr": tensor,
+        "v_cache_ptr": tensor,
+        "block_tables_ptr": "*i64",
+        "seq_lens_ptr": "*i64",
+        "scale_log2": "fp32",
+        **dict.fromkeys(
+            ["stride_q_tok", "stride_q_head", "stride_kv_slot", "stride_kv_head", "stride_bt"],
+            "i32",
+        ),
+        "num_heads": "i32",
+        "num_splits": "i32",
+        "partition_size": "i32",
+    }
+
+
+def _reduce_signature(dtype: str) -> dict[str, str]:
+    return {
+        "out_ptr": f"*{dtype}",
+        "part_acc_ptr": "*fp32",
+        "part_max_ptr": "*fp32",
+        "part_sum_ptr": "*fp32",
+        "stride_out_tok": "i32",
+        "stride_out_head": "i32",
+        "num_heads": "i32",
+        "num_splits": "i32",
+    }
+
+
+def _prefill_signature(dtype: str) -> dict[str, str]:
+    tensor = f"*{dtype}"
+    return {
+        "out_ptr": tensor,
+        "q_ptr": tensor,
+        "k_cache_ptr": tensor,
+        "v_cache_ptr": tensor,
+        "block_tables_ptr": "*i64",
+        "chunk_token_starts_ptr": "*i64",
+        "chunk_num_tokens_ptr": "*i64",
+        "chunk_start_positions_ptr": "*i64",
+        "scale_log2": "fp32",
+        **dict.fromkeys(
+            [
+                "stride_q_tok",
+                "stride_q_head",
+                "stride_out_tok",
+                "stride_out_head",
+                "stride_kv_slot",
+                "stride_kv_head",
+                "stride_bt",
+            ],
+            "i32",
+        ),
+    }
+
+
+def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
+    """(registers, spill bytes) of the one kernel in ``ptx``, from ``ptxas -v``."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        result = subprocess.run(
+            [str(ptxas), "-v", f"--gpu-name=sm_{arch}a", str(src), "-o", str(Path(tmp) / "k.o")],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    log = result.stderr + result.stdout
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if registers is None or spills is None:
+        raise RuntimeError(f"cannot read registers and spills from ptxas output:\n{log}")
+    return int(registers.group(1)), int(spills.group(1)) + int(spills.group(2))
+
+
+def _compile(fn, signature: dict[str, str], constexprs: dict, arch: int, num_warps: int):
+    # num_stages: the launch default, as the engine launches.
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(
+        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps}
+    )
+
+
+def compile_all(
+    arch: int = 90, dtypes: tuple[str, ...] = tuple(DTYPES), head_dims: tuple[int, ...] = HEAD_DIMS
+) -> list[CompiledVariant]:
+    """Every kernel the engine can launch, for each dtype and head size."""
+    if kernels.INTERPRET:
+        raise RuntimeError("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
+    results = []
+    group, block_size = GROUP, BLOCK_SIZE
+    for dtype, head_dim in itertools.product(dtypes, head_dims):
+        short = DTYPES[dtype]
+        tiles = kernels.tile_config(head_dim, getattr(torch, dtype))
+        precision = "ieee" if dtype == "float32" else "tf32"
+        block_d = max(16, triton.next_power_of_2(head_dim))
+        common = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_SIZE": block_size}
+        builds = {
+            "decode_partial": (
+                kernels._decode_partial_kernel,
+                _decode_signature(short),
+                {
+                    **common,
+                    "GROUP": group,
+                    "GROUP_PAD": max(16, triton.next_power_of_2(group)),
+                    "BLOCK_N": tiles.decode_block_n,
+                    "UPCAST": False,
+                    "PRECISION": precision,
+                },
+            ),
+            "prefill": (
+                kernels._prefill_kernel,
+                _prefill_signature(short),
+                {
+                    **common,
+                    "GROUP": group,
+                    "BLOCK_M": tiles.prefill_block_m,
+                    "BLOCK_N": tiles.prefill_block_n,
+                    "UPCAST": False,
+                    "PRECISION": precision,
+                },
+            ),
+        }
+        builds["decode_reduce"] = (
+            kernels._decode_reduce_kernel,
+            _reduce_signature(short),
+            {"HEAD_DIM": head_dim, "BLOCK_D": block_d},
+        )
+        for name, (fn, signature, constexprs) in builds.items():
+            warps = {
+                "decode_partial": tiles.decode_num_warps,
+                "decode_reduce": 4,
+                "prefill": tiles.prefill_num_warps,
+            }[name]
+            compiled = _compile(fn, signature, constexprs, arch, warps)
+            registers, spill_bytes = _ptxas_report(compiled.asm["ptx"], arch)
+            results.append(
+                CompiledVariant(
+                    kernel=name,
+                    dtype=dtype,
+                    head_dim=head_dim,
+                    group=group,
+                    block_size=block_size,
+                    num_registers=registers,
+                    spill_bytes=spill_bytes,
+                    shared_bytes=compiled.metadata.shared,
+                )
+            )
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90")
+    parser.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=tuple(DTYPES))
+    parser.add_argument("--head-dims", nargs="+", type=int, default=HEAD_DIMS)
+    args = parser.parse_args()
+    for variant in compile_all(args.arch, tuple(args.dtypes), tuple(args.head_dims)):
+        print(json.dumps(asdict(variant)))
+
+
+if __name__ == "__main__":
+    main()
