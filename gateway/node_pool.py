@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from services.tls import TlsFiles, aio_channel
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +53,12 @@ class Node:
     """One node: its channel and stubs, its last health and load, and the gateway's own count of
     requests it has sent there (fresher than the last poll)."""
 
-    def __init__(self, address: str, role: NodeRole) -> None:
+    def __init__(self, address: str, role: NodeRole, tls: TlsFiles | None = None) -> None:
         self.address = address
         self.role = role
-        self.channel = grpc.aio.insecure_channel(
+        self.channel = aio_channel(
             address,
+            tls,
             options=[
                 # Streams may be idle for long between tokens of a slow model; keep them alive.
                 ("grpc.keepalive_time_ms", 30_000),
@@ -129,10 +131,12 @@ class NodePool:
         colocated: tuple[str, ...],
         interval_s: float = 1.0,
         timeout_s: float = 2.0,
+        tls: TlsFiles | None = None,
     ) -> None:
-        self.prefill = [Node(address, NodeRole.PREFILL) for address in prefill]
-        self.decode = [Node(address, NodeRole.DECODE) for address in decode]
-        self.colocated = [Node(address, NodeRole.COLOCATED) for address in colocated]
+        """``tls``: mutual TLS to every node (see ``services/tls.py``); None: plaintext."""
+        self.prefill = [Node(address, NodeRole.PREFILL, tls) for address in prefill]
+        self.decode = [Node(address, NodeRole.DECODE, tls) for address in decode]
+        self.colocated = [Node(address, NodeRole.COLOCATED, tls) for address in colocated]
         self.interval_s = interval_s
         self.timeout_s = timeout_s
 
