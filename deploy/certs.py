@@ -3,7 +3,8 @@ the mutual TLS between pdserve's processes (``services/tls.py``).
 
 Writes into DIR: ``ca.crt`` and ``ca.key`` (the CA; the key stays with whoever issues
 certificates, never in a container), and ``<service>.crt`` / ``<service>.key`` for each service
-(``prefill-0``, ``decode-0``, ``gateway``, ... from ``--topology``, or ``--service NAME``). A CA
+(``prefill-0``, ``decode-0``, ``gateway``, ... from ``--topology``; ``--service NAME`` adds one;
+with neither, the default topology's). A CA
 already in DIR is reused, so running it again with a new ``--service`` adds a certificate the
 running services already trust.
 

@@ -19,7 +19,8 @@ so ``Retry-After`` is the time until enough of them expire. The clock is injecte
 it; no test sleeps). Metrics are labelled by the key's name; the key itself never leaves
 ``auth.py``. The lease of the request in progress travels in a ``ContextVar`` so that the front
 ends and the generator need no new parameters: both HTTP and gRPC run a request's generation in
-the task that acquired the lease, or in tasks it starts, which inherit it.
+the task that acquired the lease, or in tasks it starts, which inherit it. Not thread-safe,
+and needs none: the gateway serves HTTP and gRPC on one asyncio loop.
 """
 
 from __future__ import annotations
@@ -164,7 +165,9 @@ class KeyLimiter:
         limit, usage, wait_s = refusal
         self.limited.labels(key_name=key.name, limit=limit).inc()
         retry_after_s = max(1, math.ceil(wait_s))
-        logger.info("API key %s over its %s (%s)", key.name, limit, usage)
+        # debug, not info: a client hammering past its limit must not flood the log; the
+        # pdserve:api_key_rate_limited counter says how often it happens.
+        logger.debug("API key %s over its %s (%s)", key.name, limit, usage)
         raise GatewayError(
             ErrorKind.RESOURCE_EXHAUSTED,
             f"API key {key.name!r} is over its {limit} limit "

@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from decode_node.role import decode_services
 from deploy.certs import write_deployment
 from deploy.health import GrpcHealth
+from deploy.probe import main as probe_main
 from gateway.config import parse_gateway_config
 from gateway.server import GatewayServer
 from pdserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc
@@ -120,7 +121,7 @@ async def refused(channel: grpc.aio.Channel) -> grpc.StatusCode:
 
 
 def test_every_node_port_requires_a_certificate_from_the_deployment_ca(
-    tiny_llama_dir: Path, certs: tuple[Path, Path]
+    tiny_llama_dir: Path, certs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     deployment, foreign = certs
 
@@ -162,6 +163,13 @@ def test_every_node_port_requires_a_certificate_from_the_deployment_ca(
                 probe = GrpcHealth(address, tls=files(deployment, "client"))
                 assert await asyncio.to_thread(probe.check, 10.0)
                 assert not await asyncio.to_thread(GrpcHealth(address).check, 10.0)
+                # python -m deploy.probe (compose healthchecks) reads PDSERVE_TLS_* as a node does.
+                assert await asyncio.to_thread(probe_main, ["grpc", address]) == 1
+                with monkeypatch.context() as patch:
+                    for part, suffix in (("CERT", "crt"), ("KEY", "key")):
+                        patch.setenv(f"PDSERVE_TLS_{part}", str(deployment / f"client.{suffix}"))
+                    patch.setenv("PDSERVE_TLS_CA", str(deployment / "ca.crt"))
+                    assert await asyncio.to_thread(probe_main, ["grpc", address]) == 0
         finally:
             await stop_nodes(nodes)
 
