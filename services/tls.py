@@ -10,6 +10,7 @@ every channel it opens verify the peer's certificate against the same CA and the
 name (so a certificate's SANs must name the address peers dial: the service name, or 127.0.0.1).
 
 The files are read once, when credentials are built: replacing them needs a restart.
+
 The gateway's public ports may also terminate TLS (``EdgeTlsFiles``): server authentication
 only, since its clients prove who they are with API keys.
 
