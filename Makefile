@@ -54,7 +54,7 @@ $(MODEL_DIR)/config.json:
 
 # make run [MODEL=hf-dir] [DTYPE=bfloat16] [PREFILL=1] [DECODE=1] [COLOCATED=0] [HOST=127.0.0.1]
 #          [HTTP_PORT=8000] [GRPC_PORT=50051] [PREFILL_PORT=50061] [DECODE_PORT=50071]
-#          [COLOCATED_PORT=50081] [TOPOLOGY=deploy/topology.example.yaml]
+#          [COLOCATED_PORT=50081] [TOPOLOGY=deploy/topology.example.yaml] [TLS=1]
 # Variables given override the topology file; the tiny model is built unless MODEL names one.
 RUN_ARGS = $(if $(TOPOLOGY),--topology $(TOPOLOGY)) $(if $(MODEL),--model $(MODEL)) \
 	$(if $(DTYPE),--dtype $(DTYPE)) $(if $(PREFILL),--prefill $(PREFILL)) \
@@ -62,7 +62,7 @@ RUN_ARGS = $(if $(TOPOLOGY),--topology $(TOPOLOGY)) $(if $(MODEL),--model $(MODE
 	$(if $(HOST),--host $(HOST)) $(if $(HTTP_PORT),--http-port $(HTTP_PORT)) \
 	$(if $(GRPC_PORT),--grpc-port $(GRPC_PORT)) $(if $(PREFILL_PORT),--prefill-port $(PREFILL_PORT)) \
 	$(if $(DECODE_PORT),--decode-port $(DECODE_PORT)) \
-	$(if $(COLOCATED_PORT),--colocated-port $(COLOCATED_PORT))
+	$(if $(COLOCATED_PORT),--colocated-port $(COLOCATED_PORT)) $(if $(TLS),--tls)
 
 run: protos $(if $(MODEL),,model)
 	$(PY) -m deploy.launch $(strip $(RUN_ARGS))

@@ -3,15 +3,20 @@ node and of the gateway, as the local launcher starts them.
 
 Nodes with a GPU pin run on ``cuda:<id>``, the others on the CPU. Everything binds
 ``topology.host``; peers are reached at the same host (127.0.0.1 when it binds 0.0.0.0).
+
+With ``tls_dir`` (what ``python -m deploy.certs`` wrote), every process gets its own certificate
+(mutual TLS between the services) and the gateway's public ports serve TLS with the gateway's.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from deploy.health import GrpcHealth, HealthTarget, HttpHealth
 from deploy.topology import EnvVars, FlagArgs, NodeInstance, Role, Topology
+from services.tls import TlsFiles
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,17 @@ def flag_argv(args: FlagArgs) -> list[str]:
     return argv
 
 
-def node_process(topology: Topology, node: NodeInstance, python: str) -> ProcessSpec:
+def tls_files(tls_dir: Path, name: str) -> TlsFiles:
+    return TlsFiles(tls_dir / f"{name}.crt", tls_dir / f"{name}.key", tls_dir / "ca.crt")
+
+
+def tls_argv(tls: TlsFiles) -> list[str]:
+    return ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-ca", str(tls.ca)]
+
+
+def node_process(
+    topology: Topology, node: NodeInstance, python: str, tls_dir: Path | None = None
+) -> ProcessSpec:
     group = topology.group(node.role)
     device = "cpu" if node.gpu_id is None else f"cuda:{node.gpu_id}"
     argv = [
@@ -55,9 +70,13 @@ def node_process(topology: Topology, node: NodeInstance, python: str) -> Process
     ]  # fmt: skip
     if node.metrics_port is not None:
         argv += ["--metrics-port", str(node.metrics_port)]
+    tls = None if tls_dir is None else tls_files(tls_dir, node.name)
+    if tls is not None:
+        argv += tls_argv(tls)
     argv += flag_argv(group.args)
     address = f"{connect_host(topology)}:{node.grpc_port}"
-    return ProcessSpec(node.name, tuple(argv), group.env, (GrpcHealth(address),))
+    # With TLS the launcher's probe presents the node's own certificate.
+    return ProcessSpec(node.name, tuple(argv), group.env, (GrpcHealth(address, tls=tls),))
 
 
 def node_addresses(topology: Topology, role: Role) -> list[str]:
@@ -65,7 +84,7 @@ def node_addresses(topology: Topology, role: Role) -> list[str]:
     return [f"{host}:{node.grpc_port}" for node in topology.group(role).instances]
 
 
-def gateway_process(topology: Topology, python: str) -> ProcessSpec:
+def gateway_process(topology: Topology, python: str, tls_dir: Path | None = None) -> ProcessSpec:
     gateway = topology.gateway
     argv = [
         python, "-m", "gateway",
@@ -79,20 +98,29 @@ def gateway_process(topology: Topology, python: str) -> ProcessSpec:
         addresses = node_addresses(topology, role)
         if addresses:
             argv += [f"--{role}", ",".join(addresses)]
+    tls = None if tls_dir is None else tls_files(tls_dir, "gateway")
+    if tls is not None:
+        argv += tls_argv(tls)
+        argv += ["--public-tls-cert", str(tls.cert), "--public-tls-key", str(tls.key)]
     argv += flag_argv(gateway.args)
     host = connect_host(topology)
+    scheme, ca = ("http", None) if tls is None else ("https", tls.ca)
     health = (
-        HttpHealth(f"http://{host}:{gateway.http_port}/health"),
-        GrpcHealth(f"{host}:{gateway.grpc_port}"),
+        HttpHealth(f"{scheme}://{host}:{gateway.http_port}/health", ca),
+        GrpcHealth(f"{host}:{gateway.grpc_port}", tls=tls),
     )
     return ProcessSpec("gateway", tuple(argv), gateway.env, health)
 
 
 def local_processes(
-    topology: Topology, *, with_gateway: bool = True, python: str = sys.executable
+    topology: Topology,
+    *,
+    with_gateway: bool = True,
+    python: str = sys.executable,
+    tls_dir: Path | None = None,
 ) -> tuple[ProcessSpec, ...]:
     """Nodes first, then the gateway (it stops first: see ``Supervisor.stop``)."""
-    specs = [node_process(topology, node, python) for node in topology.nodes]
+    specs = [node_process(topology, node, python, tls_dir) for node in topology.nodes]
     if with_gateway:
-        specs.append(gateway_process(topology, python))
+        specs.append(gateway_process(topology, python, tls_dir))
     return tuple(specs)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from deploy.envoy.config import EDGE_CERT_NAME, EDGE_TLS_DIR
 from deploy.topology import FlagArgs, NodeGroup, NodeInstance, Role, Topology
 
 ENV_FILES = {"prefill": "env/prefill.env", "decode": "env/decode.env",
@@ -23,6 +24,25 @@ ENV_FILES = {"prefill": "env/prefill.env", "decode": "env/decode.env",
 """Relative to deploy/ (where the compose file lives). Colocated nodes share decode's."""
 MODEL_MOUNT = "/models"
 IPC_SERVICE = "kv-ipc"
+CERTS_DIR = "./certs"
+"""Relative to deploy/: what ``python -m deploy.certs --out deploy/certs`` writes."""
+CERTS_MOUNT = "/certs"
+
+
+def tls_mounts(service: str) -> tuple[list[str], dict[str, str]]:
+    """A service's own certificate and key and the CA certificate, mounted one file at a time
+    (never the directory: it holds the CA's key), and the ``PDSERVE_TLS_*`` naming them."""
+    volumes = [
+        f"{CERTS_DIR}/{service}.crt:{CERTS_MOUNT}/tls.crt:ro",
+        f"{CERTS_DIR}/{service}.key:{CERTS_MOUNT}/tls.key:ro",
+        f"{CERTS_DIR}/ca.crt:{CERTS_MOUNT}/ca.crt:ro",
+    ]
+    environment = {
+        "PDSERVE_TLS_CERT": f"{CERTS_MOUNT}/tls.crt",
+        "PDSERVE_TLS_KEY": f"{CERTS_MOUNT}/tls.key",
+        "PDSERVE_TLS_CA": f"{CERTS_MOUNT}/ca.crt",
+    }
+    return volumes, environment
 
 
 def flag_env(args: FlagArgs) -> dict[str, str]:
@@ -60,6 +80,11 @@ def node_service(topology: Topology, group: NodeGroup, node: NodeInstance) -> di
     }
     if node.metrics_port is not None:
         environment["PDSERVE_METRICS_PORT"] = str(node.metrics_port)
+    volumes = [f"{topology.model_volume}:{MODEL_MOUNT}:ro"]
+    if topology.tls:  # the probe reads the same PDSERVE_TLS_* and presents the node's own
+        tls_volumes, tls_environment = tls_mounts(node.name)
+        volumes += tls_volumes
+        environment.update(tls_environment)
     service: dict[str, Any] = {
         "image": f"{topology.image}-node",
         "build": build("node"),
@@ -68,7 +93,7 @@ def node_service(topology: Topology, group: NodeGroup, node: NodeInstance) -> di
         "environment": environment,
         "network_mode": "host",
         "ipc": f"service:{IPC_SERVICE}",
-        "volumes": [f"{topology.model_volume}:{MODEL_MOUNT}:ro"],
+        "volumes": volumes,
         # UCX registers (pins) the KV cache; RDMA NICs need unlimited locked memory.
         "ulimits": {"memlock": {"soft": -1, "hard": -1}},
         "healthcheck": healthcheck(
@@ -113,6 +138,12 @@ def gateway_service(topology: Topology, index: int) -> dict[str, Any]:
             )
     environment.update(flag_env(gateway.args))
     environment.update(dict(gateway.env))
+    # The tokenizer, chat template and config.json; the gateway reads no weights.
+    volumes = [f"{topology.model_volume}:{MODEL_MOUNT}:ro"]
+    if topology.tls:
+        tls_volumes, tls_environment = tls_mounts(gateway_name(topology, index))
+        volumes += tls_volumes
+        environment.update(tls_environment)
     return {
         "image": f"{topology.image}-gateway",
         "build": build("gateway"),
@@ -120,8 +151,7 @@ def gateway_service(topology: Topology, index: int) -> dict[str, Any]:
         "env_file": [ENV_FILES["gateway"]],
         "environment": environment,
         "network_mode": "host",
-        # The tokenizer, chat template and config.json; the gateway reads no weights.
-        "volumes": [f"{topology.model_volume}:{MODEL_MOUNT}:ro"],
+        "volumes": volumes,
         "healthcheck": healthcheck(
             ["python", "-m", "deploy.probe", "http", f"http://127.0.0.1:{http_port}/health"], 120
         ),
@@ -135,11 +165,15 @@ def gateway_service(topology: Topology, index: int) -> dict[str, Any]:
 
 def envoy_service(topology: Topology) -> dict[str, Any]:
     gateways = [gateway_name(topology, i) for i in range(topology.gateway.replicas)]
+    volumes = ["./envoy/envoy.yaml:/etc/envoy/envoy.yaml:ro"]
+    if topology.envoy.tls:
+        volumes += [f"{CERTS_DIR}/{EDGE_CERT_NAME}.{ext}:{EDGE_TLS_DIR}/{EDGE_CERT_NAME}.{ext}:ro"
+                    for ext in ("crt", "key")]  # fmt: skip
     return {
         "image": topology.envoy.image,
         "command": ["envoy", "--config-path", "/etc/envoy/envoy.yaml", "--log-level", "info"],
         "network_mode": "host",
-        "volumes": ["./envoy/envoy.yaml:/etc/envoy/envoy.yaml:ro"],
+        "volumes": volumes,
         "depends_on": {name: {"condition": "service_healthy"} for name in gateways},
         "restart": "unless-stopped",
     }

@@ -16,12 +16,14 @@ import shlex
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from deploy.certs import write_deployment
 from deploy.commands import ProcessSpec, connect_host, local_processes
 from deploy.supervisor import Output, Supervisor
 from deploy.topology import DTYPES, Role, Topology, load_topology
@@ -55,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         help="how long every process may take to become healthy (model loading)",
     )
+    add(
+        "--tls",
+        action="store_true",
+        help="mutual TLS between all processes and TLS on the gateway's public ports, with "
+        "certificates generated into --tls-dir",
+    )
+    add("--tls-dir", type=Path, help="where --tls writes the CA and certificates (default: temp)")
     add(
         "--grace-s",
         type=float,
@@ -113,8 +122,11 @@ class Launcher:
         grace_s: float,
         startup_timeout_s: float,
         output: Output,
+        tls_dir: Path | None = None,
     ) -> None:
         self.topology = topology
+        self.tls_dir = tls_dir
+        """Where --tls put the certificates (the banner's commands use its CA); None: no TLS."""
         self.specs = list(specs)
         self.startup_timeout_s = startup_timeout_s
         self.output = output
@@ -200,16 +212,21 @@ class Launcher:
         )
         lines = [f"pdserve is up: {counts}, model {t.model_name} ({t.dtype})", f"  nodes: {nodes}"]
         if any(spec.name == "gateway" for spec in self.specs):
-            http = f"http://{host}:{t.gateway.http_port}"
+            scheme = "http" if self.tls_dir is None else "https"
+            http = f"{scheme}://{host}:{t.gateway.http_port}"
+            curl_tls = "" if self.tls_dir is None else f" --cacert {self.tls_dir / 'ca.crt'}"
+            grpcurl_tls = (
+                "-plaintext" if self.tls_dir is None else f"-cacert {self.tls_dir / 'ca.crt'}"
+            )
             body = f'{{"model": "{t.model_name}", "prompt": "Hello, my name is", "max_tokens": 16}}'
             lines += [
                 f"  OpenAI HTTP API: {http}/v1   (health {http}/health, metrics {http}/metrics)",
                 f"  gRPC API:        {host}:{t.gateway.grpc_port}   "
                 "(pdserve.v1.GatewayService, reflection on)",
                 "  try:",
-                f"    curl {http}/v1/completions -H 'Content-Type: application/json' \\",
+                f"    curl{curl_tls} {http}/v1/completions -H 'Content-Type: application/json' \\",
                 f"      -d '{body}'",
-                f'    grpcurl -plaintext -d \'{{"text": "Hello", "sampling": '
+                f'    grpcurl {grpcurl_tls} -d \'{{"text": "Hello", "sampling": '
                 f'{{"max_tokens": 16}}}}\' {host}:{t.gateway.grpc_port} '
                 "pdserve.v1.GatewayService/Generate",
             ]
@@ -235,13 +252,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"port(s) {taken} on {topology.host} are in use (another pdserve?); "
             "choose others with --http-port/--grpc-port/--<role>-port or a topology"
         )
-    specs = local_processes(topology, with_gateway=with_gateway)
+    tls_dir = None
+    if args.tls:
+        tls_dir = args.tls_dir or Path(tempfile.mkdtemp(prefix="pdserve-tls-"))
+        names = ["gateway", *(node.name for node in topology.nodes)]
+        write_deployment(tls_dir, names, sans=[connect_host(topology)])
+        print(f"[{LAUNCH}] TLS on: CA and certificates in {tls_dir}", flush=True)
+    specs = local_processes(topology, with_gateway=with_gateway, tls_dir=tls_dir)
     launcher = Launcher(
         topology,
         specs,
         grace_s=args.grace_s,
         startup_timeout_s=args.startup_timeout_s,
         output=Output(sys.stdout),
+        tls_dir=tls_dir,
     )
     return launcher.run()
 

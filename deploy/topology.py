@@ -177,6 +177,8 @@ class EnvoySpec:
     """A stream that moves no byte for this long is reset (a stuck generation, a dead client)."""
     max_requests: int = 1024
     """Circuit breaker: concurrent requests to all gateway replicas together."""
+    tls: bool = False
+    """Both listeners terminate TLS with ``deploy/certs/edge.crt`` and ``edge.key``."""
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port", "admin_port"):
@@ -234,6 +236,9 @@ class Topology:
     are relative to deploy/."""
     shm_size: str = "16gb"
     """Compose: size of /dev/shm in the IPC namespace the nodes share (UCX shared memory)."""
+    tls: bool = False
+    """Compose: mutual TLS between the services, each with its certificate from
+    ``deploy/certs/`` (``python -m deploy.certs --out deploy/certs --topology FILE``)."""
     prefill: NodeGroup = field(default_factory=lambda: _default_group(Role.PREFILL))
     decode: NodeGroup = field(default_factory=lambda: _default_group(Role.DECODE))
     colocated: NodeGroup = field(default_factory=lambda: _default_group(Role.COLOCATED))
@@ -242,6 +247,8 @@ class Topology:
     kubernetes: KubernetesSpec = field(default_factory=KubernetesSpec)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tls, bool) or not isinstance(self.envoy.tls, bool):
+            raise ValueError("tls and envoy.tls must be true or false")
         if not self.model:
             raise ValueError("model must name a model directory")
         if self.dtype not in DTYPES:

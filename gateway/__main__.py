@@ -33,9 +33,10 @@ async def main(argv: list[str] | None = None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    scheme, grpc_tls = ("http", "") if config.public_tls is None else ("https", " (TLS)")
     print(
-        f"pdserve gateway ready: HTTP http://{config.host}:{server.http_port}/v1 "
-        f"gRPC {config.host}:{server.grpc_port}",
+        f"pdserve gateway ready: HTTP {scheme}://{config.host}:{server.http_port}/v1 "
+        f"gRPC{grpc_tls} {config.host}:{server.grpc_port}",
         flush=True,
     )
     await stop.wait()

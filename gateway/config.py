@@ -4,7 +4,7 @@ a frozen ``GatewayConfig``; the router, the limits and the servers each get only
 Node lists are comma-separated ``host:port`` lists (``--prefill a:50061,b:50061``, or
 ``PDSERVE_PREFILL``); an entry ``dns:///name:port`` stands for every address the name resolves
 to, re-resolved every health interval (``gateway.node_discovery``). API keys: ``--api-key``
-(repeatable) or ``PDSERVE_API_KEYS=k1,k2``.
+(repeatable) or ``PDSERVE_API_KEYS=k1,k2``, and ``--api-key-file`` (names and per-key limits).
 """
 
 from __future__ import annotations
@@ -14,11 +14,14 @@ import json
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.api_key_file import load_api_key_file
+from gateway.auth import ApiKey, ApiKeys
 from gateway.limits import RequestLimits
 from services.cli import ENV_PREFIX, apply_env_defaults, parse_bytes
+from services.tls import EdgeTlsFiles, TlsFiles, add_tls_flags, tls_from_args
 
 _ADDRESS = re.compile(r"^(dns:///)?[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
 
@@ -85,7 +88,8 @@ class GatewayConfig:
     host: str
     http_port: int
     grpc_port: int
-    api_keys: tuple[str, ...]
+    api_keys: tuple[str | ApiKey, ...] = field(repr=False)
+    """From ``--api-key`` (unnamed, unlimited) and ``--api-key-file`` (named, with limits)."""
     max_concurrent_requests: int
     max_queued_requests: int
     request_timeout_s: float | None
@@ -94,6 +98,10 @@ class GatewayConfig:
     log_level: str = "info"
     client_send_timeout_s: float | None = 30.0
     """Longest one send to an HTTP client may wait for its socket to drain; None: no bound."""
+    tls: TlsFiles | None = None
+    """Mutual TLS to the nodes (``services/tls.py``); None: plaintext."""
+    public_tls: EdgeTlsFiles | None = None
+    """TLS on the public HTTP and gRPC ports; None: plaintext."""
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):
@@ -105,6 +113,7 @@ class GatewayConfig:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.client_send_timeout_s is not None and self.client_send_timeout_s <= 0:
             raise ValueError(f"client_send_timeout_s must be > 0, got {self.client_send_timeout_s}")
+        ApiKeys(self.api_keys)  # raises for two keys with one name or one key under two names
 
 
 def _addresses(text: str) -> tuple[str, ...]:
@@ -136,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help="accept this API key (repeatable; env PDSERVE_API_KEYS=k1,k2); unset: no auth",
+    )
+    add(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help="YAML file of API keys with names and per-key limits (see gateway/api_key_file.py)",
     )
     add("--max-concurrent-requests", type=int, default=256)
     add(
@@ -176,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--health-interval-s", type=float, default=1.0)
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_tls_flags(parser)
+    add("--public-tls-cert", type=Path, default=None, help="TLS certificate of the public ports")
+    add("--public-tls-key", type=Path, default=None, help="its private key (PEM)")
     return parser  # fmt: skip
 
 
@@ -187,8 +205,19 @@ def parse_gateway_config(
     environ = os.environ if environ is None else environ
     apply_env_defaults(parser, environ)
     args = parser.parse_args(argv)
-    api_keys = tuple(args.api_key or _addresses(environ.get(f"{ENV_PREFIX}API_KEYS", "")))
+    api_keys: tuple[str | ApiKey, ...] = tuple(
+        args.api_key or _addresses(environ.get(f"{ENV_PREFIX}API_KEYS", ""))
+    )
     try:
+        if args.api_key_file is not None:
+            api_keys += load_api_key_file(args.api_key_file)
+        if (args.public_tls_cert is None) != (args.public_tls_key is None):
+            raise ValueError("--public-tls-cert and --public-tls-key must be given together")
+        public_tls = (
+            EdgeTlsFiles(args.public_tls_cert, args.public_tls_key)
+            if args.public_tls_cert is not None
+            else None
+        )
         max_model_len = args.max_model_len or model_max_len(args.model)
         limits = RequestLimits(
             max_model_len=max_model_len,
@@ -219,6 +248,8 @@ def parse_gateway_config(
             router=router,
             log_level=args.log_level,
             client_send_timeout_s=args.client_send_timeout_s or None,
+            tls=tls_from_args(args),
+            public_tls=public_tls,
         )
     except ValueError as exc:
         parser.error(str(exc))

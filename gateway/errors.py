@@ -39,11 +39,20 @@ class ErrorKind(enum.Enum):
 class GatewayError(Exception):
     """A refusal with a message a client can act on; ``param`` names the offending field."""
 
-    def __init__(self, kind: ErrorKind, message: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        kind: ErrorKind,
+        message: str,
+        param: str | None = None,
+        *,
+        retry_after_s: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.param = param
+        self.retry_after_s = retry_after_s
+        """Whole seconds after which a refused request may succeed (HTTP ``Retry-After``)."""
 
     def openai_body(self) -> dict[str, object]:
         """``{"error": {"message", "type", "param", "code"}}`` as the OpenAI API sends it."""

@@ -5,11 +5,14 @@ admission bound and one set of metrics."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
 
 from gateway.admission import Admission
 from gateway.auth import ApiKeys
 from gateway.generation import Generator
+from gateway.key_limiter import KeyLimiter
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
 from gateway.tokenizer import Tokenizer
@@ -32,3 +35,5 @@ class Frontend:
     client_send_timeout_s: float | None = 30.0
     """Longest one send to an HTTP client may wait for its socket to drain before the request
     is aborted (a client that stopped reading); None: no bound."""
+    key_limiter: KeyLimiter = field(default_factory=lambda: KeyLimiter(CollectorRegistry()))
+    """Per-key limits of the keys in ``api_keys``; the gateway gives it its metrics registry."""

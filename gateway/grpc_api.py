@@ -15,6 +15,7 @@ import uuid
 
 import grpc
 
+from gateway.auth import ApiKey
 from gateway.convert import (
     finish_reason_to_proto,
     logprob_to_proto,
@@ -40,8 +41,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     ):
         arrival = time.monotonic()
         frontend = self.frontend
+        lease = None
         try:
-            self._authenticate(context)
+            key = self._authenticate(context)
+            lease = frontend.key_limiter.acquire(key)  # released when the stream ends
             # Tokenizing a long prompt takes a while; in a thread it does not stall other streams.
             generation = await asyncio.to_thread(self._generation_request, request, arrival)
             skip_special = (
@@ -85,7 +88,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     await events.aclose()
         except GatewayError as exc:
             frontend.metrics.request_errors.labels(reason=exc.kind.name.lower()).inc()
+            if exc.retry_after_s is not None:
+                context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
             await context.abort(exc.kind.grpc_code, exc.message)
+        finally:
+            if lease is not None:
+                lease.release()
 
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -103,9 +111,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             ]
         )
 
-    def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> ApiKey | None:
         metadata = dict(context.invocation_metadata() or ())
-        self.frontend.api_keys.check(metadata.get("authorization"))
+        return self.frontend.api_keys.check(metadata.get("authorization"))
 
     def _generation_request(
         self, request: gateway_pb2.GatewayGenerateRequest, arrival: float

@@ -1,7 +1,9 @@
-"""The edge of the HTTP API: auth and body size, checked before FastAPI reads anything."""
+"""The edge of the HTTP API: auth, per-key limits and body size, checked before FastAPI reads
+anything."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -10,13 +12,17 @@ from gateway.client_send import send_json
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
 
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+"""The routes a key's limits count (each request starts generations)."""
+
 
 class ClientDisconnected(Exception):
     """The client went away before its request body arrived whole."""
 
 
 class HttpGate:
-    """ASGI middleware: arrival time, the API key on ``/v1/*``, and the body-size bound.
+    """ASGI middleware: arrival time, the API key on ``/v1/*``, the key's limits on the
+    generation routes (held until the response has been sent), and the body-size bound.
 
     The body is read here, whole, so that its size is known before FastAPI parses it (a client
     may lie in Content-Length or send chunked); the app then receives it as one message.
@@ -32,33 +38,39 @@ class HttpGate:
             return
         scope.setdefault("state", {})["arrival"] = time.monotonic()
         headers = {name.lower(): value for name, value in scope["headers"]}
-        try:
-            path = scope["path"]
-            if path == "/v1" or path.startswith("/v1/"):
-                authorization = headers.get(b"authorization")
-                self._frontend.api_keys.check(
-                    None if authorization is None else authorization.decode("latin-1")
-                )
-            body = await self._read_body(receive, headers.get(b"content-length"))
-        except GatewayError as error:
-            self._frontend.metrics.request_errors.labels(reason=error.kind.name.lower()).inc()
-            extra = []
-            if error.kind is ErrorKind.UNAUTHENTICATED:
-                extra = [(b"www-authenticate", b"Bearer")]
-            await send_json(send, error.kind.http_status, error.openai_body(), extra)
-            return
-        except ClientDisconnected:
-            return
-        is_replayed = False
+        with contextlib.ExitStack() as held:
+            try:
+                path = scope["path"]
+                if path == "/v1" or path.startswith("/v1/"):
+                    authorization = headers.get(b"authorization")
+                    key = self._frontend.api_keys.check(
+                        None if authorization is None else authorization.decode("latin-1")
+                    )
+                    if path in GENERATION_PATHS:  # listing models costs nothing
+                        held.enter_context(self._frontend.key_limiter.hold(key))
+                body = await self._read_body(receive, headers.get(b"content-length"))
+            except GatewayError as error:
+                self._frontend.metrics.request_errors.labels(reason=error.kind.name.lower()).inc()
+                extra = []
+                if error.kind is ErrorKind.UNAUTHENTICATED:
+                    extra = [(b"www-authenticate", b"Bearer")]
+                if error.retry_after_s is not None:
+                    extra.append((b"retry-after", str(error.retry_after_s).encode()))
+                await send_json(send, error.kind.http_status, error.openai_body(), extra)
+                return
+            except ClientDisconnected:
+                return
+            is_replayed = False
 
-        async def replay() -> Message:
-            nonlocal is_replayed
-            if not is_replayed:
-                is_replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+            async def replay() -> Message:
+                nonlocal is_replayed
+                if not is_replayed:
+                    is_replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()
 
-        await self._app(scope, replay, send)
+            # The key's request stays in flight until the whole response has been sent.
+            await self._app(scope, replay, send)
 
     async def _read_body(self, receive: Receive, content_length: bytes | None) -> bytes:
         max_bytes = self._frontend.limits.max_body_bytes

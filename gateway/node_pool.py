@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.node_discovery import DnsResolver, ResolveError, Resolver, parse_target
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from services.tls import TlsFiles, aio_channel
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +60,12 @@ class Node:
     """One node: its channel and stubs, its last health and load, and the gateway's own count of
     requests it has sent there (fresher than the last poll)."""
 
-    def __init__(self, address: str, role: NodeRole) -> None:
+    def __init__(self, address: str, role: NodeRole, tls: TlsFiles | None = None) -> None:
         self.address = address
         self.role = role
-        self.channel = grpc.aio.insecure_channel(
+        self.channel = aio_channel(
             address,
+            tls,
             options=[
                 # Streams may be idle for long between tokens of a slow model; keep them alive.
                 ("grpc.keepalive_time_ms", 30_000),
@@ -141,7 +143,10 @@ class NodePool:
         interval_s: float = 1.0,
         timeout_s: float = 2.0,
         resolver: Resolver | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
+        """``tls``: mutual TLS to every node (see ``services/tls.py``); None: plaintext."""
+        self.tls = tls
         self._targets = {
             NodeRole.PREFILL: [parse_target(a) for a in prefill],
             NodeRole.DECODE: [parse_target(a) for a in decode],
@@ -157,7 +162,7 @@ class NodePool:
         self.resolver: Resolver = resolver or DnsResolver(timeout_s)
 
     def _fixed_nodes(self, role: NodeRole) -> list[Node]:
-        return [Node(t.address, role) for t in self._targets[role] if not t.dns]
+        return [Node(t.address, role, self.tls) for t in self._targets[role] if not t.dns]
 
     def _role_nodes(self, role: NodeRole) -> list[Node]:
         return {NodeRole.PREFILL: self.prefill, NodeRole.DECODE: self.decode,
@@ -210,7 +215,7 @@ class NodePool:
                 current.append(back[0])
             else:
                 logger.info("node %s (%s) discovered", address, role)
-                current.append(Node(address, role))
+                current.append(Node(address, role, self.tls))
 
     async def poll_once(self) -> list[Node]:
         """Refreshes the node set, then polls every node; returns those that came back from

@@ -24,6 +24,7 @@ from gateway.auth import ApiKeys
 from gateway.config import GatewayConfig
 from gateway.frontend import Frontend
 from gateway.grpc_api import GatewayServicer
+from gateway.key_limiter import KeyLimiter, KeyMeteredGenerator
 from gateway.metrics import GatewayMetrics
 from gateway.node_pool import NodePool
 from gateway.openai_app import build_openai_app
@@ -32,6 +33,7 @@ from gateway.router import Router
 from gateway.tokenizer import Tokenizer
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.listen import add_grpc_port, bind_tcp
+from services.tls import edge_server_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +56,16 @@ class GatewayServer:
             config.router.colocated,
             interval_s=config.router.health_interval_s,
             timeout_s=config.router.health_timeout_s,
+            tls=config.tls,
         )
         self.router = Router(self.pool, config.router)
+        routed = RoutedGenerator(self.router, config.router, self.metrics)
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests)
         self.frontend = Frontend(
             served_model_name=config.served_model_name,
             tokenizer=Tokenizer.from_model_dir(config.model_dir),
-            generator=RoutedGenerator(self.router, config.router, self.metrics),
+            # Charges each request's API key for its tokens (per-key limits).
+            generator=KeyMeteredGenerator(routed),
             admission=self.admission,
             api_keys=ApiKeys(config.api_keys),
             limits=config.limits,
@@ -68,6 +73,7 @@ class GatewayServer:
             is_ready=self.pool.is_ready,
             request_timeout_s=config.request_timeout_s,
             client_send_timeout_s=config.client_send_timeout_s,
+            key_limiter=KeyLimiter(self.metrics.registry),
         )
         self.health = health.aio.HealthServicer()
         self.http_port = 0
@@ -96,8 +102,11 @@ class GatewayServer:
         )
         # Both ports are taken before either server starts: a taken one ends start() with a
         # ListenError and nothing left running.
+        public_credentials = (
+            None if config.public_tls is None else edge_server_credentials(config.public_tls)
+        )
         self.grpc_port = add_grpc_port(
-            self._grpc, f"{config.host}:{config.grpc_port}", "the gRPC API"
+            self._grpc, f"{config.host}:{config.grpc_port}", "the gRPC API", public_credentials
         )
         sock = bind_tcp(config.host, config.http_port, "the HTTP API")
         self.http_port = sock.getsockname()[1]
@@ -110,6 +119,7 @@ class GatewayServer:
                 # SSE streams idle between tokens of a slow model; keep-alive must outlast that.
                 timeout_keep_alive=30,
                 timeout_graceful_shutdown=30,
+                **self._http_tls(),
             )
         )
         self._tasks.append(asyncio.create_task(self._http.serve(sockets=[sock]), name="http"))
@@ -118,9 +128,17 @@ class GatewayServer:
                 self._tasks[-1].result()  # raises what stopped uvicorn
             await asyncio.sleep(0.01)
         logger.info(
-            "gateway serving %s: HTTP on %s:%d, gRPC on %s:%d",
-            config.served_model_name, config.host, self.http_port, config.host, self.grpc_port,
+            "gateway serving %s: HTTP%s on %s:%d, gRPC%s on %s:%d; mutual TLS to nodes: %s",
+            config.served_model_name, "S" if config.public_tls else "", config.host,
+            self.http_port, " (TLS)" if config.public_tls else "", config.host, self.grpc_port,
+            "on" if config.tls else "off",
         )  # fmt: skip
+
+    def _http_tls(self) -> dict[str, str]:
+        tls = self.config.public_tls
+        if tls is None:
+            return {}
+        return {"ssl_certfile": str(tls.cert), "ssl_keyfile": str(tls.key)}
 
     async def _watch_health(self) -> None:
         """Polls the nodes and mirrors readiness into grpc.health.v1 and the healthy-node gauges.

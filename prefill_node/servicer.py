@@ -37,6 +37,7 @@ from services.metrics import NodeMetrics
 from services.node_config import NodeConfig
 from services.node_runtime import NodeServerRef, load_report
 from services.stage_timings import StageTimings
+from services.tls import aio_channel
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +239,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     ) -> None:
         channel = self._decode_channels.get(request.decode_target)
         if channel is None:
-            channel = grpc.aio.insecure_channel(request.decode_target)
+            channel = aio_channel(request.decode_target, self.config.tls)
             self._decode_channels[request.decode_target] = channel
         commit = kv_pb2.KvCommit(
             transfer_id=destination.transfer_id,

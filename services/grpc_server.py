@@ -26,6 +26,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from services.listen import add_grpc_port
+from services.tls import TlsFiles, server_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +41,12 @@ class NodeServer:
         registrars: Sequence[Registrar],
         *,
         drain_grace_s: float,
+        tls: TlsFiles | None = None,
     ) -> None:
         """``service_names``: full names (``pdserve.v1.DecodeService``) for health and
-        reflection; ``registrars`` add the servicers (``add_XServicer_to_server``)."""
+        reflection; ``registrars`` add the servicers (``add_XServicer_to_server``). With
+        ``tls`` the port is mutual TLS: every client (health probes too) must present a
+        certificate from the deployment CA."""
         self.address = address
         self.service_names = list(service_names)
         self.drain_grace_s = drain_grace_s
@@ -56,7 +60,8 @@ class NodeServer:
              reflection.SERVICE_NAME],
             self.server,
         )  # fmt: skip
-        self.port = add_grpc_port(self.server, address, "gRPC")
+        credentials = None if tls is None else server_credentials(tls)
+        self.port = add_grpc_port(self.server, address, "gRPC", credentials)
         self._draining = False
         self._in_flight = 0
         self._idle = asyncio.Event()

@@ -13,12 +13,20 @@ class ListenError(OSError):
     """A port could not be opened; the message names what and where."""
 
 
-def add_grpc_port(server: grpc.aio.Server, address: str, what: str) -> int:
-    """``server.add_insecure_port(address)`` (``host:port``); returns the port (the one chosen
-    for port 0)."""
+def add_grpc_port(
+    server: grpc.aio.Server,
+    address: str,
+    what: str,
+    credentials: grpc.ServerCredentials | None = None,
+) -> int:
+    """``server.add_insecure_port(address)`` (``host:port``), or ``add_secure_port`` with
+    ``credentials``; returns the port (the one chosen for port 0)."""
     reason = "the port is in use, or the host is not an address of this machine"
     try:
-        bound = server.add_insecure_port(address)
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
     except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind to address ...")
         raise ListenError(_message(what, address, reason)) from exc
     if not bound:  # older grpc returns 0 instead of raising

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from services.cli import ENV_PREFIX, apply_env_defaults, parse_bytes
 from services.engine import CacheConfig, EngineConfig, SchedulerConfig, SchedulingPolicy
+from services.tls import TlsFiles, add_tls_flags, tls_from_args
 
 KV_TRANSPORTS = ("loopback", "ucx")
 
@@ -48,6 +49,9 @@ class NodeConfig:
     test_kv_push_pause_s: float = 0.0
     """Testing only (fault injection): each KV push this node writes holds its last message
     back this long, so a test can kill or cancel a node while pages are moving. 0 in service."""
+    tls: TlsFiles | None = None
+    """Mutual TLS for the gRPC port and the channels this node opens (prefill to decode); None:
+    plaintext. See ``services/tls.py``."""
 
     def __post_init__(self) -> None:
         if self.kv_transport not in KV_TRANSPORTS:
@@ -122,6 +126,7 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
         help="testing only: each KV push pauses this long before its last message (to kill or "
         "cancel a node while pages are moving)",
     )
+    add_tls_flags(parser)
     return parser
 
 
@@ -171,6 +176,7 @@ def parse_node_config(
             drain_grace_s=args.drain_grace_s,
             engine=engine,
             test_kv_push_pause_s=args.test_kv_push_pause_s,
+            tls=tls_from_args(args),
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -87,6 +87,7 @@ async def start_node(config: NodeConfig, role: RoleFactory) -> tuple[NodeServer,
             services.service_names,
             services.registrars,
             drain_grace_s=config.drain_grace_s,
+            tls=config.tls,
         )
         if config.metrics_port is not None:
             metrics.serve(config.metrics_port)

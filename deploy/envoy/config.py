@@ -14,6 +14,9 @@
   ``reset-before-request``. A generation is not idempotent (sampling, cost), and once the
   gateway has the request its own retry policy (another prefill/decode pair) applies.
 - JSON access logs on stdout; the admin interface on 127.0.0.1 only (it can drain listeners).
+- With ``envoy.tls`` in the topology, both listeners terminate TLS with the certificate in
+  ``EDGE_TLS_DIR`` (ALPN h2 and http/1.1 on the HTTP listener, h2 on the gRPC one); Envoy talks
+  to the gateway replicas on the same host in plaintext.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ PREVIOUS_HOSTS_TYPE = _TYPES + "extensions.retry.host.previous_hosts.v3.Previous
 MAX_CONNECTIONS_TYPE = (
     _TYPES + "extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"
 )
+TLS_SOCKET_TYPE = _TYPES + "extensions.transport_sockets.tls.v3.DownstreamTlsContext"
+EDGE_TLS_DIR = "/etc/envoy/tls"
+EDGE_CERT_NAME = "edge"
+"""Compose mounts ``deploy/certs/edge.crt`` and ``edge.key`` at ``EDGE_TLS_DIR``."""
 HTTP_CLUSTER = "gateway_http"
 GRPC_CLUSTER = "gateway_grpc"
 RETRY_ON = "connect-failure,reset-before-request"
@@ -164,21 +171,42 @@ def grpc_routes(topology: Topology) -> list[dict[str, Any]]:
     ]
 
 
-def listener(name: str, port: int, manager: dict[str, Any]) -> dict[str, Any]:
+def downstream_tls(alpn: list[str]) -> dict[str, Any]:
+    """TLS termination with the edge certificate."""
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": TLS_SOCKET_TYPE,
+            "common_tls_context": {
+                "tls_params": {"tls_minimum_protocol_version": "TLSv1_2"},
+                "tls_certificates": [
+                    {
+                        "certificate_chain": {"filename": f"{EDGE_TLS_DIR}/{EDGE_CERT_NAME}.crt"},
+                        "private_key": {"filename": f"{EDGE_TLS_DIR}/{EDGE_CERT_NAME}.key"},
+                    }
+                ],
+                "alpn_protocols": alpn,
+            },
+        },
+    }
+
+
+def listener(
+    name: str, port: int, manager: dict[str, Any], tls_alpn: list[str] | None = None
+) -> dict[str, Any]:
+    """``tls_alpn``: terminate TLS, offering these protocols; None: plaintext."""
+    chain: dict[str, Any] = {
+        "filters": [
+            {"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}
+        ]
+    }
+    if tls_alpn is not None:
+        chain["transport_socket"] = downstream_tls(tls_alpn)
     return {
         "name": name,
         "address": socket_address("0.0.0.0", port),
         "per_connection_buffer_limit_bytes": 1 << 20,
-        "filter_chains": [
-            {
-                "filters": [
-                    {
-                        "name": "envoy.filters.network.http_connection_manager",
-                        "typed_config": manager,
-                    }
-                ]
-            }  # fmt: skip
-        ],
+        "filter_chains": [chain],
     }
 
 
@@ -265,8 +293,10 @@ def envoy_bootstrap(topology: Topology, *, upstream_host: str = "127.0.0.1") -> 
         },
         "static_resources": {
             "listeners": [
-                listener("openai_http", envoy.http_port, http),
-                listener("public_grpc", envoy.grpc_port, grpc),
+                listener(
+                    "openai_http", envoy.http_port, http, ["h2", "http/1.1"] if envoy.tls else None
+                ),
+                listener("public_grpc", envoy.grpc_port, grpc, ["h2"] if envoy.tls else None),
             ],
             "clusters": [
                 gateway_cluster(topology, grpc=False, upstream_host=upstream_host),

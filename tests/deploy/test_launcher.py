@@ -266,3 +266,45 @@ def test_gateway_and_nodes_serve_http_and_grpc_then_stop_cleanly(launch) -> None
     launched.process.send_signal(signal.SIGINT)  # Ctrl-C
     assert launched.wait() == 0, launched.output
     assert_all_gone(pids, timeout_s=5)
+
+
+def test_tls_wires_every_process_and_plaintext_is_refused(launch, tmp_path: Path) -> None:
+    """``--tls`` (``make run TLS=1``): certificates generated, nodes refuse a plaintext probe but
+    answer one with a deployment certificate, the gateway serves HTTPS end to end."""
+    import ssl
+
+    from deploy.commands import tls_files
+
+    reason = gateway_available()
+    if reason is not None:
+        pytest.skip(reason)
+    http_port, grpc_port, prefill_port, decode_port = free_ports(4)
+    tls_dir = tmp_path / "tls"
+    launched = launch({**pair([prefill_port, decode_port]),
+                       "gateway": {"http_port": http_port, "grpc_port": grpc_port}},
+                      "--tls", "--tls-dir", str(tls_dir))  # fmt: skip
+    launched.wait_up()
+    assert f"curl --cacert {tls_dir / 'ca.crt'} https://127.0.0.1:{http_port}" in launched.output
+    for name, port in (("prefill-0", prefill_port), ("decode-0", decode_port)):
+        assert not grpc_serving(f"127.0.0.1:{port}", timeout_s=10)
+        assert grpc_serving(f"127.0.0.1:{port}", timeout_s=10, tls=tls_files(tls_dir, name))
+
+    body = {"model": "tiny-llama", "prompt": "Hello, my name is", "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    request = urllib.request.Request(
+        f"https://127.0.0.1:{http_port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    context = ssl.create_default_context(cafile=str(tls_dir / "ca.crt"))
+    opener = urllib.request.build_opener(
+        urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context)
+    )
+    with opener.open(request, timeout=60) as response:
+        completion = json.load(response)
+    assert completion["usage"]["completion_tokens"] == 8  # through prefill and decode over mTLS
+
+    pids = launched.child_pids()
+    launched.process.send_signal(signal.SIGINT)
+    assert launched.wait() == 0, launched.output
+    assert_all_gone(pids, timeout_s=5)

@@ -4,12 +4,20 @@ decode nodes (KV moved by the in-process loopback transport), or a colocated nod
 Through the public gRPC API: greedy tokens equal the single-process engine's; a full decode
 node and a dead decode node are retried on the other one before any token is sent; a client
 that goes away frees the blocks on every node; bad requests get the right status codes.
+
+``PDSERVE_TEST_TLS=1`` runs every stack here with mutual TLS between the gateway and the nodes
+and between prefill and decode (``tests/integration/test_tls.py`` always does, for a few).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import functools
+import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import grpc
@@ -23,9 +31,40 @@ from prefill_node.role import prefill_services
 from services.engine import LLM, SamplingParams
 from services.node_config import Role, parse_node_config
 from services.node_runtime import start_node
+from services.tls import TlsFiles, aio_channel
 
 MAX_MODEL_LEN = 256
 GREEDY = common_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@functools.cache
+def tls_dir() -> Path | None:
+    """With PDSERVE_TEST_TLS=1: a deployment CA and one certificate for every process here."""
+    if os.environ.get("PDSERVE_TEST_TLS") != "1":
+        return None
+    from deploy.certs import write_deployment
+
+    directory = Path(tempfile.mkdtemp(prefix="pdserve-test-tls-"))
+    atexit.register(shutil.rmtree, directory, True)
+    write_deployment(directory, ["node", "gateway"])
+    return directory
+
+
+def tls_argv(name: str) -> list[str]:
+    directory = tls_dir()
+    if directory is None:
+        return []
+    return ["--tls-cert", str(directory / f"{name}.crt"), "--tls-key",
+            str(directory / f"{name}.key"), "--tls-ca", str(directory / "ca.crt")]  # fmt: skip
+
+
+def node_channel(address: str) -> grpc.aio.Channel:
+    """A channel to a node, as the gateway opens it (mutual TLS with PDSERVE_TEST_TLS=1)."""
+    directory = tls_dir()
+    tls = None
+    if directory is not None:
+        tls = TlsFiles(directory / "gateway.crt", directory / "gateway.key", directory / "ca.crt")
+    return aio_channel(address, tls)
 
 
 def node_argv(model_dir: Path, role: str, kv_memory: str) -> list[str]:
@@ -33,6 +72,7 @@ def node_argv(model_dir: Path, role: str, kv_memory: str) -> list[str]:
         "--role", role, "--model", str(model_dir), "--dtype", "float32", "--host", "127.0.0.1",
         "--grpc-port", "0", "--kv-transport", "loopback", "--max-model-len", str(MAX_MODEL_LEN),
         "--kv-cache-memory", kv_memory, "--max-num-batched-tokens", "64", "--drain-grace-s", "1",
+        *tls_argv("node"),
     ]  # fmt: skip
 
 
@@ -123,7 +163,7 @@ def run_stack(
                 "--model", str(model_dir), "--host", "127.0.0.1", "--http-port", "0",
                 "--grpc-port", "0", "--max-model-len", str(MAX_MODEL_LEN),
                 # No polls during a test: node failures are found by the requests themselves.
-                "--health-interval-s", "60", *node_flags, *extra,
+                "--health-interval-s", "60", *node_flags, *extra, *tls_argv("gateway"),
             ],
             {},
         )  # fmt: skip
@@ -204,7 +244,7 @@ def test_a_full_decode_node_is_retried_on_another(tiny_llama_dir: Path, expected
         # Another client's reservation fills decode0 behind the gateway's back (its pool does
         # not poll during the test, so decode0 still looks idle and, listed first, is tried).
         server, _ = stack.nodes["decode0"]
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        async with node_channel(f"127.0.0.1:{server.port}") as channel:
             holder = decode_pb2_grpc.DecodeServiceStub(channel).Generate(
                 decode_pb2.GenerateRequest(
                     prompt_token_ids=[7] * 250, sampling=GREEDY, kv_source="x", lease_ms=30_000
