@@ -163,9 +163,15 @@ def gateway_config(topology: Topology) -> dict[str, str]:
     return config
 
 
-def grpc_probe(port: int, period_s: int, failures: int) -> dict[str, Any]:
+def grpc_probe(port: int, period_s: int, failures: int, tls: bool = False) -> dict[str, Any]:
+    """The kubelet's own gRPC probe cannot present a client certificate: under mutual TLS the
+    pod runs ``deploy.probe``, which reads the pod's ``PDSERVE_TLS_*``."""
+    check: dict[str, Any] = {"grpc": {"port": port}}
+    if tls:
+        argv = ["python", "-m", "deploy.probe", "grpc", f"127.0.0.1:{port}", "--timeout-s", "4"]
+        check = {"exec": {"command": argv}}
     return {
-        "grpc": {"port": port},
+        **check,
         "periodSeconds": period_s,
         "timeoutSeconds": 5,
         "failureThreshold": failures,
@@ -211,14 +217,17 @@ def node_manifests(topology: Topology, group: NodeGroup) -> list[dict[str, Any]]
             *tls_env,
         ],
         "ports": ports,
-        "startupProbe": grpc_probe(port, PROBE_PERIOD_S, STARTUP_BUDGET_S // PROBE_PERIOD_S),
-        "readinessProbe": grpc_probe(port, PROBE_PERIOD_S, 2),
+        "startupProbe": grpc_probe(
+            port, PROBE_PERIOD_S, STARTUP_BUDGET_S // PROBE_PERIOD_S, topology.kubernetes.tls
+        ),
+        "readinessProbe": grpc_probe(port, PROBE_PERIOD_S, 2, topology.kubernetes.tls),
         # A draining node says NOT_SERVING on purpose: liveness tolerates that for longer
         # than the whole termination grace, so only a node that stays wedged is restarted.
         "livenessProbe": grpc_probe(
             port,
             LIVENESS_PERIOD_S,
             math.ceil((grace_s + TERMINATION_MARGIN_S) / LIVENESS_PERIOD_S) + 1,
+            topology.kubernetes.tls,
         ),
         "volumeMounts": [
             {"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True},

@@ -60,18 +60,27 @@ class Node:
     """One node: its channel and stubs, its last health and load, and the gateway's own count of
     requests it has sent there (fresher than the last poll)."""
 
-    def __init__(self, address: str, role: NodeRole, tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        role: NodeRole,
+        tls: TlsFiles | None = None,
+        tls_name: str | None = None,
+    ) -> None:
+        """``tls_name``: the name the node's certificate is checked against instead of
+        ``address`` (a node found through DNS is dialled at its pod IP, which no certificate
+        names; its service name does)."""
         self.address = address
         self.role = role
-        self.channel = aio_channel(
-            address,
-            tls,
-            options=[
-                # Streams may be idle for long between tokens of a slow model; keep them alive.
-                ("grpc.keepalive_time_ms", 30_000),
-                ("grpc.max_receive_message_length", 64 * 2**20),
-            ],
-        )
+        self.tls_name = tls_name
+        options: list[tuple[str, object]] = [
+            # Streams may be idle for long between tokens of a slow model; keep them alive.
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.max_receive_message_length", 64 * 2**20),
+        ]
+        if tls is not None and tls_name is not None:
+            options.append(("grpc.ssl_target_name_override", tls_name))
+        self.channel = aio_channel(address, tls, options=options)
         self.prefill = prefill_pb2_grpc.PrefillServiceStub(self.channel)
         self.decode = decode_pb2_grpc.DecodeServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
@@ -186,10 +195,12 @@ class NodePool:
             dns = [t for t in targets if t.dns]
             if not dns:
                 continue
-            wanted = {t.address for t in targets if not t.dns}
+            # address -> the DNS name it was found under (None: a fixed entry)
+            wanted: dict[str, str | None] = {t.address: None for t in targets if not t.dns}
             try:
                 for target in dns:
-                    wanted.update(await self.resolver.resolve(target.host, target.port))
+                    for address in await self.resolver.resolve(target.host, target.port):
+                        wanted.setdefault(address, target.host)
             except (ResolveError, OSError) as exc:  # the poll loop must outlive DNS trouble
                 logger.warning("%s nodes: keeping the current set: %s", role, exc)
                 continue
@@ -200,7 +211,7 @@ class NodePool:
             logger.info("node %s (%s) retired", node.address, node.role)
         await asyncio.gather(*(node.close() for node in finished))
 
-    def _reconcile(self, role: NodeRole, wanted: set[str]) -> None:
+    def _reconcile(self, role: NodeRole, wanted: dict[str, str | None]) -> None:
         current = self._role_nodes(role)
         have = {n.address for n in current}
         for node in [n for n in current if n.address not in wanted]:
@@ -208,14 +219,14 @@ class NodePool:
                         node.address, role, node.num_in_flight)  # fmt: skip
             current.remove(node)
             self.retiring.append(node)
-        for address in sorted(wanted - have):
+        for address in sorted(wanted.keys() - have):
             back = [n for n in self.retiring if n.address == address and n.role is role]
             if back:
                 self.retiring.remove(back[0])
                 current.append(back[0])
             else:
                 logger.info("node %s (%s) discovered", address, role)
-                current.append(Node(address, role, self.tls))
+                current.append(Node(address, role, self.tls, wanted[address]))
 
     async def poll_once(self) -> list[Node]:
         """Refreshes the node set, then polls every node; returns those that came back from

@@ -230,6 +230,15 @@ def test_tls_mounts_a_secret_per_role_only_when_the_topology_asks(topology) -> N
         assert env["PDSERVE_TLS_CERT"] == f"{TLS_MOUNT}/tls.crt"
         assert env["PDSERVE_TLS_KEY"] == f"{TLS_MOUNT}/tls.key"
         assert env["PDSERVE_TLS_CA"] == f"{TLS_MOUNT}/ca.crt"
+    # The kubelet's gRPC probe cannot present a client certificate: the nodes probe with
+    # deploy.probe, which reads PDSERVE_TLS_*; without TLS they keep the built-in probe.
+    for name, workload in by_kind(docs, "StatefulSet").items():
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            command = container(workload)[probe]["exec"]["command"]
+            port = container(workload)["ports"][0]["containerPort"]
+            assert command[:5] == ["python", "-m", "deploy.probe", "grpc", f"127.0.0.1:{port}"]
+            assert "grpc" not in container(workload)[probe]
+        assert "grpc" in container(by_kind(plain, "StatefulSet")[name])["readinessProbe"]
 
 
 def test_a_cpu_topology_with_colocated_nodes_asks_for_no_gpu() -> None:

@@ -281,3 +281,22 @@ def test_an_address_that_returns_before_retiring_is_the_same_node(fake_node) -> 
             await server.stop(0)
 
     asyncio.run(main())
+
+
+def test_a_discovered_node_checks_its_certificate_against_the_service_name(fake_node) -> None:
+    # Under mutual TLS a node found through DNS is dialled at its pod IP, which no certificate
+    # names: its certificate is checked against the name it was discovered under.
+    async def main() -> None:
+        server, _, d1 = await start_fake(fake_node, "decode")
+        resolver = ScriptedResolver()
+        resolver.answers["decode.test"] = [d1]
+        pool = NodePool(("127.0.0.1:9",), ("dns:///decode.test:1",), (), resolver=resolver)
+        try:
+            await pool.poll_once()
+            assert [n.tls_name for n in pool.decode] == ["decode.test"]
+            assert [n.tls_name for n in pool.prefill] == [None]
+        finally:
+            await pool.close()
+            await server.stop(0)
+
+    asyncio.run(main())
