@@ -1,0 +1,305 @@
+"""The shm transport: KV pages between processes of one host through shared memory, one copy.
+
+The receiver (decode node) keeps its KV cache in memfd shared memory (`kv_transfer.shared_memory`,
+registered as HOST_SHM regions) next to a control region holding its transfer records
+(`shm_table.ShmTable`). Its address carries the handles of both: owner pid, fd and inode. The
+writer (prefill node) maps them once per peer, through /proc/<pid>/fd, and copies each page from
+its own block straight into the reserved block: no staging, no socket, no agent thread on either
+side. The fence is the table's: each copy holds the transfer's slot mutex and first checks the
+slot's generation and fence flag, and the receiver's `fence()` waits until it holds that mutex
+itself (see shm_table.py and design §3).
+
+A transfer's life on the writer: write() plans it and maps the peer (PENDING); a copy thread
+claims a slot in the peer's table (IN_PROGRESS on both sides) and copies message by message,
+checking cancel, deadline, the peer's liveness and the fence before each; it then marks the slot
+DONE and ends the handle DONE only if the slot still says so (a fence after the last copy wins:
+FAILED). Cancel / deadline / close end the slot CANCELLED / TIMED_OUT / FAILED. On the receiver
+nothing runs: its records change under it, and a writer that died is reported FAILED by its pid.
+
+Peer death: a receiver killed mid-copy is seen before the next message (FAILED, "the peer process
+died") and its mapping is dropped, so its memory is freed when the last copy using it ends.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from kv_transfer import shared_memory
+from kv_transfer.memory import MemoryKind
+from kv_transfer.page_copy import PageCopy
+from kv_transfer.page_table import PageTable
+from kv_transfer.peer_address import PeerAddress
+from kv_transfer.shared_memory import SharedHandle
+from kv_transfer.shm_table import CONTROL_BYTES, ShmTable
+from kv_transfer.transfer_handle import TransferHandle
+from kv_transfer.transfer_plan import DST, DST_OFF, LEN, SRC, SRC_OFF, TransferPlan, make_plan
+from kv_transfer.transfer_status import TransferStatus
+from kv_transfer.transport import KvTransport, TransportInfo, register_transport
+
+logger = logging.getLogger(__name__)
+
+# Copy threads per writer: concurrent pushes to several requests proceed side by side.
+DEFAULT_COPY_THREADS = 4
+
+
+@dataclass
+class _Peer:
+    """A receiver as this writer maps it (once per peer)."""
+
+    pid: int
+    table: ShmTable
+    # Mapped allocations by inode (each mapped once), and region name → (allocation, offset).
+    mappings: dict[int, np.ndarray]
+    regions: dict[str, tuple[int, int]]
+    is_dead: bool = False
+
+
+@dataclass
+class _Job:
+    handle: TransferHandle
+    plan: TransferPlan
+    peer: _Peer
+    # Address of each destination region's first byte in this process: int64 [num_dst_regions].
+    dst_bases: np.ndarray
+
+
+class ShmTransport(KvTransport):
+    name = "shm"
+    memory_kinds = frozenset({MemoryKind.HOST, MemoryKind.HOST_SHM})
+    # What receiving regions must be: the receiver publishes only these.
+    receive_kind = MemoryKind.HOST_SHM
+
+    def __init__(
+        self,
+        pause_before_last_s: float = 0.0,
+        stall: bool = False,
+        copy_threads: int = DEFAULT_COPY_THREADS,
+    ) -> None:
+        """``pause_before_last_s`` and ``stall`` are fault injection for tests: each write holds
+        its last message back that long, or never finishes (cancel, deadline and close end it)."""
+        super().__init__()
+        self.pause_before_last_s = pause_before_last_s
+        self.stall = stall
+        self._control = shared_memory.allocate(CONTROL_BYTES, name="pdserve-kv-control")
+        self.inbound: ShmTable = ShmTable(self._control, owner=True)
+        self._peers: dict[tuple[int, int], _Peer] = {}
+        self._lock = threading.Lock()
+        self._active: set[TransferHandle] = set()
+        self._is_closed = False
+        self._pool = ThreadPoolExecutor(copy_threads, thread_name_prefix="kv-shm-copy")
+
+    # Public API.
+
+    def allocate(self, num_bytes: int) -> np.ndarray:
+        return shared_memory.allocate(num_bytes)
+
+    def address(self) -> PeerAddress:
+        control = shared_memory.find_allocation(self._control.ctypes.data, CONTROL_BYTES)
+        assert control is not None
+        regions, lengths = {}, {}
+        for name, region in self._regions.items():
+            if region.memory is not self.receive_kind:
+                continue  # a source only: peers cannot map it
+            found = shared_memory.find_allocation(region.address, region.length)
+            if found is None:  # released since it was registered
+                continue
+            handle, offset = found
+            regions[name] = {**handle.to_json(), "offset": offset}
+            lengths[name] = region.length
+        endpoint = {
+            "host": shared_memory.host_identity(),
+            "control": control[0].to_json(),
+            "regions": regions,
+        }
+        return PeerAddress(self.name, json.dumps(endpoint).encode(), lengths)
+
+    def connect(self, peer: PeerAddress, timeout: float = 5.0) -> None:
+        self._peer(peer)
+
+    def write(
+        self,
+        peer: PeerAddress,
+        pages: Sequence[PageCopy] | PageTable,
+        *,
+        transfer_id: str,
+        deadline: float,
+    ) -> TransferHandle:
+        if self._is_closed:
+            raise RuntimeError("the transport is closed")
+        if peer.transport != self.name:
+            raise ValueError(f"a {peer.transport} address cannot be reached over {self.name}")
+        plan = make_plan(pages, self.region_lengths(), peer.regions)
+        handle = TransferHandle(transfer_id, plan.num_bytes, deadline)
+        try:
+            mapped = self._peer(peer)
+            dst_bases = np.array(
+                [self._dst_base(mapped, peer, name) for name in plan.dst_regions], dtype=np.int64
+            )
+        except ConnectionError as exc:
+            handle.finish(TransferStatus.FAILED, str(exc))
+            return handle
+        with self._lock:
+            self._active.add(handle)
+        self._pool.submit(self._run, _Job(handle, plan, mapped, dst_bases))
+        return handle
+
+    def info(self) -> TransportInfo:
+        return TransportInfo(self.name, ["memfd/memcpy"], f"linux {os.uname().release}")
+
+    def close(self) -> None:
+        if self._is_closed:
+            return
+        self._is_closed = True
+        self.inbound.close()
+        with self._lock:
+            active = list(self._active)
+        for handle in active:
+            handle.finish(TransferStatus.FAILED, "the writer's transport was closed")
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._peers.clear()
+
+    # Mapping peers.
+
+    def _peer(self, peer: PeerAddress) -> _Peer:
+        if peer.transport != self.name:
+            raise ValueError(f"a {peer.transport} address cannot be reached over {self.name}")
+        try:
+            doc = json.loads(peer.endpoint)
+            control = SharedHandle.from_json(doc["control"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConnectionError(f"not a {self.name} peer address: {exc}") from None
+        if doc.get("host") != shared_memory.host_identity():
+            raise ConnectionError(
+                f"the {self.name} peer runs on another host or PID namespace "
+                f"({doc.get('host')}); use the ucx transport across hosts"
+            )
+        key = (control.pid, control.inode)
+        with self._lock:
+            mapped = self._peers.get(key)
+            if mapped is not None and not mapped.is_dead:
+                return mapped
+            view = np.frombuffer(shared_memory.map_peer(control), dtype=np.uint8)
+            mapped = _Peer(control.pid, ShmTable(view, owner=False), {}, {})
+            self._peers[key] = mapped
+            return mapped
+
+    def _dst_base(self, mapped: _Peer, peer: PeerAddress, name: str) -> int:
+        """This process's address of the peer's region `name`, mapping it on first use."""
+        doc = json.loads(peer.endpoint)["regions"].get(name)
+        if doc is None:
+            raise ConnectionError(f"the peer's region {name!r} is not in shared memory")
+        handle, offset = SharedHandle.from_json(doc), int(doc["offset"])
+        with self._lock:
+            array = mapped.mappings.get(handle.inode)
+            if array is None:
+                array = np.frombuffer(shared_memory.map_peer(handle), dtype=np.uint8)
+                mapped.mappings[handle.inode] = array
+            mapped.regions[name] = (handle.inode, offset)
+        if offset + peer.regions[name] > array.nbytes:
+            raise ConnectionError(f"the peer's region {name!r} lies outside its shared memory")
+        return array.ctypes.data + offset
+
+    # Copy threads.
+
+    def _run(self, job: _Job) -> None:
+        try:
+            self._copy(job)
+        except Exception as exc:  # a bug must fail the transfer, not vanish in the pool
+            logger.exception("shm transfer %s failed", job.handle.transfer_id)
+            job.handle.finish(TransferStatus.FAILED, f"internal error: {exc!r}")
+        finally:
+            with self._lock:
+                self._active.discard(job.handle)
+
+    def _copy(self, job: _Job) -> None:
+        handle, plan, table = job.handle, job.plan, job.peer.table
+        if handle.status.is_terminal or self._peer_gone(job):
+            return
+        claim = table.claim(handle.transfer_id)
+        if isinstance(claim, str):
+            handle.finish(TransferStatus.FAILED, claim)
+            return
+        slot, generation = claim
+        handle.start()
+        src_bases = np.array([self._regions[n].address for n in plan.src_regions], dtype=np.int64)
+        last = len(plan.messages) - 1
+        for index, message in enumerate(plan.messages):
+            if index == last and self.pause_before_last_s:
+                resume_at = time.monotonic() + self.pause_before_last_s
+                while time.monotonic() < resume_at and self._should_go_on(job, slot, generation):
+                    time.sleep(0.002)
+            while self.stall and self._should_go_on(job, slot, generation):
+                time.sleep(0.002)
+            if not self._should_go_on(job, slot, generation):
+                return
+            runs = plan.runs[message.run_start : message.run_end]
+            wait = max(0.0, handle.deadline - time.monotonic())
+            if not table.begin_copy(slot, generation, wait):
+                self._end(job, slot, generation, TransferStatus.FAILED, "fenced by the receiver")
+                return
+            try:
+                copy_runs(runs, src_bases, job.dst_bases)
+            finally:
+                table.end_copy(slot, message.num_bytes)
+            handle.add_bytes(message.num_bytes)
+        table.finish_claim(slot, generation, TransferStatus.DONE)
+        if table.status(handle.transfer_id) is TransferStatus.DONE:
+            handle.finish(TransferStatus.DONE)
+        else:
+            handle.finish(TransferStatus.FAILED, "fenced by the receiver")
+
+    def _should_go_on(self, job: _Job, slot: int, generation: int) -> bool:
+        """Ends the transfer if it was cancelled, timed out, or an end closed or died."""
+        handle, table = job.handle, job.peer.table
+        if handle.status.is_terminal:  # cancelled, or failed by close()
+            reason = handle.error or "aborted by the writer"
+            table.finish_claim(slot, generation, handle.status, reason)
+            return False
+        if self._peer_gone(job):
+            return False
+        if table.is_closed or self._is_closed:
+            self._end(job, slot, generation, TransferStatus.FAILED, "the peer was closed")
+            return False
+        if time.monotonic() > handle.deadline:
+            self._end(job, slot, generation, TransferStatus.TIMED_OUT, "the deadline passed")
+            return False
+        return True
+
+    def _peer_gone(self, job: _Job) -> bool:
+        if shared_memory.is_alive(job.peer.pid):
+            return False
+        job.peer.is_dead = True  # the next write maps afresh (and fails: the pid is gone)
+        job.handle.finish(TransferStatus.FAILED, "the peer process died")
+        return True
+
+    def _end(
+        self, job: _Job, slot: int, generation: int, status: TransferStatus, error: str
+    ) -> None:
+        job.peer.table.finish_claim(slot, generation, status, error)
+        job.handle.finish(status, error)
+
+
+_memmove = ctypes.memmove
+
+
+def copy_runs(runs: np.ndarray, src_bases: np.ndarray, dst_bases: np.ndarray) -> None:
+    """Copies each run from its source to its destination address directly (one copy, no
+    staging). runs: int64 [num_runs, 5] as in TransferPlan; bases: int64 addresses of each
+    side's regions. ctypes releases the GIL for each memmove."""
+    src = (src_bases[runs[:, SRC]] + runs[:, SRC_OFF]).tolist()
+    dst = (dst_bases[runs[:, DST]] + runs[:, DST_OFF]).tolist()
+    for to, frm, length in zip(dst, src, runs[:, LEN].tolist(), strict=True):
+        _memmove(to, frm, length)
+
+
+register_transport(ShmTransport.name, ShmTransport)
