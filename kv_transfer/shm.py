@@ -186,8 +186,10 @@ class ShmTransport(KvTransport):
         key = (control.pid, control.inode)
         with self._lock:
             mapped = self._peers.get(key)
-            if mapped is not None and not mapped.is_dead:
+            if mapped is not None and not mapped.is_dead and shared_memory.is_alive(mapped.pid):
                 return mapped
+            # A dead peer's mapping goes (its memory is freed once no copy uses it any more).
+            self._peers.pop(key, None)
             view = np.frombuffer(shared_memory.map_peer(control), dtype=np.uint8)
             mapped = _Peer(control.pid, ShmTable(view, owner=False), {}, {})
             self._peers[key] = mapped
