@@ -60,6 +60,8 @@ def node_service(topology: Topology, group: NodeGroup, node: NodeInstance) -> di
     }
     if node.metrics_port is not None:
         environment["PDSERVE_METRICS_PORT"] = str(node.metrics_port)
+    # The shm transport maps a peer's memory through /proc/<pid>/fd: one PID namespace.
+    pid = {"pid": "host"} if topology.kv_transport in ("auto", "shm") else {}
     service: dict[str, Any] = {
         "image": f"{topology.image}-node",
         "build": build("node"),
@@ -68,6 +70,7 @@ def node_service(topology: Topology, group: NodeGroup, node: NodeInstance) -> di
         "environment": environment,
         "network_mode": "host",
         "ipc": f"service:{IPC_SERVICE}",
+        **pid,
         "volumes": [f"{topology.model_volume}:{MODEL_MOUNT}:ro"],
         # UCX registers (pins) the KV cache; RDMA NICs need unlimited locked memory.
         "ulimits": {"memlock": {"soft": -1, "hard": -1}},
