@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from kv_transfer.memory import MemoryKind, UnsupportedMemoryError
+from kv_transfer.transport_choice import choose_transport
 from pdserve.v1 import common_pb2
 from services.async_engine import AsyncEngine, EngineDeadError
 from services.convert import load_report_to_proto
@@ -23,8 +25,6 @@ from services.engine import EngineCore
 from services.grpc_server import NodeServer, Registrar
 from services.listen import ListenError
 from services.metrics import NodeMetrics
-from kv_transfer.memory import MemoryKind, UnsupportedMemoryError
-from kv_transfer.transport_choice import choose_transport
 from services.node_config import NodeConfig, Role
 
 logger = logging.getLogger(__name__)
