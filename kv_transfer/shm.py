@@ -39,6 +39,7 @@ from kv_transfer.memory import MemoryKind
 from kv_transfer.page_copy import PageCopy
 from kv_transfer.page_table import PageTable
 from kv_transfer.peer_address import PeerAddress
+from kv_transfer.region import RegionHandle
 from kv_transfer.shared_memory import SharedHandle
 from kv_transfer.shm_table import CONTROL_BYTES, ShmTable
 from kv_transfer.transfer_handle import TransferHandle
@@ -58,9 +59,9 @@ class _Peer:
 
     pid: int
     table: ShmTable
-    # Mapped allocations by inode (each mapped once), and region name → (allocation, offset).
-    mappings: dict[int, np.ndarray]
-    regions: dict[str, tuple[int, int]]
+    # The peer's allocations mapped here, each once: by inode (shm: the mapping) or by IPC
+    # handle (cuda_ipc: the opened device pointer).
+    mappings: dict[object, object]
     is_dead: bool = False
 
 
@@ -110,12 +111,10 @@ class ShmTransport(KvTransport):
         for name, region in self._regions.items():
             if region.memory is not self.receive_kind:
                 continue  # a source only: peers cannot map it
-            found = shared_memory.find_allocation(region.address, region.length)
-            if found is None:  # released since it was registered
-                continue
-            handle, offset = found
-            regions[name] = {**handle.to_json(), "offset": offset}
-            lengths[name] = region.length
+            exported = self._export(region)
+            if exported is not None:
+                regions[name] = exported
+                lengths[name] = region.length
         endpoint = {
             "host": shared_memory.host_identity(),
             "control": control[0].to_json(),
@@ -191,7 +190,7 @@ class ShmTransport(KvTransport):
             # A dead peer's mapping goes (its memory is freed once no copy uses it any more).
             self._peers.pop(key, None)
             view = np.frombuffer(shared_memory.map_peer(control), dtype=np.uint8)
-            mapped = _Peer(control.pid, ShmTable(view, owner=False), {}, {})
+            mapped = _Peer(control.pid, ShmTable(view, owner=False), {})
             self._peers[key] = mapped
             return mapped
 
@@ -200,16 +199,39 @@ class ShmTransport(KvTransport):
         doc = json.loads(peer.endpoint)["regions"].get(name)
         if doc is None:
             raise ConnectionError(f"the peer's region {name!r} is not in shared memory")
-        handle, offset = SharedHandle.from_json(doc), int(doc["offset"])
         with self._lock:
-            array = mapped.mappings.get(handle.inode)
-            if array is None:
-                array = np.frombuffer(shared_memory.map_peer(handle), dtype=np.uint8)
-                mapped.mappings[handle.inode] = array
-            mapped.regions[name] = (handle.inode, offset)
-        if offset + peer.regions[name] > array.nbytes:
-            raise ConnectionError(f"the peer's region {name!r} lies outside its shared memory")
+            return self._map(mapped, doc, peer.regions[name])
+
+    # What differs between host shared memory and device memory (cuda_ipc overrides these).
+
+    def _export(self, region: RegionHandle) -> dict | None:
+        """How a peer maps `region` (None: it cannot, e.g. released since registered)."""
+        found = shared_memory.find_allocation(region.address, region.length)
+        if found is None:
+            return None
+        handle, offset = found
+        return {**handle.to_json(), "offset": offset}
+
+    def _map(self, mapped: _Peer, doc: dict, length: int) -> int:
+        """Maps a peer region's allocation (once per peer, under ``_lock``); its first byte's
+        address in this process."""
+        handle, offset = SharedHandle.from_json(doc), int(doc["offset"])
+        array = mapped.mappings.get(handle.inode)
+        if array is None:
+            array = np.frombuffer(shared_memory.map_peer(handle), dtype=np.uint8)
+            mapped.mappings[handle.inode] = array
+        if offset + length > array.nbytes:
+            raise ConnectionError("a peer region lies outside its shared memory")
         return array.ctypes.data + offset
+
+    def _batches(self, plan: TransferPlan) -> list[tuple[np.ndarray, int]]:
+        """(runs, bytes) copied under one hold of the slot mutex: the plan's messages (at most
+        MAX_STAGED_BYTES of small pages, or one long run), so a fence waits for one at most."""
+        return [(plan.runs[m.run_start : m.run_end], m.num_bytes) for m in plan.messages]
+
+    def _copy_batch(self, runs: np.ndarray, src_bases: np.ndarray, dst_bases: np.ndarray) -> None:
+        """Copies `runs` and returns once every byte has landed."""
+        copy_runs(runs, src_bases, dst_bases)
 
     # Copy threads.
 
@@ -234,8 +256,9 @@ class ShmTransport(KvTransport):
         slot, generation = claim
         handle.start()
         src_bases = np.array([self._regions[n].address for n in plan.src_regions], dtype=np.int64)
-        last = len(plan.messages) - 1
-        for index, message in enumerate(plan.messages):
+        batches = self._batches(plan)
+        last = len(batches) - 1
+        for index, (runs, num_bytes) in enumerate(batches):
             if index == last and self.pause_before_last_s:
                 resume_at = time.monotonic() + self.pause_before_last_s
                 while time.monotonic() < resume_at and self._should_go_on(job, slot, generation):
@@ -244,16 +267,15 @@ class ShmTransport(KvTransport):
                 time.sleep(0.002)
             if not self._should_go_on(job, slot, generation):
                 return
-            runs = plan.runs[message.run_start : message.run_end]
             wait = max(0.0, handle.deadline - time.monotonic())
             if not table.begin_copy(slot, generation, wait):
                 self._end(job, slot, generation, TransferStatus.FAILED, "fenced by the receiver")
                 return
             try:
-                copy_runs(runs, src_bases, job.dst_bases)
+                self._copy_batch(runs, src_bases, job.dst_bases)
             finally:
-                table.end_copy(slot, message.num_bytes)
-            handle.add_bytes(message.num_bytes)
+                table.end_copy(slot, num_bytes)
+            handle.add_bytes(num_bytes)
         table.finish_claim(slot, generation, TransferStatus.DONE)
         if table.status(handle.transfer_id) is TransferStatus.DONE:
             handle.finish(TransferStatus.DONE)
