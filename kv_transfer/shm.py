@@ -185,13 +185,18 @@ class ShmTransport(KvTransport):
             )
         key = (control.pid, control.inode)
         with self._lock:
+            # Dead peers' mappings go (their memory is freed once no copy uses it any more).
+            for old_key, old in list(self._peers.items()):
+                if old.is_dead or not shared_memory.is_alive(old.pid):
+                    del self._peers[old_key]
             mapped = self._peers.get(key)
-            if mapped is not None and not mapped.is_dead and shared_memory.is_alive(mapped.pid):
+            if mapped is not None:
                 return mapped
-            # A dead peer's mapping goes (its memory is freed once no copy uses it any more).
-            self._peers.pop(key, None)
             view = np.frombuffer(shared_memory.map_peer(control), dtype=np.uint8)
             mapped = _Peer(control.pid, ShmTable(view, owner=False), {})
+            # Every region published now is mapped now, once (later ones on first use).
+            for name, region in doc.get("regions", {}).items():
+                self._map(mapped, region, peer.regions[name])
             self._peers[key] = mapped
             return mapped
 
@@ -303,7 +308,11 @@ class ShmTransport(KvTransport):
     def _peer_gone(self, job: _Job) -> bool:
         if shared_memory.is_alive(job.peer.pid):
             return False
-        job.peer.is_dead = True  # the next write maps afresh (and fails: the pid is gone)
+        job.peer.is_dead = True
+        with self._lock:  # unmapped once the last job holding it ends
+            for key, mapped in list(self._peers.items()):
+                if mapped is job.peer:
+                    del self._peers[key]
         job.handle.finish(TransferStatus.FAILED, "the peer process died")
         return True
 
