@@ -68,6 +68,11 @@ def allocate(num_bytes: int, name: str = MEMFD_NAME) -> np.ndarray:
     except BaseException:
         os.close(fd)
         raise
+    # Before the first touch: 2 MiB pages where the host allows them for shared memory
+    # (/sys/kernel/mm/transparent_hugepage/shmem_enabled "advise" or "always"); the KV cache is
+    # read in small blocks scattered over it, where 4 KiB pages cost a TLB miss per block.
+    with contextlib.suppress(OSError, AttributeError):
+        mapping.madvise(mmap.MADV_HUGEPAGE)
     array = np.frombuffer(mapping, dtype=np.uint8)
     start = array.__array_interface__["data"][0]
     handle = SharedHandle(os.getpid(), fd, os.fstat(fd).st_ino, num_bytes)
