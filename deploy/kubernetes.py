@@ -127,6 +127,9 @@ def node_config(topology: Topology, group: NodeGroup) -> dict[str, str]:
             "PDSERVE_DTYPE": topology.dtype,
             "PDSERVE_DEVICE": "cuda" if group.gpu_ids else "cpu",
             "PDSERVE_KV_TRANSPORT": topology.kv_transport,
+            # Pods of a pair may land on different hosts: auto must pick ucx, never shm or
+            # cuda_ipc, which need one host (and one PID namespace).
+            "PDSERVE_KV_SCOPE": "cluster",
             "PDSERVE_GRPC_PORT": str(group.first_grpc_port),
         }
     )

@@ -26,7 +26,7 @@ from types import FrameType
 from deploy.certs import write_deployment
 from deploy.commands import ProcessSpec, connect_host, local_processes
 from deploy.supervisor import Output, Supervisor
-from deploy.topology import DTYPES, Role, Topology, load_topology
+from deploy.topology import DTYPES, KV_TRANSPORTS, Role, Topology, load_topology
 
 LAUNCH = "launch"
 
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", help="Hugging Face model directory (default: models/tiny-llama)")
     add("--served-model-name", help="name clients send (default: the directory's name)")
     add("--dtype", choices=DTYPES)
+    add("--kv-transport", choices=KV_TRANSPORTS, help="KV transport between nodes (default auto)")
     add("--prefill", type=int, metavar="N", help="number of prefill nodes")
     add("--decode", type=int, metavar="N", help="number of decode nodes")
     add("--colocated", type=int, metavar="N", help="number of colocated nodes")
@@ -76,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 def topology_from_args(args: argparse.Namespace) -> Topology:
     topology = load_topology(args.topology) if args.topology else Topology()
     top: dict[str, object] = {}
-    for key in ("model", "served_model_name", "dtype", "host"):
+    for key in ("model", "served_model_name", "dtype", "host", "kv_transport"):
         if getattr(args, key) is not None:
             top[key] = getattr(args, key)
     gateway: dict[str, object] = {}

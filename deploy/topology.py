@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 DTYPES = ("float32", "bfloat16", "float16")
-KV_TRANSPORTS = ("loopback", "ucx")
+KV_TRANSPORTS = ("auto", "shm", "cuda_ipc", "ucx", "loopback")
 _FLAG_NAME = re.compile(r"^[a-z][a-z0-9-]*$")
 _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 
@@ -225,8 +225,9 @@ class Topology:
     served_model_name: str | None = None
     """The name clients send; default: the model directory's name."""
     dtype: str = "bfloat16"
-    kv_transport: str = "ucx"
-    """Between processes it must be ucx: loopback only works inside one process."""
+    kv_transport: str = "auto"
+    """auto: every node of a topology runs on one host, so shm for host KV caches and cuda_ipc
+    for GPU ones; ucx also works between processes; loopback only inside one process."""
     host: str = "127.0.0.1"
     """Where the launcher binds every server and where it connects to them."""
     image: str = "pdserve"

@@ -1,9 +1,9 @@
-"""The standalone KV byte mover: transports (loopback, ucx, cuda_ipc) that copy KV pages from a
-prefill node's blocks into a decode node's reserved blocks.
+"""The standalone KV byte mover: transports (loopback, ucx, shm, cuda_ipc) that copy KV pages
+from a prefill node's blocks into a decode node's reserved blocks.
 
 It imports nothing from the rest of pdserve (nor torch), so either role can use it and it can be
-tested alone. `kv_transfer.ucx` is imported on first use of `make_transport("ucx")`, so code
-that only needs loopback does not load UCX.
+tested alone. `kv_transfer.ucx`, `.shm` and `.cuda_ipc` are imported on first use of
+`make_transport(name)`, so code that only needs loopback loads neither UCX nor CuPy.
 """
 
 from kv_transfer.inbound import InboundTransfers

@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class PeerAddress:
-    # Name of the transport that made it ("loopback", "ucx", later "cuda_ipc").
+    # Name of the transport that made it ("loopback", "ucx", "shm", "cuda_ipc").
     transport: str
-    # What the transport needs to reach the peer: a UCX worker address, a loopback id, ...
+    # What the transport needs to reach the peer: a UCX worker address, a loopback id, the shm
+    # and cuda_ipc handles of the peer's control table and of each region (JSON), ...
     endpoint: bytes
     # Registered regions of the peer: name → length in bytes. Writes are checked against it
-    # before any byte moves. (cuda_ipc will add its IPC handles here, per region.)
+    # before any byte moves.
     regions: dict[str, int] = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:

@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kv_transfer.memory import MemoryKind, as_byte_view, describe_memory
+
+__all__ = ["RegionHandle", "as_byte_view", "make_region"]
+
 
 @dataclass(frozen=True)
 class RegionHandle:
@@ -14,30 +18,26 @@ class RegionHandle:
     name: str
     # Bytes in the region.
     length: int
-    # Host virtual address of the first byte (for logs and the cuda_ipc transport's handles).
+    # Address of the first byte in this process: host virtual, or a CUDA device pointer.
     address: int
-    # A flat uint8 view of the caller's memory; the caller keeps the memory alive while registered.
-    view: np.ndarray = field(repr=False, compare=False)
+    # A flat uint8 view of the caller's host memory (None for device memory); the caller keeps
+    # the memory alive while registered.
+    view: np.ndarray | None = field(repr=False, compare=False)
+    memory: MemoryKind = MemoryKind.HOST
+    # CUDA device ordinal of device memory; None for host memory.
+    device: int | None = None
 
-
-def as_byte_view(buffer: object) -> np.ndarray:
-    """A flat, writable uint8 view of anything exposing the buffer protocol (numpy, memoryview,
-    bytearray, `torch_tensor.numpy()`), without copying."""
-    if hasattr(buffer, "__cuda_array_interface__") and not hasattr(buffer, "__array_interface__"):
-        raise TypeError("device memory needs the cuda_ipc transport; this one moves host memory")
-    try:
-        array = np.asarray(memoryview(buffer))  # type: ignore[arg-type]
-    except TypeError as exc:
-        raise TypeError(f"{type(buffer).__name__} does not expose the buffer protocol") from exc
-    if not array.flags.c_contiguous:
-        raise ValueError("a registered region must be C-contiguous")
-    if not array.flags.writeable:
-        raise ValueError("a registered region must be writable")
-    return array.reshape(-1).view(np.uint8)
+    def where(self) -> str:
+        return f"cuda:{self.device}" if self.memory is MemoryKind.CUDA else str(self.memory)
 
 
 def make_region(name: str, buffer: object) -> RegionHandle:
-    view = as_byte_view(buffer)
+    memory = describe_memory(buffer)
     return RegionHandle(
-        name=name, length=view.nbytes, address=view.__array_interface__["data"][0], view=view
+        name=name,
+        length=memory.length,
+        address=memory.address,
+        view=memory.view,
+        memory=memory.kind,
+        device=memory.device,
     )

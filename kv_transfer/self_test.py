@@ -50,8 +50,10 @@ def run_self_test(
     tag = f"self-test-{id(transport):x}"
     try:
         num_pages = num_probe_bytes // page_bytes
-        src = np.random.default_rng(0).integers(0, 256, num_probe_bytes, dtype=np.uint8)
-        dst = np.zeros_like(src)
+        host_src = np.random.default_rng(0).integers(0, 256, num_probe_bytes, dtype=np.uint8)
+        # Memory of the kind each side moves (shared memory for shm, device memory for cuda_ipc).
+        src = _filled(transport.allocate(num_probe_bytes), host_src)
+        dst = receiver.allocate(num_probe_bytes)
         transport.register(f"{tag}-src", src)
         receiver.register(f"{tag}-dst", dst)
         peer = receiver.address()
@@ -64,9 +66,9 @@ def run_self_test(
             for i, j in zip(order, order[::-1], strict=True)
         ]
         status = _push(transport, peer, pages, f"{tag}-pages")
-        expect = src.reshape(num_pages, page_bytes)[order]
+        expect = host_src.reshape(num_pages, page_bytes)[order]
         is_ok = status is TransferStatus.DONE and np.array_equal(
-            dst.reshape(num_pages, page_bytes)[order[::-1]], expect
+            _to_host(dst).reshape(num_pages, page_bytes)[order[::-1]], expect
         )
         whole = [PageCopy(f"{tag}-src", 0, f"{tag}-dst", 0, num_probe_bytes)]
         _push(transport, peer, whole, f"{tag}-warm")
@@ -90,6 +92,18 @@ def run_self_test(
         transport.unregister(f"{tag}-src")
     (logger.info if report.is_ok else logger.error)("%s", report.summary())
     return report
+
+
+def _filled(memory: object, data: np.ndarray) -> object:
+    if isinstance(memory, np.ndarray):
+        memory[:] = data
+    else:  # a device array (CuPy)
+        memory.set(data)  # type: ignore[attr-defined]
+    return memory
+
+
+def _to_host(memory: object) -> np.ndarray:
+    return memory if isinstance(memory, np.ndarray) else memory.get()  # type: ignore[attr-defined]
 
 
 def _push(transport: KvTransport, peer, pages: list[PageCopy], transfer_id: str) -> TransferStatus:

@@ -16,7 +16,10 @@ import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kv_transfer.inbound import InboundTransfers
+from kv_transfer.memory import MemoryKind, UnsupportedMemoryError
 from kv_transfer.page_copy import PageCopy
 from kv_transfer.page_table import PageTable
 from kv_transfer.peer_address import PeerAddress
@@ -39,6 +42,8 @@ class TransportInfo:
 
 class KvTransport(abc.ABC):
     name: str
+    # The memory kinds this transport can read and write; `register` refuses any other.
+    memory_kinds: frozenset[MemoryKind] = frozenset({MemoryKind.HOST, MemoryKind.HOST_SHM})
 
     def __init__(self) -> None:
         # Registered regions by name.
@@ -48,12 +53,25 @@ class KvTransport(abc.ABC):
         self.inbound = InboundTransfers()
 
     def register(self, name: str, buffer: object) -> RegionHandle:
-        """Registers host memory (anything with the buffer protocol) under a unique name."""
+        """Registers memory under a unique name: host memory (anything with the buffer
+        protocol) or device memory (``__cuda_array_interface__``). Raises
+        UnsupportedMemoryError, naming the transport and the memory, for a kind it cannot carry."""
         if name in self._regions:
             raise ValueError(f"region {name!r} is already registered")
         region = make_region(name, buffer)
+        if region.memory not in self.memory_kinds:
+            carries = ", ".join(sorted(str(k) for k in self.memory_kinds))
+            raise UnsupportedMemoryError(
+                f"the {self.name} KV transport cannot carry {region.where()} memory (region "
+                f"{name!r}); it carries {carries} memory"
+            )
         self._regions[name] = region
         return region
+
+    def allocate(self, num_bytes: int) -> object:
+        """Zeroed memory this transport can receive into (plain host memory here; shared memory
+        for shm, device memory for cuda_ipc): what a receiver registers as its KV regions."""
+        return np.zeros(num_bytes, dtype=np.uint8)
 
     def unregister(self, name: str) -> None:
         """Forgets a region; the caller must first make sure no transfer still uses it."""
@@ -117,7 +135,11 @@ class KvTransport(abc.ABC):
 
 _FACTORIES: dict[str, Callable[..., KvTransport]] = {}
 # Transports whose module is imported on first use (UCX takes ~0.5 s to load).
-_LAZY_MODULES = {"ucx": "kv_transfer.ucx"}
+_LAZY_MODULES = {
+    "ucx": "kv_transfer.ucx",
+    "shm": "kv_transfer.shm",
+    "cuda_ipc": "kv_transfer.cuda_ipc",
+}
 
 
 def register_transport(name: str, factory: Callable[..., KvTransport]) -> None:

@@ -2,15 +2,24 @@
 
 Both roles register their caches the same way, so a ``LayerCopy`` (layer, offsets) from the
 engine becomes a transport ``PageCopy`` between regions of the same name on either side.
+
+Each layer is registered where it lives: a CUDA cache by its device pointer
+(``__cuda_array_interface__`` of a flat uint8 view), a host cache by a flat numpy view, never by
+a copy. A transport that receives only into shared memory (shm) first moves each host layer
+into a shared allocation, in place (``Tensor.set_``: every holder of the tensor sees the new
+memory). A transport that cannot carry the cache's memory raises ``UnsupportedMemoryError``
+naming both; the node exits with that one line (services/node_runtime.py).
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from kv_transfer import KvTransport, LoopbackFaults, PageCopy, make_transport, run_self_test
+from kv_transfer.memory import MemoryKind, describe_memory
 from services.engine.kv_layout import LayerCopy
 
 logger = logging.getLogger(__name__)
@@ -35,12 +44,41 @@ def open_kv_transport(
         logger.warning(
             "testing only: every KV push pauses %.3f s before its last message", push_pause_s
         )
-    for layer, cache in enumerate(kv_caches):
-        # A flat byte view of the whole layer: [2, blocks, block_size, kv_heads, head_dim].
-        transport.register(region_name(layer), cache.view(-1).view(torch.uint8).numpy())
+    try:
+        for layer, cache in enumerate(kv_caches):
+            transport.register(region_name(layer), layer_memory(transport, cache))
+    except Exception:
+        transport.close()
+        raise
     report = run_self_test(transport)
     logger.info("KV transport self-test: %s", report)
     return transport
+
+
+def layer_memory(transport: KvTransport, cache: torch.Tensor) -> object:
+    """The memory of one layer's cache ``[2, blocks, block_size, kv_heads, head_dim]`` as the
+    transport registers it: a flat uint8 CUDA tensor, or a flat numpy view of host memory."""
+    flat = cache.view(-1).view(torch.uint8)
+    if flat.is_cuda:
+        return flat  # __cuda_array_interface__: pointer and device, no host copy
+    view = flat.numpy()
+    if _needs_shared(transport) and describe_memory(view).kind is not MemoryKind.HOST_SHM:
+        move_to_shared_memory(transport, cache)
+        view = cache.view(-1).view(torch.uint8).numpy()
+    return view
+
+
+def _needs_shared(transport: KvTransport) -> bool:
+    return getattr(transport, "receive_kind", None) is MemoryKind.HOST_SHM
+
+
+def move_to_shared_memory(transport: KvTransport, cache: torch.Tensor) -> None:
+    """Rehomes a host tensor's bytes into the transport's shared memory, keeping the tensor
+    object (and its contents): the engine and model keep using the same tensor."""
+    shared = np.asarray(transport.allocate(cache.nbytes))
+    storage = torch.frombuffer(shared, dtype=torch.uint8).view(cache.dtype)
+    storage.copy_(cache.reshape(-1))
+    cache.set_(storage.untyped_storage(), 0, cache.shape, cache.stride())
 
 
 def to_page_copies(copies: list[LayerCopy]) -> list[PageCopy]:

@@ -19,7 +19,8 @@ from services.cli import ENV_PREFIX, apply_env_defaults, parse_bytes
 from services.engine import CacheConfig, EngineConfig, SchedulerConfig, SchedulingPolicy
 from services.tls import TlsFiles, add_tls_flags, tls_from_args
 
-KV_TRANSPORTS = ("loopback", "ucx")
+KV_TRANSPORTS = ("auto", "shm", "cuda_ipc", "ucx", "loopback")
+KV_SCOPES = ("host", "cluster")
 
 
 class Role(enum.StrEnum):
@@ -46,6 +47,9 @@ class NodeConfig:
     drain_grace_s: float
     """After SIGTERM: how long in-flight requests may take to finish."""
     engine: EngineConfig
+    kv_scope: str = "host"
+    """Where this node's KV peers run: "host" (this machine) or "cluster" (maybe others);
+    ``kv_transport="auto"`` picks shm / cuda_ipc for host, ucx for cluster."""
     test_kv_push_pause_s: float = 0.0
     """Testing only (fault injection): each KV push this node writes holds its last message
     back this long, so a test can kill or cancel a node while pages are moving. 0 in service."""
@@ -58,6 +62,8 @@ class NodeConfig:
             raise ValueError(
                 f"kv_transport must be one of {KV_TRANSPORTS}, got {self.kv_transport!r}"
             )
+        if self.kv_scope not in KV_SCOPES:
+            raise ValueError(f"kv_scope must be one of {KV_SCOPES}, got {self.kv_scope!r}")
         for name in ("grpc_port", "kv_port"):
             port = getattr(self, name)
             if not 0 <= port <= 65535:
@@ -98,7 +104,19 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
         help="KV listener port for listener-based transports; ucx and loopback ignore it (UCX "
         "peers connect by the worker address published in each reservation)",
     )
-    add("--kv-transport", default="ucx", choices=KV_TRANSPORTS)
+    add(
+        "--kv-transport",
+        default="auto",
+        choices=KV_TRANSPORTS,
+        help="auto: cuda_ipc for a device KV cache, shm for a host one when --kv-scope is host; "
+        "ucx when it is cluster",
+    )
+    add(
+        "--kv-scope",
+        default="host",
+        choices=KV_SCOPES,
+        help="where this node's KV peers run: host (this machine only) or cluster",
+    )
     add("--metrics-port", type=int, default=None, help="Prometheus /metrics port (unset: none)")
     add("--node-id", default=None, help="default: hostname:grpc-port")
     add("--block-size", type=int, default=16)
@@ -172,6 +190,7 @@ def parse_node_config(
             grpc_port=grpc_port,
             kv_port=args.kv_port,
             kv_transport=args.kv_transport,
+            kv_scope=args.kv_scope,
             metrics_port=args.metrics_port,
             drain_grace_s=args.drain_grace_s,
             engine=engine,

@@ -9,12 +9,15 @@ ports (a taken one ends the process with exit code 1 and a one-line error) → s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
 
+from kv_transfer.memory import MemoryKind, UnsupportedMemoryError
+from kv_transfer.transport_choice import choose_transport
 from pdserve.v1 import common_pb2
 from services.async_engine import AsyncEngine, EngineDeadError
 from services.convert import load_report_to_proto
@@ -22,7 +25,7 @@ from services.engine import EngineCore
 from services.grpc_server import NodeServer, Registrar
 from services.listen import ListenError
 from services.metrics import NodeMetrics
-from services.node_config import NodeConfig
+from services.node_config import NodeConfig, Role
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +80,14 @@ async def start_node(config: NodeConfig, role: RoleFactory) -> tuple[NodeServer,
     # services/async_engine.py). Blocks this loop while the model loads, before the port opens.
     engine = AsyncEngine(lambda: EngineCore(config.engine))
     engine.start()
+    config = resolve_kv_transport(config)
     ref = NodeServerRef()
     metrics = NodeMetrics(str(config.role), config.node_id, config.kv_transport)
-    services = role(config, engine, ref, metrics)
+    try:
+        services = role(config, engine, ref, metrics)
+    except UnsupportedMemoryError:
+        engine.shutdown()
+        raise
     try:
         # Both ports are opened before the server starts serving.
         server = NodeServer(
@@ -101,6 +109,17 @@ async def start_node(config: NodeConfig, role: RoleFactory) -> tuple[NodeServer,
     return server, engine
 
 
+def resolve_kv_transport(config: NodeConfig) -> NodeConfig:
+    """`--kv-transport auto` becomes the transport it picks (logged with why), so every later
+    use, the metric labels included, names the transport actually in use."""
+    if config.role is Role.COLOCATED:
+        return config  # no KV handoff between processes
+    memory = MemoryKind.CUDA if config.engine.device.startswith("cuda") else MemoryKind.HOST
+    name, why = choose_transport(config.kv_transport, memory, config.kv_scope)
+    logger.info("KV transport %s: %s", name, why)
+    return dataclasses.replace(config, kv_transport=name)
+
+
 async def serve(config: NodeConfig, role: RoleFactory) -> None:
     server, engine = await start_node(config, role)
     server.install_signal_handlers()
@@ -118,6 +137,6 @@ def run(config: NodeConfig, role: RoleFactory) -> None:
     )
     try:
         asyncio.run(serve(config, role))
-    except ListenError as exc:
+    except (ListenError, UnsupportedMemoryError) as exc:
         logger.error("%s", exc)
         raise SystemExit(1) from None

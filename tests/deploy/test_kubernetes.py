@@ -121,6 +121,8 @@ def test_each_role_is_a_statefulset_of_one_gpu_pods_behind_a_headless_service(
         assert env["PDSERVE_NODE_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
         assert env["PDSERVE_ROLE"] == role and env["PDSERVE_DEVICE"] == "cuda"
         assert env["PDSERVE_HOST"] == "0.0.0.0"
+        # A pair's pods may be on two hosts: the KV transport is chosen for a cluster.
+        assert env["PDSERVE_KV_SCOPE"] == "cluster"
         port = group.first_grpc_port
         assert env["PDSERVE_GRPC_PORT"] == str(port)
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):

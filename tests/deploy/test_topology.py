@@ -101,7 +101,7 @@ def test_local_processes_pass_the_topology_as_flags() -> None:
     prefill, decode, colocated, gateway = local_processes(topology, python="py")
     assert prefill.argv[:3] == ("py", "-m", "prefill_node")
     argv = " ".join(prefill.argv)
-    assert "--device cuda:3" in argv and "--kv-transport ucx" in argv
+    assert "--device cuda:3" in argv and "--kv-transport auto" in argv
     assert "--grpc-port 50061" in argv and "--node-id prefill-0" in argv
     assert argv.endswith("--no-prefix-caching --seed 7")
     assert "--device cpu" in " ".join(decode.argv)
@@ -122,3 +122,17 @@ def test_a_server_bound_to_every_interface_is_reached_on_loopback() -> None:
     assert "--host 0.0.0.0" in " ".join(gateway.argv)
     assert "--decode 127.0.0.1:50071" in " ".join(gateway.argv)
     assert Role.DECODE.module == "decode_node"
+
+
+def test_kv_transport_comes_from_the_topology_and_the_launcher_flag() -> None:
+    from deploy.compose import node_service
+    from deploy.launch import build_parser, topology_from_args
+
+    shm = topology_from_args(build_parser().parse_args(["--kv-transport", "shm"]))
+    prefill = local_processes(shm, python="py")[0]
+    assert "--kv-transport shm" in " ".join(prefill.argv)
+    node = shm.nodes[0]
+    assert node_service(shm, shm.group(node.role), node)["pid"] == "host"  # /proc/<pid>/fd
+    ucx = topology_from_dict({"kv_transport": "ucx"})
+    node = ucx.nodes[0]
+    assert "pid" not in node_service(ucx, ucx.group(node.role), node)

@@ -1,5 +1,5 @@
 """Prefill and decode nodes as separate processes, KV pages moved over UCX (shared memory on
-this host), driven the way the gateway will drive them."""
+this host) and over the shm transport (memfd), driven the way the gateway will drive them."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def free_port() -> int:
 
 class NodeProcess:
     def __init__(
-        self, module: str, role: str, model_dir: Path, kv_memory: str, *extra: str
+        self, module: str, role: str, model_dir: Path, kv_memory: str, *extra: str, kv="ucx"
     ) -> None:
         self.port = free_port()
         self.process = subprocess.Popen(
@@ -50,7 +50,7 @@ class NodeProcess:
                 "--grpc-port",
                 str(self.port),
                 "--kv-transport",
-                "ucx",
+                kv,
                 "--max-model-len",
                 str(MAX_MODEL_LEN),
                 "--kv-cache-memory",
@@ -95,10 +95,10 @@ class NodeProcess:
                 self.process.wait()
 
 
-@pytest.fixture(scope="module")
-def nodes(tiny_llama_dir: Path):
-    prefill = NodeProcess("prefill_node", "prefill", tiny_llama_dir, "3MiB")
-    decode = NodeProcess("decode_node", "decode", tiny_llama_dir, "5MiB")
+@pytest.fixture(scope="module", params=["ucx", "shm"])
+def nodes(tiny_llama_dir: Path, request: pytest.FixtureRequest):
+    prefill = NodeProcess("prefill_node", "prefill", tiny_llama_dir, "3MiB", kv=request.param)
+    decode = NodeProcess("decode_node", "decode", tiny_llama_dir, "5MiB", kv=request.param)
     try:
         prefill.wait_healthy()
         decode.wait_healthy()

@@ -9,7 +9,7 @@ import pytest
 
 from kv_transfer import KvTransport, LoopbackFaults, make_transport
 
-TRANSPORTS = ["loopback", "ucx"]
+TRANSPORTS = ["loopback", "ucx", "shm"]
 
 PairFactory = Callable[..., tuple[KvTransport, KvTransport]]
 
@@ -23,7 +23,8 @@ def transport_name(request: pytest.FixtureRequest) -> str:
 def make_pair(transport_name: str) -> Iterator[PairFactory]:
     """`make_pair(src_bytes, dst_bytes) -> (writer, receiver)` with regions "src" (random bytes)
     and "dst" (zeros) registered; the writer is connected. `stalled=True` makes a pair whose
-    transfers never complete (loopback: a stall fault; ucx: a receiver whose agent is hung);
+    transfers never complete (loopback and shm: a stall fault; ucx: a receiver whose agent is
+    hung); receiver memory comes from `receiver.allocate` (shared memory for shm);
     `pause_before_last_s` makes the writer hold each transfer's last message back."""
     made: list[KvTransport] = []
 
@@ -36,12 +37,14 @@ def make_pair(transport_name: str) -> Iterator[PairFactory]:
         if transport_name == "loopback":
             faults = LoopbackFaults(stall=stalled, pause_before_last_s=pause_before_last_s)
             writer = make_transport("loopback", faults=faults)
+        elif transport_name == "shm":
+            writer = make_transport("shm", stall=stalled, pause_before_last_s=pause_before_last_s)
         else:
             writer = make_transport(transport_name, pause_before_last_s=pause_before_last_s)
         receiver = make_transport(transport_name)
         made.extend([writer, receiver])
         writer.register("src", np.random.default_rng(0).integers(0, 256, src_bytes, np.uint8))
-        receiver.register("dst", np.zeros(dst_bytes, np.uint8))
+        receiver.register("dst", receiver.allocate(dst_bytes))
         writer.connect(receiver.address())
         if transport_name == "ucx" and stalled:
             hang_ucx_agent(receiver)

@@ -1,4 +1,4 @@
-"""The contract every KV transport keeps, run against each of them (loopback and ucx)."""
+"""The contract every KV transport keeps, run against each of them (loopback, ucx and shm)."""
 
 from __future__ import annotations
 
@@ -238,7 +238,7 @@ def test_self_test_reports_lanes_and_succeeds(transport_name: str) -> None:
 
 def test_page_table_across_several_regions(make_pair) -> None:
     writer, receiver = make_pair()
-    v_cache = np.zeros(1 << 20, np.uint8)
+    v_cache = receiver.allocate(1 << 20)
     receiver.register("dst_v", v_cache)
     peer = receiver.address()
     k = PageTable.from_blocks("src", [5, 1, 2], "dst", [0, 9, 3], PAGE)

@@ -15,7 +15,8 @@ def test_defaults_per_role() -> None:
         config = parse_node_config([], {}, role=role)
         assert config.role is role and config.grpc_port == port
     config = parse_node_config([], {}, role=Role.DECODE)
-    assert config.engine.cache.block_size == 16 and config.kv_transport == "ucx"
+    assert config.engine.cache.block_size == 16 and config.kv_transport == "auto"
+    assert config.kv_scope == "host"
     assert config.metrics_port is None and config.engine.cache.enable_prefix_caching
     assert config.test_kv_push_pause_s == 0.0  # the test hook is off unless asked for
 

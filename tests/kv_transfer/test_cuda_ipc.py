@@ -1,0 +1,143 @@
+"""The cuda_ipc transport: device-to-device pushes between processes (``gpu`` tests), and what
+can be checked without a GPU (its batching, its refusal on a CPU host)."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from kv_transfer import PageTable, PeerAddress, TransferStatus, make_transport
+from kv_transfer.cuda_ipc import BATCH_BYTES, CudaIpcTransport
+from kv_transfer.transfer_plan import LEN, make_plan
+
+pytestmark = pytest.mark.timeout(120)
+
+PAGE = 8192
+DST_BYTES = 64 << 20
+
+# The receiver on GPU argv[1]: zeroed device KV memory, its address on stdout, then "wait <id>"
+# answers the inbound status and a digest of the memory.
+RECEIVER = textwrap.dedent(
+    f"""
+    import hashlib, sys
+    import cupy
+    from kv_transfer import make_transport
+    cupy.cuda.Device(int(sys.argv[1])).use()
+    transport = make_transport("cuda_ipc")
+    dst = transport.allocate({DST_BYTES})
+    transport.register("dst", dst)
+    print(transport.address().to_bytes().hex(), flush=True)
+    for line in sys.stdin:
+        command, _, arg = line.strip().partition(" ")
+        if command == "wait":
+            status = transport.wait_inbound(arg, 30)
+            digest = hashlib.sha256(dst.get()).hexdigest()
+            print(status.name if status else "NONE", digest, flush=True)
+        else:
+            break
+    transport.close()
+    """
+)
+
+
+def test_batches_cover_every_run_in_order_and_bound_the_fence_wait() -> None:
+    rng = np.random.default_rng(0)
+    slots = 3 * BATCH_BYTES // PAGE
+    pages = PageTable.from_blocks(
+        "src", rng.permutation(slots), "dst", rng.permutation(slots), PAGE
+    )
+    plan = make_plan(pages, {"src": slots * PAGE}, {"dst": slots * PAGE})
+    batches = CudaIpcTransport._batches(None, plan)  # type: ignore[arg-type]
+    assert np.array_equal(np.concatenate([runs for runs, _ in batches]), plan.runs)
+    assert [n for _, n in batches] == [int(r[:, LEN].sum()) for r, _ in batches]
+    assert all(n <= BATCH_BYTES for _, n in batches) and len(batches) == 3
+
+
+def has_cuda() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, no device
+        return False
+
+
+def test_without_a_gpu_the_transport_refuses_to_start() -> None:
+    if has_cuda():
+        pytest.skip("this host has a CUDA device")
+    with pytest.raises(RuntimeError, match="cuda_ipc KV transport needs"):
+        make_transport("cuda_ipc")
+
+
+def push_scattered(receiver_device: int, writer_device: int) -> None:
+    import cupy
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RECEIVER, str(receiver_device)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        peer = PeerAddress.from_bytes(bytes.fromhex(proc.stdout.readline().strip()))
+        with cupy.cuda.Device(writer_device):
+            writer = make_transport("cuda_ipc")
+            host = np.random.default_rng(0).integers(0, 256, DST_BYTES, np.uint8)
+            src = writer.allocate(DST_BYTES)
+            src.set(host)
+        try:
+            writer.register("src", src)
+            writer.connect(peer)
+            num_slots = DST_BYTES // PAGE
+            rng = np.random.default_rng(1)
+            s, d = rng.permutation(num_slots), rng.permutation(num_slots)
+            pages = PageTable.from_blocks("src", s, "dst", d, PAGE)
+            handle = writer.write(peer, pages, transfer_id="g1", deadline=time.monotonic() + 30)
+            assert handle.wait(40) is TransferStatus.DONE, handle
+            expected = np.zeros((num_slots, PAGE), np.uint8)
+            expected[d] = host.reshape(-1, PAGE)[s]
+            proc.stdin.write("wait g1\n")
+            proc.stdin.flush()
+            status, digest = proc.stdout.readline().split()
+            assert status == "DONE"
+            assert digest == hashlib.sha256(expected).hexdigest()
+        finally:
+            writer.close()
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.gpu
+def test_two_processes_on_one_gpu() -> None:
+    push_scattered(receiver_device=0, writer_device=0)
+
+
+@pytest.mark.gpu
+def test_two_gpus_with_peer_access() -> None:
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    if runtime.getDeviceCount() < 2 or not runtime.deviceCanAccessPeer(0, 1):
+        pytest.skip("needs two GPUs with peer access")
+    push_scattered(receiver_device=1, writer_device=0)
+
+
+@pytest.mark.gpu
+def test_self_test_moves_device_memory() -> None:
+    from kv_transfer import run_self_test
+
+    transport = make_transport("cuda_ipc")
+    try:
+        report = run_self_test(transport, num_probe_bytes=4 << 20)
+    finally:
+        transport.close()
+    assert report.is_ok, report
+    assert report.lanes[0] == "cuda_ipc/kernel"
