@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gateway.limits import RequestLimits
 from services.cli import ENV_PREFIX, apply_env_defaults, parse_bytes
+from services.models.gguf_file import find_gguf, open_gguf
 
 _ADDRESS = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
 
@@ -224,11 +225,17 @@ def parse_gateway_config(
 
 
 def model_max_len(model_dir: Path) -> int:
-    """The context length from ``config.json`` (``max_position_embeddings``)."""
+    """The context length from ``config.json`` (``max_position_embeddings``), or from a GGUF
+    file's metadata."""
     path = model_dir / "config.json"
     try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        gguf_path = find_gguf(model_dir)
+        if gguf_path is not None:
+            path = gguf_path
+            config = open_gguf(gguf_path).hf_config()
+        else:
+            config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
         raise ValueError(f"--model: cannot read {path}: {exc}") from None
     value = config.get("max_position_embeddings")
     if not isinstance(value, int) or value < 2:

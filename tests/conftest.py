@@ -121,6 +121,9 @@ def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> 
     ):
         add(vocab[tokenizer_config[name]])
     writer.add_chat_template(tokenizer_config["chat_template"])
+    # llama.cpp records whether encoding prepends BOS (here: the post-processor's template).
+    post = json.dumps(tokenizer.get("post_processor"))
+    writer.add_add_bos_token(tokenizer_config["bos_token"] in post)
 
     for name, tensor in load_file(model_dir / "model.safetensors").items():
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):

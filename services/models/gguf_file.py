@@ -5,7 +5,8 @@ tokenizer (vocabulary, merges, special token ids) and chat template as metadata 
 key names, then the tensors, often quantized. This module reads the metadata and translates it to
 the ``config.json`` / ``generation_config.json`` vocabulary the rest of pdserve speaks, so that
 ``ModelConfig.from_hf_dict`` builds the config and the gateway builds its tokenizer from the same
-file. It imports no torch: the gateway uses it too. ``gguf_loader`` turns the tensors into weights.
+file. It is plain Python (no torch, no numpy): the gateway image uses it too. It also indexes the
+tensors (name, shape, type, where their bytes are); ``gguf_loader`` turns those into weights.
 
 ``--model`` names a GGUF either directly (``path/to/model.gguf``) or as a directory that holds
 exactly one ``.gguf`` file and no ``config.json`` (a directory with a ``config.json`` is a
@@ -17,11 +18,11 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import mmap
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import numpy as np
-from gguf import GGUFReader, ReaderTensor
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,8 @@ def find_gguf(path: Path | str) -> Path | None:
 def open_gguf(path: Path | str) -> GgufFile:
     """The file at ``path``, parsed once per process while it is unchanged.
 
-    NOTE: parsing the metadata of a 49k-token vocabulary takes seconds (the ``gguf`` reader walks
-    every string); the config, the KV fingerprint and the loader all read the same file.
+    The config, the KV fingerprint and the loader all read the same header (a 49k-token
+    vocabulary is a few MB of strings).
     """
     path = Path(path).resolve()
     stat = path.stat()
@@ -71,25 +72,113 @@ def _open_cached(path: Path, mtime_ns: int, size: int) -> GgufFile:
     return GgufFile(path)
 
 
+@dataclass(frozen=True)
+class GgufTensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    """As GGUF lists it: innermost (contiguous) dimension first."""
+    type_id: int
+    """A ``gguf.GGMLQuantizationType`` value."""
+    offset: int
+    """Byte offset of the tensor's data from the start of the file."""
+
+
+# GGUF value types (gguf.GGUFValueType): struct format of each scalar type.
+_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
+_STRING = 8
+_ARRAY = 9
+_MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32
+
+
+class _Cursor:
+    """Little-endian reads from a memory-mapped GGUF header."""
+
+    def __init__(self, data: mmap.mmap) -> None:
+        self.data = data
+        self.pos = 0
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from("<" + fmt, self.data, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        size = self.scalar("Q")
+        raw = self.data[self.pos : self.pos + size]
+        self.pos += size
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, type_id: int) -> Any:
+        if type_id in _SCALARS:
+            return self.scalar(_SCALARS[type_id])
+        if type_id == _STRING:
+            return self.string()
+        if type_id == _ARRAY:
+            item_type, count = self.scalar("I"), self.scalar("Q")
+            if item_type in _SCALARS:
+                fmt = f"<{count}{_SCALARS[item_type]}"
+                items = list(struct.unpack_from(fmt, self.data, self.pos))
+                self.pos += struct.calcsize(fmt)
+                return items
+            return [self.value(item_type) for _ in range(count)]
+        raise ValueError(f"unknown GGUF value type {type_id}")
+
+
 class GgufFile:
-    """The metadata and tensor index of one GGUF file (tensor data stays memory-mapped)."""
+    """The metadata and tensor index of one GGUF file (the header only; no tensor is read)."""
 
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
         try:
-            self._reader = GGUFReader(self.path)
-        except (ValueError, OSError) as exc:
+            with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                self._metadata, self._tensors = self._parse(m)
+        except (ValueError, OSError, struct.error, UnicodeDecodeError) as exc:
             raise ValueError(f"{self.path} is not a readable GGUF file: {exc}") from exc
+
+    @staticmethod
+    def _parse(data: mmap.mmap) -> tuple[dict[str, Any], list[GgufTensorInfo]]:
+        cursor = _Cursor(data)
+        if data[:4] != _MAGIC:
+            raise ValueError("bad magic (not a GGUF file)")
+        cursor.pos = 4
+        version = cursor.scalar("I")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (pdserve reads versions 2 and 3)")
+        num_tensors, num_fields = cursor.scalar("Q"), cursor.scalar("Q")
+        metadata = {}
+        for _ in range(num_fields):
+            key = cursor.string()
+            metadata[key] = cursor.value(cursor.scalar("I"))
+        raw_tensors = []
+        for _ in range(num_tensors):
+            name = cursor.string()
+            num_dims = cursor.scalar("I")
+            shape = tuple(cursor.scalar("Q") for _ in range(num_dims))
+            raw_tensors.append((name, shape, cursor.scalar("I"), cursor.scalar("Q")))
+        alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+        data_start = -(-cursor.pos // alignment) * alignment
+        tensors = [
+            GgufTensorInfo(name, shape, type_id, data_start + offset)
+            for name, shape, type_id, offset in raw_tensors
+        ]
+        return metadata, tensors
 
     def value(self, key: str, default: Any = None) -> Any:
         """One metadata value as plain Python (str, int, float, bool or list), or ``default``."""
-        field = self._reader.get_field(key)
-        if field is None:
-            return default
-        value = field.contents()
-        if isinstance(value, np.generic):
-            return value.item()
-        return value
+        return self._metadata.get(key, default)
 
     @property
     def architecture(self) -> str:
@@ -104,12 +193,12 @@ class GgufFile:
         return arch
 
     @property
-    def tensors(self) -> list[ReaderTensor]:
-        return self._reader.tensors
+    def tensors(self) -> list[GgufTensorInfo]:
+        return list(self._tensors)
 
     @property
     def tensor_names(self) -> frozenset[str]:
-        return frozenset(t.name for t in self._reader.tensors)
+        return frozenset(t.name for t in self._tensors)
 
     def hf_config(self) -> dict[str, Any]:
         """The ``config.json`` this file's metadata stands for."""

@@ -12,15 +12,16 @@ Qwen2 and Qwen3 files are written in Hugging Face's rotary layout and need no pe
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Iterator
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, ReaderTensor, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from services.models.config import ModelConfig
-from services.models.gguf_file import GgufFile
+from services.models.gguf_file import GgufFile, GgufTensorInfo
 
 logger = logging.getLogger(__name__)
 
@@ -77,27 +78,49 @@ def hf_tensor_name(gguf_name: str) -> str:
 def gguf_weights(gguf: GgufFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, fp32 tensor in Hugging Face layout) for every tensor in the file."""
     unpermute = gguf.architecture in _PERMUTED_QK_ARCHITECTURES
+    data = np.memmap(gguf.path, dtype=np.uint8, mode="r")
     for tensor in gguf.tensors:
         name = hf_tensor_name(tensor.name)
-        weight = dequantize(tensor)
+        weight = dequantize(data, tensor)
         if unpermute and (".q_proj." in name or ".k_proj." in name):
             num_heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
             weight = unpermute_rotary_rows(weight, num_heads)
         yield name, weight
 
 
-def dequantize(tensor: ReaderTensor) -> torch.Tensor:
-    """One tensor as fp32, in Hugging Face's shape (GGUF lists dimensions innermost first)."""
-    if tensor.tensor_type not in SUPPORTED_QUANT_TYPES:
+def dequantize(data: np.ndarray, tensor: GgufTensorInfo) -> torch.Tensor:
+    """One tensor as fp32, in Hugging Face's shape (GGUF lists dimensions innermost first).
+
+    data: the whole file as uint8 (memory-mapped)
+    """
+    try:
+        qtype = GGMLQuantizationType(tensor.type_id)
+    except ValueError:
+        qtype = None
+    if qtype not in SUPPORTED_QUANT_TYPES:
         supported = ", ".join(sorted(t.name for t in SUPPORTED_QUANT_TYPES))
+        kind = qtype.name if qtype is not None else f"unknown type {tensor.type_id}"
         raise ValueError(
-            f"tensor {tensor.name!r} is quantized as {tensor.tensor_type.name}, which pdserve "
-            f"does not load; supported: {supported}"
+            f"tensor {tensor.name!r} is quantized as {kind}, which pdserve does not load; "
+            f"supported: {supported}"
         )
-    values = quants.dequantize(tensor.data, tensor.tensor_type)
-    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+    block_size, block_bytes = GGML_QUANT_SIZES[qtype]
+    row_len = tensor.shape[0]
+    num_rows = math.prod(tensor.shape[1:])
+    if row_len % block_size:
+        raise ValueError(
+            f"tensor {tensor.name!r}: row of {row_len} is not whole {qtype.name} blocks"
+        )
+    row_bytes = row_len // block_size * block_bytes
+    end = tensor.offset + num_rows * row_bytes
+    if end > data.size:
+        raise ValueError(f"tensor {tensor.name!r} runs past the end of the file (truncated?)")
+    # raw: [num_rows, row_bytes] uint8 → values: [num_rows, row_len] float32
+    raw = data[tensor.offset : end].reshape(num_rows, row_bytes)
+    values = quants.dequantize(raw, qtype)
+    shape = tuple(reversed(tensor.shape))
     # NOTE: F32 comes back as a view of the read-only memory map; copy so torch owns it.
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(shape).copy())
+    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
