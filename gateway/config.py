@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         type=Path,
         default=Path("models/tiny-llama"),
-        help="Hugging Face model dir (tokenizer, chat template, config.json)",
+        help="Hugging Face model dir (tokenizer, chat template, config.json) or GGUF file",
     )
     add("--served-model-name", default=None, help="model id clients use (default: dir name)")
     add("--host", default="0.0.0.0", help="address both servers bind")

