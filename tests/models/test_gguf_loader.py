@@ -165,3 +165,18 @@ def test_a_truncated_gguf_is_named(tiny_gguf_factory, tmp_path: Path) -> None:
     path.write_bytes(data[: len(data) - 4096])
     with pytest.raises(ValueError, match=r"runs past the end of the file"):
         LLM(path, dtype="float32", max_model_len=64, kv_cache_memory=1 << 20)
+
+
+def test_llama_3_1_rope_frequency_factors_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "llama31.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(8)
+    writer.add_head_count(2)
+    writer.add_tensor("rope_freqs.weight", np.ones(2, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"unsupported rope scaling.*rope_freqs"):
+        ModelConfig.from_model_path(path)
