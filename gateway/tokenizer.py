@@ -1,10 +1,12 @@
 """The model's tokenizer and chat template, loaded without transformers.
 
-The gateway image has no torch or transformers, so this module reads a Hugging Face model
-directory itself: ``tokenizer.json`` through the ``tokenizers`` library, ``tokenizer_config.json``
+The gateway image has no torch or transformers, so this module reads the model itself. A GGUF
+file (or a directory holding one) carries vocabulary, special tokens and chat template in its
+metadata (``gateway.gguf_tokenizer`` rebuilds the tokenizer). A Hugging Face model directory
+gives ``tokenizer.json`` (read through the ``tokenizers`` library), ``tokenizer_config.json``
 for the named special tokens and the chat template (``chat_template.jinja`` wins when present, as
 in transformers 5), and ``generation_config.json`` for extra EOS ids. Encoding, decoding and
-template rendering match ``transformers.AutoTokenizer`` on the same directory; the tests check it.
+template rendering match ``transformers.AutoTokenizer`` on the same model; the tests check it.
 
 Messages arrive as OpenAI chat messages. Content is a string or a list of ``{"type": "text"}``
 parts, joined with newlines as vLLM does; anything the gateway cannot render is a
@@ -29,6 +31,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HfTokenizer
 
 from gateway.errors import invalid
+from gateway.gguf_tokenizer import gguf_tokenizer_parts
+from services.models.gguf_file import find_gguf, open_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +273,14 @@ class Tokenizer:
 
     @classmethod
     def from_model_dir(cls, model_dir: Path) -> Tokenizer:
+        """From a Hugging Face model directory, a GGUF file, or a directory holding one."""
         model_dir = Path(model_dir)
+        gguf_path = find_gguf(model_dir)
+        if gguf_path is not None:
+            parts = gguf_tokenizer_parts(open_gguf(gguf_path))
+            return cls(
+                parts.backend, parts.special_tokens, parts.eos_token_ids, parts.chat_template
+            )
         tokenizer_file = model_dir / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise ValueError(

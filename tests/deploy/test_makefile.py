@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = "models/SmolLM2-135M-Instruct"
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make not installed")
 
 
@@ -37,14 +38,28 @@ def test_run_passes_every_variable_to_the_launcher() -> None:
         "--host", "0.0.0.0", "--http-port", "9000", "--grpc-port", "9051",
         "--prefill-port", "60061", "--decode-port", "60071", "--colocated-port", "60081",
     ]  # fmt: skip
-    assert not any("services.models.tiny" in line for line in lines)  # MODEL given: no tiny
+    # MODEL given: neither the tiny model nor SmolLM2 is built or fetched.
+    assert not any("services.models.tiny" in line or "fetch_model" in line for line in lines)
 
 
-def test_plain_run_builds_the_tiny_model_when_missing() -> None:
+def test_plain_run_serves_smollm2_fetched_when_missing() -> None:
     lines = dry_run("run")
-    assert lines[-1].split()[1:] == ["-m", "deploy.launch"]
+    assert lines[-1].split()[1:] == ["-m", "deploy.launch", "--model", DEFAULT_MODEL]
+    gguf = REPO / DEFAULT_MODEL / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    fetch = f"-m deploy.fetch_model --dest {DEFAULT_MODEL}"
+    assert gguf.exists() or any(line.endswith(fetch) for line in lines)
     model = REPO / "models" / "tiny-llama" / "config.json"
     assert model.exists() or any("services.models.tiny" in line for line in lines)
+
+
+def test_a_topology_without_model_keeps_its_own_model() -> None:
+    launch = dry_run("run", "TOPOLOGY=deploy/topology.example.yaml")[-1]
+    assert launch.split()[1:] == [
+        "-m",
+        "deploy.launch",
+        "--topology",
+        "deploy/topology.example.yaml",
+    ]
 
 
 def test_up_and_down_use_compose_with_the_cpu_override_on_request() -> None:

@@ -140,6 +140,7 @@ def run_cluster(
     body,
     metrics_ports: tuple[int, int] | None = None,
     prefill_flags: tuple[str, ...] = (),
+    kv_memory: tuple[str, str] = ("3MiB", "5MiB"),
 ) -> None:
     prefill_extra, decode_extra = (
         (("--metrics-port", str(metrics_ports[0])), ("--metrics-port", str(metrics_ports[1])))
@@ -151,13 +152,13 @@ def run_cluster(
     async def main() -> None:
         prefill = await start_node(
             parse_node_config(
-                argv(model_dir, "prefill", "3MiB", *prefill_extra), {}, role=Role.PREFILL
+                argv(model_dir, "prefill", kv_memory[0], *prefill_extra), {}, role=Role.PREFILL
             ),
             prefill_services,
         )
         decode = await start_node(
             parse_node_config(
-                argv(model_dir, "decode", "5MiB", *decode_extra), {}, role=Role.DECODE
+                argv(model_dir, "decode", kv_memory[1], *decode_extra), {}, role=Role.DECODE
             ),
             decode_services,
         )
@@ -581,3 +582,24 @@ def test_cancelling_mid_decode_frees_both_nodes(tiny_llama_dir: Path) -> None:
         await one(cluster, "aborted", use_abort=True)
 
     run_cluster(tiny_llama_dir, body)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # the transformers reference is slow on a loaded host (conftest)
+def test_smollm2_gguf_through_both_nodes_equals_transformers(
+    smollm2_gguf: Path, smollm2_reference
+) -> None:
+    """The real model from its GGUF, served disaggregated: 8 chat prompts x 32 greedy tokens equal
+    transformers' own GGUF loader, the first token from prefill and the rest from decode."""
+    prompts, expected = smollm2_reference
+    sampling = common_pb2.SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+    async def body(cluster: Cluster) -> None:
+        results = await asyncio.gather(
+            *(cluster.generate(f"smol-{i}", p, sampling) for i, p in enumerate(prompts))
+        )
+        assert [tokens for tokens, _ in results] == expected
+        await cluster.wait_all_free()
+
+    # fp32 KV of SmolLM2 is 45 KiB a token: room for all 8 requests (~70 tokens each) at once.
+    run_cluster(smollm2_gguf.parent, body, kv_memory=("32MiB", "32MiB"))

@@ -1,0 +1,257 @@
+"""One GGUF file (llama.cpp's single-file checkpoint), read without torch.
+
+A GGUF holds what a Hugging Face directory spreads over several files: hyper-parameters,
+tokenizer (vocabulary, merges, special token ids) and chat template as metadata under llama.cpp's
+key names, then the tensors, often quantized. This module reads the metadata and translates it to
+the ``config.json`` / ``generation_config.json`` vocabulary the rest of pdserve speaks, so that
+``ModelConfig.from_hf_dict`` builds the config and the gateway builds its tokenizer from the same
+file. It is plain Python (no torch, no numpy): the gateway image uses it too. It also indexes the
+tensors (name, shape, type, where their bytes are); ``gguf_loader`` turns those into weights.
+
+``--model`` names a GGUF either directly (``path/to/model.gguf``) or as a directory that holds
+exactly one ``.gguf`` file and no ``config.json`` (a directory with a ``config.json`` is a
+Hugging Face model directory).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+GGUF_SUFFIX = ".gguf"
+
+# GGUF ``general.architecture`` → the Hugging Face architecture it is. Mistral (7B, Nemo) GGUFs
+# are written as ``llama``: the network is the same (no sliding window in llama.cpp's files).
+SUPPORTED_GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def find_gguf(path: Path | str) -> Path | None:
+    """The GGUF file ``path`` names, or None when it is a Hugging Face model directory.
+
+    Raises ``ValueError`` for a directory holding several GGUF files (which one is ambiguous).
+    """
+    path = Path(path)
+    if path.suffix == GGUF_SUFFIX and not path.is_dir():
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        return path
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    candidates = sorted(p for p in path.glob(f"*{GGUF_SUFFIX}") if p.is_file())
+    if len(candidates) > 1:
+        names = ", ".join(p.name for p in candidates)
+        raise ValueError(f"{path} holds several GGUF files ({names}); name one of them")
+    return candidates[0] if candidates else None
+
+
+def open_gguf(path: Path | str) -> GgufFile:
+    """The file at ``path``, parsed once per process while it is unchanged.
+
+    The config, the KV fingerprint and the loader all read the same header (a 49k-token
+    vocabulary is a few MB of strings).
+    """
+    path = Path(path).resolve()
+    stat = path.stat()
+    return _open_cached(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_cached(path: Path, mtime_ns: int, size: int) -> GgufFile:
+    return GgufFile(path)
+
+
+@dataclass(frozen=True)
+class GgufTensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    """As GGUF lists it: innermost (contiguous) dimension first."""
+    type_id: int
+    """A ``gguf.GGMLQuantizationType`` value."""
+    offset: int
+    """Byte offset of the tensor's data from the start of the file."""
+
+
+# GGUF value types (gguf.GGUFValueType): struct format of each scalar type.
+_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
+_STRING = 8
+_ARRAY = 9
+_MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32
+
+
+class _Cursor:
+    """Little-endian reads from a memory-mapped GGUF header."""
+
+    def __init__(self, data: mmap.mmap) -> None:
+        self.data = data
+        self.pos = 0
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from("<" + fmt, self.data, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        size = self.scalar("Q")
+        raw = self.data[self.pos : self.pos + size]
+        self.pos += size
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, type_id: int) -> Any:
+        if type_id in _SCALARS:
+            return self.scalar(_SCALARS[type_id])
+        if type_id == _STRING:
+            return self.string()
+        if type_id == _ARRAY:
+            item_type, count = self.scalar("I"), self.scalar("Q")
+            if item_type in _SCALARS:
+                fmt = f"<{count}{_SCALARS[item_type]}"
+                items = list(struct.unpack_from(fmt, self.data, self.pos))
+                self.pos += struct.calcsize(fmt)
+                return items
+            return [self.value(item_type) for _ in range(count)]
+        raise ValueError(f"unknown GGUF value type {type_id}")
+
+
+class GgufFile:
+    """The metadata and tensor index of one GGUF file (the header only; no tensor is read)."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                self._metadata, self._tensors = self._parse(m)
+        except (ValueError, OSError, struct.error, UnicodeDecodeError) as exc:
+            raise ValueError(f"{self.path} is not a readable GGUF file: {exc}") from exc
+
+    @staticmethod
+    def _parse(data: mmap.mmap) -> tuple[dict[str, Any], list[GgufTensorInfo]]:
+        cursor = _Cursor(data)
+        if data[:4] != _MAGIC:
+            raise ValueError("bad magic (not a GGUF file)")
+        cursor.pos = 4
+        version = cursor.scalar("I")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (pdserve reads versions 2 and 3)")
+        num_tensors, num_fields = cursor.scalar("Q"), cursor.scalar("Q")
+        metadata = {}
+        for _ in range(num_fields):
+            key = cursor.string()
+            metadata[key] = cursor.value(cursor.scalar("I"))
+        raw_tensors = []
+        for _ in range(num_tensors):
+            name = cursor.string()
+            num_dims = cursor.scalar("I")
+            shape = tuple(cursor.scalar("Q") for _ in range(num_dims))
+            raw_tensors.append((name, shape, cursor.scalar("I"), cursor.scalar("Q")))
+        alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+        data_start = -(-cursor.pos // alignment) * alignment
+        tensors = [
+            GgufTensorInfo(name, shape, type_id, data_start + offset)
+            for name, shape, type_id, offset in raw_tensors
+        ]
+        return metadata, tensors
+
+    def value(self, key: str, default: Any = None) -> Any:
+        """One metadata value as plain Python (str, int, float, bool or list), or ``default``."""
+        return self._metadata.get(key, default)
+
+    @property
+    def architecture(self) -> str:
+        """``general.architecture``, checked against the ones pdserve implements."""
+        arch = self.value("general.architecture")
+        if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+            supported = ", ".join(SUPPORTED_GGUF_ARCHITECTURES)
+            raise ValueError(
+                f"unsupported GGUF architecture {arch!r} in {self.path.name}; "
+                f"pdserve supports {supported}"
+            )
+        return arch
+
+    @property
+    def tensors(self) -> list[GgufTensorInfo]:
+        return list(self._tensors)
+
+    @property
+    def tensor_names(self) -> frozenset[str]:
+        return frozenset(t.name for t in self._tensors)
+
+    def hf_config(self) -> dict[str, Any]:
+        """The ``config.json`` this file's metadata stands for."""
+        arch = self.architecture
+
+        def param(key: str, default: Any = None) -> Any:
+            return self.value(f"{arch}.{key}", default)
+
+        rope_scaling = param("rope.scaling.type", "none")
+        if rope_scaling != "none" or "rope_freqs.weight" in self.tensor_names:
+            kind = rope_scaling if rope_scaling != "none" else "rope_freqs (Llama 3.1 style)"
+            raise ValueError(
+                f"unsupported rope scaling {kind!r} in GGUF file {self.path.name}; "
+                "pdserve loads GGUF files with plain rotary embeddings only"
+            )
+        num_heads = param("attention.head_count")
+        num_kv_heads = param("attention.head_count_kv", num_heads)
+        if not isinstance(num_heads, int) or not isinstance(num_kv_heads, int):
+            raise ValueError(
+                f"GGUF file {self.path.name} gives per-layer head counts; pdserve needs one count"
+            )
+        hidden_size = param("embedding_length")
+        names = self.tensor_names
+        return {
+            "architectures": [SUPPORTED_GGUF_ARCHITECTURES[arch]],
+            "model_type": arch,
+            "vocab_size": param("vocab_size") or len(self.value("tokenizer.ggml.tokens", [])),
+            "hidden_size": hidden_size,
+            "intermediate_size": param("feed_forward_length"),
+            "num_hidden_layers": param("block_count"),
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": num_kv_heads,
+            "head_dim": param("attention.key_length") or hidden_size // num_heads,
+            "rms_norm_eps": float(param("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(param("rope.freq_base", 10000.0)),
+            "max_position_embeddings": param("context_length", 2048),
+            # llama.cpp drops output.weight when the head shares the embedding matrix.
+            "tie_word_embeddings": "output.weight" not in names,
+            "attention_bias": "blk.0.attn_q.bias" in names,
+            "bos_token_id": self.value("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.value("tokenizer.ggml.eos_token_id"),
+        }
+
+    def generation_config(self) -> dict[str, Any]:
+        """The ids that end a turn: EOS, and end-of-turn / end-of-message where the file names them
+        (Llama 3's ``<|eot_id|>``)."""
+        eos_ids: list[int] = []
+        for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+            token_id = self.value(f"tokenizer.ggml.{key}")
+            if isinstance(token_id, int) and token_id not in eos_ids:
+                eos_ids.append(token_id)
+        return {"eos_token_id": eos_ids} if eos_ids else {}
+
+    def config_json(self) -> str:
+        """``hf_config`` as canonical JSON (the model's fingerprint input)."""
+        return json.dumps(self.hf_config(), sort_keys=True)

@@ -1,0 +1,139 @@
+"""A GGUF file's tensors as Hugging Face-named weights, dequantized, for ``load_model``.
+
+llama.cpp renames every tensor (``blk.3.attn_q.weight`` is ``model.layers.3.self_attn.q_proj.
+weight``), stores 2-D shapes innermost-first, quantizes in blocks, and — for the ``llama``
+architecture only — permutes the rows of Q and K so that its rotary kernel can rotate adjacent
+pairs (GPT-J style) where Hugging Face rotates the two halves of each head (``rotate_half``). Each
+tensor here is dequantized to fp32 by the ``gguf`` package, given the Hugging Face name and
+shape, and for Llama Q/K un-permuted; ``load_model`` then casts it into the serving dtype.
+Qwen2 and Qwen3 files are written in Hugging Face's rotary layout and need no permutation.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+from services.models.config import ModelConfig
+from services.models.gguf_file import GgufFile, GgufTensorInfo
+
+logger = logging.getLogger(__name__)
+
+# Quantization types we load; the gguf package implements the maths of each. F32, F16, BF16, Q8_0,
+# Q4_0 and Q4_1 are checked end to end by tests (tiny conversions, and SmolLM2's Q4_1 + Q8_0
+# file); the K-quants share the same byte plumbing but no test file holds them (the gguf
+# package cannot write them). Other types are refused by name rather than guessed at.
+SUPPORTED_QUANT_TYPES = frozenset(
+    {
+        GGMLQuantizationType.F32,
+        GGMLQuantizationType.F16,
+        GGMLQuantizationType.BF16,
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
+        GGMLQuantizationType.Q6_K,
+    }
+)
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Architectures whose Q/K rows llama.cpp permutes for its pairwise rotary kernel.
+_PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """The Hugging Face name of a GGUF tensor; ``ValueError`` naming an unknown one."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        raise ValueError(f"unexpected tensor {gguf_name!r} in the GGUF file")
+    layer, kind, suffix = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
+
+
+def gguf_weights(gguf: GgufFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, fp32 tensor in Hugging Face layout) for every tensor in the file."""
+    unpermute = gguf.architecture in _PERMUTED_QK_ARCHITECTURES
+    data = np.memmap(gguf.path, dtype=np.uint8, mode="r")
+    for tensor in gguf.tensors:
+        name = hf_tensor_name(tensor.name)
+        weight = dequantize(data, tensor)
+        if unpermute and (".q_proj." in name or ".k_proj." in name):
+            num_heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
+            weight = unpermute_rotary_rows(weight, num_heads)
+        yield name, weight
+
+
+def dequantize(data: np.ndarray, tensor: GgufTensorInfo) -> torch.Tensor:
+    """One tensor as fp32, in Hugging Face's shape (GGUF lists dimensions innermost first).
+
+    data: the whole file as uint8 (memory-mapped)
+    """
+    try:
+        qtype = GGMLQuantizationType(tensor.type_id)
+    except ValueError:
+        qtype = None
+    if qtype not in SUPPORTED_QUANT_TYPES:
+        supported = ", ".join(sorted(t.name for t in SUPPORTED_QUANT_TYPES))
+        kind = qtype.name if qtype is not None else f"unknown type {tensor.type_id}"
+        raise ValueError(
+            f"tensor {tensor.name!r} is quantized as {kind}, which pdserve does not load; "
+            f"supported: {supported}"
+        )
+    block_size, block_bytes = GGML_QUANT_SIZES[qtype]
+    row_len = tensor.shape[0]
+    num_rows = math.prod(tensor.shape[1:])
+    if row_len % block_size:
+        raise ValueError(
+            f"tensor {tensor.name!r}: row of {row_len} is not whole {qtype.name} blocks"
+        )
+    row_bytes = row_len // block_size * block_bytes
+    end = tensor.offset + num_rows * row_bytes
+    if end > data.size:
+        raise ValueError(f"tensor {tensor.name!r} runs past the end of the file (truncated?)")
+    # raw: [num_rows, row_bytes] uint8 → values: [num_rows, row_len] float32
+    raw = data[tensor.offset : end].reshape(num_rows, row_bytes)
+    values = quants.dequantize(raw, qtype)
+    shape = tuple(reversed(tensor.shape))
+    # NOTE: F32 comes back as a view of the read-only memory map; copy so torch owns it.
+    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+
+
+def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation: within each head, its rows are ordered
+    (pair 0 first half, pair 0 second half, pair 1 first half, ...); Hugging Face orders them
+    (all first halves, then all second halves).
+
+    weight: [num_heads * head_dim, ...] (a weight or a bias)
+    """
+    head_dim = weight.shape[0] // num_heads
+    rest = weight.shape[1:]
+    # [num_heads, head_dim / 2, 2, ...] → [num_heads, 2, head_dim / 2, ...]
+    pairs = weight.reshape(num_heads, head_dim // 2, 2, *rest)
+    return pairs.transpose(1, 2).reshape(weight.shape).contiguous()

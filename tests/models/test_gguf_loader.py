@@ -1,0 +1,182 @@
+"""GGUF files load into the same model as the safetensors checkpoint they were converted from.
+
+The tiny checkpoints are converted as llama.cpp's converter does (``write_gguf`` in conftest:
+renamed tensors, Llama Q/K permuted, tied head dropped). The reference for a quantized file is
+the checkpoint with every 2-D weight put through the same quantize → dequantize round trip, so
+parity is exact: same parameters, and greedy ids equal to Hugging Face ``generate()``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from services.engine import LLM, SamplingParams
+from services.models.config import ModelConfig
+from services.models.gguf_file import find_gguf
+
+PROMPTS = [[0, 17, 230, 4000, 9, 88, 1024], [0, 5], [3000, 2999, 12, 12, 12, 7, 1, 64, 900, 33, 2]]
+NUM_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+
+def gguf_source(gguf_path: Path) -> Path:
+    """The checkpoint a ``tiny_gguf_factory`` file was converted from (conftest's layout)."""
+    return gguf_path.parent / "hf"
+
+
+def round_trip_dir(model_dir: Path, qtype: str, out: Path) -> Path:
+    """A copy of ``model_dir`` whose 2-D weights went through ``qtype`` and back (the weights a
+    GGUF of that type holds, in Hugging Face layout)."""
+    shutil.copytree(model_dir, out)
+    tensors = load_file(model_dir / "model.safetensors")
+    for name, tensor in tensors.items():
+        if tensor.ndim == 2:
+            data = tensor.float().numpy()
+            if qtype == "F16":
+                back = data.astype(np.float16).astype(np.float32)
+            else:
+                quant = gguf.GGMLQuantizationType[qtype]
+                back = gguf.quants.dequantize(gguf.quants.quantize(data, quant), quant)
+            tensors[name] = torch.from_numpy(back.reshape(data.shape).copy())
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [
+            model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),  # 0 is also the pad id
+                max_new_tokens=NUM_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
+
+
+def engine_params(path: Path) -> dict[str, torch.Tensor]:
+    llm = LLM(path, dtype="float32", max_model_len=64, kv_cache_memory=1 << 20)
+    return {n: p.detach().clone() for n, p in llm.engine.runner.model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    ("arch", "qtype"),
+    [("llama", "F16"), ("llama", "Q8_0"), ("qwen2", "Q8_0"), ("qwen3", "F16")],
+)
+def test_gguf_greedy_ids_equal_hugging_face_on_the_same_weights(
+    arch: str, qtype: str, tiny_gguf_factory, tmp_path: Path
+) -> None:
+    gguf_path = tiny_gguf_factory(arch, qtype)
+    reference_dir = round_trip_dir(gguf_source(gguf_path), qtype, tmp_path / "ref")
+    expected = hf_greedy(reference_dir, PROMPTS)
+
+    llm = LLM(gguf_path, dtype="float32", max_model_len=64, kv_cache_memory=1 << 20)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+
+
+@pytest.mark.parametrize("qtype", ["F32", "BF16", "Q4_0", "Q4_1"])
+def test_gguf_parameters_equal_the_round_tripped_checkpoint(
+    qtype: str, tiny_gguf_factory, tmp_path: Path
+) -> None:
+    gguf_path = tiny_gguf_factory("llama", qtype)
+    reference = engine_params(round_trip_dir(gguf_source(gguf_path), qtype, tmp_path / "r"))
+    loaded = engine_params(gguf_path)
+    assert loaded.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+def test_gguf_config_matches_config_json(tiny_gguf_factory) -> None:
+    for arch in ("llama", "qwen2", "qwen3"):
+        gguf_path = tiny_gguf_factory(arch, "F16")
+        from_json = ModelConfig.from_model_dir(gguf_source(gguf_path))
+        from_gguf = ModelConfig.from_model_path(gguf_path)
+        # GGUF stores the epsilon as float32.
+        assert from_gguf.rms_norm_eps == pytest.approx(from_json.rms_norm_eps, rel=1e-6)
+        assert replace(from_gguf, rms_norm_eps=from_json.rms_norm_eps) == from_json, arch
+
+
+def test_a_directory_holding_one_gguf_is_a_model(tiny_gguf_factory, tmp_path: Path) -> None:
+    gguf_path = tiny_gguf_factory("llama", "F16")
+    model_dir = tmp_path / "one"
+    model_dir.mkdir()
+    shutil.copy(gguf_path, model_dir)
+    assert find_gguf(model_dir) == model_dir / gguf_path.name
+    assert (
+        LLM(model_dir, dtype="float32", max_model_len=64, kv_cache_memory=1 << 20)
+        .generate(PROMPTS[:1], GREEDY)[0]
+        .token_ids
+        == LLM(gguf_path, dtype="float32", max_model_len=64, kv_cache_memory=1 << 20)
+        .generate(PROMPTS[:1], GREEDY)[0]
+        .token_ids
+    )
+
+    shutil.copy(gguf_path, model_dir / "second.gguf")
+    with pytest.raises(ValueError, match="several GGUF files"):
+        ModelConfig.from_model_path(model_dir)
+
+
+def test_an_unsupported_quant_type_is_named(tiny_gguf_factory) -> None:
+    with pytest.raises(ValueError, match=r"quantized as Q5_0, which pdserve does not load"):
+        LLM(tiny_gguf_factory("llama", "Q5_0"), dtype="float32", max_model_len=64)
+
+
+def test_an_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "gemma.gguf"
+    writer = gguf.GGUFWriter(path, "gemma2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gemma2'.*llama"):
+        ModelConfig.from_model_path(path)
+
+
+def test_a_missing_gguf_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="missing.gguf"):
+        ModelConfig.from_model_path(tmp_path / "missing.gguf")
+
+
+def test_a_file_that_is_not_gguf_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "notes.gguf"
+    path.write_bytes(b"not a model at all")
+    with pytest.raises(ValueError, match=r"notes\.gguf is not a readable GGUF file"):
+        ModelConfig.from_model_path(path)
+
+
+def test_a_truncated_gguf_is_named(tiny_gguf_factory, tmp_path: Path) -> None:
+    data = tiny_gguf_factory("llama", "Q8_0").read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[: len(data) - 4096])
+    with pytest.raises(ValueError, match=r"runs past the end of the file"):
+        LLM(path, dtype="float32", max_model_len=64, kv_cache_memory=1 << 20)
+
+
+def test_llama_3_1_rope_frequency_factors_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "llama31.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(8)
+    writer.add_head_count(2)
+    writer.add_tensor("rope_freqs.weight", np.ones(2, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"unsupported rope scaling.*rope_freqs"):
+        ModelConfig.from_model_path(path)
