@@ -90,6 +90,18 @@ class CompletionFormat(OpenAIFormat):
             text_offset=list(offsets),
         )
 
+    def echo_text(self, state: ChoiceState) -> str:
+        """With ``echo``: the choice's prompt, which its text starts with; else nothing."""
+        body = self.job.body
+        if not getattr(body, "echo", False):
+            return ""
+        prompt = body.prompt  # type: ignore[union-attr]
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], str):
+            return prompt[state.index // body.n]  # type: ignore[return-value]
+        return self.tokenizer.decode(state.prompt_token_ids, body.skip_special_tokens)
+
     def delta_chunk(self, state: ChoiceState, delta: TextDelta) -> BaseModel | None:
         if not delta.text and not self.has_logprobs(delta):
             return None
@@ -98,14 +110,15 @@ class CompletionFormat(OpenAIFormat):
             logprobs = self.legacy_logprobs(
                 delta.logprobs or (), state.text_offsets[-len(delta.logprobs or ()) :]
             )
-        return self._chunk(CompletionChoice(index=state.index, text=delta.text, logprobs=logprobs))
+        text = delta.text if state.is_started else self.echo_text(state) + delta.text
+        return self._chunk(CompletionChoice(index=state.index, text=text, logprobs=logprobs))
 
     def finish_chunk(self, state: ChoiceState) -> BaseModel:
         assert state.finished is not None
         return self._chunk(
             CompletionChoice(
                 index=state.index,
-                text="",
+                text="" if state.is_started else self.echo_text(state),
                 finish_reason=state.finished.finish_reason.value,
                 stop_reason=state.finished.stop_reason,
             )
@@ -132,7 +145,7 @@ class CompletionFormat(OpenAIFormat):
             choices.append(
                 CompletionChoice(
                     index=state.index,
-                    text="".join(state.texts),
+                    text=self.echo_text(state) + "".join(state.texts),
                     logprobs=logprobs,
                     finish_reason=state.finished.finish_reason.value,
                     stop_reason=state.finished.stop_reason,

@@ -64,8 +64,8 @@ class OpenAIJob:
 
 def completion_job(body: CompletionRequest, request: Request, frontend: Frontend) -> OpenAIJob:
     stop = _check_common(body, frontend)
-    if body.echo:
-        raise invalid("echo is not supported; the prompt is in the request", param="echo")
+    if body.echo and body.logprobs is not None:
+        raise invalid("echo with logprobs needs prompt logprobs, which are not supported", "echo")
     if body.suffix:
         raise invalid("suffix is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:

@@ -9,7 +9,7 @@ extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``igno
 ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``) are accepted.
 Structured outputs: ``response_format`` (json_object, json_schema) and vLLM's ``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar``; tools with ``tool_choice``; and
-``logit_bias``. Fields that exist only to be refused (``echo``, ``suffix``, ``functions``, ...)
+``logit_bias``. Fields that exist only to be refused (``suffix``, ``functions``, ...)
 are declared so that the refusal names them with a message saying what is unsupported.
 """
 
@@ -116,7 +116,7 @@ class CompletionRequest(_GenerationParams):
     logprobs: int | None = Field(None, ge=0, le=20)
     """Top-n alternatives per token, in the legacy completions format."""
     echo: Flag = False
-    """Unsupported: only false."""
+    """Start each choice's text with its prompt (not with ``logprobs``: no prompt logprobs)."""
     suffix: str | None = None
     """Unsupported: only null or empty."""
     best_of: int | None = Field(None, ge=1)

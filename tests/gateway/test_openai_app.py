@@ -605,7 +605,7 @@ def test_chat_logprobs_with_bytes_and_alternatives(serve: Callable[..., Served])
         ("/v1/completions", {"stop": ["a"] * 17}, 400, "stop"),
         ("/v1/completions", {"stop": ""}, 400, "stop"),
         ("/v1/completions", {"logprobs": 21}, 400, "logprobs"),
-        ("/v1/completions", {"echo": True}, 400, "echo"),
+        ("/v1/completions", {"echo": True, "logprobs": 1}, 400, "echo"),
         ("/v1/completions", {"suffix": "end"}, 400, "suffix"),
         ("/v1/completions", {"best_of": 3}, 400, "best_of"),
         ("/v1/completions", {"logit_bias": {"five": 1.0}}, 400, "logit_bias"),

@@ -1,7 +1,8 @@
 """Tool calls on the gateway: each family's parser, and ``tool_choice=auto`` through the
 ``openai`` SDK against the app with a scripted generator that writes a model's tool-call text
 (tools rendered into the chat template; parallel calls; streamed deltas equal the whole
-response; text before the call stays content; a marker split across tokens is held back)."""
+response; text before the call stays content; a marker split across tokens is held back);
+and completions with ``echo``."""
 
 from __future__ import annotations
 
@@ -155,3 +156,26 @@ def test_auto_tool_calls_through_the_sdk(hermes_served: Served, tokenizer: Token
     # parallel_tool_calls=false keeps the first call only.
     single = client.chat.completions.create(parallel_tool_calls=False, **options)
     assert len(single.choices[0].message.tool_calls) == 1
+
+
+def test_echo_starts_each_completion_with_its_prompt(tokenizer: Tokenizer) -> None:
+    served, server = start(tokenizer)
+    try:
+        client = served.client()
+        whole = client.completions.create(model=MODEL, prompt=["Once", "Twice"], echo=True, n=2)
+        plain = client.completions.create(model=MODEL, prompt="Once")
+        texts = [c.text for c in whole.choices]
+        assert texts[0] == texts[1] == "Once" + plain.choices[0].text
+        assert texts[2].startswith("Twice") and texts[2] != "Twice"
+        streamed = "".join(
+            chunk.choices[0].text
+            for chunk in client.completions.create(
+                model=MODEL, prompt="Once", echo=True, stream=True
+            )
+            if chunk.choices
+        )
+        assert streamed == texts[0]
+        ids = client.completions.create(model=MODEL, prompt=[5, 6, 7], echo=True)
+        assert ids.choices[0].text.startswith(tokenizer.decode([5, 6, 7]))
+    finally:
+        server.stop()
