@@ -89,7 +89,7 @@ class SamplingParams:
         _check_int("priority", self.priority, minimum=-(2**63))
         if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
             raise ValueError(f"guided must be a GuidedDecoding, got {type(self.guided).__name__}")
-        bias = tuple(tuple(pair) for pair in dict(self.logit_bias).items())
+        bias = tuple(sorted(dict(self.logit_bias).items()))  # one canonical order
         object.__setattr__(self, "logit_bias", bias)
         for token_id, value in self.logit_bias:
             _check_int("logit_bias", token_id, minimum=0)
