@@ -125,7 +125,8 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Seq
 
     Each byte of the mask indexes a table of 8 additive values (0 or -inf), so unpacking is one
     gather and applying one add: 3 ms for 64 x 32,000 on 2 CPU cores, where shifting out each
-    bit and a boolean ``masked_fill_`` took 25 ms (best of 200, benchmarks/guided_decoding.py)."""
+    bit and a boolean ``masked_fill_`` took 25 ms (best of 200 each, one-off comparison on the
+    shared host; the sampler's cost with and without masks is in docs/benchmarks.md)."""
     vocab_size = logits.shape[1]
     device = logits.device
     # Little-endian words: byte b of word w holds tokens 32 * w + 8 * b + (0..7), bit k = token k.
