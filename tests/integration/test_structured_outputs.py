@@ -5,6 +5,7 @@ tiny model: whatever the weights prefer, the grammar decides what is valid).
   (``jsonschema``, independent of the grammar engine), and stops on its own.
 - A tool-call round trip (``required``, then the tool's answer sent back); streamed tool-call
   deltas assemble to the same call as the whole response.
+- The public gRPC API carries a guided spec too, and refuses a bad one naming it.
 - The same seeded constrained requests give the same text colocated, disaggregated, and
   recomputed by the decode node after a stalled handoff.
 """
@@ -17,11 +18,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+import grpc
 import jsonschema
 import openai
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdserve.v1 import common_pb2
 from tests.integration.test_gateway import Stack, run_stack
 
 WEATHER = {
@@ -101,6 +105,7 @@ def _client(stack: Stack) -> tuple[openai.OpenAI, str]:
 
 def _json_schemas_validate(stack: Stack) -> None:
     client, model = _client(stack)
+    validated: list[dict[str, Any]] = []
 
     @settings(
         max_examples=20,
@@ -123,8 +128,10 @@ def _json_schemas_validate(stack: Stack) -> None:
         choice = response.choices[0]
         assert choice.finish_reason == "stop", (schema, choice.message.content)
         jsonschema.validate(json.loads(choice.message.content), schema)
+        validated.append(schema)
 
     check()
+    assert len(validated) >= 20 and len({json.dumps(s) for s in validated}) >= 10
 
 
 def _tool_calls(stack: Stack) -> None:
@@ -198,8 +205,23 @@ def _tool_calls(stack: Stack) -> None:
     jsonschema.validate(json.loads(named.function.arguments), WEATHER["function"]["parameters"])
 
 
+async def _public_grpc_api(stack: Stack) -> None:
+    regex = common_pb2.GuidedDecoding(kind=common_pb2.GUIDED_KIND_REGEX, spec="[a-c]{5}")
+    sampling = common_pb2.SamplingParams(max_tokens=20, temperature=0.0, guided=regex)
+    _, text, finished = await stack.generate([5, 6, 7], sampling=sampling)
+    assert (
+        re.fullmatch("[a-c]{5}", text) and finished.finish_reason == common_pb2.FINISH_REASON_STOP
+    )
+    bad = common_pb2.GuidedDecoding(kind=common_pb2.GUIDED_KIND_REGEX, spec="[a-")
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await stack.generate([5, 6, 7], sampling=common_pb2.SamplingParams(guided=bad))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "guided.regex" in error.value.details()
+
+
 def test_json_schemas_and_tool_calls_on_the_disaggregated_stack(tiny_llama_dir: Path) -> None:
     async def body(stack: Stack) -> None:
+        await _public_grpc_api(stack)
         await asyncio.to_thread(_json_schemas_validate, stack)
         await asyncio.to_thread(_tool_calls, stack)
         await stack.wait_all_free()
