@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from gateway.errors import invalid
 from gateway.generation import FinishReason, StageTimings, TokenLogprob, Usage
 from gateway.sampling import SamplingOptions
 from pdserve.v1 import common_pb2
+from services.guided_decoding import GuidedDecoding, GuidedKind
 
 _FINISH_FROM_PROTO = {
     common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
@@ -26,7 +28,10 @@ def sampling_to_proto(options: SamplingOptions) -> common_pb2.SamplingParams:
         stop_token_ids=options.stop_token_ids,
         ignore_eos=options.ignore_eos,
         priority=options.priority,
+        logit_bias=dict(options.logit_bias),
     )
+    if options.guided is not None:
+        message.guided.CopyFrom(guided_to_proto(options.guided))
     # proto3 optional fields: left absent to mean "the node's default".
     for name in ("temperature", "top_k", "top_p", "seed", "repetition_penalty", "logprobs"):
         value = getattr(options, name)
@@ -41,7 +46,16 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingOptions:
         name: getattr(message, name) if message.HasField(name) else None
         for name in ("temperature", "top_k", "top_p", "seed", "repetition_penalty", "logprobs")
     }
+    guided = None
+    if message.HasField("guided"):
+        try:
+            guided = guided_from_proto(message.guided)
+            guided.check()
+        except ValueError as exc:
+            raise invalid(str(exc), param="sampling.guided") from None
     return SamplingOptions(
+        guided=guided,
+        logit_bias=tuple(sorted(message.logit_bias.items())),
         max_tokens=message.max_tokens if message.HasField("max_tokens") else 16,
         min_tokens=message.min_tokens,
         min_p=message.min_p,
@@ -52,6 +66,19 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingOptions:
         priority=message.priority,
         **optional,
     )
+
+
+def guided_to_proto(guided: GuidedDecoding) -> common_pb2.GuidedDecoding:
+    kind = common_pb2.GuidedKind.Value(f"GUIDED_KIND_{guided.kind.name}")
+    return common_pb2.GuidedDecoding(kind=kind, spec=guided.spec)
+
+
+def guided_from_proto(message: common_pb2.GuidedDecoding) -> GuidedDecoding:
+    """Raises ``ValueError`` naming the field for an unknown kind or a malformed spec."""
+    name = common_pb2.GuidedKind.Name(message.kind).removeprefix("GUIDED_KIND_")
+    if name not in GuidedKind.__members__:
+        raise ValueError(f"guided.kind {message.kind} is not a known kind")
+    return GuidedDecoding(GuidedKind[name], message.spec)
 
 
 def logprob_from_proto(message: common_pb2.TokenLogprobs) -> TokenLogprob:

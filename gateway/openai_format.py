@@ -29,6 +29,8 @@ from gateway.openai_protocol import (
 )
 from gateway.text_stream import TextDelta, TextFinished
 from gateway.tokenizer import Tokenizer
+from gateway.tool_calls import ToolCallStream
+from gateway.tool_parsers import parser_for
 
 # OpenAI's stand-in for a logprob of -inf: JSON has no infinities.
 _MIN_LOGPROB = -9999.0
@@ -88,6 +90,18 @@ class CompletionFormat(OpenAIFormat):
             text_offset=list(offsets),
         )
 
+    def echo_text(self, state: ChoiceState) -> str:
+        """With ``echo``: the choice's prompt, which its text starts with; else nothing."""
+        body = self.job.body
+        if not getattr(body, "echo", False):
+            return ""
+        prompt = body.prompt  # type: ignore[union-attr]
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], str):
+            return prompt[state.index // body.n]  # type: ignore[return-value]
+        return self.tokenizer.decode(state.prompt_token_ids, body.skip_special_tokens)
+
     def delta_chunk(self, state: ChoiceState, delta: TextDelta) -> BaseModel | None:
         if not delta.text and not self.has_logprobs(delta):
             return None
@@ -96,14 +110,15 @@ class CompletionFormat(OpenAIFormat):
             logprobs = self.legacy_logprobs(
                 delta.logprobs or (), state.text_offsets[-len(delta.logprobs or ()) :]
             )
-        return self._chunk(CompletionChoice(index=state.index, text=delta.text, logprobs=logprobs))
+        text = delta.text if state.is_started else self.echo_text(state) + delta.text
+        return self._chunk(CompletionChoice(index=state.index, text=text, logprobs=logprobs))
 
     def finish_chunk(self, state: ChoiceState) -> BaseModel:
         assert state.finished is not None
         return self._chunk(
             CompletionChoice(
                 index=state.index,
-                text="",
+                text="" if state.is_started else self.echo_text(state),
                 finish_reason=state.finished.finish_reason.value,
                 stop_reason=state.finished.stop_reason,
             )
@@ -130,7 +145,7 @@ class CompletionFormat(OpenAIFormat):
             choices.append(
                 CompletionChoice(
                     index=state.index,
-                    text="".join(state.texts),
+                    text=self.echo_text(state) + "".join(state.texts),
                     logprobs=logprobs,
                     finish_reason=state.finished.finish_reason.value,
                     stop_reason=state.finished.stop_reason,
@@ -161,15 +176,38 @@ class ChatFormat(OpenAIFormat):
             )
         return ChatLogprobs(content=content)
 
+    def __init__(self, job: OpenAIJob, tokenizer: Tokenizer, model: str) -> None:
+        super().__init__(job, tokenizer, model)
+        self._tool_streams: dict[int, ToolCallStream] = {}
+
+    def tool_stream(self, state: ChoiceState) -> ToolCallStream | None:
+        """The choice's text → tool calls, when the request has tools."""
+        if self.job.tools is None:
+            return None
+        stream = self._tool_streams.get(state.index)
+        if stream is None:
+            parser = parser_for(self.tokenizer.backend.token_to_id)
+            stream = self._tool_streams[state.index] = ToolCallStream(self.job.tools, parser)
+        return stream
+
     def delta_chunk(self, state: ChoiceState, delta: TextDelta) -> BaseModel | None:
+        content: str | None = delta.text
+        tool_calls = None
+        tools = self.tool_stream(state)
+        if tools is not None:
+            content, tool_calls = tools.feed(delta.text)
         # The first chunk of a choice carries the role with its first content, so a client's
         # TTFT is measured at a real token.
-        if state.is_started and not delta.text and not self.has_logprobs(delta):
+        if state.is_started and not content and not tool_calls and not self.has_logprobs(delta):
             return None
         logprobs = self.chat_logprobs(delta.logprobs or ()) if self.has_logprobs(delta) else None
         choice = ChatChunkChoice(
             index=state.index,
-            delta=ChatDelta(role=None if state.is_started else "assistant", content=delta.text),
+            delta=ChatDelta(
+                role=None if state.is_started else "assistant",
+                content=content if content or not tool_calls else None,
+                tool_calls=tool_calls or None,
+            ),
             logprobs=logprobs,
         )
         return self._chunk([choice])
@@ -177,16 +215,30 @@ class ChatFormat(OpenAIFormat):
     def finish_chunk(self, state: ChoiceState) -> BaseModel:
         assert state.finished is not None
         delta = ChatDelta() if state.is_started else ChatDelta(role="assistant", content="")
+        tools = self.tool_stream(state)
+        if tools is not None:
+            content, tool_calls = tools.finish()
+            delta.content = content if content else delta.content
+            delta.tool_calls = tool_calls or None
         return self._chunk(
             [
                 ChatChunkChoice(
                     index=state.index,
                     delta=delta,
-                    finish_reason=state.finished.finish_reason.value,
+                    finish_reason=self._finish_reason(state, tools),
                     stop_reason=state.finished.stop_reason,
                 )
             ]
         )
+
+    def _finish_reason(self, state: ChoiceState, tools: ToolCallStream | None) -> str:
+        """``tool_calls`` when the model stopped after calling tools (OpenAI keeps ``stop`` for
+        a named function)."""
+        assert state.finished is not None
+        reason = state.finished.finish_reason.value
+        if reason == "stop" and tools is not None and tools.calls and not tools.is_named:
+            return "tool_calls"
+        return reason
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
         chunk = self._chunk([])
@@ -205,12 +257,19 @@ class ChatFormat(OpenAIFormat):
             logprobs = None
             if self.job.num_logprobs is not None:
                 logprobs = self.chat_logprobs(state.logprobs)
+            content: str | None = "".join(state.texts)
+            tool_calls = None
+            tools = self.tool_stream(state)
+            if tools is not None:
+                tools.feed(content or "")
+                tools.finish()
+                content, tool_calls = tools.result()
             choices.append(
                 ChatChoice(
                     index=state.index,
-                    message=ChatResponseMessage(content="".join(state.texts)),
+                    message=ChatResponseMessage(content=content, tool_calls=tool_calls),
                     logprobs=logprobs,
-                    finish_reason=state.finished.finish_reason.value,
+                    finish_reason=self._finish_reason(state, tools),
                     stop_reason=state.finished.stop_reason,
                 )
             )

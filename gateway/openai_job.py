@@ -9,6 +9,7 @@ the tokens, after admission, off the event loop.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 import uuid
@@ -18,9 +19,12 @@ from fastapi import Request
 
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
+from gateway.guided import check, guided_from_request
 from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
 from gateway.sampling import SamplingOptions
 from gateway.tokenizer import Tokenizer
+from gateway.tool_calls import ToolMode, ToolPlan, tool_plan
+from services.guided_decoding import GuidedDecoding
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -42,6 +46,11 @@ class OpenAIJob:
     stop: tuple[str, ...]
     num_logprobs: int | None
     """Alternatives per token to ask the nodes for; None: no logprobs."""
+    guided: GuidedDecoding | None = None
+    """The grammar every choice's output must follow (structured output or a forced tool call)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    tools: ToolPlan | None = None
+    """Chat: the request's tools and how they may be called; None without tools."""
 
     @property
     def is_chat(self) -> bool:
@@ -55,8 +64,8 @@ class OpenAIJob:
 
 def completion_job(body: CompletionRequest, request: Request, frontend: Frontend) -> OpenAIJob:
     stop = _check_common(body, frontend)
-    if body.echo:
-        raise invalid("echo is not supported", param="echo")
+    if body.echo and body.logprobs is not None:
+        raise invalid("echo with logprobs needs prompt logprobs, which are not supported", "echo")
     if body.suffix:
         raise invalid("suffix is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -72,24 +81,21 @@ def completion_job(body: CompletionRequest, request: Request, frontend: Frontend
         )
     num_logprobs = body.logprobs
     frontend.limits.check_logprobs(num_logprobs, "logprobs")
-    return _new_job(body, request, "cmpl", stop, num_logprobs)
+    job = _new_job(body, request, "cmpl", stop, num_logprobs)
+    guided = guided_from_request(body)
+    return dataclasses.replace(
+        job,
+        guided=None if guided is None else guided[0],
+        logit_bias=_logit_bias(body, frontend),
+    )
 
 
 def chat_job(body: ChatCompletionRequest, request: Request, frontend: Frontend) -> OpenAIJob:
     stop = _check_common(body, frontend)
-    if body.tools:
-        raise invalid("tools are not supported", param="tools")
-    if body.tool_choice not in (None, "none"):
-        raise invalid("tool_choice is not supported beyond 'none'", param="tool_choice")
     if body.functions:
         raise invalid("functions are not supported", param="functions")
     if body.function_call not in (None, "none"):
         raise invalid("function_call is not supported beyond 'none'", param="function_call")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise invalid(
-            f"response_format {body.response_format.type!r} is not supported; only 'text'",
-            param="response_format",
-        )
     if body.audio is not None:
         raise invalid("audio output is not supported", param="audio")
     if body.modalities is not None and body.modalities != ["text"]:
@@ -110,7 +116,41 @@ def chat_job(body: ChatCompletionRequest, request: Request, frontend: Frontend) 
         raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     frontend.limits.check_logprobs(num_logprobs, "top_logprobs")
-    return _new_job(body, request, "chatcmpl", stop, num_logprobs)
+    job = _new_job(body, request, "chatcmpl", stop, num_logprobs)
+    plan = tool_plan(body)
+    guided = guided_from_request(body)
+    forced = None if plan is None else plan.guided()
+    if forced is not None:
+        if guided is not None:
+            raise invalid(
+                f"tool_choice {plan.mode} forces the output; {guided[1]} cannot be added",
+                param=guided[1],
+            )
+        check(forced, "tools")
+        guided = (forced, "tool_choice")
+    return dataclasses.replace(
+        job,
+        guided=None if guided is None else guided[0],
+        logit_bias=_logit_bias(body, frontend),
+        tools=plan if plan is not None and plan.mode is not ToolMode.NONE else None,
+    )
+
+
+def _logit_bias(
+    body: CompletionRequest | ChatCompletionRequest, frontend: Frontend
+) -> tuple[tuple[int, float], ...]:
+    vocab_size = frontend.tokenizer.vocab_size
+    bias = []
+    for key, value in (body.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise invalid(
+                f"logit_bias key {key!r} is not a token id in [0, {vocab_size})",
+                param="logit_bias",
+            )
+        if not -100 <= value <= 100:
+            raise invalid(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
+        bias.append((int(key), float(value)))
+    return tuple(bias)
 
 
 def _check_common(
@@ -121,8 +161,6 @@ def _check_common(
     limits = frontend.limits
     if body.n > limits.max_n:
         raise invalid(f"n must be <= {limits.max_n}, got {body.n}", param="n")
-    if body.logit_bias:
-        raise invalid("logit_bias is not supported", param="logit_bias")
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options needs stream: true", param="stream_options")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
@@ -177,7 +215,8 @@ def prompt_token_ids(job: OpenAIJob, tokenizer: Tokenizer) -> list[tuple[int, ..
     body = job.body
     if isinstance(body, ChatCompletionRequest):
         messages = [message.model_dump(exclude_none=True) for message in body.messages]
-        prompts = [tokenizer.encode_chat(messages, add_generation_prompt=True)]
+        tools = None if job.tools is None else job.tools.template_tools
+        prompts = [tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)]
         param = "messages"
     else:
         prompt = body.prompt
@@ -238,4 +277,6 @@ def sampling_options(
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         logprobs=job.num_logprobs,
+        guided=job.guided,
+        logit_bias=job.logit_bias,
     )

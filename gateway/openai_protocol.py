@@ -7,8 +7,10 @@ Static ranges are declared here so the OpenAPI document states them; the bounds 
 the deployment (``RequestLimits``, the prompt's length) are checked by the app. vLLM's sampling
 extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``) are accepted.
-Fields that exist only to be refused (``echo``, ``suffix``, ``tools``, ...) are declared so that
-the refusal names them with a message saying what is unsupported.
+Structured outputs: ``response_format`` (json_object, json_schema) and vLLM's ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar``; tools with ``tool_choice``; and
+``logit_bias``. Fields that exist only to be refused (``suffix``, ``functions``, ...)
+are declared so that the refusal names them with a message saying what is unsupported.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def _null_means(default: object, kind: object) -> BeforeValidator:
 
 Flag = Annotated[bool, _null_means(False, bool)]
 TrueFlag = Annotated[bool, _null_means(True, bool)]
-FinishReasonName = Literal["stop", "length", "abort", "error"]
+FinishReasonName = Literal["stop", "length", "abort", "error", "tool_calls"]
 
 
 class _Request(BaseModel):
@@ -87,7 +89,15 @@ class _GenerationParams(_Request):
     skip_special_tokens: TrueFlag = True
     include_stop_str_in_output: Flag = False
     logit_bias: dict[str, float] | None = None
-    """Unsupported: only an empty map is accepted."""
+    """Token id (as a string) → bias in [-100, 100], added to that token's logit."""
+    guided_json: dict[str, Any] | None = None
+    """vLLM extension: constrain the output to this JSON schema."""
+    guided_regex: str | None = None
+    """vLLM extension: constrain the output to match this regular expression in full."""
+    guided_choice: list[str] | None = None
+    """vLLM extension: the output is exactly one of these strings."""
+    guided_grammar: str | None = None
+    """vLLM extension: constrain the output to this Lark grammar (llguidance's dialect)."""
     user: str | None = None
     """Accepted and ignored (OpenAI uses it for abuse monitoring)."""
 
@@ -106,7 +116,7 @@ class CompletionRequest(_GenerationParams):
     logprobs: int | None = Field(None, ge=0, le=20)
     """Top-n alternatives per token, in the legacy completions format."""
     echo: Flag = False
-    """Unsupported: only false."""
+    """Start each choice's text with its prompt (not with ``logprobs``: no prompt logprobs)."""
     suffix: str | None = None
     """Unsupported: only null or empty."""
     best_of: int | None = Field(None, ge=1)
@@ -124,17 +134,23 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     """Text parts of a list are joined with newlines."""
     name: Text | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """An assistant turn's tool calls, passed to the chat template as they are."""
+    tool_call_id: Text | None = None
+    """A tool message: the call it answers."""
 
 
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, use_attribute_docstrings=True)
 
     type: str
-    """Only ``text`` is supported."""
+    """``text``, ``json_object`` or ``json_schema``."""
+    json_schema: dict[str, Any] | None = None
+    """With ``json_schema``: ``{"name": ..., "schema": {...}, "strict": ...}``."""
 
 
 class ChatCompletionRequest(_GenerationParams):
@@ -147,10 +163,11 @@ class ChatCompletionRequest(_GenerationParams):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     """Alternatives per token; needs ``logprobs: true``."""
     tools: list[dict[str, Any]] | None = None
-    """Unsupported: only null or empty."""
+    """``{"type": "function", "function": {"name", "description", "parameters"}}`` each."""
     tool_choice: str | dict[str, Any] | None = None
-    """Unsupported beyond ``"none"``."""
+    """``none``, ``auto`` (default with tools), ``required`` or a named function."""
     parallel_tool_calls: bool | None = None
+    """False: at most one call per turn. Default true."""
     functions: list[dict[str, Any]] | None = None
     """Unsupported (deprecated by OpenAI): only null or empty."""
     function_call: str | dict[str, Any] | None = None
@@ -226,9 +243,36 @@ class ChatLogprobs(_Response):
     content: list[TokenLogprobInfo] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str
+    """The arguments as JSON text, as OpenAI sends them."""
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionCallDelta(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Response):
+    index: int
+    """Which call of the choice this fragment belongs to."""
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda value: value is None)
+    """Left out of the JSON when the message has none, as OpenAI does."""
 
 
 class ChatChoice(_Response):
@@ -252,6 +296,7 @@ class ChatDelta(_Response):
     role: Literal["assistant"] | None = None
     """Sent once, in a choice's first chunk, together with its first content."""
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=lambda value: value is None)
 
 
 class ChatChunkChoice(_Response):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.errors import invalid
+from services.guided_decoding import GuidedDecoding
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,10 @@ class SamplingOptions:
     logprobs: int | None = None
     """Top-n alternatives to return besides each sampled token; None: no logprobs."""
     priority: int = 0
+    guided: GuidedDecoding | None = None
+    """The grammar the output must follow; None: free text."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias in [-100, 100]) pairs added to the logits."""
 
     def __post_init__(self) -> None:
         checks = (

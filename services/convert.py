@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from pdserve.v1 import common_pb2
 from services.engine import EngineStats, FinishReason, SamplingParams
+from services.guided_decoding import GuidedDecoding, GuidedKind
 from services.stage_timings import StageTimings
 
 _FINISH_TO_PROTO = {
@@ -20,6 +21,14 @@ _FINISH_TO_PROTO = {
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
 }
 _FINISH_FROM_PROTO = {value: key for key, value in _FINISH_TO_PROTO.items()}
+_GUIDED_TO_PROTO = {
+    GuidedKind.JSON_OBJECT: common_pb2.GUIDED_KIND_JSON_OBJECT,
+    GuidedKind.JSON_SCHEMA: common_pb2.GUIDED_KIND_JSON_SCHEMA,
+    GuidedKind.REGEX: common_pb2.GUIDED_KIND_REGEX,
+    GuidedKind.CHOICE: common_pb2.GUIDED_KIND_CHOICE,
+    GuidedKind.GRAMMAR: common_pb2.GUIDED_KIND_GRAMMAR,
+}
+_GUIDED_FROM_PROTO = {value: key for key, value in _GUIDED_TO_PROTO.items()}
 
 # proto3 `optional` fields: absent means the engine's default, so only present ones are passed.
 _OPTIONAL_FIELDS = (
@@ -46,8 +55,11 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         priority=message.priority,
+        logit_bias=tuple(sorted(message.logit_bias.items())),
     )
     try:
+        if message.HasField("guided"):
+            kwargs["guided"] = guided_from_proto(message.guided)
         return SamplingParams(**kwargs)
     except ValueError as exc:
         raise ValueError(f"sampling.{exc}") from None
@@ -68,11 +80,25 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         ignore_eos=params.ignore_eos,
         priority=params.priority,
     )
+    message.logit_bias.update(dict(params.logit_bias))
+    if params.guided is not None:
+        message.guided.CopyFrom(guided_to_proto(params.guided))
     if params.seed is not None:
         message.seed = params.seed
     if params.logprobs is not None:
         message.logprobs = params.logprobs
     return message
+
+
+def guided_from_proto(message: common_pb2.GuidedDecoding) -> GuidedDecoding:
+    kind = _GUIDED_FROM_PROTO.get(message.kind)
+    if kind is None:
+        raise ValueError(f"guided.kind {message.kind} is not a known kind")
+    return GuidedDecoding(kind, message.spec)
+
+
+def guided_to_proto(guided: GuidedDecoding) -> common_pb2.GuidedDecoding:
+    return common_pb2.GuidedDecoding(kind=_GUIDED_TO_PROTO[guided.kind], spec=guided.spec)
 
 
 def prompt_from_proto(token_ids: Sequence[int]) -> list[int]:

@@ -31,6 +31,7 @@ from services.engine.outputs import EngineCoreOutput, EngineStats
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import SampledToken, Scheduler
+from services.engine.structured_output import StructuredOutputs
 from services.models.config import ModelConfig
 from services.models.gguf_file import find_gguf, open_gguf
 
@@ -42,7 +43,18 @@ class EngineCore:
         self.config = config
         self.model_config = ModelConfig.from_model_path(config.model_dir)
         self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
-        self.runner = ModelRunner(self.model_config, config, max_model_len=self.max_model_len)
+        self.structured_outputs = StructuredOutputs(
+            config.model_dir / "tokenizer.json",
+            self.model_config.vocab_size,
+            self.model_config.eos_token_ids,
+        )
+        """Grammar matchers of the constrained requests (``SamplingParams.guided``)."""
+        self.runner = ModelRunner(
+            self.model_config,
+            config,
+            max_model_len=self.max_model_len,
+            structured_outputs=self.structured_outputs,
+        )
         num_blocks = self.runner.num_blocks_for(config.cache)
         # The pool hands out the first num_usable blocks; the runner keeps the rest (a dummy
         # block for the static decode path's padding rows).
@@ -98,9 +110,10 @@ class EngineCore:
         hold_kv: bool = False,
     ) -> None:
         """Queue a request; raises ``ValueError`` naming the field when the input is bad."""
-        self.scheduler.add_request(
-            self._make_request(request_id, prompt_token_ids, params, hold_kv)
-        )
+        request = self._make_request(request_id, prompt_token_ids, params, hold_kv)
+        if params.guided is not None:
+            self.structured_outputs.add(request_id, params.guided)
+        self.scheduler.add_request(request)
 
     def reserve(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
@@ -110,6 +123,8 @@ class EngineCore:
         request = self._make_request(request_id, prompt_token_ids, params, hold_kv=False)
         if not self.scheduler.can_reserve(request):
             return None
+        if params.guided is not None:
+            self.structured_outputs.add(request_id, params.guided)
         return self.scheduler.reserve(request)
 
     def commit(
@@ -124,6 +139,15 @@ class EngineCore:
                 f"first_token_id {first_token_id} is outside the vocabulary "
                 f"[0, {self.model_config.vocab_size})"
             )
+        if request_id in self.structured_outputs:
+            # The prefill node sampled it under the same grammar: this rebuilds the matcher's
+            # state from the tokens so far.
+            if not self.structured_outputs.is_allowed(request_id, first_token_id):
+                raise ValueError(
+                    f"first_token_id {first_token_id} is not allowed by the request's grammar"
+                )
+            if self.structured_outputs.accept(request_id, first_token_id):
+                self.scheduler.reserved[request_id].is_grammar_complete = True
         request = self.scheduler.commit(request_id, SampledToken(first_token_id, logprobs))
         return self._output(request)
 
@@ -182,6 +206,11 @@ class EngineCore:
                 raise ValueError(
                     f"stop_token_ids contains {token_id}, outside the vocabulary [0, {vocab_size})"
                 )
+        for token_id, _ in params.logit_bias:
+            if token_id >= vocab_size:
+                raise ValueError(
+                    f"logit_bias has token id {token_id}, outside the vocabulary [0, {vocab_size})"
+                )
         if params.logprobs is not None and params.logprobs > vocab_size:
             raise ValueError(f"logprobs must be <= vocab size {vocab_size}, got {params.logprobs}")
 
@@ -189,6 +218,7 @@ class EngineCore:
         """Stop a request wherever it is; its blocks are free when this returns."""
         request = self.scheduler.abort_request(request_id)
         self.runner.release(request_id)
+        self.structured_outputs.remove(request_id)
         return request is not None
 
     def step(self) -> list[EngineCoreOutput]:
@@ -200,14 +230,24 @@ class EngineCore:
             if chunk.request.first_scheduled_time is None:
                 chunk.request.first_scheduled_time = now
         sampled = self.runner.execute(scheduler_output)
+        if len(self.structured_outputs):
+            self._accept_grammar_tokens(sampled)
         updated = self.scheduler.update_from_output(scheduler_output, sampled)
         return [self._output(request) for request in updated]
+
+    def _accept_grammar_tokens(self, sampled: dict[str, SampledToken]) -> None:
+        """Advance the matchers over this step's tokens; a complete grammar stops its request."""
+        for request_id, token in sampled.items():
+            is_constrained = request_id in self.structured_outputs
+            if is_constrained and self.structured_outputs.accept(request_id, token.token_id):
+                self.scheduler.requests[request_id].is_grammar_complete = True
 
     def _output(self, request: Request) -> EngineCoreOutput:
         """The request's latest token as a delta; drops its sampling state once it stopped."""
         finish_reason = request.finish_reason
         if finish_reason is not None:
             self.runner.release(request.request_id)
+            self.structured_outputs.remove(request.request_id)
         return EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=request.output_token_ids[-1:],

@@ -14,9 +14,11 @@ import torch
 
 from services.engine.config import CacheConfig, EngineConfig
 from services.engine.gpu_memory import CudaMemoryReader, MemoryReader, kv_cache_budget
+from services.engine.request import Request
 from services.engine.sampler import Sampler, SamplingMetadata
 from services.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 from services.engine.static_decode import StaticDecode
+from services.engine.structured_output import StructuredOutputs
 from services.host_memory import advise_huge_pages, keep_freed_memory_mapped
 from services.models.attention import AttentionMetadata, PrefillSpan, make_attention_backend
 from services.models.config import ModelConfig
@@ -43,8 +45,11 @@ class ModelRunner:
         config: EngineConfig,
         *,
         max_model_len: int,
+        structured_outputs: StructuredOutputs | None = None,
     ) -> None:
         keep_freed_memory_mapped()
+        self.structured_outputs = structured_outputs
+        """Grammar matchers of constrained requests: their rows get a token bitmask."""
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.dtype]
@@ -220,13 +225,19 @@ class ModelRunner:
         # logits: [num_sampled, vocab_size] float32
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         requests = [chunk.request for chunk in sampled_chunks]
+        structured = self.structured_outputs
+        grammar = (
+            None if structured is None else structured.bitmask([r.request_id for r in requests])
+        )
         result = self.sampler(
             logits,
             SamplingMetadata(
                 params=[r.params for r in requests],
                 prompt_token_ids=[r.prompt_token_ids for r in requests],
                 output_token_ids=[r.output_token_ids for r in requests],
-                generators=[self._generator(r.request_id, r.params.seed) for r in requests],
+                generators=[self._generator(r) for r in requests],
+                grammar_bitmask=None if grammar is None else grammar[0],
+                grammar_rows=() if grammar is None else tuple(grammar[1]),
             ),
         )
         return {
@@ -236,13 +247,21 @@ class ModelRunner:
             )
         }
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+    def _generator(self, request: Request) -> torch.Generator | None:
+        seed = request.params.seed
         if seed is None:
             return None
-        generator = self._generators.get(request_id)
+        generator = self._generators.get(request.request_id)
         if generator is None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
-            self._generators[request_id] = generator
+            if not request.params.is_greedy:
+                # A committed request's first token was drawn on the prefill node from the same
+                # seed: skip the draws already made (one per token, as _inverse_cdf makes them),
+                # so a seeded request samples the same tokens disaggregated and colocated.
+                draw = torch.empty(1, dtype=torch.float64, device=self.device)
+                for _ in range(request.num_output_tokens):
+                    draw.uniform_(generator=generator)
+            self._generators[request.request_id] = generator
         return generator
 
     def _run_static(self, static: StaticDecode, decodes: list[ScheduledChunk]) -> torch.Tensor:

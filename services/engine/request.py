@@ -80,6 +80,9 @@ class Request:
     the end of its queueing. A decode node's request is first scheduled after its commit."""
     hold_kv: bool = False
     """Keep the blocks when the request stops (a prefill node pushes them afterwards)."""
+    is_grammar_complete: bool = False
+    """Its grammar (``params.guided``) admits no further token but EOS: it stops with ``stop``.
+    Set by the engine's structured outputs after each accepted token."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Chained hashes of the full blocks of ``token_ids``, extended as tokens are added."""
     token_ids: list[int] = field(init=False)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.guided_decoding import GuidedDecoding
+
 _GREEDY_EPS = 1e-5
 
 
@@ -43,6 +45,10 @@ class SamplingParams:
     """Return the sampled token's log-probability plus this many most likely alternatives."""
     priority: int = 0
     """Scheduling priority under the ``priority`` policy: lower values are served first."""
+    guided: GuidedDecoding | None = None
+    """Constrain the output to a grammar (JSON schema, regex, choice, Lark); None: free text."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs: the bias, in [-100, 100], is added to that token's logit."""
 
     def __post_init__(self) -> None:
         # Accept any iterable of ints for stop_token_ids, but store an immutable tuple.
@@ -81,6 +87,15 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
         _check_int("priority", self.priority, minimum=-(2**63))
+        if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
+            raise ValueError(f"guided must be a GuidedDecoding, got {type(self.guided).__name__}")
+        bias = tuple(sorted(dict(self.logit_bias).items()))  # one canonical order
+        object.__setattr__(self, "logit_bias", bias)
+        for token_id, value in self.logit_bias:
+            _check_int("logit_bias", token_id, minimum=0)
+            _check_float("logit_bias", value)
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
 
     @property
     def is_greedy(self) -> bool:

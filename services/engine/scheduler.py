@@ -268,6 +268,8 @@ class Scheduler:
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.params
         token_id = request.output_token_ids[-1]
+        if request.is_grammar_complete:
+            return RequestStatus.FINISHED_STOPPED  # nothing else can follow, min_tokens or not
         if request.num_output_tokens >= params.min_tokens:
             if token_id in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED

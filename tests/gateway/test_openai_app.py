@@ -40,6 +40,7 @@ from gateway.sampling import SamplingOptions
 from gateway.tokenizer import Tokenizer
 
 MODEL = "tiny-llama"
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 OUTPUT_TEXT = "Hello world, this is a test of the gateway; it streams tokens back one at a time."
 HANG = "hang"  # a script step: wait until cancelled
 
@@ -604,10 +605,17 @@ def test_chat_logprobs_with_bytes_and_alternatives(serve: Callable[..., Served])
         ("/v1/completions", {"stop": ["a"] * 17}, 400, "stop"),
         ("/v1/completions", {"stop": ""}, 400, "stop"),
         ("/v1/completions", {"logprobs": 21}, 400, "logprobs"),
-        ("/v1/completions", {"echo": True}, 400, "echo"),
+        ("/v1/completions", {"echo": True, "logprobs": 1}, 400, "echo"),
         ("/v1/completions", {"suffix": "end"}, 400, "suffix"),
         ("/v1/completions", {"best_of": 3}, 400, "best_of"),
-        ("/v1/completions", {"logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"five": 1.0}}, 400, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"5": 101.0}}, 400, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"999999": 1.0}}, 400, "logit_bias"),
+        ("/v1/completions", {"guided_regex": "[a-"}, 400, "guided_regex"),
+        ("/v1/completions", {"guided_choice": []}, 400, "guided_choice"),
+        ("/v1/completions", {"guided_grammar": "start: nowhere"}, 400, "guided_grammar"),
+        ("/v1/completions", {"guided_json": {"type": "objekt"}}, 400, "guided_json"),
+        ("/v1/completions", {"guided_regex": "a", "guided_choice": ["a"]}, 400, "guided_choice"),
         ("/v1/completions", {"min_tokens": 20}, 400, "min_tokens"),
         ("/v1/completions", {"top_k": -2}, 400, "top_k"),
         ("/v1/completions", {"seed": 2**63}, 400, "seed"),
@@ -618,10 +626,24 @@ def test_chat_logprobs_with_bytes_and_alternatives(serve: Callable[..., Served])
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
          "messages[0].role"),
         ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
-        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, 400, "tools"),
+        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, 400, "tools[0]"),
         ("/v1/chat/completions", {"tool_choice": "auto"}, 400, "tool_choice"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, 400,
-         "response_format"),
+        ("/v1/chat/completions", {"tools": [TOOL], "tool_choice": "sometimes"}, 400,
+         "tool_choice"),
+        ("/v1/chat/completions", {"tools": [TOOL], "tool_choice": {"type": "function",
+         "function": {"name": "nope"}}}, 400, "tool_choice"),
+        ("/v1/chat/completions", {"tools": [TOOL, TOOL]}, 400, "tools[1]"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {
+         "name": "f", "parameters": {"type": "objekt"}}}], "tool_choice": "required"}, 400,
+         "tools"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+         "name": "x", "schema": {"type": "objekt"}}}}, 400, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, 400,
+         "response_format.json_schema"),
+        ("/v1/chat/completions", {"response_format": {"type": "xml"}}, 400,
+         "response_format.type"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"},
+         "guided_regex": "a"}, 400, "guided_regex"),
         ("/v1/chat/completions", {"top_logprobs": 2}, 400, "top_logprobs"),
         ("/v1/chat/completions", {"max_completion_tokens": 10**6}, 400,
          "max_completion_tokens"),
@@ -952,7 +974,8 @@ _FIELDS = (
     "model prompt messages max_tokens max_completion_tokens n stream stream_options stop "
     "temperature top_p top_k min_p seed presence_penalty frequency_penalty repetition_penalty "
     "min_tokens ignore_eos stop_token_ids skip_special_tokens include_stop_str_in_output "
-    "logprobs top_logprobs echo suffix best_of logit_bias user tools tool_choice response_format"
+    "logprobs top_logprobs echo suffix best_of logit_bias user tools tool_choice response_format "
+    "guided_json guided_regex guided_choice guided_grammar parallel_tool_calls"
 ).split()
 
 

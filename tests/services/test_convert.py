@@ -15,6 +15,7 @@ from services.convert import (
     sampling_params_to_proto,
 )
 from services.engine import EngineStats, FinishReason, SamplingParams
+from services.guided_decoding import GuidedDecoding, GuidedKind
 
 
 def test_absent_optional_fields_take_engine_defaults() -> None:
@@ -46,6 +47,12 @@ def test_explicit_zero_temperature_is_greedy_not_default() -> None:
             logprobs=0,
             priority=-1,
         ),
+        SamplingParams(
+            guided=GuidedDecoding.json_schema({"type": "object"}), logit_bias=((3, -1.5), (9, 2))
+        ),
+        SamplingParams(guided=GuidedDecoding.choice(["a", "b"])),
+        SamplingParams(guided=GuidedDecoding(GuidedKind.JSON_OBJECT)),
+        SamplingParams(guided=GuidedDecoding(GuidedKind.GRAMMAR, 'start: "x"')),
     ],
 )
 def test_sampling_params_round_trip(params: SamplingParams) -> None:
@@ -67,6 +74,15 @@ def test_sampling_params_round_trip(params: SamplingParams) -> None:
             r"^sampling\.min_tokens must be <= max_tokens",
         ),
         (common_pb2.SamplingParams(temperature=float("nan")), r"^sampling\.temperature"),
+        (
+            common_pb2.SamplingParams(guided=common_pb2.GuidedDecoding(kind=4, spec="[1]")),
+            r"^sampling\.guided\.choice",
+        ),
+        (
+            common_pb2.SamplingParams(guided=common_pb2.GuidedDecoding(kind=0, spec="x")),
+            r"^sampling\.guided\.kind",
+        ),
+        (common_pb2.SamplingParams(logit_bias={5: 200.0}), r"^sampling\.logit_bias"),
     ],
 )
 def test_bad_values_name_the_field(message: common_pb2.SamplingParams, match: str) -> None:

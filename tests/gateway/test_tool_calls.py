@@ -1,0 +1,181 @@
+"""Tool calls on the gateway: each family's parser, and ``tool_choice=auto`` through the
+``openai`` SDK against the app with a scripted generator that writes a model's tool-call text
+(tools rendered into the chat template; parallel calls; streamed deltas equal the whole
+response; text before the call stays content; a marker split across tokens is held back);
+and completions with ``echo``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.tokenizer import Tokenizer
+from gateway.tool_calls import ToolCallStream, ToolMode, ToolPlan
+from gateway.tool_parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+    ParsedCall,
+    parser_for,
+)
+from tests.gateway.test_openai_app import MODEL, Served, output_script, start
+
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object"}},
+}
+HERMES_TEXT = (
+    'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima"}}\n'
+    "</tool_call>"
+)
+# Renders the tools the way Hermes-style templates do, so the test can see them in the prompt.
+TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}</tools>"
+    "{% endif %}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "assistant:"
+)
+
+
+def test_hermes_parser() -> None:
+    parsed = HermesToolParser().parse(HERMES_TEXT)
+    assert parsed.content == "Let me look."
+    assert parsed.calls == (
+        ParsedCall("get_weather", '{"city": "Oslo"}'),
+        ParsedCall("get_weather", '{"city": "Lima"}'),
+    )
+    assert HermesToolParser().parse("no call here").calls == ()
+    broken = "<tool_call>{not json</tool_call>"
+    assert HermesToolParser().parse(broken).content == broken  # never a half-parsed call
+
+
+def test_mistral_parser() -> None:
+    text = '[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]'
+    assert MistralToolParser().parse(text).calls == (
+        ParsedCall("a", '{"x": 1}'),
+        ParsedCall("b", "{}"),
+    )
+    newer = '[TOOL_CALLS]a[ARGS]{"x": 2}[TOOL_CALLS]b[ARGS]{}'
+    assert MistralToolParser().parse(newer).calls == (
+        ParsedCall("a", '{"x": 2}'),
+        ParsedCall("b", "{}"),
+    )
+
+
+def test_llama3_json_parser() -> None:
+    text = '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}'
+    parsed = Llama3JsonToolParser().parse(text)
+    assert parsed.calls == (ParsedCall("a", '{"x": 1}'), ParsedCall("b", "{}"))
+    # Only an answer that starts with a call is one.
+    prose = 'The JSON is {"name": "a", "parameters": {}}'
+    assert Llama3JsonToolParser().parse(prose).calls == ()
+
+
+def test_the_family_is_chosen_by_the_vocabulary() -> None:
+    def vocab(*tokens: str):
+        return lambda token: 7 if token in tokens else None
+
+    assert isinstance(parser_for(vocab("<tool_call>")), HermesToolParser)
+    assert isinstance(parser_for(vocab("[TOOL_CALLS]")), MistralToolParser)
+    assert isinstance(parser_for(vocab("<|python_tag|>")), Llama3JsonToolParser)
+    assert isinstance(parser_for(vocab()), HermesToolParser)
+
+
+def test_a_marker_split_across_deltas_is_held_back() -> None:
+    stream = ToolCallStream(ToolPlan(ToolMode.AUTO, (WEATHER,)), HermesToolParser())
+    sent = []
+    for piece in ("Hi <to", "ol_", "call>", '{"name": "get_weather", "arguments": {}}'):
+        content, deltas = stream.feed(piece)
+        assert deltas == []
+        sent.append(content)
+    assert sent == ["Hi ", None, None, None]
+    content, deltas = stream.finish()
+    assert content is None and [d.function.name for d in deltas] == ["get_weather"]
+    # Text that only looked like a marker's start is sent once it is clear it is not.
+    plain = ToolCallStream(ToolPlan(ToolMode.AUTO, (WEATHER,)), HermesToolParser())
+    assert plain.feed("a <to")[0] == "a "
+    assert plain.feed("p")[0] == "<top"
+    assert plain.finish() == (None, [])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir: Path) -> Tokenizer:
+    return Tokenizer.from_model_dir(tiny_llama_dir)
+
+
+@pytest.fixture
+def hermes_served(tokenizer: Tokenizer) -> Iterator[Served]:
+    templated = Tokenizer(tokenizer.backend, tokenizer.special_tokens, (), TEMPLATE)
+    served, server = start(templated, output_script(tokenizer, HERMES_TEXT), max_tokens=200)
+    yield served
+    server.stop()
+
+
+def test_auto_tool_calls_through_the_sdk(hermes_served: Served, tokenizer: Tokenizer) -> None:
+    client = hermes_served.client()
+    options: dict[str, Any] = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[WEATHER],
+        max_tokens=200,
+    )
+    whole = client.chat.completions.create(**options)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me look."
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert calls == [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Lima"})]
+    assert len({c.id for c in choice.message.tool_calls}) == 2
+    # The tools reached the chat template.
+    prompt = tokenizer.decode(hermes_served.generator.requests[0].prompt_token_ids)
+    assert prompt.startswith("<tools>get_weather;</tools>")
+
+    content, streamed, finish = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **options):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        finish = chunk.choices[0].finish_reason or finish
+        for part in delta.tool_calls or ():
+            call = streamed.setdefault(part.index, {"name": "", "arguments": ""})
+            call["name"] += part.function.name or ""
+            call["arguments"] += part.function.arguments or ""
+    assert content == "Let me look." and finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == calls
+
+    # tool_choice none: no tools in the template, the text is plain content.
+    plain = client.chat.completions.create(tool_choice="none", **options)
+    assert plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].message.content == HERMES_TEXT
+    assert not tokenizer.decode(hermes_served.generator.requests[-1].prompt_token_ids).startswith(
+        "<tools>"
+    )
+    # parallel_tool_calls=false keeps the first call only.
+    single = client.chat.completions.create(parallel_tool_calls=False, **options)
+    assert len(single.choices[0].message.tool_calls) == 1
+
+
+def test_echo_starts_each_completion_with_its_prompt(tokenizer: Tokenizer) -> None:
+    served, server = start(tokenizer)
+    try:
+        client = served.client()
+        whole = client.completions.create(model=MODEL, prompt=["Once", "Twice"], echo=True, n=2)
+        plain = client.completions.create(model=MODEL, prompt="Once")
+        texts = [c.text for c in whole.choices]
+        assert texts[0] == texts[1] == "Once" + plain.choices[0].text
+        assert texts[2].startswith("Twice") and texts[2] != "Twice"
+        streamed = "".join(
+            chunk.choices[0].text
+            for chunk in client.completions.create(
+                model=MODEL, prompt="Once", echo=True, stream=True
+            )
+            if chunk.choices
+        )
+        assert streamed == texts[0]
+        ids = client.completions.create(model=MODEL, prompt=[5, 6, 7], echo=True)
+        assert ids.choices[0].text.startswith(tokenizer.decode([5, 6, 7]))
+    finally:
+        server.stop()
