@@ -1,7 +1,9 @@
-"""The edge of the HTTP API: auth and body size, checked before FastAPI reads anything."""
+"""The edge of the HTTP API: auth, body size and body-read stalls, checked before FastAPI reads
+anything."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -45,6 +47,7 @@ class HttpGate:
             extra = []
             if error.kind is ErrorKind.UNAUTHENTICATED:
                 extra = [(b"www-authenticate", b"Bearer")]
+            extra += error.http_headers()
             await send_json(send, error.kind.http_status, error.openai_body(), extra)
             return
         except ClientDisconnected:
@@ -71,8 +74,17 @@ class HttpGate:
                 raise _too_large(max_bytes)
         chunks: list[bytes] = []
         size = 0
+        stall_s = self._frontend.limits.body_read_timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), stall_s)
+            except TimeoutError:
+                # A body that stops arriving would hold this request (and its connection) for
+                # ever: answered 408, as the flag --body-read-timeout-s documents.
+                raise GatewayError(
+                    ErrorKind.REQUEST_TIMEOUT,
+                    f"the request body stalled: no byte for {stall_s} s (--body-read-timeout-s)",
+                ) from None
             if message["type"] == "http.disconnect":
                 raise ClientDisconnected()
             chunk = message.get("body", b"")
