@@ -186,15 +186,26 @@ def test_a_launcher_killed_outright_takes_its_children_with_it(launch) -> None:
     assert_all_gone(pids)
 
 
-def test_a_child_that_dies_stops_the_others(launch) -> None:
+def test_a_node_that_dies_is_restarted_while_the_other_keeps_running(launch) -> None:
     ports = free_ports(2)
-    launched = launch(pair(ports), "--no-gateway")
+    launched = launch(pair(ports), "--no-gateway", "--restart-backoff-s", "0.2")
     launched.wait_up()
     pids = launched.child_pids()
     os.kill(pids["decode-0"], signal.SIGKILL)
-    assert launched.wait() == 1
-    assert "decode-0 exited with -9; stopping the rest" in launched.output
-    assert_all_gone(pids, timeout_s=5)
+    deadline = time.monotonic() + 180
+    while "decode-0 healthy again" not in launched.output:
+        assert launched.process.poll() is None, launched.output
+        assert time.monotonic() < deadline, launched.output
+        time.sleep(0.2)
+    assert "decode-0 exited with -9; restarting it in" in launched.output
+    new_pid = int(re.findall(r"restarted decode-0 pid (\d+)", launched.output)[-1])
+    assert new_pid != pids["decode-0"] and is_running(new_pid)
+    assert is_running(pids["prefill-0"])  # never stopped
+    for port in ports:
+        assert grpc_serving(f"127.0.0.1:{port}")
+    launched.process.send_signal(signal.SIGTERM)
+    assert launched.wait() == 0, launched.output
+    assert_all_gone({**pids, "decode-0": new_pid}, timeout_s=5)
 
 
 def test_a_taken_port_is_refused_before_anything_starts(launch) -> None:
