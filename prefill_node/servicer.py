@@ -71,6 +71,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self.transport = transport
         self.layout: KvLayout = engine.engine.kv_layout
         self._decode_channels: dict[str, grpc.aio.Channel] = {}
+        self._releases: set[asyncio.Future[None]] = set()  # held until done (no GC mid-way)
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         async with self.server.get().admit(context):
@@ -142,8 +143,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 pushed, push_s = await self._push(request_id, destination, peer, context)
                 timings = dataclasses.replace(timings, kv_transfer_s=push_s)
                 await self._commit(request, destination, first, timings, context)
-        finally:
+        except BaseException:
             await self._release(request_id)
+            raise
+        # The reply (the client's first token) goes out now: the release waits for the engine's
+        # next step boundary, a whole prefill chunk on a busy node, which the token need not.
+        release = asyncio.ensure_future(self._release(request_id))
+        self._releases.add(release)
+        release.add_done_callback(self._releases.discard)
         result = prefill_pb2.PrefillResult(
             first_token_id=first.new_token_ids[0],
             cached_prompt_tokens=first.num_cached_tokens,
