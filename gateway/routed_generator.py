@@ -184,8 +184,10 @@ class RoutedGenerator:
                     yield event
                 return
             except _RetryableFailure as failure:
-                logger.warning(
-                    "request %s: attempt %d on %s failed before any token (%s): %s",
+                # A full decode node is admission at work (the request waits next), not a fault.
+                level = logging.INFO if failure.cause == "decode_full" else logging.WARNING
+                logger.log(
+                    level, "request %s: attempt %d on %s failed before any token (%s): %s",
                     request.request_id, attempt, failure.node.address, failure.cause,
                     failure.message,
                 )  # fmt: skip
