@@ -11,7 +11,7 @@ Tokens are ``(prompt[-1] + i) % vocab`` so a client can check what it got. The d
 the node contract: the first event is a reservation, tokens 2..N follow the prefill's commit.
 
     python benchmarks/fake_node.py --role colocated --port 50081 [--itl-ms 0] [--ttft-ms 0]
-        [--fail-after-tokens K] [--refuse]
+        [--fail-after-tokens K] [--refuse | --refuse-unless-waiting]
 """
 
 from __future__ import annotations
@@ -74,6 +74,10 @@ class FakeNode(prefill_pb2_grpc.PrefillServiceServicer, decode_pb2_grpc.DecodeSe
     async def Generate(self, request, context):
         if self.args.refuse:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fake node: full (--refuse)")
+        if getattr(self.args, "refuse_unless_waiting", False) and not request.wait_for_room:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "fake node: full unless the caller waits"
+            )
         prompt = list(request.prompt_token_ids)
         max_tokens = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16
         self.running += 1
@@ -152,6 +156,11 @@ def main() -> None:
     parser.add_argument("--itl-ms", type=float, default=0.0)
     parser.add_argument("--fail-after-tokens", type=int, default=None)
     parser.add_argument("--refuse", action="store_true", help="refuse every Generate (full)")
+    parser.add_argument(
+        "--refuse-unless-waiting",
+        action="store_true",
+        help="refuse a Generate unless it asks to wait for room (room frees while it waits)",
+    )
     asyncio.run(serve(parser.parse_args()))
 
 

@@ -512,7 +512,12 @@ async def run_load(
     # limit=0: aiohttp's default pool of 100 connections would queue a burst silently.
     connector = aiohttp.TCPConnector(limit=config.max_concurrency or 0)
     # trust_env=False: no proxy from the environment may carry loopback traffic elsewhere.
-    async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
+    # No session timeout: aiohttp's default (300 s in all) cut long bursts off and was reported
+    # as a --request-timeout expiry; each request's own bound is --request-timeout.
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(
+        connector=connector, trust_env=False, timeout=timeout
+    ) as session:
         if config.num_warmups and inputs:
             warmups = await asyncio.gather(
                 *(

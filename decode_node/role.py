@@ -21,7 +21,13 @@ def decode_services(
     if config.role is Role.DECODE:
         transport = open_kv_transport(config.kv_transport, engine.engine.kv_caches)
         metrics.transport_lanes(transport.info().lanes)
-        transfers = TransferManager(engine, transport, metrics=metrics)
+        transfers = TransferManager(
+            engine,
+            transport,
+            metrics=metrics,
+            max_unstarted=config.max_unstarted_reservations,
+            max_waiting=config.max_waiting_reservations,
+        )
         transfers.start()
     servicer = DecodeServicer(config, engine, server, transfers, metrics)
     return NodeServices(

@@ -5,14 +5,15 @@ Two kinds of Generate:
 - ``kv_source`` empty (the colocated role): the node computes the prompt itself and streams
   every token.
 - ``kv_source`` set (the decode role): reserve blocks through the ``TransferManager`` (or refuse
-  with RESOURCE_EXHAUSTED), send the ``KvReservation`` first, stream tokens 2..N once the prefill
-  node's ``CommitKv`` arrived. If the transfer fails before the commit (lease expired, push
-  failed, bad commit), the blocks are fenced and freed, then: under the FAIL policy the stream
-  ends with ABORTED, so the gateway can retry elsewhere; under RECOMPUTE the node sends
-  ``Recomputing`` and computes the prompt itself as a normal request, streaming tokens 1..N
-  (counted in ``pdserve:kv_recomputes_total``, peers.md #9). The caller's own abort (stream
-  closed, Abort) is never recomputed. Closing the stream aborts the transfer, which frees the
-  blocks once the transport is fenced.
+  with RESOURCE_EXHAUSTED, or wait for room when asked to), send the ``KvReservation`` first,
+  stream tokens 2..N once the prefill node's ``CommitKv`` arrived; its ``RenewKv`` keeps the
+  reservation's liveness lease alive meanwhile (design §3a). If the transfer fails before the
+  commit (lease expired, push failed, bad commit), the blocks are fenced and freed, then: under
+  the FAIL policy the stream ends with ABORTED, so the gateway can retry elsewhere; under
+  RECOMPUTE the node sends ``Recomputing`` and computes the prompt itself as a normal request,
+  streaming tokens 1..N (counted in ``pdserve:kv_recomputes_total``, peers.md #9). The caller's
+  own abort (stream closed, Abort) is never recomputed. Closing the stream aborts the transfer,
+  which frees the blocks once the transport is fenced.
 
 ``Finished`` carries usage (the prefill node's prefix-cache hits when it computed the prompt)
 and per-stage timings (``services.stage_timings``).
@@ -31,6 +32,7 @@ from google.protobuf import timestamp_pb2
 from decode_node.transfers import (
     AbortCause,
     CommitRefused,
+    RenewRefused,
     Transfer,
     TransferManager,
     TransferState,
@@ -153,7 +155,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             )
         lease_s = (request.lease_ms or DEFAULT_LEASE_MS) / 1000
         try:
-            transfer = await self.transfers.reserve(request_id, prompt, params, lease_s=lease_s)
+            transfer = await self.transfers.reserve(
+                request_id, prompt, params, lease_s=lease_s, wait=request.wait_for_room
+            )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineDeadError as exc:
@@ -161,7 +165,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         if transfer is None:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"no room for {len(prompt)} prompt tokens (KV blocks or max_num_seqs)",
+                f"no room for {len(prompt)} prompt tokens (KV blocks, max_num_seqs, or "
+                f"{self.transfers.max_unstarted} reservations waiting for their prefill; "
+                f"{self.transfers.num_waiting} waiting for room)",
             )
         try:
             try:
@@ -306,6 +312,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         except EngineDeadError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return kv_pb2.KvCommitAck()
+
+    async def RenewKv(self, request: kv_pb2.KvRenew, context: grpc.aio.ServicerContext):
+        if self.transfers is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "a colocated node holds no KV reservations"
+            )
+        try:
+            transfer = self.transfers.renew(request.transfer_id, started=request.started)
+        except RenewRefused as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return kv_pb2.KvRenewAck(lease_ms=max(1, round(transfer.lease_s * 1000)))
 
     async def Abort(self, request: decode_pb2.AbortRequest, context: grpc.aio.ServicerContext):
         # A reserved request is aborted through its transfer, which fences before freeing;

@@ -6,7 +6,16 @@ Life cycle of a transfer (design §3):
         └──────────────┴──abort / lease expiry / bad commit──▶ ABORTED ──fence ok──▶ FREED
 
 - ``reserve`` takes blocks from the engine for the prompt and gives the transfer a fresh id
-  (a retry is always a new transfer: peers.md #13) and a lease deadline.
+  (a retry is always a new transfer: peers.md #13) and a liveness lease. There is no room
+  while ``max_unstarted`` reservations have not seen their prefill start, or while the engine
+  has too few blocks or seats. Without room it refuses (None: the gateway tries another node);
+  asked to ``wait`` (the gateway found every node full), it waits, FIFO and holding no blocks,
+  unless ``max_waiting`` already wait (then None: the gateway answers 429).
+- ``renew`` (the prefill node's RenewKv) moves the lease deadline to now + the lease: the
+  prefill node renews from the moment it holds the request until its commit, so the lease
+  measures whether it is alive, not how long its queue is (design §3a). ``started`` marks the
+  first renew after its engine began the prompt: from then the reservation no longer counts
+  against ``max_unstarted`` nor in ``unstarted_blocks``.
 - ``commit`` is accepted only from RESERVED/RECEIVING, and only when the transport itself
   reports every byte of the transfer DONE: completion is confirmed, never counted (peers.md #2).
   The request then joins the running batch; its blocks are the request's from here on (the
@@ -28,6 +37,7 @@ Life cycle of a transfer (design §3):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import time
@@ -81,7 +91,11 @@ class Transfer:
     request_id: str
     block_ids: list[int]
     lease_deadline: float
-    """time.monotonic() after which an uncommitted reservation is aborted."""
+    """time.monotonic() after which an uncommitted reservation is aborted (moved by renew)."""
+    lease_s: float = 0.0
+    """The liveness lease each renew grants."""
+    started_at: float | None = None
+    """time.monotonic() of the renew that said the prefill node's engine began the prompt."""
     state: TransferState = TransferState.RESERVED
     abort_reason: str = ""
     abort_cause: AbortCause | None = None
@@ -104,6 +118,14 @@ class TransferCounters:
     aborted: int = 0
     expired: int = 0
     fence_retries: int = 0
+    renewed: int = 0
+    waited: int = 0
+    """Reservations that waited for room before they were granted."""
+
+
+class RenewRefused(Exception):
+    """A renew of a transfer that is no longer open (the servicer returns FAILED_PRECONDITION):
+    the prefill node should stop working on it."""
 
 
 class TransferManager:
@@ -116,7 +138,23 @@ class TransferManager:
         reap_interval_s: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
         metrics: NodeMetrics | None = None,
+        max_unstarted: int = 16,
+        max_waiting: int = 1024,
+        room_poll_s: float = 0.05,
     ) -> None:
+        """``room_poll_s``: how often a waiting reservation looks for room again (the engine
+        frees blocks as requests end, which this class is not told about)."""
+        if max_unstarted < 1 or max_waiting < 0:
+            raise ValueError(
+                f"max_unstarted must be >= 1 and max_waiting >= 0, got {max_unstarted} and "
+                f"{max_waiting}"
+            )
+        self.max_unstarted = max_unstarted
+        self.max_waiting = max_waiting
+        self.room_poll_s = room_poll_s
+        self.num_waiting = 0
+        self._queue = asyncio.Lock()  # FIFO: the head of the wait takes the next room
+        self._room = asyncio.Event()  # set when a reservation starts or is freed
         self.engine = engine
         self.metrics = metrics
         self.transport = transport
@@ -140,6 +178,25 @@ class TransferManager:
     def num_quarantined(self) -> int:
         return sum(1 for t in self.transfers.values() if t.state is TransferState.ABORTED)
 
+    def _unstarted(self) -> list[Transfer]:
+        return [t for t in self.transfers.values() if t.state in _OPEN and t.started_at is None]
+
+    @property
+    def unstarted_blocks(self) -> int:
+        """Blocks held by open reservations whose prefill has not started."""
+        return sum(len(t.block_ids) for t in self._unstarted())
+
+    def _publish_gauges(self) -> None:
+        if self.metrics is not None:
+            unstarted = self._unstarted()
+            self.metrics.kv_unstarted_reservations.set(len(unstarted))
+            self.metrics.kv_unstarted_blocks.set(sum(len(t.block_ids) for t in unstarted))
+            self.metrics.kv_waiting_reservations.set(self.num_waiting)
+
+    def _room_changed(self) -> None:
+        self._room.set()
+        self._publish_gauges()
+
     async def reserve(
         self,
         request_id: str,
@@ -147,22 +204,73 @@ class TransferManager:
         params: SamplingParams,
         *,
         lease_s: float,
+        wait: bool = False,
     ) -> Transfer | None:
-        """Blocks for the prompt, or None when the engine has no room (RESOURCE_EXHAUSTED).
-        Input errors raise ``ValueError`` naming the field (INVALID_ARGUMENT)."""
-        # AsyncEngine.reserve: a caller cancelled before the transfer below is recorded (no
-        # lease, no reaper would ever see it) leaves no blocks behind.
-        block_ids = await self.engine.reserve(request_id, prompt_token_ids, params)
-        if block_ids is None:
-            return None
+        """Blocks for the prompt, or None (RESOURCE_EXHAUSTED): without ``wait``, when there
+        is no room now (or others wait for it); with it, when ``max_waiting`` already wait.
+        Input errors raise ``ValueError`` naming the field (INVALID_ARGUMENT). The caller's
+        deadline bounds a wait (the cancellation leaves nothing behind)."""
+        if not wait:
+            if self.num_waiting or len(self._unstarted()) >= self.max_unstarted:
+                return None
+            # AsyncEngine.reserve: a caller cancelled before the transfer is recorded (no lease,
+            # no reaper would ever see it) leaves no blocks behind.
+            block_ids = await self.engine.reserve(request_id, prompt_token_ids, params)
+            if block_ids is None:
+                return None
+        else:
+            if self.num_waiting >= self.max_waiting:
+                return None
+            self.num_waiting += 1
+            self._publish_gauges()
+            try:
+                async with self._queue:
+                    block_ids = await self._reserve_when_room(request_id, prompt_token_ids, params)
+            finally:
+                self.num_waiting -= 1
+                self._publish_gauges()
         transfer = Transfer(
             transfer_id=f"kv-{uuid.uuid4().hex}",
             request_id=request_id,
             block_ids=block_ids,
             lease_deadline=self.clock() + lease_s,
+            lease_s=lease_s,
         )
         self.transfers[transfer.transfer_id] = transfer
         self.counters.reserved += 1
+        self._publish_gauges()
+        return transfer
+
+    async def _reserve_when_room(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> list[int]:
+        waited = False
+        while True:
+            self._room.clear()
+            if len(self._unstarted()) < self.max_unstarted:
+                block_ids = await self.engine.reserve(request_id, prompt_token_ids, params)
+                if block_ids is not None:
+                    self.counters.waited += waited
+                    return block_ids
+            waited = True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._room.wait(), self.room_poll_s)
+
+    def renew(self, transfer_id: str, *, started: bool) -> Transfer:
+        """The prefill node is alive and holds the request: the lease starts again."""
+        transfer = self.transfers.get(transfer_id)
+        if transfer is None:
+            raise RenewRefused(f"transfer_id {transfer_id!r} is unknown or already ended")
+        if transfer.state is TransferState.COMMITTING:
+            return transfer  # every byte is in; no lease applies any more
+        if transfer.state not in _OPEN:
+            raise RenewRefused(f"transfer {transfer_id} is {transfer.state.value}")
+        now = self.clock()
+        transfer.lease_deadline = now + transfer.lease_s
+        self.counters.renewed += 1
+        if started and transfer.started_at is None:
+            transfer.started_at = now
+            self._room_changed()
         return transfer
 
     async def commit(
@@ -222,6 +330,7 @@ class TransferManager:
         del self.transfers[transfer_id]
         self.transport.forget_inbound(transfer_id)
         self.counters.committed += 1
+        self._room_changed()
         if transfer.is_abandoned:
             # Every byte landed, so nothing needs fencing: a plain abort frees the blocks.
             await self.engine.abort(transfer.request_id)
@@ -247,6 +356,7 @@ class TransferManager:
         transfer.abort_reason = reason
         transfer.abort_cause = cause
         self.counters.aborted += 1
+        self._room_changed()  # no longer unstarted (its blocks come back after the fence)
         if self.metrics is not None:
             self.metrics.transfer_failed(cause.value)
         await self._fence_and_free(transfer)
@@ -317,6 +427,7 @@ class TransferManager:
         self.transport.forget_inbound(transfer.transfer_id)
         # AsyncEngine.abort: a stream already attached to the request ends with abort.
         await self.engine.abort(transfer.request_id)
+        self._room_changed()
 
     async def _reap_forever(self) -> None:
         while True:

@@ -1,10 +1,15 @@
 """``python -m deploy.launch``: runs a topology on this machine — nodes and gateway as child
-processes — waits until each is healthy, prints where to reach it, and stops everything on
-Ctrl-C / SIGTERM / SIGHUP (a second Ctrl-C skips the drain).
+processes — waits until each is healthy, prints where to reach it, supervises them, and stops
+everything on Ctrl-C / SIGTERM / SIGHUP (a second Ctrl-C skips the drain).
+
+Supervising: a process that dies once everything was up is restarted with back-off while the
+others keep serving (the gateway fails over meanwhile); one that keeps dying (``--restart-budget``
+restarts within ``--restart-window-s``) is reported and left down. ``--restart-budget 0`` only
+reports deaths.
 
 ``make run`` calls it. The topology comes from ``--topology FILE`` (default: one prefill and one
 decode node), then the flags below override the file. Exit code: 0 after a requested stop, 1 when
-a process failed to start or died on its own, 2 for a bad topology or a taken port.
+a process failed to start or every process was left down, 2 for a bad topology or a taken port.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from types import FrameType
 
 from deploy.certs import write_deployment
 from deploy.commands import ProcessSpec, connect_host, local_processes
+from deploy.restarts import RestartBook, RestartPolicy
 from deploy.supervisor import Output, Supervisor
 from deploy.topology import DTYPES, KV_TRANSPORTS, Role, Topology, load_topology
 
@@ -70,6 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=40.0,
         help="after SIGTERM, how long a process may drain before SIGKILL",
+    )
+    add(
+        "--restart-budget",
+        type=int,
+        default=5,
+        help="restarts of one process allowed within --restart-window-s; past it the process "
+        "is reported and left down (0: never restart)",
+    )
+    add("--restart-window-s", type=float, default=300.0)
+    add(
+        "--restart-backoff-s",
+        type=float,
+        default=1.0,
+        help="first delay before a restart; doubles with each death in the window, up to 30 s",
     )
     return parser
 
@@ -124,7 +144,9 @@ class Launcher:
         startup_timeout_s: float,
         output: Output,
         tls_dir: Path | None = None,
+        restarts: RestartPolicy | None = None,
     ) -> None:
+        self.restarts = RestartBook(restarts or RestartPolicy())
         self.topology = topology
         self.tls_dir = tls_dir
         """Where --tls put the certificates (the banner's commands use its CA); None: no TLS."""
@@ -192,16 +214,47 @@ class Launcher:
         return True
 
     def watch(self) -> int:
-        """Until a stop is requested (0) or a child dies on its own (1)."""
-        while not self.stop_requested.wait(0.5):
-            dead = self.supervisor.exited()
-            if dead:
-                for child in dead:
+        """Until a stop is requested (0), or every process was left down (1). A child that dies
+        is restarted after its back-off; one past its restart budget is left down."""
+        due: dict[str, float] = {}  # name -> when to restart it
+        left_down: set[str] = set()
+        recovering: dict[str, float] = {}  # restarted, not yet healthy: name -> restart time
+        while not self.stop_requested.wait(0.25):
+            now = time.monotonic()
+            for child in self.supervisor.exited():
+                name = child.spec.name
+                if name in due or name in left_down:
+                    continue
+                recovering.pop(name, None)
+                delay = self.restarts.died(name, now)
+                code = child.process.returncode
+                if delay is None:
+                    left_down.add(name)
                     self.log(
-                        f"{child.spec.name} exited with {child.process.returncode}; "
-                        "stopping the rest"
+                        f"{name} exited with {code} and keeps dying "
+                        f"({self.restarts.policy.budget} restarts within "
+                        f"{self.restarts.policy.window_s:.0f} s): leaving it down; the others "
+                        "keep serving"
                     )
+                else:
+                    due[name] = now + delay
+                    self.log(f"{name} exited with {code}; restarting it in {delay:.1f} s")
+            if len(left_down) == len(self.supervisor.children):
+                self.log("every process is down")
                 return 1
+            for name, when in list(due.items()):
+                if now >= when:
+                    del due[name]
+                    child = self.supervisor.restart(name)
+                    recovering[name] = now
+                    self.log(
+                        f"restarted {name} pid {child.pid} (restart {self.restarts.restarts(name)})"
+                    )
+            for name, since in list(recovering.items()):
+                child = next(c for c in self.supervisor.children if c.spec.name == name)
+                if child.is_alive and all(t.check(timeout_s=1.0) for t in child.spec.health):
+                    del recovering[name]
+                    self.log(f"{name} healthy again after {time.monotonic() - since:.1f} s")
         return 0
 
     def banner(self) -> str:
@@ -260,6 +313,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_deployment(tls_dir, names, sans=[connect_host(topology)])
         print(f"[{LAUNCH}] TLS on: CA and certificates in {tls_dir}", flush=True)
     specs = local_processes(topology, with_gateway=with_gateway, tls_dir=tls_dir)
+    try:
+        restarts = RestartPolicy(
+            budget=args.restart_budget,
+            window_s=args.restart_window_s,
+            initial_backoff_s=args.restart_backoff_s,
+            max_backoff_s=max(30.0, args.restart_backoff_s),
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     launcher = Launcher(
         topology,
         specs,
@@ -267,6 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         startup_timeout_s=args.startup_timeout_s,
         output=Output(sys.stdout),
         tls_dir=tls_dir,
+        restarts=restarts,
     )
     return launcher.run()
 

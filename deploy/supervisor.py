@@ -8,7 +8,9 @@ Life cycle of a child:
                 still takes its children with it (they drain as on any SIGTERM).
 2. running      stdout and stderr merged into one pipe, each line copied to the launcher's
                 output behind a ``[name]`` prefix by a thread per child.
-3. ``stop``     SIGTERM (nodes drain: health NOT_SERVING, in-flight requests finish), wait up to
+3. ``restart``  a child that died is spawned again from its spec (the launcher decides when:
+                ``deploy.restarts``); what the dead one's session left is SIGKILLed first.
+4. ``stop``     SIGTERM (nodes drain: health NOT_SERVING, in-flight requests finish), wait up to
                 ``grace_s``, then SIGKILL; last, SIGKILL to each child's whole process group,
                 which catches grandchildren (a compiler the node started, say).
 """
@@ -105,25 +107,46 @@ class Supervisor:
         is what ``preexec_fn`` warns about."""
         self.output.width = max([self.output.width, *(len(s.name) for s in specs)])
         for spec in specs:
-            env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(spec.env)}
-            process = subprocess.Popen(
-                spec.argv,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                errors="replace",
-                start_new_session=True,
-                preexec_fn=_die_with(os.getpid()),
-            )
-            self.children.append(Child(spec, process))
+            self.children.append(Child(spec, self._spawn(spec)))
         for i, child in enumerate(self.children):
-            prefix = self.output.prefix(child.spec.name, _COLORS[i % len(_COLORS)])
-            child.pump = threading.Thread(
-                target=self._pump, args=(child, prefix), name=f"pump-{child.spec.name}", daemon=True
-            )
-            child.pump.start()
+            self._start_pump(child, i)
+
+    def restart(self, name: str) -> Child:
+        """Spawn the dead child ``name`` again; returns the new one. Forking now that pump
+        threads run is safe enough here: the ``preexec_fn`` only calls ``prctl`` and
+        ``getppid``, taking no lock another thread could hold."""
+        index = next(i for i, c in enumerate(self.children) if c.spec.name == name)
+        old = self.children[index]
+        assert not old.is_alive, f"{name} is still running"
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(old.pid, signal.SIGKILL)  # the dead one's leftovers
+        if old.pump is not None:
+            old.pump.join(timeout=5)
+        child = Child(old.spec, self._spawn(old.spec))
+        self.children[index] = child
+        self._start_pump(child, index)
+        return child
+
+    def _spawn(self, spec: ProcessSpec) -> subprocess.Popen[str]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(spec.env)}
+        return subprocess.Popen(
+            spec.argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+            preexec_fn=_die_with(os.getpid()),
+        )
+
+    def _start_pump(self, child: Child, index: int) -> None:
+        prefix = self.output.prefix(child.spec.name, _COLORS[index % len(_COLORS)])
+        child.pump = threading.Thread(
+            target=self._pump, args=(child, prefix), name=f"pump-{child.spec.name}", daemon=True
+        )
+        child.pump.start()
 
     def _pump(self, child: Child, prefix: str) -> None:
         assert child.process.stdout is not None

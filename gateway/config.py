@@ -173,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest max_tokens a request may ask (default: max_model_len)",
     )
     add("--max-body-bytes", type=parse_bytes, default=4 * 2**20)
+    add(
+        "--body-read-timeout-s",
+        type=float,
+        default=30.0,
+        help="an HTTP request body with no new byte for this long is answered 408; 0: never",
+    )
     add("--request-timeout-s", type=float, default=600.0, help="0: no deadline")
     add(
         "--client-send-timeout-s",
@@ -224,6 +230,7 @@ def parse_gateway_config(
             max_model_len=max_model_len,
             max_tokens=args.max_tokens_limit or max_model_len,
             max_body_bytes=args.max_body_bytes,
+            body_read_timeout_s=args.body_read_timeout_s or None,
         )
         router = RouterConfig(
             prefill=args.prefill,

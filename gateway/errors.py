@@ -12,12 +12,16 @@ import enum
 
 import grpc
 
+RETRY_AFTER_S = 1
+"""The ``Retry-After`` of a 429: the server is full now; a second later a slot may be free."""
+
 
 class ErrorKind(enum.Enum):
     # value: (HTTP status, OpenAI error type, gRPC status code)
     INVALID_ARGUMENT = (400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)
     UNAUTHENTICATED = (401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED)
     NOT_FOUND = (404, "not_found_error", grpc.StatusCode.NOT_FOUND)
+    REQUEST_TIMEOUT = (408, "timeout", grpc.StatusCode.DEADLINE_EXCEEDED)
     PAYLOAD_TOO_LARGE = (413, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)
     RESOURCE_EXHAUSTED = (429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED)
     UNAVAILABLE = (503, "service_unavailable", grpc.StatusCode.UNAVAILABLE)
@@ -53,6 +57,15 @@ class GatewayError(Exception):
         self.param = param
         self.retry_after_s = retry_after_s
         """Whole seconds after which a refused request may succeed (HTTP ``Retry-After``)."""
+
+    def http_headers(self) -> list[tuple[bytes, bytes]]:
+        """Extra response headers: a 429 says when to come back (its own ``retry_after_s``, as a
+        key's limiter computes it, or RETRY_AFTER_S)."""
+        if self.retry_after_s is not None:
+            return [(b"retry-after", str(self.retry_after_s).encode())]
+        if self.kind is ErrorKind.RESOURCE_EXHAUSTED:
+            return [(b"retry-after", str(RETRY_AFTER_S).encode())]
+        return []
 
     def openai_body(self) -> dict[str, object]:
         """``{"error": {"message", "type", "param", "code"}}`` as the OpenAI API sends it."""

@@ -107,7 +107,9 @@ class GenerationResponse(Response):
         except GatewayError as error:
             metrics.request_errors.labels(reason=error.kind.name.lower()).inc()
             if not self._is_started:
-                await self._send_json(send, error.kind.http_status, error.openai_body())
+                await self._send_json(
+                    send, error.kind.http_status, error.openai_body(), error.http_headers()
+                )
         except Exception:
             logger.exception("request %s failed", self._job.request_id)
             metrics.request_errors.labels(reason="internal").inc()
@@ -292,10 +294,16 @@ class GenerationResponse(Response):
         await send({"type": "http.response.body", "body": body, "more_body": True})
 
     async def _send_json(
-        self, send: Send, status: int, body: BaseModel | dict[str, object]
+        self,
+        send: Send,
+        status: int,
+        body: BaseModel | dict[str, object],
+        headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         self._is_started = True
-        await send_json(send, status, body, [(b"x-request-id", self._job.request_id.encode())])
+        await send_json(
+            send, status, body, [(b"x-request-id", self._job.request_id.encode()), *(headers or [])]
+        )
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

@@ -1,8 +1,9 @@
-"""The edge of the HTTP API: auth, per-key limits and body size, checked before FastAPI reads
-anything."""
+"""The edge of the HTTP API: auth, per-key limits, body size and body-read stalls, checked
+before FastAPI reads anything."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 
@@ -54,8 +55,7 @@ class HttpGate:
                 extra = []
                 if error.kind is ErrorKind.UNAUTHENTICATED:
                     extra = [(b"www-authenticate", b"Bearer")]
-                if error.retry_after_s is not None:
-                    extra.append((b"retry-after", str(error.retry_after_s).encode()))
+                extra += error.http_headers()
                 await send_json(send, error.kind.http_status, error.openai_body(), extra)
                 return
             except ClientDisconnected:
@@ -83,8 +83,17 @@ class HttpGate:
                 raise _too_large(max_bytes)
         chunks: list[bytes] = []
         size = 0
+        stall_s = self._frontend.limits.body_read_timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), stall_s)
+            except TimeoutError:
+                # A body that stops arriving would hold this request (and its connection) for
+                # ever: answered 408, as the flag --body-read-timeout-s documents.
+                raise GatewayError(
+                    ErrorKind.REQUEST_TIMEOUT,
+                    f"the request body stalled: no byte for {stall_s} s (--body-read-timeout-s)",
+                ) from None
             if message["type"] == "http.disconnect":
                 raise ClientDisconnected()
             chunk = message.get("body", b"")

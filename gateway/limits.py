@@ -19,6 +19,8 @@ class RequestLimits:
     """The largest max_tokens a request may ask for (≤ max_model_len)."""
     max_body_bytes: int = 4 * 2**20
     """HTTP request bodies larger than this are refused with 413."""
+    body_read_timeout_s: float | None = 30.0
+    """An HTTP body with no new byte for this long is answered 408 (None: wait for ever)."""
     max_n: int = 16
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
@@ -38,6 +40,8 @@ class RequestLimits:
                      "max_prompts"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.body_read_timeout_s is not None and self.body_read_timeout_s <= 0:
+            raise ValueError(f"body_read_timeout_s must be > 0, got {self.body_read_timeout_s}")
         if not 0 <= self.max_logprobs <= 20:
             raise ValueError(f"max_logprobs must be in [0, 20], got {self.max_logprobs}")
 

@@ -29,8 +29,13 @@ def install_error_handlers(app: FastAPI, frontend: Frontend) -> None:
 
     @app.exception_handler(GatewayError)
     async def on_gateway_error(request: Request, error: GatewayError) -> JSONResponse:
-        errors.labels(reason=error.kind.name.lower()).inc()
-        return JSONResponse(error.openai_body(), status_code=error.kind.http_status)
+        # Requests only: /health answering 503 while the nodes start is not a request error.
+        if request.url.path.startswith("/v1"):
+            errors.labels(reason=error.kind.name.lower()).inc()
+        headers = {name.decode(): value.decode() for name, value in error.http_headers()}
+        return JSONResponse(
+            error.openai_body(), status_code=error.kind.http_status, headers=headers or None
+        )
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -14,6 +14,11 @@ Life cycle of one request here:
 3. RETRY: a refusal or failure before anything was sent to the client ends the attempt (both
    legs cancelled, so both nodes free their blocks); the next attempt uses a fresh leg id, so a
    fresh reservation and transfer id (peers.md #13), on nodes this request has not tried.
+   WAIT: when every decode node tried refused for want of room (``decode_full``), one more
+   attempt asks a decode node to hold the request in its bounded wait queue until room frees
+   (``wait_for_room``; bounded by the request deadline): overload is a queue, not an error.
+   Only a full wait queue is refused, with RESOURCE_EXHAUSTED (HTTP 429 + Retry-After), before
+   any node did work for the request.
 4. STREAMING: once a token was sent, a failure ends the stream with ``Finished(ERROR)`` — never
    a silent truncation — and a passed deadline with ``Finished(ABORT)``.
 5. CLOSED: however the consumer leaves (aclose, cancellation), ``finally`` cancels both calls;
@@ -143,15 +148,23 @@ class RoutedGenerator:
         gateway_queue_s = started - arrival
         tried: set[str] = set()
         failures: list[_RetryableFailure] = []
-        for attempt in range(self.config.max_retries + 1):
-            route = self.router.pick(request.prompt_token_ids, exclude=tried)
+        wait_for_room = False
+        attempt = 0
+        while True:
+            route = None
+            if attempt <= self.config.max_retries:
+                route = self.router.pick(request.prompt_token_ids, exclude=tried)
+            if route is None and not wait_for_room and _all_full(failures):
+                # Every decode node tried is full: wait for room on one (the router's pick).
+                wait_for_room, tried = True, set()
+                route = self.router.pick(request.prompt_token_ids, exclude=tried)
             if route is None:
                 break
             # A retry never reuses an id: the prefill node keeps a held id reserved (peers #13).
             leg_id = request.request_id if attempt == 0 else f"{request.request_id}.r{attempt}"
             num_sent, last_sent = 0, 0.0
             try:
-                async for event in self._attempt(route, leg_id, request):
+                async for event in self._attempt(route, leg_id, request, wait_for_room):
                     now = time.monotonic()
                     if isinstance(event, TokenChunk):
                         if num_sent == 0:
@@ -171,18 +184,23 @@ class RoutedGenerator:
                     yield event
                 return
             except _RetryableFailure as failure:
-                logger.warning(
-                    "request %s: attempt %d on %s failed before any token (%s): %s",
+                # A full decode node is admission at work (the request waits next), not a fault.
+                level = logging.INFO if failure.cause == "decode_full" else logging.WARNING
+                logger.log(
+                    level, "request %s: attempt %d on %s failed before any token (%s): %s",
                     request.request_id, attempt, failure.node.address, failure.cause,
                     failure.message,
                 )  # fmt: skip
                 self.metrics.retries.labels(cause=failure.cause).inc()
                 failures.append(failure)
                 tried.add(failure.node.address)
+                attempt += 1
+                if wait_for_room and failure.cause == "decode_full":
+                    break  # even the wait queue is full: 429
         raise self._no_route(failures)
 
     def _no_route(self, failures: list[_RetryableFailure]) -> GatewayError:
-        if failures and all(f.cause == "decode_full" for f in failures):
+        if _all_full(failures):
             self.metrics.request_errors.labels(reason="no_capacity").inc()
             return GatewayError(
                 ErrorKind.RESOURCE_EXHAUSTED,
@@ -197,7 +215,7 @@ class RoutedGenerator:
         )
 
     async def _attempt(
-        self, route: Route, leg_id: str, request: GenerationRequest
+        self, route: Route, leg_id: str, request: GenerationRequest, wait_for_room: bool = False
     ) -> AsyncIterator[GenerationEvent]:
         """Yields the attempt's events; raises ``_RetryableFailure`` only before the first.
 
@@ -211,7 +229,9 @@ class RoutedGenerator:
         if route.prefill is None:
             leg = self._colocated(route.decode, leg_id, request, timeout)
         else:
-            leg = self._disaggregated(route.prefill, route.decode, leg_id, request, timeout)
+            leg = self._disaggregated(
+                route.prefill, route.decode, leg_id, request, timeout, wait_for_room
+            )
         num_sent = 0
         try:
             async for event in leg:
@@ -226,7 +246,12 @@ class RoutedGenerator:
             await leg.aclose()
 
     def _generate_request(
-        self, leg_id: str, request: GenerationRequest, kv_source: str, timeout: float | None
+        self,
+        leg_id: str,
+        request: GenerationRequest,
+        kv_source: str,
+        timeout: float | None,
+        wait_for_room: bool = False,
     ) -> decode_pb2.GenerateRequest:
         message = decode_pb2.GenerateRequest(
             request_id=leg_id,
@@ -240,6 +265,7 @@ class RoutedGenerator:
                 lease_ms = max(100, min(lease_ms, int(timeout * 1000)))
             message.lease_ms = lease_ms
             message.on_kv_failure = _KV_POLICY[self.config.on_kv_failure]
+            message.wait_for_room = wait_for_room
         return message
 
     async def _colocated(
@@ -270,11 +296,13 @@ class RoutedGenerator:
         leg_id: str,
         request: GenerationRequest,
         timeout: float | None,
+        wait_for_room: bool = False,
     ) -> AsyncIterator[GenerationEvent]:
         decode.num_in_flight += 1
         prefill.num_in_flight += 1
         stream = decode.decode.Generate(
-            self._generate_request(leg_id, request, prefill.address, timeout), timeout=timeout
+            self._generate_request(leg_id, request, prefill.address, timeout, wait_for_room),
+            timeout=timeout,
         )
         reader = _DecodeReader(stream, decode, self.metrics)
         prefill_call: grpc.aio.UnaryUnaryCall | None = None
@@ -362,6 +390,10 @@ class RoutedGenerator:
             decode.num_in_flight -= 1
             if prefill is not None:
                 prefill.num_in_flight -= 1
+
+
+def _all_full(failures: list[_RetryableFailure]) -> bool:
+    return bool(failures) and all(f.cause == "decode_full" for f in failures)
 
 
 def _deadline_error(metrics: GatewayMetrics) -> GatewayError:

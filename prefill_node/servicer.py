@@ -5,6 +5,12 @@ with FAILED_PRECONDITION before any byte moves) → compute the prompt with ``ho
 prefix-cached) → push its pages into the decode node's reserved blocks → commit to the decode
 node → release the blocks → return the first token and timings.
 
+From the check until the push begins a keep-alive task renews the decode reservation's liveness
+lease (``RenewKv``, every third of the lease), saying ``started`` once the engine began the
+prompt, and once more as the push begins: a request queued here behind others keeps its
+reservation; a node that dies or stops, or a push that stalls, lets it expire (design §3a). A
+renew the decode node refuses before the push (the transfer ended there) stops the work.
+
 Cancellation at any point cancels the push; the blocks are released only once the writer's
 handle is terminal (nothing of ours still reads them).
 """
@@ -17,6 +23,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 import grpc
 
@@ -42,6 +49,11 @@ from services.tls import aio_channel
 logger = logging.getLogger(__name__)
 
 PUSH_TIMEOUT_S = 30.0
+"""The push's wait, plus one second per ``PUSH_MIN_BYTES_PER_S`` it moves: a longer prompt
+gets a longer wait, never a fixed one it can outgrow."""
+PUSH_MIN_BYTES_PER_S = 16 * 2**20
+FIRST_RENEW_INTERVAL_S = 1.0
+"""Until the decode node's first ack says how long its lease is."""
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
@@ -60,6 +72,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self.transport = transport
         self.layout: KvLayout = engine.engine.kv_layout
         self._decode_channels: dict[str, grpc.aio.Channel] = {}
+        self._releases: set[asyncio.Future[None]] = set()  # held until done (no GC mid-way)
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         async with self.server.get().admit(context):
@@ -79,41 +92,138 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             first_params = dataclasses.replace(
                 params, max_tokens=1, min_tokens=min(params.min_tokens, 1)
             )
-            first = await self._first_token(
-                request_id, prompt, first_params, hold_kv=destination is not None, context=context
-            )
-            first_token_at = time.monotonic()
-            self.metrics.time_to_first_token.observe(first_token_at - started)
-            scheduled_at = first.first_scheduled_time or started
-            timings = StageTimings(
-                prefill_queue_s=max(scheduled_at - started, 0.0),
-                prefill_compute_s=first_token_at - scheduled_at,
-            )
-            try:
-                pushed = 0
-                if destination is not None:
-                    pushed, push_s = await self._push(request_id, destination, peer, context)
-                    timings = dataclasses.replace(timings, kv_transfer_s=push_s)
-                    await self._commit(request, destination, first, timings, context)
-            finally:
-                await self._release(request_id)
-            result = prefill_pb2.PrefillResult(
-                first_token_id=first.new_token_ids[0],
-                cached_prompt_tokens=first.num_cached_tokens,
-                kv_bytes_pushed=pushed,
-                timings=stage_timings_to_proto(timings),
-            )
-            if first.new_logprobs:
-                result.first_logprobs.CopyFrom(
-                    logprobs_to_proto(first.new_token_ids[0], first.new_logprobs[0])
+            started_computing, pushing = asyncio.Event(), asyncio.Event()
+            keep_alive: asyncio.Task[None] | None = None
+            if destination is not None:
+                keep_alive = asyncio.ensure_future(
+                    self._keep_alive(request, started_computing, pushing, asyncio.current_task())
                 )
-            # The first token may already end the request (EOS, max_tokens=1).
-            if first.finish_reason is not None and _stops_for_good(first, params.max_tokens):
-                result.finish_reason = finish_reason_to_proto(first.finish_reason)
+            try:
+                first = await self._first_token(
+                    request_id,
+                    prompt,
+                    first_params,
+                    hold_kv=destination is not None,
+                    context=context,
+                    on_started=started_computing.set,
+                )
+                result = await self._hand_over(
+                    request, request_id, params, destination, peer, first, started, pushing,
+                    context,
+                )  # fmt: skip
+            finally:
+                if keep_alive is not None:
+                    keep_alive.cancel()
+                    await asyncio.gather(keep_alive, return_exceptions=True)
             return result
+
+    async def _hand_over(
+        self,
+        request: prefill_pb2.PrefillRequest,
+        request_id: str,
+        params: SamplingParams,
+        destination: kv_pb2.KvReservation | None,
+        peer: PeerAddress | None,
+        first: EngineCoreOutput,
+        started: float,
+        pushing: asyncio.Event,
+        context: grpc.aio.ServicerContext,
+    ) -> prefill_pb2.PrefillResult:
+        """Push and commit (with a destination), release the held blocks, and the result."""
+        first_token_at = time.monotonic()
+        self.metrics.time_to_first_token.observe(first_token_at - started)
+        scheduled_at = first.first_scheduled_time or started
+        timings = StageTimings(
+            prefill_queue_s=max(scheduled_at - started, 0.0),
+            prefill_compute_s=first_token_at - scheduled_at,
+        )
+        try:
+            pushed = 0
+            if destination is not None:
+                pushing.set()  # one last renew: the push and commit must fit in one lease
+                pushed, push_s = await self._push(request_id, destination, peer, context)
+                timings = dataclasses.replace(timings, kv_transfer_s=push_s)
+                await self._commit(request, destination, first, timings, context)
+        except BaseException:
+            await self._release(request_id)
+            raise
+        # The reply (the client's first token) goes out now: the release waits for the engine's
+        # next step boundary, a whole prefill chunk on a busy node, which the token need not.
+        release = asyncio.ensure_future(self._release(request_id))
+        self._releases.add(release)
+        release.add_done_callback(self._releases.discard)
+        result = prefill_pb2.PrefillResult(
+            first_token_id=first.new_token_ids[0],
+            cached_prompt_tokens=first.num_cached_tokens,
+            kv_bytes_pushed=pushed,
+            timings=stage_timings_to_proto(timings),
+        )
+        if first.new_logprobs:
+            result.first_logprobs.CopyFrom(
+                logprobs_to_proto(first.new_token_ids[0], first.new_logprobs[0])
+            )
+        # The first token may already end the request (EOS, max_tokens=1).
+        if first.finish_reason is not None and _stops_for_good(first, params.max_tokens):
+            result.finish_reason = finish_reason_to_proto(first.finish_reason)
+        return result
 
     async def GetLoad(self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
         return await load_report(self.config, self.engine, self.server, context)
+
+    def _decode_stub(self, target: str) -> decode_pb2_grpc.DecodeServiceStub:
+        channel = self._decode_channels.get(target)
+        if channel is None:
+            channel = aio_channel(target, self.config.tls)
+            self._decode_channels[target] = channel
+        return decode_pb2_grpc.DecodeServiceStub(channel)
+
+    async def _keep_alive(
+        self,
+        request: prefill_pb2.PrefillRequest,
+        started_computing: asyncio.Event,
+        pushing: asyncio.Event,
+        owner: asyncio.Task | None,
+    ) -> None:
+        """Renew the reservation's lease while the request queues and computes here, once more
+        as its push begins, then stop: a push that stalls is caught by the lease as before."""
+        stub = self._decode_stub(request.decode_target)
+        transfer_id = request.destination.transfer_id
+        interval = FIRST_RENEW_INTERVAL_S
+        while True:
+            is_last = pushing.is_set()
+            started = started_computing.is_set() or is_last
+            try:
+                ack = await stub.RenewKv(
+                    kv_pb2.KvRenew(transfer_id=transfer_id, started=started), timeout=interval
+                )
+                interval = max(ack.lease_ms / 3000, 0.01)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
+                    if is_last:
+                        return  # the push (or the commit) now answers for the transfer
+                    # The decode node ended the transfer (its caller left, or the lease passed):
+                    # nobody will take these pages, so stop computing them.
+                    logger.info(
+                        "transfer %s ended on %s (%s): stopping its prefill",
+                        transfer_id,
+                        request.decode_target,
+                        exc.details(),
+                    )
+                    if owner is not None:
+                        owner.cancel()
+                    return
+                # Unreachable for a moment: try again within the lease.
+                logger.warning("renewing transfer %s failed: %s", transfer_id, exc.details())
+            if is_last:
+                return
+            # The renew that says "started", and the last one, go out at once.
+            events = [pushing] if started else [started_computing, pushing]
+            waiters = [asyncio.ensure_future(event.wait()) for event in events]
+            try:
+                await asyncio.wait(waiters, timeout=interval, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in waiters:
+                    waiter.cancel()
 
     async def _check_destination(
         self,
@@ -170,12 +280,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         *,
         hold_kv: bool,
         context: grpc.aio.ServicerContext,
+        on_started: Callable[[], None] | None = None,
     ) -> EngineCoreOutput:
         try:
             outputs = [
                 out
                 async for out in self.engine.generate(
-                    request_id, prompt, first_params, hold_kv=hold_kv
+                    request_id, prompt, first_params, hold_kv=hold_kv, on_started=on_started
                 )
             ]
         except ValueError as exc:
@@ -196,27 +307,29 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         copies = layer_copies(self.layout, src_blocks, dst_layout, list(destination.block_ids))
         pages = to_page_copies(copies)
         started = time.monotonic()
+        num_bytes = sum(page.length for page in pages)
+        push_timeout_s = PUSH_TIMEOUT_S + num_bytes / PUSH_MIN_BYTES_PER_S
         try:
             await asyncio.to_thread(self.transport.connect, peer)
             handle: TransferHandle = self.transport.write(
                 peer,
                 pages,
                 transfer_id=destination.transfer_id,
-                deadline=time.monotonic() + PUSH_TIMEOUT_S,
+                deadline=time.monotonic() + push_timeout_s,
             )
         except (ConnectionError, ValueError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push failed to start: {exc}")
         try:
-            status = await handle.wait_async(PUSH_TIMEOUT_S)
+            status = await handle.wait_async(push_timeout_s)
         except asyncio.CancelledError:
             handle.cancel()
-            await asyncio.shield(handle.wait_async(PUSH_TIMEOUT_S))
+            await asyncio.shield(handle.wait_async(push_timeout_s))
             raise
         if not status.is_terminal:
             # Past our own wait: stop the writer and let it finish before the blocks it reads
             # are released.
             handle.cancel()
-            status = await handle.wait_async(PUSH_TIMEOUT_S)
+            status = await handle.wait_async(push_timeout_s)
         if status.value != "done":
             self.metrics.transfer_failed(status.value)
             await context.abort(
@@ -237,10 +350,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         timings: StageTimings,
         context: grpc.aio.ServicerContext,
     ) -> None:
-        channel = self._decode_channels.get(request.decode_target)
-        if channel is None:
-            channel = aio_channel(request.decode_target, self.config.tls)
-            self._decode_channels[request.decode_target] = channel
         commit = kv_pb2.KvCommit(
             transfer_id=destination.transfer_id,
             first_token_id=first.new_token_ids[0],
@@ -252,7 +361,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 logprobs_to_proto(first.new_token_ids[0], first.new_logprobs[0])
             )
         try:
-            await decode_pb2_grpc.DecodeServiceStub(channel).CommitKv(commit, timeout=10)
+            # The request's own deadline: the commit waits for the decode engine's step
+            # boundary, which no fixed constant bounds on every host.
+            await self._decode_stub(request.decode_target).CommitKv(
+                commit, timeout=context.time_remaining()
+            )
         except grpc.aio.AioRpcError as exc:
             await context.abort(
                 exc.code() if exc.code() != grpc.StatusCode.OK else grpc.StatusCode.UNKNOWN,

@@ -11,7 +11,9 @@ Life cycle:
                      A consumer that stops early (stream closed, deadline, cancellation — even
                      while its add is still queued) aborts the request: it leaves the batch
                      before the next step and its blocks are freed — except a RESERVED
-                     request's, which its owner frees after a fence.
+                     request's, which its owner frees after a fence. ``on_started`` is called
+                     (on the caller's loop) once a step has computed part of the prompt: a
+                     prefill node tells its decode node that the request left its queue.
 3. ``call(fn)``      runs ``fn(engine)`` on the engine thread between two steps (commit,
                      stats, ...): the engine itself is never touched from two threads.
                      ``reserve()`` is the one such call with its own method: a caller that goes
@@ -44,6 +46,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -72,14 +75,31 @@ class _Stream:
     queue: asyncio.Queue[EngineCoreOutput | BaseException] = field(default_factory=asyncio.Queue)
     is_added: bool = False
     """Its request entered the engine (set and read on the engine thread only)."""
+    on_started: Callable[[], None] | None = None
+    """Called once on ``loop`` when a step first scheduled the request (then set to None)."""
 
 
 class AsyncEngine:
     def __init__(
-        self, engine: EngineCore | Callable[[], EngineCore], *, idle_wait_s: float = 0.05
+        self,
+        engine: EngineCore | Callable[[], EngineCore],
+        *,
+        idle_wait_s: float = 0.05,
+        test_step_delay_s: float = 0.0,
+        test_step_slowdown: float = 1.0,
     ) -> None:
         """``engine``: the engine, or a factory that ``start()`` runs on the engine thread (then
-        ``self.engine`` exists once ``start()`` has returned)."""
+        ``self.engine`` exists once ``start()`` has returned). ``test_step_delay_s`` and
+        ``test_step_slowdown`` (testing and benchmarks only) make every step that did work take
+        that much longer, or that many times as long: a slow host, simulated."""
+        if test_step_delay_s < 0 or test_step_slowdown < 1:
+            raise ValueError(
+                f"test_step_delay_s must be >= 0 and test_step_slowdown >= 1, got "
+                f"{test_step_delay_s} and {test_step_slowdown}"
+            )
+        self._step_delay_s = test_step_delay_s
+        self._step_slowdown = test_step_slowdown
+        self._awaiting_start: dict[str, _Stream] = {}  # touched on the engine thread only
         self.engine: EngineCore
         self._factory: Callable[[], EngineCore] | None = None
         self._stats: EngineStats | None = None  # written on the engine thread only
@@ -146,14 +166,17 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         hold_kv: bool = False,
+        on_started: Callable[[], None] | None = None,
     ) -> AsyncIterator[EngineCoreOutput]:
         """Each step's output for the request, ending with the one that has a finish reason."""
-        stream = _Stream(asyncio.get_running_loop())
+        stream = _Stream(asyncio.get_running_loop(), on_started=on_started)
 
         def add(engine: EngineCore) -> None:
             engine.add_request(request_id, prompt_token_ids, params, hold_kv=hold_kv)
             self._streams[request_id] = stream
             stream.is_added = True
+            if on_started is not None:
+                self._awaiting_start[request_id] = stream
 
         def take_back() -> None:
             if stream.is_added:
@@ -293,7 +316,11 @@ class AsyncEngine:
                 self._run_commands(block=not self.engine.has_work)
                 self._refresh_stats()  # commands that were not calls (a stream's abandon)
                 if self.engine.has_work and not self._stopping.is_set():
-                    self._publish(self.engine.step())
+                    started = time.monotonic()
+                    outputs = self.engine.step()
+                    self._notify_started()
+                    self._simulate_slow_host(time.monotonic() - started, bool(outputs))
+                    self._publish(outputs)
         except BaseException as exc:  # noqa: BLE001 (a crashed step must reach every stream)
             logger.exception("engine loop crashed")
             self._error = exc
@@ -329,6 +356,29 @@ class AsyncEngine:
             deliveries.setdefault(stream.loop, []).append((stream.queue, output))
         for loop, items in deliveries.items():
             loop.call_soon_threadsafe(_deliver, items)
+
+    def _notify_started(self) -> None:
+        """``on_started`` for each request a step has scheduled (or already finished)."""
+        if not self._awaiting_start:
+            return
+        requests = self.engine.scheduler.requests
+        for request_id, stream in list(self._awaiting_start.items()):
+            request = requests.get(request_id)
+            if request is not None and request.first_scheduled_time is None:
+                continue
+            del self._awaiting_start[request_id]
+            callback, stream.on_started = stream.on_started, None
+            if callback is not None:
+                stream.loop.call_soon_threadsafe(callback)
+
+    def _simulate_slow_host(self, step_s: float, did_work: bool) -> None:
+        # Testing only: sleeping here holds no lock the servicers need (commands wait, as they
+        # would behind a slow step).
+        if not did_work and step_s < 1e-3:
+            return
+        extra = self._step_delay_s + (self._step_slowdown - 1.0) * step_s
+        if extra > 0:
+            self._stopping.wait(extra)
 
     def _refresh_stats(self) -> None:
         self._stats = self.engine.stats()

@@ -41,6 +41,17 @@ class NodeMetrics:
         self.num_requests_reserved = gauge(
             "num_requests_reserved", "Decode: requests holding blocks while their KV arrives"
         )
+        self.kv_unstarted_reservations = gauge(
+            "kv_unstarted_reservations",
+            "Decode: KV reservations whose prefill node has not started computing the prompt",
+        )
+        self.kv_unstarted_blocks = gauge(
+            "kv_unstarted_blocks",
+            "Decode: KV blocks held by reservations whose prefill has not started",
+        )
+        self.kv_waiting_reservations = gauge(
+            "kv_waiting_reservations", "Decode: KV reservations waiting for room (no blocks held)"
+        )
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use")
         self.prefix_cache_hit_rate = gauge(
             "prefix_cache_hit_rate", "Prompt tokens served by the prefix cache / tokens looked up"

@@ -56,6 +56,14 @@ class NodeConfig:
     tls: TlsFiles | None = None
     """Mutual TLS for the gRPC port and the channels this node opens (prefill to decode); None:
     plaintext. See ``services/tls.py``."""
+    test_step_delay_s: float = 0.0
+    test_step_slowdown: float = 1.0
+    """Testing and benchmarks only: each engine step that did work takes this much longer /
+    this many times as long (a slow host, simulated). 0 and 1 in service."""
+    max_unstarted_reservations: int = 16
+    """Decode: reservations whose prefill has not started, at most; more wait (design §3a)."""
+    max_waiting_reservations: int = 1024
+    """Decode: reservations waiting for room, at most; more are refused (RESOURCE_EXHAUSTED)."""
 
     def __post_init__(self) -> None:
         if self.kv_transport not in KV_TRANSPORTS:
@@ -72,6 +80,16 @@ class NodeConfig:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
         if self.test_kv_push_pause_s < 0:
             raise ValueError(f"test_kv_push_pause_s must be >= 0, got {self.test_kv_push_pause_s}")
+        if self.test_step_delay_s < 0 or self.test_step_slowdown < 1:
+            raise ValueError(
+                f"test_step_delay_s must be >= 0 and test_step_slowdown >= 1, got "
+                f"{self.test_step_delay_s} and {self.test_step_slowdown}"
+            )
+        if self.max_unstarted_reservations < 1 or self.max_waiting_reservations < 0:
+            raise ValueError(
+                "max_unstarted_reservations must be >= 1 and max_waiting_reservations >= 0, got "
+                f"{self.max_unstarted_reservations} and {self.max_waiting_reservations}"
+            )
 
     @property
     def grpc_address(self) -> str:
@@ -145,6 +163,33 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
         "cancel a node while pages are moving)",
     )
     add_tls_flags(parser)
+    add(
+        "--test-step-delay-s",
+        type=float,
+        default=0.0,
+        help="testing only: every engine step that did work sleeps this long after it",
+    )
+    add(
+        "--test-step-slowdown",
+        type=float,
+        default=1.0,
+        help="testing and benchmarks only: every engine step that did work takes this many "
+        "times as long (a slower host, simulated)",
+    )
+    add(
+        "--max-unstarted-reservations",
+        type=int,
+        default=16,
+        help="decode: KV reservations whose prefill has not started, at most (more wait for "
+        "one to start)",
+    )
+    add(
+        "--max-waiting-reservations",
+        type=int,
+        default=1024,
+        help="decode: KV reservations waiting for room, at most (more are refused: the gateway "
+        "answers 429)",
+    )
     return parser
 
 
@@ -196,6 +241,10 @@ def parse_node_config(
             engine=engine,
             test_kv_push_pause_s=args.test_kv_push_pause_s,
             tls=tls_from_args(args),
+            test_step_delay_s=args.test_step_delay_s,
+            test_step_slowdown=args.test_step_slowdown,
+            max_unstarted_reservations=args.max_unstarted_reservations,
+            max_waiting_reservations=args.max_waiting_reservations,
         )
     except ValueError as exc:
         parser.error(str(exc))

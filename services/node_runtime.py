@@ -78,7 +78,11 @@ async def load_report(
 async def start_node(config: NodeConfig, role: RoleFactory) -> tuple[NodeServer, AsyncEngine]:
     # Built on the engine thread: that thread must be the only one to run torch ops (see
     # services/async_engine.py). Blocks this loop while the model loads, before the port opens.
-    engine = AsyncEngine(lambda: EngineCore(config.engine))
+    engine = AsyncEngine(
+        lambda: EngineCore(config.engine),
+        test_step_delay_s=config.test_step_delay_s,
+        test_step_slowdown=config.test_step_slowdown,
+    )
     engine.start()
     config = resolve_kv_transport(config)
     ref = NodeServerRef()

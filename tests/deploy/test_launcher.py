@@ -186,15 +186,71 @@ def test_a_launcher_killed_outright_takes_its_children_with_it(launch) -> None:
     assert_all_gone(pids)
 
 
-def test_a_child_that_dies_stops_the_others(launch) -> None:
-    ports = free_ports(2)
-    launched = launch(pair(ports), "--no-gateway")
+def complete_once(http_port: int) -> bool:
+    """One short completion through the gateway; whether it succeeded."""
+    body = {"model": "tiny-llama", "prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True}
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{http_port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with no_proxy.open(request, timeout=60) as response:
+            return json.load(response)["usage"]["completion_tokens"] == 4
+    except OSError:
+        return False
+
+
+def test_a_killed_node_of_either_role_is_restarted_and_the_survivors_keep_serving(
+    launch,
+) -> None:
+    """``make run PREFILL=2 DECODE=2``, then kill -9 of a decode node and of a prefill node:
+    the launcher keeps the rest running, new requests succeed through the survivors, and the
+    dead node comes back. Polled, never timed."""
+    http_port, grpc_port, prefill_port, decode_port = free_ports(4)
+    while not all(_port_free(p) for p in (prefill_port + 1, decode_port + 1)):
+        http_port, grpc_port, prefill_port, decode_port = free_ports(4)
+    topology = {
+        "prefill": {"count": 2, "base_grpc_port": prefill_port, "args": NODE_ARGS},
+        "decode": {"count": 2, "base_grpc_port": decode_port, "args": NODE_ARGS},
+        "gateway": {"http_port": http_port, "grpc_port": grpc_port,
+                    "args": {"health-interval-s": 0.3}},
+    }  # fmt: skip
+    launched = launch(topology, "--restart-backoff-s", "0.2")
     launched.wait_up()
     pids = launched.child_pids()
-    os.kill(pids["decode-0"], signal.SIGKILL)
-    assert launched.wait() == 1
-    assert "decode-0 exited with -9; stopping the rest" in launched.output
+    assert complete_once(http_port)
+    for victim in ("decode-0", "prefill-1"):
+        os.kill(pids[victim], signal.SIGKILL)
+        deadline = time.monotonic() + 180
+        while not complete_once(http_port):  # served by the survivors (or the restarted one)
+            assert launched.process.poll() is None, launched.output
+            assert time.monotonic() < deadline, launched.output
+            time.sleep(0.2)
+        while f"{victim} healthy again" not in launched.output:
+            assert launched.process.poll() is None, launched.output
+            assert time.monotonic() < deadline, launched.output
+            time.sleep(0.2)
+        assert f"{victim} exited with -9; restarting it in" in launched.output
+        new_pid = int(re.findall(rf"restarted {victim} pid (\d+)", launched.output)[-1])
+        assert new_pid != pids[victim] and is_running(new_pid)
+        pids[victim] = new_pid
+    survivors = ("prefill-0", "decode-1", "gateway")
+    assert all(f"restarted {name}" not in launched.output for name in survivors)
+    assert complete_once(http_port)
+    launched.process.send_signal(signal.SIGTERM)
+    assert launched.wait() == 0, launched.output
     assert_all_gone(pids, timeout_s=5)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def test_a_taken_port_is_refused_before_anything_starts(launch) -> None:

@@ -121,6 +121,16 @@ def test_a_failure_after_tokens_ends_the_stream_with_error(fake_node, tiny_llama
     )
 
 
+def test_when_every_decode_is_full_the_request_waits_for_room(fake_node, tiny_llama_dir) -> None:
+    async def body(stub, gateway) -> None:
+        tokens, finished = await collect(stub)
+        assert len(tokens) == 6 and finished.num_retries == 2
+        assert gateway.metrics.retries.labels(cause="decode_full")._value.get() == 2
+
+    run(fake_node, with_model(tiny_llama_dir, body), prefill=[{}],
+        decode=[{"refuse_unless_waiting": True}, {"refuse_unless_waiting": True}])  # fmt: skip
+
+
 def test_refusals_are_retried_then_reported_as_exhausted(fake_node, tiny_llama_dir) -> None:
     async def body(stub, gateway) -> None:
         tokens, finished = await collect(stub)
@@ -133,7 +143,9 @@ def test_refusals_are_retried_then_reported_as_exhausted(fake_node, tiny_llama_d
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await collect(stub)
         assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert gateway.metrics.retries.labels(cause="decode_full")._value.get() == 2
+        # Both decodes refused, then one refused even to queue the request (its wait queue is
+        # full): only then is the client told, before any node did work for it.
+        assert gateway.metrics.retries.labels(cause="decode_full")._value.get() == 3
 
     run(fake_node, with_model(tiny_llama_dir, all_full), prefill=[{}],
         decode=[{"refuse": True}, {"refuse": True}])  # fmt: skip

@@ -1036,3 +1036,43 @@ def test_no_body_gets_a_5xx(serve: Callable[..., Served]) -> None:
 
     with client:
         check()
+
+
+def test_health_polls_are_not_request_errors(serve: Callable[..., Served]) -> None:
+    # Start-up: /health answers 503 until the nodes are up; a load balancer polls it. Those
+    # polls used to count in pdserve:request_errors_total{reason="unavailable"}.
+    not_ready = serve(ready=False)
+    for _ in range(3):
+        assert_error(httpx.get(f"{not_ready.url}/health"), 503, None)
+    errors = not_ready.frontend.metrics.request_errors
+    assert errors.labels(reason="unavailable")._value.get() == 0
+
+
+def test_a_refusal_for_capacity_says_when_to_retry(serve: Callable[..., Served]) -> None:
+    def script(request: GenerationRequest) -> list[Step]:
+        return [GatewayError(ErrorKind.RESOURCE_EXHAUSTED, "every decode node is full")]
+
+    served = serve(script)
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": "x", "stream": stream}
+        response = served.post("/v1/completions", body)
+        assert_error(response, 429, None)
+        assert int(response.headers["retry-after"]) >= 1
+    assert "retry-after" not in served.post("/v1/completions", {"model": 3}).headers
+
+
+def test_a_stalled_body_is_answered_408(serve: Callable[..., Served]) -> None:
+    served = serve(body_read_timeout_s=0.5)
+    port = int(served.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        body = b'{"model": "' + MODEL.encode() + b'", "prompt": "x"}'
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n"
+        )
+        sock.sendall(head + body[:10])  # then nothing more
+        reply = sock.recv(65536).decode()
+    assert reply.startswith("HTTP/1.1 408"), reply
+    assert "the request body stalled" in reply
+    # The server still serves everyone else.
+    assert served.post("/v1/completions", {"model": MODEL, "prompt": "x"}).status_code == 200

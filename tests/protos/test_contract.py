@@ -25,6 +25,7 @@ def test_services_have_the_life_cycle_rpcs() -> None:
     assert methods(decode_pb2, "DecodeService") == {
         "Generate": (False, True),
         "CommitKv": (False, False),
+        "RenewKv": (False, False),
         "Abort": (False, False),
         "GetLoad": (False, False),
     }

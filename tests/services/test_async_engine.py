@@ -322,3 +322,36 @@ def test_stats_answer_at_once_while_a_step_runs_and_include_what_returned(engine
             engine.stats  # noqa: B018
 
     asyncio.run(main())
+
+
+def test_on_started_is_called_once_when_a_step_first_schedules_the_request(
+    tiny_llama_dir: Path,
+) -> None:
+    # 16 prompt tokens a step: the 80-token prompt takes 5 steps; "started" comes after the first
+    # (a prefill node then tells its decode node the request left its queue), once.
+    core = LLM(
+        tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=2 << 20,
+        max_num_batched_tokens=16,
+    ).engine  # fmt: skip
+    engine = AsyncEngine(core)
+    engine.start()
+    events: list[str] = []
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    async def main() -> None:
+        outputs = engine.generate(
+            "s", list(range(10, 90)), params, on_started=lambda: events.append("started")
+        )
+        async for out in outputs:
+            events.append("finished" if out.finish_reason is not None else "output")
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert events == ["started", "finished"]
+
+
+def test_the_slow_host_knobs_are_validated(tiny_llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="test_step_slowdown"):
+        AsyncEngine(lambda: make_engine(tiny_llama_dir), test_step_slowdown=0.5)
