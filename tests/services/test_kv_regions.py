@@ -90,7 +90,7 @@ def test_the_node_exits_with_one_line_not_a_traceback(tmp_path) -> None:
         from kv_transfer.memory import UnsupportedMemoryError
 
         class Engine:
-            def __init__(self, factory): pass
+            def __init__(self, factory, **options): pass
             def start(self): pass
             def shutdown(self): print("engine shut down", file=sys.stderr)
 
