@@ -287,11 +287,7 @@ class TransferManager:
             raise CommitRefused(f"transfer_id {transfer_id!r} is unknown or already freed")
         if transfer.state not in _OPEN:
             raise CommitRefused(f"transfer {transfer_id} is {transfer.state.value}")
-        # The prefill node saw its push complete; this side's transport may take a moment more
-        # to see the last page land (an agent thread on a busy host). The lease bounds that
-        # wait, not a constant a slow host could cross.
-        wait_s = max(0.5, transfer.lease_deadline - self.clock())
-        status = await asyncio.to_thread(self.transport.wait_inbound, transfer_id, wait_s)
+        status = await asyncio.to_thread(self.transport.wait_inbound, transfer_id, 0.5)
         if transfer.state not in _OPEN:  # aborted (or committed by a duplicate) meanwhile
             raise CommitRefused(f"transfer {transfer_id} is {transfer.state.value}")
         if status is not TransferStatus.DONE:

@@ -125,7 +125,7 @@ def test_reserve_push_commit_streams_the_single_engine_tokens(pair: Pair, tiny_l
 
 def test_a_commit_before_the_pages_landed_is_refused_and_frees(pair: Pair) -> None:
     async def main() -> None:
-        transfer = await pair.manager.reserve("early", [5, 6, 7], GREEDY, lease_s=1)
+        transfer = await pair.manager.reserve("early", [5, 6, 7], GREEDY, lease_s=10)
         with pytest.raises(CommitRefused, match="pages not all received"):
             await pair.manager.commit(transfer.transfer_id, 11)
         assert transfer.state is TransferState.FREED
@@ -134,30 +134,6 @@ def test_a_commit_before_the_pages_landed_is_refused_and_frees(pair: Pair) -> No
             await pair.manager.commit(transfer.transfer_id, 11)
 
     asyncio.run(main())
-
-
-def test_a_commit_waits_within_the_lease_for_pages_still_landing(pair: Pair) -> None:
-    # The commit can reach the decode node before its own transport has seen the last page land
-    # (an agent thread on a busy host): the lease bounds that wait, not a fixed half second.
-    prompt = list(range(400, 440))
-
-    async def main() -> None:
-        transfer = await pair.manager.reserve("late", prompt, GREEDY, lease_s=30)
-        first = pair.first_token("late", prompt)
-        stream = await pair.decode.attach("late")
-        commit = asyncio.ensure_future(pair.manager.commit(transfer.transfer_id, first))
-        await asyncio.sleep(1.0)  # no page has been pushed yet: the commit is still waiting
-        assert not commit.done() and transfer.state is TransferState.RESERVED
-        handle = pair.push("late", transfer)
-        assert await handle.wait_async(5) is not None and handle.status.value == "done"
-        pair.prefill.release_kv("late")
-        await commit
-        assert transfer.state is TransferState.COMMITTED
-        async for _ in stream:
-            pass
-
-    asyncio.run(main())
-    assert asyncio.run(pair.decode_blocks_used()) == 0
 
 
 def test_an_expired_lease_is_freed_and_a_late_write_never_lands(pair: Pair) -> None:
@@ -309,7 +285,7 @@ def test_each_abort_records_its_cause(pair: Pair) -> None:
         await pair.manager.abort_request("c", "stream closed", AbortCause.CALLER)
         expired = await pair.manager.reserve("e", [5, 6, 7], GREEDY, lease_s=0.0)
         await pair.manager.reap()
-        early = await pair.manager.reserve("b", [5, 6, 7], GREEDY, lease_s=1)
+        early = await pair.manager.reserve("b", [5, 6, 7], GREEDY, lease_s=10)
         with pytest.raises(CommitRefused):
             await pair.manager.commit(early.transfer_id, 11)
         assert caller.abort_cause is AbortCause.CALLER and not caller.abort_cause.is_failure
@@ -390,7 +366,7 @@ def test_a_caller_abort_while_committing_ends_the_request_once_committed(pair: P
 
 def test_a_commit_that_waited_while_the_transfer_was_aborted_is_refused(pair: Pair) -> None:
     async def main() -> None:
-        transfer = await pair.manager.reserve("w", [5, 6, 7], GREEDY, lease_s=1)
+        transfer = await pair.manager.reserve("w", [5, 6, 7], GREEDY, lease_s=10)
         commit = asyncio.ensure_future(pair.manager.commit(transfer.transfer_id, 11))
         await asyncio.sleep(0.1)  # inside its wait for the pages (none will come)
         await pair.manager.abort(transfer.transfer_id, "stream closed", AbortCause.CALLER)
