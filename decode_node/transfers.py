@@ -287,6 +287,10 @@ class TransferManager:
             raise CommitRefused(f"transfer_id {transfer_id!r} is unknown or already freed")
         if transfer.state not in _OPEN:
             raise CommitRefused(f"transfer {transfer_id} is {transfer.state.value}")
+        # Not a host-speed guess: the prefill node commits only after its push ended DONE, and
+        # every transport reports that only once this side saw the last page land (the UCX
+        # receiver's ACK, the shm table, loopback's own copy). So the pages are here already;
+        # the short wait only gives a commit sent without its push a bounded refusal.
         status = await asyncio.to_thread(self.transport.wait_inbound, transfer_id, 0.5)
         if transfer.state not in _OPEN:  # aborted (or committed by a duplicate) meanwhile
             raise CommitRefused(f"transfer {transfer_id} is {transfer.state.value}")
