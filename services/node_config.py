@@ -15,12 +15,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kv_transfer.transport_choice import KV_SCOPES
 from services.cli import ENV_PREFIX, apply_env_defaults, parse_bytes
 from services.engine import CacheConfig, EngineConfig, SchedulerConfig, SchedulingPolicy
 from services.tls import TlsFiles, add_tls_flags, tls_from_args
 
 KV_TRANSPORTS = ("auto", "shm", "cuda_ipc", "ucx", "loopback")
-KV_SCOPES = ("host", "cluster")
 
 
 class Role(enum.StrEnum):
