@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,17 +23,12 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from deploy.local_ports import free_ports
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_node(module: str, role: str, args: argparse.Namespace, cpus: str | None):
-    port = free_port()
+    port = free_ports(1)[0]
     command = [
         sys.executable, "-m", module, "--role", role, "--model", str(args.model),
         "--dtype", "bfloat16", "--host", "127.0.0.1", "--grpc-port", str(port),

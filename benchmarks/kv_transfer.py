@@ -21,7 +21,6 @@ import argparse
 import multiprocessing as mp
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import numpy as np  # noqa: E402
 
+from deploy.local_ports import free_ports  # noqa: E402
 from kv_transfer import PageTable, PeerAddress, TransferStatus, make_transport  # noqa: E402
 
 PAGE = 16 * 4 * 64 * 2  # bytes of one block of one layer of the small model
@@ -91,9 +91,7 @@ def run_perftest(num_bytes: int, iters: int) -> float | None:
     if not binary.exists():
         return None
     env = {**os.environ, "LD_LIBRARY_PATH": str(root / "lib"), "UCX_WARN_UNUSED_ENV_VARS": "n"}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_ports(1)[0])
     args = ["-t", "tag_bw", "-s", str(num_bytes), "-n", str(iters), "-p", port]
     server = subprocess.Popen(
         [str(binary), *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL

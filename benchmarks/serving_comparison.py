@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,16 +46,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+from deploy.local_ports import free_ports
+
 ROOT = Path(__file__).resolve().parents[1]
 # Seed offset of the warm-up prompts (rounds use offsets 0, 1, ...).
 _WARMUP_SEED = 1000
 PYTHON = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Processes:
@@ -118,15 +113,15 @@ def node_argv(role: str, args: argparse.Namespace, port: int, transport: str) ->
 
 
 def start_pdserve(system: str, args: argparse.Namespace, processes: Processes) -> str:
-    http_port = free_port()
+    http_port = free_ports(1)[0]
     system, _, transport = system.partition("@")
     transport = transport or "ucx"
     if system == "colocated":
-        port = free_port()
+        port = free_ports(1)[0]
         processes.start("colocated", node_argv("colocated", args, port, "loopback"))
         nodes = ["--colocated", f"127.0.0.1:{port}"]
     else:
-        prefill_port, decode_port = free_port(), free_port()
+        prefill_port, decode_port = free_ports(2)
         one_thread = {"OMP_NUM_THREADS": "1"}
         slow = []
         if system == "disaggregated-slow":
@@ -161,7 +156,7 @@ def hf_dir(args: argparse.Namespace) -> Path:
 
 
 def start_vllm(args: argparse.Namespace, processes: Processes) -> str:
-    port = free_port()
+    port = free_ports(1)[0]
     venv = Path(args.vllm_venv).expanduser()
     processes.start(
         "vllm",

@@ -12,7 +12,6 @@ import json
 import math
 import random
 import re
-import socket
 import statistics
 import sys
 import threading
@@ -24,6 +23,8 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+
+from deploy.local_ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -457,9 +458,7 @@ def test_plot_compares_saved_runs(start_fake: Any, tiny_llama_dir: Path, tmp_pat
 
 
 def test_a_server_that_is_not_there_fails_each_request() -> None:
-    with socket.socket() as sock:  # a free port, closed again: nothing listens on it
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    (port,) = free_ports(1)  # nothing listens on it
     config = serve.LoadConfig(
         url=f"http://127.0.0.1:{port}/v1/completions",
         model="tiny",

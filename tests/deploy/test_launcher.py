@@ -22,23 +22,13 @@ import pytest
 import yaml
 
 from deploy.health import grpc_serving
+from deploy.local_ports import free_ports
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 UP = "pdserve is up"
 NODE_ARGS = {"kv-cache-memory": "16MiB", "max-model-len": 256, "drain-grace-s": 2}
-
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def process_state(pid: int) -> str | None:
@@ -208,9 +198,8 @@ def test_a_killed_node_of_either_role_is_restarted_and_the_survivors_keep_servin
     """``make run PREFILL=2 DECODE=2``, then kill -9 of a decode node and of a prefill node:
     the launcher keeps the rest running, new requests succeed through the survivors, and the
     dead node comes back. Polled, never timed."""
-    http_port, grpc_port, prefill_port, decode_port = free_ports(4)
-    while not all(_port_free(p) for p in (prefill_port + 1, decode_port + 1)):
-        http_port, grpc_port, prefill_port, decode_port = free_ports(4)
+    # Two nodes per role, numbered from each group's base port.
+    prefill_port, _, decode_port, _, http_port, grpc_port = free_ports(6, consecutive=True)
     topology = {
         "prefill": {"count": 2, "base_grpc_port": prefill_port, "args": NODE_ARGS},
         "decode": {"count": 2, "base_grpc_port": decode_port, "args": NODE_ARGS},
@@ -242,15 +231,6 @@ def test_a_killed_node_of_either_role_is_restarted_and_the_survivors_keep_servin
     launched.process.send_signal(signal.SIGTERM)
     assert launched.wait() == 0, launched.output
     assert_all_gone(pids, timeout_s=5)
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def test_a_taken_port_is_refused_before_anything_starts(launch) -> None:

@@ -18,7 +18,6 @@ import json
 import os
 import random
 import signal
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ import httpx
 import pytest
 
 from deploy.commands import ProcessSpec, local_processes
+from deploy.local_ports import free_ports
 from deploy.supervisor import Output, Supervisor
 from deploy.topology import GatewaySpec, NodeGroup, Role, Topology
 from gateway.tokenizer import Tokenizer
@@ -51,24 +51,12 @@ NODE_ARGS = (
 PREFILL_0_ARGS = ("--test-kv-push-pause-s", "1.5", "--max-num-batched-tokens", "16")
 
 
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
-
-
 class Cluster:
     """Each process under its own ``Supervisor``, so one can be killed and restarted alone."""
 
     def __init__(self, model_dir: Path) -> None:
         # Consecutive ports per group: a topology numbers its nodes from a base port.
-        base = free_ports(1)[0]
-        while not all(_port_free(base + i) for i in range(6)):
-            base = free_ports(1)[0]
+        base = free_ports(6, consecutive=True)[0]
         self.topology = Topology(
             model=str(model_dir),
             served_model_name="tiny-llama",
@@ -182,15 +170,6 @@ class Cluster:
         for name in ["gateway", *self.node_names]:
             if name in self.running:
                 self.running[name].stop()
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 @pytest.fixture(scope="module")

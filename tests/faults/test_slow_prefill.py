@@ -20,8 +20,9 @@ import httpx
 import pytest
 
 from deploy.commands import local_processes
+from deploy.local_ports import free_ports
 from deploy.topology import GatewaySpec, NodeGroup, Role, Topology
-from tests.faults.test_process_faults import Cluster, _port_free, body, free_ports
+from tests.faults.test_process_faults import Cluster, body
 
 pytestmark = pytest.mark.slow
 
@@ -33,9 +34,7 @@ DECODE_ARGS = ("--max-num-seqs", "4", "--max-waiting-reservations", "6")
 
 class SlowPrefillCluster(Cluster):
     def __init__(self, model_dir: Path) -> None:  # noqa: PLW0231 (a topology of its own)
-        base = free_ports(1)[0]
-        while not all(_port_free(base + i) for i in range(4)):
-            base = free_ports(1)[0]
+        base = free_ports(4, consecutive=True)[0]
         node_args = (("kv-cache-memory", "8MiB"), ("max-model-len", str(MAX_MODEL_LEN)),
                      ("dtype", "float32"), ("drain-grace-s", "2"))  # fmt: skip
         self.topology = Topology(

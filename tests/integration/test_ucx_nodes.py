@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from deploy.local_ports import free_ports
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.engine import LLM, SamplingParams
 
@@ -23,17 +23,11 @@ MAX_MODEL_LEN = 256
 GREEDY = common_pb2.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class NodeProcess:
     def __init__(
         self, module: str, role: str, model_dir: Path, kv_memory: str, *extra: str, kv="ucx"
     ) -> None:
-        self.port = free_port()
+        self.port = free_ports(1)[0]
         self.process = subprocess.Popen(
             [
                 sys.executable,

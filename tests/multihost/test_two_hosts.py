@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import httpx
 import pytest
 
 from deploy.health import GrpcHealth, HttpHealth
+from deploy.local_ports import free_ports
 from pdserve.v1 import (
     common_pb2,
     decode_pb2_grpc,
@@ -76,12 +76,6 @@ def netns_unavailable() -> str | None:
     except ImportError as exc:
         return f"UCX (ucxx) is not importable: {exc}"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def unused_subnets(pid: int) -> int:
@@ -173,7 +167,7 @@ class Stack:
                     "--grpc-port", "50071", "--node-id", "decode-b")  # fmt: skip
         for name, address in (("prefill", self.prefill_address), ("decode", self.decode_address)):
             self._wait(name, lambda a=address: GrpcHealth(a).check(1.0))
-        self.http_port, self.grpc_port = free_port(), free_port()
+        self.http_port, self.grpc_port = free_ports(2)
         argv = [sys.executable, "-m", "gateway", "--model", str(self.model_dir),
                 "--host", "127.0.0.1", "--http-port", str(self.http_port),
                 "--grpc-port", str(self.grpc_port), "--max-model-len", str(MAX_MODEL_LEN),
