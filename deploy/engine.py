@@ -27,7 +27,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
@@ -35,7 +35,7 @@ from deploy import base
 from deploy.build_mounts import BuildMounts
 from deploy.compose import compose_dict, cpu_override_dict
 from deploy.envoy.config import envoy_bootstrap
-from deploy.podman import LABEL, Container, containers, merge, podman_override_dict
+from deploy.podman import LABEL, containers, merge, podman_override_dict
 from deploy.topology import Topology, load_topology
 
 logger = logging.getLogger(__name__)
@@ -147,32 +147,43 @@ class PodmanDeployment:
         self.build(services)
         self.down()  # a previous run's leftovers would hold the names
         deadline = time.monotonic() + timeout_s
-        for container in containers(services, project=self.project, base_dir=DEPLOY_DIR):
+        healthy: set[str] = set()
+        health_timers = Path("/run/systemd/system").is_dir()
+        for container in containers(
+            services, project=self.project, base_dir=DEPLOY_DIR, health_timers=health_timers
+        ):
+            for dependency in container.waits_for:
+                if dependency not in healthy:
+                    self.wait_healthy(f"{self.project}-{dependency}", deadline, timeout_s)
+                    healthy.add(dependency)
             logger.info("starting %s", container.name)
             self.podman("run", *container.run_args, capture=True)
-            if container.waited_for and not self.wait_healthy(container, deadline):
-                self.fail(f"{container.name} not healthy within {timeout_s:.0f} s")
         url = f"http://127.0.0.1:{self.topology.envoy.http_port}/health"
         if not wait_http(url, deadline):
             self.fail(f"{url} not serving within {timeout_s:.0f} s")
         logger.info("up: %s serves", url)
 
-    def wait_healthy(self, container: Container, deadline: float) -> bool:
+    def wait_healthy(self, name: str, deadline: float, timeout_s: float) -> None:
+        """Fails when the container is gone or crash-looping (its restart policy would retry
+        forever), or not healthy by the deadline."""
         while time.monotonic() < deadline:
-            state = self.podman("inspect", "--format", "{{.State.Status}}", container.name,
-                                check=False, capture=True).strip()  # fmt: skip
-            if state in ("exited", "dead", ""):
-                return False
+            state = self.podman("inspect", "--format", "{{.State.Status}} {{.RestartCount}}",
+                                name, check=False, capture=True).split()  # fmt: skip
+            if len(state) != 2 or (state[0] in ("exited", "dead") and state[1] != "0"):
+                self.fail(f"{name} is not running: {' '.join(state) or 'no such container'}")
+            if int(state[1]) >= 2:
+                self.fail(f"{name} restarted {state[1]} times while starting")
             check = subprocess.run(
-                [*podman_command(), "healthcheck", "run", container.name],
+                [*podman_command(), "healthcheck", "run", name],
                 env=self.env, capture_output=True, check=False,
             )  # fmt: skip
             if check.returncode == 0:
-                return True
+                logger.info("%s is healthy", name)
+                return
             time.sleep(2)
-        return False
+        self.fail(f"{name} not healthy within {timeout_s:.0f} s")
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str) -> NoReturn:
         for name in self.names():
             logs = self.podman("logs", "--tail", "30", name, check=False, capture=True)
             print(f"--- {name} (last 30 lines)\n{logs}", file=sys.stderr)
@@ -184,10 +195,19 @@ class PodmanDeployment:
         return out.split()
 
     def down(self) -> None:
-        names = self.names()
-        if names:
-            # -t: the nodes drain on SIGTERM; 10 s bounds it here (make down is no rollout).
-            self.podman("rm", "--force", "--time", "10", *names, capture=True)
+        # A container another joined (kv-ipc's IPC namespace) is refused until that one is gone:
+        # each round removes what it can. --time: the nodes drain on SIGTERM; make down bounds it.
+        for _ in range(3):
+            names = self.names()
+            if not names:
+                return
+            subprocess.run(
+                [*podman_command(), "rm", "--force", "--time", "10", *names],
+                env=self.env, capture_output=True, check=False,
+            )  # fmt: skip
+        left = self.names()
+        if left:
+            raise RuntimeError(f"containers left after down: {', '.join(left)}")
 
 
 def docker_compose(cpu: bool) -> list[str]:

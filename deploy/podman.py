@@ -20,12 +20,14 @@ What podman needs besides the compose files:
 Life cycle of a deployment, one per project name (``pdserve`` for ``make up``):
 
 1. ``up``: every service's container is created and started in dependency order, each one named
-   ``<project>-<service>`` and labelled with the project; a service whose dependants wait for
-   ``service_healthy`` is waited for with ``podman healthcheck run`` (podman runs healthchecks
-   from systemd timers, which a container host without systemd lacks).
+   ``<project>-<service>`` and labelled with the project; before a service whose dependencies
+   say ``service_healthy`` starts, they are polled with ``podman healthcheck run`` (podman runs
+   healthchecks from systemd timers, which a container host without systemd lacks), so the
+   nodes start together and the gateway after them.
 2. A container that dies is restarted by podman (``--restart unless-stopped``).
-3. ``down``: every container with the project's label is removed, dependants first. The
-   deployment creates no network (host network) and no volume (bind mounts only).
+3. ``down``: every container with the project's label is removed (what others share a namespace
+   with goes in a second round). The deployment creates no network (host network) and no
+   volume (bind mounts only).
 """
 
 from __future__ import annotations
@@ -113,27 +115,28 @@ class Container:
     run_args: tuple[str, ...]
     """``podman run`` arguments, image and command included."""
     depends_on: tuple[str, ...]
-    waited_for: bool
-    """A dependant waits until it is healthy (``condition: service_healthy``)."""
+    waits_for: tuple[str, ...]
+    """The services it depends on with ``condition: service_healthy``: healthy before it starts."""
 
 
 def containers(
-    services: dict[str, Any], *, project: str, base_dir: Path, env: dict[str, str] | None = None
+    services: dict[str, Any],
+    *,
+    project: str,
+    base_dir: Path,
+    env: dict[str, str] | None = None,
+    health_timers: bool = True,
 ) -> list[Container]:
     """The merged compose ``services`` as containers, each after the services it depends on.
 
     ``base_dir`` is the compose file's directory (relative paths), ``env`` the variables
-    ``${...}`` expands from (the process environment by default).
+    ``${...}`` expands from (the process environment by default). Without ``health_timers``
+    (no systemd to run them), podman is told to schedule no healthcheck; ``podman healthcheck
+    run`` still runs one on demand.
     """
     env = dict(os.environ) if env is None else env
-    waited = {
-        dep
-        for service in services.values()
-        for dep, condition in service.get("depends_on", {}).items()
-        if condition.get("condition") == "service_healthy"
-    }
     result = [
-        _container(name, service, project, base_dir, env, name in waited)
+        _container(name, service, project, base_dir, env, health_timers)
         for name, service in services.items()
     ]
     return _in_dependency_order(result)
@@ -145,7 +148,7 @@ def _container(
     project: str,
     base_dir: Path,
     env: dict[str, str],
-    waited_for: bool,
+    health_timers: bool,
 ) -> Container:
     unknown = set(service) - _HANDLED_KEYS
     if unknown:
@@ -181,7 +184,7 @@ def _container(
         # start_interval has no podman 4.3 flag; up() polls the check itself anyway.
         args += [
             "--health-cmd", _json_list(test[1:]),
-            "--health-interval", health["interval"],
+            "--health-interval", health["interval"] if health_timers else "disable",
             "--health-timeout", health["timeout"],
             "--health-retries", str(health["retries"]),
             "--health-start-period", health["start_period"],
@@ -198,7 +201,11 @@ def _container(
         image=service["image"],
         run_args=tuple(args),
         depends_on=tuple(service.get("depends_on", {})),
-        waited_for=waited_for,
+        waits_for=tuple(
+            dep
+            for dep, condition in service.get("depends_on", {}).items()
+            if condition.get("condition") == "service_healthy"
+        ),
     )
 
 

@@ -50,8 +50,14 @@ def test_containers_start_after_what_they_depend_on() -> None:
     assert order[0] == "kv-ipc"
     assert order.index("gateway") > max(order.index(n) for n in order if n.startswith("decode"))
     assert order[-1] == "envoy"
-    waited = {c.service for c in items if c.waited_for}
-    assert waited == {"prefill-0", "prefill-1", "decode-0", "decode-1", "gateway"}
+    assert set(by_service(items)["gateway"].waits_for) == {
+        "prefill-0",
+        "prefill-1",
+        "decode-0",
+        "decode-1",
+    }
+    assert by_service(items)["envoy"].waits_for == ("gateway",)
+    assert by_service(items)["decode-0"].waits_for == ()
 
 
 def test_nodes_share_the_ipc_holder_and_keep_no_memlock_limit() -> None:
@@ -117,3 +123,14 @@ def test_the_pip_environment_wins_over_the_files_and_local_paths_are_mounted(
     assert f"{wheels}:{wheels}:ro" in args and f"{index}:{index}:ro" in args
     assert "HTTPS_PROXY=http://proxy:3128" in args and "/nonexistent" not in " ".join(args)
     assert f"find-links = {wheels}" in written
+
+
+def test_without_systemd_podman_schedules_no_healthcheck() -> None:
+    """podman 4.3 schedules healthchecks with systemd timers; up polls them itself."""
+    services = cpu_services()
+    timed = by_service(containers(services, project="p", base_dir=DEPLOY_DIR, env={}))
+    untimed = by_service(
+        containers(services, project="p", base_dir=DEPLOY_DIR, env={}, health_timers=False)
+    )
+    assert flag_values(timed["gateway"], "--health-interval") == ["10s"]
+    assert flag_values(untimed["gateway"], "--health-interval") == ["disable"]
