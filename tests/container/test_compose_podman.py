@@ -31,8 +31,6 @@ import yaml
 from deploy.local_ports import free_ports
 from deploy.podman import LABEL
 
-pytestmark = pytest.mark.container
-
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = f"pdserve-ctest-{os.getpid()}"
 IMAGES = ("localhost/pdserve-node-cpu", "localhost/pdserve-gateway", "localhost/pdserve-envoy")
@@ -40,6 +38,9 @@ UP_TIMEOUT_S = 1500
 """A cold build on a loaded 2-core host; a run with cached images needs a fraction of it."""
 REQUESTED = os.environ.get("PDSERVE_CONTAINER_TESTS") == "1"
 SERVED = "tiny-llama"
+
+# The module fixture's up (a build when cold) counts against the first test's timeout.
+pytestmark = [pytest.mark.container, pytest.mark.timeout(UP_TIMEOUT_S + 900)]
 
 
 def _podman(*args: str, check: bool = True) -> str:
