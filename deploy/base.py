@@ -28,12 +28,13 @@ SUITE = "bookworm"
 CONTAINERFILE = Path(__file__).parent / "base" / "python.Containerfile"
 
 
-def image_exists(podman: list[str], image: str) -> bool:
-    return subprocess.run([*podman, "image", "exists", image], check=False).returncode == 0
+def image_exists(podman: list[str], image: str, env: dict[str, str]) -> bool:
+    return subprocess.run([*podman, "image", "exists", image], env=env, check=False).returncode == 0
 
 
-def ensure_debian(podman: list[str]) -> None:
-    if image_exists(podman, DEBIAN_IMAGE):
+def ensure_debian(podman: list[str], env: dict[str, str]) -> None:
+    """``env``: podman's environment (``CONTAINERS_CONF``)."""
+    if image_exists(podman, DEBIAN_IMAGE, env):
         return
     if shutil.which("mmdebstrap") is None:
         raise RuntimeError(
@@ -47,15 +48,15 @@ def ensure_debian(podman: list[str]) -> None:
             ["mmdebstrap", "--variant=minbase", "--include=ca-certificates", SUITE, str(tarball)],
             check=True,
         )
-        subprocess.run([*podman, "import", str(tarball), DEBIAN_IMAGE], check=True)
+        subprocess.run([*podman, "import", str(tarball), DEBIAN_IMAGE], env=env, check=True)
 
 
-def ensure_python(podman: list[str], mounts: BuildMounts) -> None:
-    ensure_debian(podman)
-    if image_exists(podman, PYTHON_IMAGE):
+def ensure_python(podman: list[str], mounts: BuildMounts, env: dict[str, str]) -> None:
+    ensure_debian(podman, env)
+    if image_exists(podman, PYTHON_IMAGE, env):
         return
     subprocess.run(
         [*podman, "build", *mounts.build_args(), "--build-arg", f"DEBIAN_IMAGE={DEBIAN_IMAGE}",
          "-f", str(CONTAINERFILE), "-t", PYTHON_IMAGE, str(CONTAINERFILE.parent)],
-        check=True,
+        env=env, check=True,
     )  # fmt: skip

@@ -124,7 +124,7 @@ class PodmanDeployment:
     def build(self, services: dict[str, Any]) -> None:
         mounts = BuildMounts()
         try:
-            base.ensure_python(podman_command(), mounts)
+            base.ensure_python(podman_command(), mounts, self.env)
             targets = {s["image"]: s["build"]["target"] for s in services.values() if "build" in s}
             for image, target in targets.items():
                 logger.info("building %s (target %s)", image, target)
@@ -241,6 +241,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{url} not serving within {args.timeout_s:.0f} s", file=sys.stderr)
             return 1
         return 0
+    if not args.cpu and args.action == "up":
+        # GPU reservations need the NVIDIA Container Toolkit's CDI setup, and the node image a
+        # CUDA base image from a registry: neither is built or tried here.
+        print("deploy.engine up: under podman only the CPU deployment (CPU=1) is supported; "
+              "the GPU deployment needs Docker Engine", file=sys.stderr)  # fmt: skip
+        return 2
     deployment = PodmanDeployment(topology, cpu=args.cpu, project=args.project)
     if args.action == "down":
         deployment.down()
