@@ -6,7 +6,7 @@ policy brings the killed one back), and ``down`` leaving no container, network o
 Runs when podman is installed and the images are already built (the images are kept between
 runs), or when asked with ``PDSERVE_CONTAINER_TESTS=1`` (``make test-container``), which also
 installs podman with apt-get when missing and run as root. A cold build (base images, torch)
-takes longer than the rest of the suite; ``docs/deployment-podman.md`` gives measured times.
+takes longer than CI can spare; ``docs/containers.md`` gives measured times.
 
 The topology takes free ports, so it never collides with ``make up`` or anything else running;
 the project name (the container prefix) is the test's own.
@@ -54,19 +54,20 @@ def _podman(*args: str, check: bool = True) -> str:
 
 
 def _install_podman() -> str | None:
-    """None when podman is there (installed now if asked and possible), else why not."""
-    if shutil.which("podman") is not None:
-        return None
+    """None when podman is there (with what a cold build needs, installed now if asked and
+    possible), else why not."""
+    missing = [tool for tool in ("podman", "runc", "mmdebstrap") if shutil.which(tool) is None]
+    if not missing or (not REQUESTED and "podman" not in missing):
+        return None  # without mmdebstrap, cached base images still serve
     if not REQUESTED:
         return "podman is not installed (make test-container installs it as root)"
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        return "podman is not installed and apt-get as root is not available to install it"
+        return f"{', '.join(missing)} not installed and apt-get as root is not available"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for command in (["apt-get", "update"],
-                    ["apt-get", "install", "-y", "podman", "runc", "mmdebstrap"]):  # fmt: skip
+    for command in (["apt-get", "update"], ["apt-get", "install", "-y", *missing]):
         result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         if result.returncode != 0:
-            return f"could not install podman: {result.stderr[-500:]}"
+            return f"could not install {', '.join(missing)}: {result.stderr[-500:]}"
     return None
 
 
