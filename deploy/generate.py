@@ -1,6 +1,8 @@
 """``python -m deploy.generate [--topology FILE]``: writes ``deploy/docker-compose.yml``, its CPU
-override ``deploy/docker-compose.cpu.yml``, ``deploy/envoy/envoy.yaml`` and the Kubernetes
-manifests ``deploy/k8s/*.yaml`` from one topology, so node counts, ports and GPU pins agree.
+override ``deploy/docker-compose.cpu.yml``, what podman needs besides them
+(``deploy/docker-compose.podman.yml``, ``deploy/containers.podman.conf``),
+``deploy/envoy/envoy.yaml`` and the Kubernetes manifests ``deploy/k8s/*.yaml`` from one
+topology, so node counts, ports and GPU pins agree.
 
 All of them are committed, generated from ``deploy/topology.yaml``; a test regenerates them and
 fails when they differ, so a hand edit cannot drift from the topology unnoticed.
@@ -18,6 +20,7 @@ import yaml
 from deploy.compose import Reset, compose_dict, cpu_override_dict
 from deploy.envoy.config import envoy_bootstrap
 from deploy.kubernetes import envoy_config, k8s_files
+from deploy.podman import containers_conf, podman_override_dict
 from deploy.topology import Topology, load_topology
 
 DEPLOY_DIR = Path(__file__).parent
@@ -25,6 +28,8 @@ DEFAULT_TOPOLOGY = DEPLOY_DIR / "topology.yaml"
 COMPOSE_FILE = DEPLOY_DIR / "docker-compose.yml"
 CPU_OVERRIDE_FILE = DEPLOY_DIR / "docker-compose.cpu.yml"
 ENVOY_FILE = DEPLOY_DIR / "envoy" / "envoy.yaml"
+PODMAN_OVERRIDE_FILE = DEPLOY_DIR / "docker-compose.podman.yml"
+CONTAINERS_CONF_FILE = DEPLOY_DIR / "containers.podman.conf"
 K8S_DIR = DEPLOY_DIR / "k8s"
 
 
@@ -78,9 +83,14 @@ def main() -> None:
     topology = load_topology(args.topology)
     write_yaml(COMPOSE_FILE, compose_dict(topology), source=args.topology)
     write_yaml(CPU_OVERRIDE_FILE, cpu_override_dict(topology), source=args.topology)
+    write_yaml(PODMAN_OVERRIDE_FILE, podman_override_dict(topology), source=args.topology)
+    CONTAINERS_CONF_FILE.write_text(containers_conf())
     write_yaml(ENVOY_FILE, envoy_bootstrap(topology), source=args.topology)
     write_k8s(topology, source=args.topology)
-    print(f"wrote {COMPOSE_FILE}, {CPU_OVERRIDE_FILE}, {ENVOY_FILE} and {K8S_DIR}/*.yaml")
+    print(
+        f"wrote {COMPOSE_FILE}, {CPU_OVERRIDE_FILE}, {PODMAN_OVERRIDE_FILE}, "
+        f"{CONTAINERS_CONF_FILE}, {ENVOY_FILE} and {K8S_DIR}/*.yaml"
+    )
 
 
 if __name__ == "__main__":

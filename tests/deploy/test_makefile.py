@@ -62,13 +62,19 @@ def test_a_topology_without_model_keeps_its_own_model() -> None:
     ]
 
 
-def test_up_and_down_use_compose_with_the_cpu_override_on_request() -> None:
-    (up,) = [line for line in dry_run("up") if " up " in line]
-    assert up == "docker compose -f deploy/docker-compose.yml up --detach --build --wait"
-    cpu_up = dry_run("up", "CPU=1", "TOPOLOGY=deploy/topology.yaml")
+def test_up_and_down_go_through_the_engine_with_the_cpu_override_on_request() -> None:
+    (up,) = [line for line in dry_run("up") if "deploy.engine" in line]
+    assert up.endswith("-m deploy.engine up --engine auto")
+    cpu_up = dry_run("up", "CPU=1", "TOPOLOGY=deploy/topology.yaml", "CONTAINER_ENGINE=podman")
     assert any("-m deploy.generate --topology deploy/topology.yaml" in line for line in cpu_up)
-    assert "-f deploy/docker-compose.cpu.yml up" in cpu_up[-1]
-    assert dry_run("down", "CPU=1")[-1] == (
-        "docker compose -f deploy/docker-compose.yml -f deploy/docker-compose.cpu.yml "
-        "down --remove-orphans"
+    assert cpu_up[-1].endswith(
+        "-m deploy.engine up --engine podman --cpu --topology deploy/topology.yaml"
     )
+    assert dry_run("down", "CPU=1")[-1].endswith("-m deploy.engine down --engine auto --cpu")
+
+
+def test_the_engine_runs_docker_compose_with_the_cpu_override() -> None:
+    from deploy.engine import docker_compose
+
+    assert docker_compose(cpu=False)[2:] == ["-f", str(REPO / "deploy/docker-compose.yml")]
+    assert docker_compose(cpu=True)[-2:] == ["-f", str(REPO / "deploy/docker-compose.cpu.yml")]
