@@ -145,8 +145,8 @@ class LoopbackTransport(KvTransport):
             self._end(job, TransferStatus.FAILED, refusal, tell_receiver=False)
             return
         handle.start()
-        src = [self._regions[n].view for n in plan.src_regions]
-        dst = [receiver._regions[n].view for n in plan.dst_regions]
+        src = [self._regions[n].host_view() for n in plan.src_regions]
+        dst = [receiver._regions[n].host_view() for n in plan.dst_regions]
         faults = self.faults
         last = len(plan.messages) - 1
         for index, message in enumerate(plan.messages):
@@ -201,7 +201,11 @@ class LoopbackTransport(KvTransport):
         return False
 
     def _end(
-        self, job: _Job, status: TransferStatus, error: str | None = None, tell_receiver=True
+        self,
+        job: _Job,
+        status: TransferStatus,
+        error: str | None = None,
+        tell_receiver: bool = True,
     ) -> None:
         if tell_receiver:
             job.receiver.inbound.finish(job.handle.transfer_id, status, error)
