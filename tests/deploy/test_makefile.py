@@ -72,3 +72,10 @@ def test_up_and_down_use_compose_with_the_cpu_override_on_request() -> None:
         "docker compose -f deploy/docker-compose.yml -f deploy/docker-compose.cpu.yml "
         "down --remove-orphans"
     )
+
+
+def test_test_runs_lint_import_contracts_and_mypy_before_the_suite() -> None:
+    lines = dry_run("test")
+    steps = ["ruff check .", "ruff format --check .", "lint-imports", "bin/mypy", "-m pytest"]
+    found = [next((i for i, line in enumerate(lines) if step in line), -1) for step in steps]
+    assert -1 not in found and found == sorted(found), lines
