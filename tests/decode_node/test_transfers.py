@@ -298,8 +298,8 @@ def test_each_abort_records_its_cause(pair: Pair) -> None:
 
 
 def test_a_failed_push_is_aborted_at_once_not_at_its_lease(tiny_llama_dir: Path) -> None:
-    """The writer failing its push ends the transfer at the next reap (peers.md #4), long
-    before a 60 s lease would."""
+    """The writer failing its push ends the transfer at the next reap, long before a 60 s lease
+    would: a failure reaches the paired leg at once, it does not wait out a timeout."""
     pair = Pair(tiny_llama_dir, LoopbackFaults(fail_after_bytes=1))
     prompt = list(range(400, 480))
     try:
