@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import grpc
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -77,6 +78,7 @@ def requests(draw) -> gateway_pb2.GatewayGenerateRequest:
     return message
 
 
+@pytest.mark.slow
 def test_any_request_gets_ok_or_a_client_error(tiny_llama_dir: Path) -> None:
     spec = importlib.util.spec_from_file_location("fake_node", ROOT / "benchmarks/fake_node.py")
     fake_node = importlib.util.module_from_spec(spec)

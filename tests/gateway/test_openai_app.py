@@ -1004,6 +1004,7 @@ def _json_values() -> st.SearchStrategy[object]:
     )
 
 
+@pytest.mark.slow
 def test_no_body_gets_a_5xx(serve: Callable[..., Served]) -> None:
     served = serve()
     client = httpx.Client(base_url=served.url, timeout=10)
