@@ -104,6 +104,29 @@ class Cluster:
                 assert time.monotonic() < deadline, f"{name} not healthy"
                 time.sleep(0.2)
 
+    @contextlib.contextmanager
+    def gateway_with(self, *argv: str) -> Iterator[None]:
+        """The gateway restarted with ``argv`` added (a later flag wins), then as it was."""
+        normal = self.specs["gateway"]
+        self.specs["gateway"] = replace(normal, argv=(*normal.argv, *argv))
+        try:
+            self.running["gateway"].stop()
+            self.start("gateway")
+            yield
+        finally:
+            self.specs["gateway"] = normal
+            self.running["gateway"].stop()
+            self.start("gateway")
+
+    def gateway_counter(self, name: str) -> float:
+        """A gateway counter summed over its labels."""
+        metrics = httpx.get(f"{self.base_url}/metrics", timeout=2).text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith((f"{name}{{", f"{name} "))
+        )
+
     def pid(self, name: str) -> int:
         return self.running[name].children[0].pid
 
@@ -227,11 +250,17 @@ def stream_events(cluster: Cluster, request: dict, on_chunk=None) -> list[dict]:
 
 
 def test_decode_killed_before_the_first_token_is_retried(healthy: Cluster) -> None:
-    # Both decodes are idle; the gateway tries decode-0 first until its poll says otherwise.
-    healthy.kill("decode-0")
-    results = [complete(healthy, [10 + i, 11, 12, 13]) for i in range(3)]
-    assert all(r["choices"][0]["finish_reason"] == "length" for r in results)
-    assert all(r["usage"]["completion_tokens"] == 8 for r in results)
+    # Both decodes are idle, so the gateway tries decode-0 first until it learns that it died.
+    # Its health poll must not learn that before a request does, or nothing would be retried:
+    # for this test the gateway polls once at start and then not for ten minutes.
+    with healthy.gateway_with("--health-interval-s", "600"):
+        healthy.wait_gateway_ready()
+        retries = healthy.gateway_counter("pdserve:request_retries_total")
+        healthy.kill("decode-0")
+        results = [complete(healthy, [10 + i, 11, 12, 13]) for i in range(3)]
+        assert all(r["choices"][0]["finish_reason"] == "length" for r in results)
+        assert all(r["usage"]["completion_tokens"] == 8 for r in results)
+        assert healthy.gateway_counter("pdserve:request_retries_total") == retries + 1
 
 
 def test_decode_killed_after_tokens_ends_the_stream_with_an_error(healthy: Cluster) -> None:
