@@ -49,9 +49,9 @@ from services.convert import (
     stage_timings_to_proto,
 )
 from services.engine import EngineCoreOutput, SamplingParams
-from services.metrics import NodeMetrics
-from services.node_config import NodeConfig
-from services.node_runtime import NodeServerRef, load_report
+from services.node.config import NodeConfig
+from services.node.metrics import NodeMetrics
+from services.node.runtime import NodeServerRef, load_report
 from services.stage_timings import DecodeClock, StageTimings
 
 logger = logging.getLogger(__name__)

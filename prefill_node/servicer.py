@@ -39,10 +39,10 @@ from services.convert import (
 )
 from services.engine import EngineCoreOutput, FinishReason, SamplingParams
 from services.engine.kv_layout import KvLayout, layer_copies
-from services.kv_regions import to_page_copies
-from services.metrics import NodeMetrics
-from services.node_config import NodeConfig
-from services.node_runtime import NodeServerRef, load_report
+from services.node.config import NodeConfig
+from services.node.kv_regions import to_page_copies
+from services.node.metrics import NodeMetrics
+from services.node.runtime import NodeServerRef, load_report
 from services.stage_timings import StageTimings
 from services.tls import aio_channel
 

@@ -29,8 +29,8 @@ from pdserve.v1 import (
 )
 from prefill_node.role import prefill_services
 from services.engine import LLM, SamplingParams
-from services.node_config import Role, parse_node_config
-from services.node_runtime import start_node
+from services.node.config import Role, parse_node_config
+from services.node.runtime import start_node
 
 MAX_MODEL_LEN = 256
 GREEDY = common_pb2.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -9,7 +9,7 @@ from typing import Any
 from prometheus_client import generate_latest
 
 from services.async_engine import EngineDeadError
-from services.metrics import NodeMetrics
+from services.node.metrics import NodeMetrics
 
 LABELS = {"role": "decode", "node": "d0"}
 
