@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from support.node_argv import node_argv
 
 from decode_node.role import decode_services
 from deploy.local_ports import free_ports
@@ -42,12 +43,8 @@ def scrape(port: int) -> str:
 
 
 def argv(model_dir: Path, role: str, kv_memory: str, *extra: str) -> list[str]:
-    return [
-        *extra,
-        "--role", role, "--model", str(model_dir), "--dtype", "float32", "--host", "127.0.0.1",
-        "--grpc-port", "0", "--kv-transport", "loopback", "--max-model-len", str(MAX_MODEL_LEN),
-        "--kv-cache-memory", kv_memory, "--max-num-batched-tokens", "64", "--drain-grace-s", "1",
-    ]  # fmt: skip
+    flags = node_argv(model_dir, role, kv_memory=kv_memory, max_model_len=MAX_MODEL_LEN)
+    return [*extra, *flags]
 
 
 class Cluster:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from support.node_argv import node_argv
 
 from decode_node.role import decode_services
 from gateway.config import parse_gateway_config
@@ -67,13 +68,9 @@ def node_channel(address: str) -> grpc.aio.Channel:
     return aio_channel(address, tls)
 
 
-def node_argv(model_dir: Path, role: str, kv_memory: str) -> list[str]:
-    return [
-        "--role", role, "--model", str(model_dir), "--dtype", "float32", "--host", "127.0.0.1",
-        "--grpc-port", "0", "--kv-transport", "loopback", "--max-model-len", str(MAX_MODEL_LEN),
-        "--kv-cache-memory", kv_memory, "--max-num-batched-tokens", "64", "--drain-grace-s", "1",
-        *tls_argv("node"),
-    ]  # fmt: skip
+def tls_node_flags(model_dir: Path, role: str, kv_memory: str) -> list[str]:
+    flags = node_argv(model_dir, role, kv_memory=kv_memory, max_model_len=MAX_MODEL_LEN)
+    return [*flags, *tls_argv("node")]
 
 
 class Stack:
@@ -128,13 +125,13 @@ def run_stack(
         nodes = {}
         if colocated:
             nodes["colocated"] = await start_node(
-                parse_node_config(node_argv(model_dir, "colocated", "5MiB"), {}),
+                parse_node_config(tls_node_flags(model_dir, "colocated", "5MiB"), {}),
                 decode_services,
             )
         else:
             nodes["prefill"] = await start_node(
                 parse_node_config(
-                    [*node_argv(model_dir, "prefill", "3MiB"), *prefill_extra],
+                    [*tls_node_flags(model_dir, "prefill", "3MiB"), *prefill_extra],
                     {},
                     role=Role.PREFILL,
                 ),
@@ -142,7 +139,9 @@ def run_stack(
             )
             for i, memory in enumerate(decode_kv):
                 nodes[f"decode{i}"] = await start_node(
-                    parse_node_config(node_argv(model_dir, "decode", memory), {}, role=Role.DECODE),
+                    parse_node_config(
+                        tls_node_flags(model_dir, "decode", memory), {}, role=Role.DECODE
+                    ),
                     decode_services,
                 )
 

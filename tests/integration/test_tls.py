@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support.node_argv import node_argv
 
 from decode_node.role import decode_services
 from deploy.certs import write_deployment
@@ -63,19 +64,15 @@ def tls_flags(directory: Path, name: str) -> list[str]:
     ]  # fmt: skip
 
 
-def node_argv(model_dir: Path, role: str, kv_memory: str) -> list[str]:
-    return [
-        "--role", role, "--model", str(model_dir), "--dtype", "float32", "--host", "127.0.0.1",
-        "--grpc-port", "0", "--kv-transport", "loopback", "--max-model-len", str(MAX_MODEL_LEN),
-        "--kv-cache-memory", kv_memory, "--max-num-batched-tokens", "64", "--drain-grace-s", "1",
-    ]  # fmt: skip
+def flags_for(model_dir: Path, role: str, kv_memory: str) -> list[str]:
+    return node_argv(model_dir, role, kv_memory=kv_memory, max_model_len=MAX_MODEL_LEN)
 
 
 async def start_nodes(model_dir: Path, certs_dir: Path) -> dict:
     nodes = {}
     nodes["prefill"] = await start_node(
         parse_node_config(
-            [*node_argv(model_dir, "prefill", "3MiB"), *tls_flags(certs_dir, "prefill-0")],
+            [*flags_for(model_dir, "prefill", "3MiB"), *tls_flags(certs_dir, "prefill-0")],
             {},
             role=Role.PREFILL,
         ),
@@ -89,12 +86,12 @@ async def start_nodes(model_dir: Path, certs_dir: Path) -> dict:
         "PDSERVE_TLS_CA": str(certs_dir / "ca.crt"),
     }
     nodes["decode"] = await start_node(
-        parse_node_config(node_argv(model_dir, "decode", "5MiB"), environ, role=Role.DECODE),
+        parse_node_config(flags_for(model_dir, "decode", "5MiB"), environ, role=Role.DECODE),
         decode_services,
     )
     nodes["colocated"] = await start_node(
         parse_node_config(
-            [*node_argv(model_dir, "colocated", "5MiB"), *tls_flags(certs_dir, "colocated-0")], {}
+            [*flags_for(model_dir, "colocated", "5MiB"), *tls_flags(certs_dir, "colocated-0")], {}
         ),
         decode_services,
     )
