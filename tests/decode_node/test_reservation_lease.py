@@ -11,10 +11,10 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from support.fake_clock import FakeClock
-from support.transfer_pair import GREEDY, Pair
 
 from decode_node.transfers import AbortCause, RenewRefused, TransferManager, TransferState
+from support.fake_clock import FakeClock
+from support.transfer_pair import GREEDY, Pair
 
 
 @pytest.fixture

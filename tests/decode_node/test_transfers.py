@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.fake_clock import FakeClock
-from support.transfer_pair import GREEDY, Pair
 
 from decode_node.servicer import DecodeServicer
 from decode_node.transfers import AbortCause, CommitRefused, TransferState
@@ -23,6 +21,8 @@ from kv_transfer import LoopbackFaults
 from pdserve.v1 import decode_pb2
 from services.engine import LLM, FinishReason
 from services.stage_timings import StageTimings
+from support.fake_clock import FakeClock
+from support.transfer_pair import GREEDY, Pair
 
 
 @pytest.fixture

@@ -13,11 +13,11 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import fake_node
 
 from gateway.config import parse_gateway_config
 from gateway.server import GatewayServer
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from support import fake_node
 
 ALLOWED = {
     grpc.StatusCode.OK,

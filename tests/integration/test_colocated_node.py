@@ -20,13 +20,13 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support.node_argv import node_argv
 
 from decode_node.role import decode_services
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.engine import LLM, SamplingParams
 from services.node.config import Role, parse_node_config
 from services.node.runtime import start_node
+from support.node_argv import node_argv
 
 MAX_MODEL_LEN = 128
 GREEDY = common_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

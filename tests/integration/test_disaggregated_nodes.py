@@ -16,7 +16,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from support.node_argv import node_argv
 
 from decode_node.role import decode_services
 from deploy.local_ports import free_ports
@@ -32,6 +31,7 @@ from prefill_node.role import prefill_services
 from services.engine import LLM, SamplingParams
 from services.node.config import Role, parse_node_config
 from services.node.runtime import start_node
+from support.node_argv import node_argv
 
 MAX_MODEL_LEN = 256
 GREEDY = common_pb2.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

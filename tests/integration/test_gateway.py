@@ -22,7 +22,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from support.node_argv import node_argv
 
 from decode_node.role import decode_services
 from gateway.config import parse_gateway_config
@@ -33,6 +32,7 @@ from services.engine import LLM, SamplingParams
 from services.node.config import Role, parse_node_config
 from services.node.runtime import start_node
 from services.tls import TlsFiles, aio_channel
+from support.node_argv import node_argv
 
 MAX_MODEL_LEN = 256
 GREEDY = common_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -20,7 +20,6 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support.node_argv import node_argv
 
 from decode_node.role import decode_services
 from deploy.certs import write_deployment
@@ -34,6 +33,7 @@ from services.engine import LLM, SamplingParams
 from services.node.config import Role, parse_node_config
 from services.node.runtime import start_node
 from services.tls import TlsFiles, aio_channel
+from support.node_argv import node_argv
 
 MAX_MODEL_LEN = 256
 GREEDY = common_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from support.fake_clock import FakeClock
 
 from kv_transfer import (
     InboundTransfers,
@@ -17,6 +16,7 @@ from kv_transfer import (
     TransferStatus,
     make_transport,
 )
+from support.fake_clock import FakeClock
 
 pytestmark = pytest.mark.timeout(30)
 
