@@ -11,7 +11,7 @@ DEFAULT_MODEL := models/SmolLM2-135M-Instruct
 DEFAULT_MODEL_FILE := $(DEFAULT_MODEL)/SmolLM2-135M-Instruct.Q4_1.gguf
 PROTO_FILES := $(shell find protos -name '*.proto' 2>/dev/null)
 
-.PHONY: setup protos test test-container lint format model run up down bench clean
+.PHONY: setup protos test test-container lint typecheck format model run up down bench clean
 
 setup: $(STAMP)
 
@@ -34,8 +34,9 @@ else
 		$(PROTO_FILES)
 endif
 
-# pytest exits 5 when it collected nothing; a test run that ran no test is a failure.
-test: setup protos
+# The guards run first: a lint, import-contract or type error fails `make test` before the
+# suite starts. pytest exits 5 when it collected nothing; a test run that ran no test is a failure.
+test: setup protos lint typecheck
 	@$(PY) -m pytest; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: no tests were collected" >&2; exit 1; fi; \
 	exit $$rc
@@ -44,6 +45,11 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+
+# mypy --strict on services/engine and kv_transfer (the files and flags are [tool.mypy] in
+# pyproject.toml); .mypy_cache keeps a rerun to seconds.
+typecheck: setup
+	$(VENV)/bin/mypy
 
 format: setup
 	$(VENV)/bin/ruff check --fix .

@@ -27,8 +27,8 @@ from gateway.server import GatewayServer
 from pdserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from prefill_node.role import prefill_services
 from services.models.tiny import build_tiny_model
-from services.node_config import Role, parse_node_config
-from services.node_runtime import start_node
+from services.node.config import Role, parse_node_config
+from services.node.runtime import start_node
 from services.tls import TlsFiles, aio_channel
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from decode_node.role import decode_services
-from services.node_config import Role, parse_node_config
-from services.node_runtime import run
+from services.node.config import Role, parse_node_config
+from services.node.runtime import run
 
 
 def main() -> None:

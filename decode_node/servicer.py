@@ -11,9 +11,9 @@ Two kinds of Generate:
   commit (lease expired, push failed, bad commit), the blocks are fenced and freed, then: under
   the FAIL policy the stream ends with ABORTED, so the gateway can retry elsewhere; under
   RECOMPUTE the node sends ``Recomputing`` and computes the prompt itself as a normal request,
-  streaming tokens 1..N (counted in ``pdserve:kv_recomputes_total``, peers.md #9). The caller's
-  own abort (stream closed, Abort) is never recomputed. Closing the stream aborts the transfer,
-  which frees the blocks once the transport is fenced.
+  streaming tokens 1..N (counted in ``pdserve:kv_recomputes_total``: a fall-back is never
+  silent). The caller's own abort (stream closed, Abort) is never recomputed. Closing the
+  stream aborts the transfer, which frees the blocks once the transport is fenced.
 
 ``Finished`` carries usage (the prefill node's prefix-cache hits when it computed the prompt)
 and per-stage timings (``services.stage_timings``).
@@ -49,9 +49,9 @@ from services.convert import (
     stage_timings_to_proto,
 )
 from services.engine import EngineCoreOutput, SamplingParams
-from services.metrics import NodeMetrics
-from services.node_config import NodeConfig
-from services.node_runtime import NodeServerRef, load_report
+from services.node.config import NodeConfig
+from services.node.metrics import NodeMetrics
+from services.node.runtime import NodeServerRef, load_report
 from services.stage_timings import DecodeClock, StageTimings
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ Life cycle of a transfer (design §3):
         └──────────────┴──abort / lease expiry / bad commit──▶ ABORTED ──fence ok──▶ FREED
 
 - ``reserve`` takes blocks from the engine for the prompt and gives the transfer a fresh id
-  (a retry is always a new transfer: peers.md #13) and a liveness lease. There is no room
+  (a retry is always a new transfer, never a reused id) and a liveness lease. There is no room
   while ``max_unstarted`` reservations have not seen their prefill start, or while the engine
   has too few blocks or seats. Without room it refuses (None: the gateway tries another node);
   asked to ``wait`` (the gateway found every node full), it waits, FIFO and holding no blocks,
@@ -17,21 +17,22 @@ Life cycle of a transfer (design §3):
   first renew after its engine began the prompt: from then the reservation no longer counts
   against ``max_unstarted`` nor in ``unstarted_blocks``.
 - ``commit`` is accepted only from RESERVED/RECEIVING, and only when the transport itself
-  reports every byte of the transfer DONE: completion is confirmed, never counted (peers.md #2).
+  reports every byte of the transfer DONE: completion is confirmed by a message, never counted.
   The request then joins the running batch; its blocks are the request's from here on (the
   engine frees them when it ends). COMMITTING is the one engine call in between: no lease or
   failure can abort it (every byte is in), and a caller's abort there is kept and carried out
   on the running request as soon as the engine has it.
 - ``abort`` (the caller went away, the lease expired, the push failed, the commit was bad)
   moves to ABORTED and frees the blocks only after ``fence`` proves that no byte of the transfer
-  can still land (peers.md #1, #3). A fence that times out leaves the blocks quarantined; the
-  reaper retries it. Each abort records its ``AbortCause``: the servicer recomputes the prompt
-  itself after a failure (``on_kv_failure=recompute``), never after the caller's own abort —
-  even one that comes while a failure's fence runs: it takes over the cause.
+  can still land (memory a peer may still write is never freed or reused). A fence that times
+  out leaves the blocks quarantined; the reaper retries it. Each abort records its
+  ``AbortCause``: the servicer recomputes the prompt itself after a failure
+  (``on_kv_failure=recompute``), never after the caller's own abort — even one that comes
+  while a failure's fence runs: it takes over the cause.
 - The reaper runs every ``reap_interval_s``: it aborts leases past their deadline and transfers
   whose writer ended them (failed, cancelled or timed out: no commit can follow, so waiting for
-  the lease would only delay the caller, peers.md #4), and retries quarantined fences. Every
-  wait is bounded.
+  the lease would only delay the caller), and retries quarantined fences. Every wait is
+  bounded.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from dataclasses import dataclass
 from kv_transfer import KvTransport, TransferStatus
 from services.async_engine import AsyncEngine
 from services.engine import SamplingParams
-from services.metrics import NodeMetrics
+from services.node.metrics import NodeMetrics
 from services.stage_timings import StageTimings
 
 logger = logging.getLogger(__name__)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from typing import Any
 
 import numpy as np
 
@@ -55,7 +56,7 @@ extern "C" __global__ void copy_runs(const unsigned long long* src, const unsign
 """
 
 
-def _cupy():
+def _cupy() -> Any:  # the cupy module (CuPy ships no type hints)
     try:
         import cupy
     except ImportError as exc:
@@ -91,7 +92,7 @@ class CudaIpcTransport(ShmTransport):
         self._cp = _cupy()
         super().__init__(**options)  # type: ignore[arg-type]
         self._kernel = self._cp.RawKernel(_KERNEL, "copy_runs")
-        self._streams: dict[int, object] = {}
+        self._streams: dict[int, Any] = {}
         # The device this node's KV cache is on (its first CUDA region's); copies and opened
         # IPC handles live in its context.
         self._device: int | None = None
@@ -102,7 +103,7 @@ class CudaIpcTransport(ShmTransport):
             self._device = region.device
         return region
 
-    def allocate(self, num_bytes: int) -> object:
+    def allocate(self, num_bytes: int) -> Any:  # a cupy.ndarray
         return self._cp.zeros(num_bytes, dtype=self._cp.uint8)
 
     def info(self) -> TransportInfo:
@@ -121,7 +122,7 @@ class CudaIpcTransport(ShmTransport):
 
     # Host shared memory → device memory.
 
-    def _export(self, region: RegionHandle) -> dict | None:
+    def _export(self, region: RegionHandle) -> dict[str, object] | None:
         runtime = self._cp.cuda.runtime
         with self._cp.cuda.Device(region.device):
             start = _allocation_start(region.address)
@@ -136,17 +137,19 @@ class CudaIpcTransport(ShmTransport):
             "pointer": start,
         }
 
-    def _map(self, mapped: _Peer, doc: dict, length: int) -> int:
+    def _map(self, mapped: _Peer, doc: dict[str, Any], length: int) -> int:
         if int(doc["pid"]) == os.getpid():
             return int(doc["pointer"]) + int(doc["offset"])
         key = doc["ipc"]
         base = mapped.mappings.get(key)
-        if base is None:
+        if not isinstance(base, int):
             runtime = self._cp.cuda.runtime
             try:
                 with self._cp.cuda.Device(self._device or 0):
-                    base = runtime.ipcOpenMemHandle(
-                        bytes.fromhex(key), runtime.cudaIpcMemLazyEnablePeerAccess
+                    base = int(
+                        runtime.ipcOpenMemHandle(
+                            bytes.fromhex(key), runtime.cudaIpcMemLazyEnablePeerAccess
+                        )
                     )
             except Exception as exc:
                 raise ConnectionError(f"cannot open the peer's CUDA IPC handle: {exc}") from exc

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,9 +60,13 @@ class _Job:
 class LoopbackTransport(KvTransport):
     name = "loopback"
 
-    def __init__(self, faults: LoopbackFaults | None = None) -> None:
+    def __init__(
+        self, faults: LoopbackFaults | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         super().__init__()
         self.faults = faults or LoopbackFaults()
+        # What deadlines and pauses are measured on (a test passes a fake clock it moves on).
+        self._clock = clock
         self._endpoint = uuid.uuid4().bytes
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         # One staging buffer, reused (the copy thread runs one message at a time).
@@ -145,16 +149,16 @@ class LoopbackTransport(KvTransport):
             self._end(job, TransferStatus.FAILED, refusal, tell_receiver=False)
             return
         handle.start()
-        src = [self._regions[n].view for n in plan.src_regions]
-        dst = [receiver._regions[n].view for n in plan.dst_regions]
+        src = [self._regions[n].host_view() for n in plan.src_regions]
+        dst = [receiver._regions[n].host_view() for n in plan.dst_regions]
         faults = self.faults
         last = len(plan.messages) - 1
         for index, message in enumerate(plan.messages):
             if faults.delay_per_message_s:
                 time.sleep(faults.delay_per_message_s)
             if index == last and faults.pause_before_last_s:
-                resume_at = time.monotonic() + faults.pause_before_last_s
-                while time.monotonic() < resume_at and not self._should_stop(job):
+                resume_at = self._clock() + faults.pause_before_last_s
+                while self._clock() < resume_at and not self._should_stop(job):
                     time.sleep(0.002)
             while faults.stall and not self._should_stop(job):
                 time.sleep(0.002)
@@ -195,13 +199,17 @@ class LoopbackTransport(KvTransport):
         if job.receiver._is_closed or self._is_closed:
             self._end(job, TransferStatus.FAILED, "the peer was closed")
             return True
-        if time.monotonic() > handle.deadline:
+        if self._clock() > handle.deadline:
             self._end(job, TransferStatus.TIMED_OUT, "the deadline passed")
             return True
         return False
 
     def _end(
-        self, job: _Job, status: TransferStatus, error: str | None = None, tell_receiver=True
+        self,
+        job: _Job,
+        status: TransferStatus,
+        error: str | None = None,
+        tell_receiver: bool = True,
     ) -> None:
         if tell_receiver:
             job.receiver.inbound.finish(job.handle.transfer_id, status, error)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -67,7 +68,7 @@ def as_byte_view(buffer: object) -> np.ndarray:
     return array.reshape(-1).view(np.uint8)
 
 
-def _describe_cuda(buffer: object, interface: dict) -> MemoryRegion:
+def _describe_cuda(buffer: object, interface: dict[str, Any]) -> MemoryRegion:
     shape = tuple(interface["shape"])
     strides = interface.get("strides")
     itemsize = np.dtype(interface["typestr"]).itemsize

@@ -27,6 +27,12 @@ class RegionHandle:
     # CUDA device ordinal of device memory; None for host memory.
     device: int | None = None
 
+    def host_view(self) -> np.ndarray:
+        """The flat uint8 view of a host region; device memory has none (ValueError)."""
+        if self.view is None:
+            raise ValueError(f"region {self.name!r} is {self.where()} memory, not host memory")
+        return self.view
+
     def where(self) -> str:
         return f"cuda:{self.device}" if self.memory is MemoryKind.CUDA else str(self.memory)
 

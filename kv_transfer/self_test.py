@@ -1,7 +1,8 @@
 """The start-up self-test: which transport and lanes are in use, and does a transfer work.
 
 A node runs it once at start-up, logs the one-line summary and exports the report as metric
-labels, so a silent fall-back (say, from shared memory to TCP) is visible (peers.md #9).
+labels, so a silent fall-back (say, from shared memory to TCP) is visible: which path a transfer
+takes is always counted and exported, never chosen quietly.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kv_transfer.page_copy import PageCopy
+from kv_transfer.peer_address import PeerAddress
 from kv_transfer.transfer_status import TransferStatus
 from kv_transfer.transport import KvTransport, make_transport
 
@@ -106,6 +108,8 @@ def _to_host(memory: object) -> np.ndarray:
     return memory if isinstance(memory, np.ndarray) else memory.get()  # type: ignore[attr-defined]
 
 
-def _push(transport: KvTransport, peer, pages: list[PageCopy], transfer_id: str) -> TransferStatus:
+def _push(
+    transport: KvTransport, peer: PeerAddress, pages: list[PageCopy], transfer_id: str
+) -> TransferStatus:
     handle = transport.write(peer, pages, transfer_id=transfer_id, deadline=time.monotonic() + 10)
     return handle.wait(timeout=11)

@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -211,7 +212,7 @@ class ShmTransport(KvTransport):
 
     # What differs between host shared memory and device memory (cuda_ipc overrides these).
 
-    def _export(self, region: RegionHandle) -> dict | None:
+    def _export(self, region: RegionHandle) -> dict[str, object] | None:
         """How a peer maps `region` (None: it cannot, e.g. released since registered)."""
         found = shared_memory.find_allocation(region.address, region.length)
         if found is None:
@@ -219,17 +220,17 @@ class ShmTransport(KvTransport):
         handle, offset = found
         return {**handle.to_json(), "offset": offset}
 
-    def _map(self, mapped: _Peer, doc: dict, length: int) -> int:
+    def _map(self, mapped: _Peer, doc: dict[str, Any], length: int) -> int:
         """Maps a peer region's allocation (once per peer, under ``_lock``); its first byte's
         address in this process."""
         handle, offset = SharedHandle.from_json(doc), int(doc["offset"])
         array = mapped.mappings.get(handle.inode)
-        if array is None:
+        if not isinstance(array, np.ndarray):
             array = np.frombuffer(shared_memory.map_peer(handle), dtype=np.uint8)
             mapped.mappings[handle.inode] = array
         if offset + length > array.nbytes:
             raise ConnectionError("a peer region lies outside its shared memory")
-        return array.ctypes.data + offset
+        return int(array.ctypes.data) + offset
 
     def _batches(self, plan: TransferPlan) -> list[tuple[np.ndarray, int]]:
         """(runs, bytes) copied under one hold of the slot mutex: the plan's messages (at most
@@ -378,7 +379,7 @@ def _copy_uniform_pages(runs: np.ndarray, src_bases: np.ndarray, dst_bases: np.n
 def _rows(address: int, num_rows: int, page: int) -> np.ndarray:
     """A [num_rows, page] uint8 view of memory at `address` (no copy, no ownership)."""
     buffer = (ctypes.c_ubyte * (num_rows * page)).from_address(address)
-    return np.frombuffer(buffer, dtype=np.uint8).reshape(num_rows, page)
+    return np.frombuffer(memoryview(buffer), dtype=np.uint8).reshape(num_rows, page)
 
 
 register_transport(ShmTransport.name, ShmTransport)

@@ -78,7 +78,7 @@ class ShmTable(InboundTransfers):
             raise ValueError(f"a control region needs {CONTROL_BYTES} bytes, not {control.nbytes}")
         super().__init__()  # unused: the records live in `control`
         self._bytes = control
-        self._base = control.__array_interface__["data"][0]
+        self._base: int = control.__array_interface__["data"][0]
         self._words = control[: HEADER_BYTES + NUM_SLOTS * SLOT_BYTES].view(np.uint64)
         self._slots = (
             control[HEADER_BYTES : HEADER_BYTES + NUM_SLOTS * SLOT_BYTES]

@@ -94,7 +94,7 @@ class UcpError(RuntimeError):
 
 
 def _status_text(status: int) -> str:
-    return _ucs.ucs_status_string(status).decode()
+    return str(_ucs.ucs_status_string(status).decode())
 
 
 class UcpRequest:

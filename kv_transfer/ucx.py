@@ -374,7 +374,7 @@ class UcxTransport(KvTransport):
         """Sends the DATA messages from ``record.next_message`` on (all of them, unless the
         last is held back by ``pause_before_last_s``; ``_poll_outbound`` resumes it)."""
         handle, plan = record.handle, record.plan
-        src_views = [self._regions[n].view for n in plan.src_regions]
+        src_views = [self._regions[n].host_view() for n in plan.src_regions]
         src_bases = np.array([self._regions[n].address for n in plan.src_regions], dtype=np.int64)
         while record.next_message < len(plan.messages):
             if handle.status.is_terminal:
@@ -489,7 +489,7 @@ class UcxTransport(KvTransport):
         self._inbound[key] = _Inbound(
             header=header,
             deadline=time.monotonic() + header.timeout_s + _RECEIVER_GRACE_S,
-            dst_views=[self._regions[n].view for n in header.dst_regions],
+            dst_views=[self._regions[n].host_view() for n in header.dst_regions],
             dst_bases=np.array(
                 [self._regions[n].address for n in header.dst_regions], dtype=np.int64
             ),
@@ -610,8 +610,8 @@ class UcxTransport(KvTransport):
             if record.peer_id == peer_id:
                 record.is_abort_sent = True
                 record.handle.finish(TransferStatus.FAILED, "the peer closed")
-        for key, record in list(self._inbound.items()):
-            if record.header.writer_id == peer_id:
+        for key, inbound in list(self._inbound.items()):
+            if inbound.header.writer_id == peer_id:
                 self._drop(key, TransferStatus.FAILED, "the writer closed", False)
         self._endpoints.pop(peer_id, None)
         self._reply_endpoints.pop(peer_id, None)

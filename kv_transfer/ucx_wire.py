@@ -101,7 +101,7 @@ class Header:
 
     @classmethod
     def decode(cls, data: bytes | np.ndarray) -> Header:
-        raw = memoryview(data).cast("B")
+        raw = (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
         (meta_len,) = _LEN.unpack_from(raw, 0)
         doc = json.loads(bytes(raw[_LEN.size : _LEN.size + meta_len]))
         runs = np.frombuffer(raw[_LEN.size + meta_len :], dtype=np.int64).reshape(-1, 5).copy()

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from prefill_node.servicer import PrefillServicer
 from services.async_engine import AsyncEngine
-from services.kv_regions import open_kv_transport
-from services.metrics import NodeMetrics
-from services.node_config import NodeConfig
-from services.node_runtime import NodeServerRef, NodeServices
+from services.node.config import NodeConfig
+from services.node.kv_regions import open_kv_transport
+from services.node.metrics import NodeMetrics
+from services.node.runtime import NodeServerRef, NodeServices
 
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 

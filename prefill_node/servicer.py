@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import grpc
 
-from kv_transfer import KvTransport, PeerAddress, TransferHandle
+from kv_transfer import KvTransport, PeerAddress, TransferHandle, TransferStatus
 from pdserve.v1 import common_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc
 from services.async_engine import AsyncEngine, EngineDeadError
 from services.convert import (
@@ -37,12 +37,12 @@ from services.convert import (
     sampling_params_from_proto,
     stage_timings_to_proto,
 )
-from services.engine import EngineCoreOutput, SamplingParams
+from services.engine import EngineCoreOutput, FinishReason, SamplingParams
 from services.engine.kv_layout import KvLayout, layer_copies
-from services.kv_regions import to_page_copies
-from services.metrics import NodeMetrics
-from services.node_config import NodeConfig
-from services.node_runtime import NodeServerRef, load_report
+from services.node.config import NodeConfig
+from services.node.kv_regions import to_page_copies
+from services.node.metrics import NodeMetrics
+from services.node.runtime import NodeServerRef, load_report
 from services.stage_timings import StageTimings
 from services.tls import aio_channel
 
@@ -330,7 +330,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             # are released.
             handle.cancel()
             status = await handle.wait_async(push_timeout_s)
-        if status.value != "done":
+        if status is not TransferStatus.DONE:
             self.metrics.transfer_failed(status.value)
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
@@ -379,4 +379,4 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
 def _stops_for_good(first: EngineCoreOutput, max_tokens: int) -> bool:
     """The prefill ran with max_tokens=1, so 'length' only ends the request if it asked for 1."""
-    return first.finish_reason.value != "length" or max_tokens == 1
+    return first.finish_reason is not FinishReason.LENGTH or max_tokens == 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.engine.block_pool import Block, BlockPool
@@ -97,13 +98,13 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def can_allocate(
-        self, request: Request, num_new_tokens: int, computed_blocks: list[Block] = ()
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Block] = ()
     ) -> bool:
         num_needed, num_revived = self._count_needed(request, num_new_tokens, computed_blocks)
         return self.pool.can_allocate(num_needed + num_revived)
 
     def allocate(
-        self, request: Request, num_new_tokens: int, computed_blocks: list[Block] = ()
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Block] = ()
     ) -> None:
         """Give ``request`` slots for ``num_new_tokens`` past its computed (or hit) tokens."""
         num_needed, _ = self._count_needed(request, num_new_tokens, computed_blocks)
@@ -140,7 +141,7 @@ class KVCacheManager:
         self.pool.free(reversed(blocks))
 
     def _count_needed(
-        self, request: Request, num_new_tokens: int, computed_blocks: list[Block]
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Block]
     ) -> tuple[int, int]:
         """(new blocks to allocate, free cached blocks that a prefix hit takes out of the queue)."""
         num_held = len(self._blocks.get(request.request_id, ())) + len(computed_blocks)

@@ -20,7 +20,8 @@ from services.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOut
 from services.engine.static_decode import StaticDecode
 from services.engine.structured_output import StructuredOutputs
 from services.host_memory import advise_huge_pages, keep_freed_memory_mapped
-from services.models.attention import AttentionMetadata, PrefillSpan, make_attention_backend
+from services.models.attention import AttentionMetadata, PrefillSpan
+from services.models.backends import make_attention_backend
 from services.models.config import ModelConfig
 from services.models.loader import load_model
 

@@ -101,9 +101,10 @@ class StaticDecode:
     def _forward(self, bucket: int) -> torch.Tensor:
         metadata = self._metadata[bucket]
         self.backend.prepare(metadata)
-        return self.model(
+        logits: torch.Tensor = self.model(
             self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, metadata
         )
+        return logits
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -111,7 +112,7 @@ class StaticDecode:
         if not self.use_graphs:
             return
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
+        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for bucket in reversed(self.buckets):

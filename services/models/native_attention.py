@@ -21,8 +21,8 @@ does well (a native prefill kernel was not attempted).
 The extension is compiled on first use (``torch.utils.cpp_extension.load``, ~10 s, most of it
 ``torch/library.h``), then cached under ``TORCH_EXTENSIONS_DIR`` or torch's default directory;
 concurrent first builds from several processes wait on torch's lock file. ``native_kernel_error``
-reports why the kernel is unavailable instead of raising, so ``make_attention_backend("auto",
-...)`` can fall back to the torch path.
+reports why the kernel is unavailable instead of raising, so ``backends.make_attention_backend(
+"auto", ...)`` can fall back to the torch path.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ from transformers import AutoModelForCausalLM
 
 from services.engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow
+
 PROMPT_LENS = (1, 5, 16, 17, 64, 100, 200, 300)
 NUM_OUTPUT_TOKENS = 32
 MAX_MODEL_LEN = 352

@@ -13,15 +13,8 @@ from pathlib import Path
 import pytest
 
 from decode_node.transfers import AbortCause, RenewRefused, TransferManager, TransferState
-from tests.decode_node.test_transfers import GREEDY, Pair
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from support.fake_clock import FakeClock
+from support.transfer_pair import GREEDY, Pair
 
 
 @pytest.fixture

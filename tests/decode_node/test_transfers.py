@@ -16,74 +16,13 @@ import pytest
 import torch
 
 from decode_node.servicer import DecodeServicer
-from decode_node.transfers import AbortCause, CommitRefused, TransferManager, TransferState
-from kv_transfer import LoopbackFaults, LoopbackTransport, PageCopy, make_transport
+from decode_node.transfers import AbortCause, CommitRefused, TransferState
+from kv_transfer import LoopbackFaults
 from pdserve.v1 import decode_pb2
-from services.async_engine import AsyncEngine
-from services.engine import LLM, EngineCore, FinishReason, SamplingParams
-from services.engine.kv_layout import layer_copies
+from services.engine import LLM, FinishReason
 from services.stage_timings import StageTimings
-
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-
-
-def make_engine(model_dir: Path, kv_bytes: int) -> EngineCore:
-    return LLM(model_dir, dtype="float32", max_model_len=256, kv_cache_memory=kv_bytes).engine
-
-
-def register_kv(transport, engine: EngineCore) -> None:
-    for layer, cache in enumerate(engine.kv_caches):
-        transport.register(f"kv.layer{layer}", cache.view(-1).view(torch.uint8).numpy())
-
-
-class Pair:
-    """A prefill engine + writer transport and a decode AsyncEngine + TransferManager."""
-
-    def __init__(self, model_dir: Path, faults: LoopbackFaults | None = None, **manager_kw):
-        self.prefill = make_engine(model_dir, 3 << 20)
-        self.writer = LoopbackTransport(faults)
-        register_kv(self.writer, self.prefill)
-        decode_engine = make_engine(model_dir, 5 << 20)
-        self.receiver = make_transport("loopback")
-        register_kv(self.receiver, decode_engine)
-        self.decode = AsyncEngine(decode_engine)
-        self.decode.start()
-        self.manager = TransferManager(self.decode, self.receiver, **manager_kw)
-
-    def first_token(self, request_id: str, prompt: list[int]) -> int:
-        self.prefill.add_request(request_id, prompt, FIRST, hold_kv=True)
-        while self.prefill.has_unfinished_requests:
-            for out in self.prefill.step():
-                token = out.new_token_ids[0]
-        return token
-
-    def push(self, request_id: str, transfer, timeout: float = 5.0):
-        copies = layer_copies(
-            self.prefill.kv_layout,
-            self.prefill.kv_block_ids(request_id),
-            self.decode.engine.kv_layout,
-            transfer.block_ids,
-        )
-        pages = [
-            PageCopy(
-                f"kv.layer{c.layer}", c.src_offset, f"kv.layer{c.layer}", c.dst_offset, c.length
-            )
-            for c in copies
-        ]
-        peer = self.receiver.address()
-        self.writer.connect(peer)
-        return self.writer.write(
-            peer, pages, transfer_id=transfer.transfer_id, deadline=time.monotonic() + timeout
-        )
-
-    async def decode_blocks_used(self) -> int:
-        return await self.decode.call(lambda e: e.stats().num_blocks_used)
-
-    def close(self) -> None:
-        self.decode.shutdown()
-        self.writer.close()
-        self.receiver.close()
+from support.fake_clock import FakeClock
+from support.transfer_pair import GREEDY, Pair
 
 
 @pytest.fixture
@@ -165,7 +104,8 @@ def test_aborting_mid_transfer_fences_before_freeing(tiny_llama_dir: Path) -> No
             transfer = await pair.manager.reserve("cut", prompt, GREEDY, lease_s=10)
             pair.first_token("cut", prompt)
             handle = pair.push("cut", transfer)
-            await asyncio.sleep(0.05)  # the push has started and never finishes
+            while pair.receiver.inbound_status(transfer.transfer_id) is None:
+                await asyncio.sleep(0.005)  # until the push has started (it never finishes)
             assert not handle.status.is_terminal
             await pair.manager.abort_request("cut", "client disconnected", AbortCause.CALLER)
             assert transfer.state is TransferState.FREED
@@ -298,8 +238,8 @@ def test_each_abort_records_its_cause(pair: Pair) -> None:
 
 
 def test_a_failed_push_is_aborted_at_once_not_at_its_lease(tiny_llama_dir: Path) -> None:
-    """The writer failing its push ends the transfer at the next reap (peers.md #4), long
-    before a 60 s lease would."""
+    """The writer failing its push ends the transfer at the next reap, long before a 60 s lease
+    would: a failure reaches the paired leg at once, it does not wait out a timeout."""
     pair = Pair(tiny_llama_dir, LoopbackFaults(fail_after_bytes=1))
     prompt = list(range(400, 480))
     try:
@@ -335,10 +275,14 @@ class GatedCommit:
         return getattr(self.inner, name)
 
 
-def test_a_caller_abort_while_committing_ends_the_request_once_committed(pair: Pair) -> None:
+def test_a_caller_abort_while_committing_ends_the_request_once_committed(
+    tiny_llama_dir: Path,
+) -> None:
     """No lease or failure aborts a COMMITTING transfer (every byte is in); the caller's abort
     is kept and carried out on the running request, which frees its blocks."""
     prompt = list(range(200, 250))
+    clock = FakeClock()
+    pair = Pair(tiny_llama_dir, clock=clock)
     pair.manager.engine = GatedCommit(pair.decode)
 
     async def main() -> None:
@@ -350,7 +294,7 @@ def test_a_caller_abort_while_committing_ends_the_request_once_committed(pair: P
         commit = asyncio.ensure_future(pair.manager.commit(transfer.transfer_id, first))
         while transfer.state is not TransferState.COMMITTING:
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.4)
+        clock.now += 1
         await pair.manager.reap()  # the lease has passed: a committing transfer is left alone
         assert transfer.state is TransferState.COMMITTING
         assert await pair.manager.abort_request("c", "stream closed", AbortCause.CALLER)
@@ -361,7 +305,10 @@ def test_a_caller_abort_while_committing_ends_the_request_once_committed(pair: P
         assert outputs[-1].finish_reason is FinishReason.ABORT
         assert await pair.decode_blocks_used() == 0
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        pair.close()
 
 
 def test_a_commit_that_waited_while_the_transfer_was_aborted_is_refused(pair: Pair) -> None:

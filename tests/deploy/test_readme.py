@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from gateway.config import build_parser as gateway_parser
-from services.node_config import Role
-from services.node_config import build_parser as node_parser
+from services.node.config import Role
+from services.node.config import build_parser as node_parser
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -13,28 +13,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
-import io
 import json
-import os
 import random
 import signal
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
 
-from deploy.commands import ProcessSpec, local_processes
 from deploy.local_ports import free_ports
-from deploy.supervisor import Output, Supervisor
 from deploy.topology import GatewaySpec, NodeGroup, Role, Topology
 from gateway.tokenizer import Tokenizer
-from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from pdserve.v1 import common_pb2, prefill_pb2_grpc
 from services.engine import LLM, SamplingParams
+from support.process_cluster import ProcessCluster, completion_body
 
 pytestmark = pytest.mark.slow
 
@@ -51,141 +47,35 @@ NODE_ARGS = (
 PREFILL_0_ARGS = ("--test-kv-push-pause-s", "1.5", "--max-num-batched-tokens", "16")
 
 
-class Cluster:
-    """Each process under its own ``Supervisor``, so one can be killed and restarted alone."""
-
-    def __init__(self, model_dir: Path) -> None:
-        # Consecutive ports per group: a topology numbers its nodes from a base port.
-        base = free_ports(6, consecutive=True)[0]
-        self.topology = Topology(
-            model=str(model_dir),
-            served_model_name="tiny-llama",
-            kv_transport="ucx",
-            host="127.0.0.1",
-            prefill=NodeGroup(Role.PREFILL, count=2, base_grpc_port=base, args=NODE_ARGS),
-            decode=NodeGroup(Role.DECODE, count=2, base_grpc_port=base + 2, args=NODE_ARGS),
-            colocated=NodeGroup(Role.COLOCATED, count=0),
-            gateway=GatewaySpec(
-                http_port=base + 4,
-                grpc_port=base + 5,
-                args=(
-                    ("max-model-len", str(MAX_MODEL_LEN)),
-                    ("request-timeout-s", str(REQUEST_TIMEOUT_S)),
-                    ("health-interval-s", "0.3"),
-                    ("lease-ms", "4000"),
-                ),
-            ),
-        )
-        specs = {spec.name: spec for spec in local_processes(self.topology)}
-        paused = specs["prefill-0"]
-        specs["prefill-0"] = replace(paused, argv=(*paused.argv, *PREFILL_0_ARGS))
-        self.specs: dict[str, ProcessSpec] = specs
-        self.running: dict[str, Supervisor] = {}
-        self.log = io.StringIO()
-        self.base_url = f"http://127.0.0.1:{self.topology.gateway.http_port}"
-
-    def address(self, name: str) -> str:
-        port = dict((n.name, n.grpc_port) for n in self.topology.nodes)[name]
-        return f"127.0.0.1:{port}"
-
-    def start(self, *names: str) -> None:
-        for name in names:
-            supervisor = Supervisor(Output(self.log), grace_s=5)
-            supervisor.start([self.specs[name]])
-            self.running[name] = supervisor
-        self.wait_healthy(*names)
-
-    def wait_healthy(self, *names: str, timeout_s: float = 120) -> None:
-        deadline = time.monotonic() + timeout_s
-        for name in names:
-            while not all(target.check(1.0) for target in self.specs[name].health):
-                child = self.running[name].children[0]
-                assert child.is_alive, f"{name} exited: {self.log.getvalue()[-3000:]}"
-                assert time.monotonic() < deadline, f"{name} not healthy"
-                time.sleep(0.2)
-
-    def pid(self, name: str) -> int:
-        return self.running[name].children[0].pid
-
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        os.kill(self.pid(name), sig)
-        if sig == signal.SIGKILL:
-            self.running[name].children[0].process.wait(10)
-
-    def restart_dead(self) -> None:
-        for name, supervisor in list(self.running.items()):
-            if not supervisor.children[0].is_alive:
-                supervisor.stop()
-                self.start(name)
-        # The gateway needs a poll to see restarted nodes as healthy again.
-        self.wait_gateway_ready()
-
-    def wait_gateway_ready(self) -> None:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                ready = httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200
-                if ready and self._every_node_healthy_in_gateway():
-                    return
-            time.sleep(0.2)
-        raise AssertionError("the gateway never saw every node healthy again")
-
-    def _every_node_healthy_in_gateway(self) -> bool:
-        metrics = httpx.get(f"{self.base_url}/metrics", timeout=2).text
-        healthy = 0
-        for line in metrics.splitlines():
-            if line.startswith("pdserve:healthy_nodes{"):
-                healthy += int(float(line.rsplit(" ", 1)[1]))
-        return healthy == len(self.node_names)
-
-    @property
-    def node_names(self) -> list[str]:
-        return [n.name for n in self.topology.nodes]
-
-    def blocks_in_use(self) -> dict[str, int]:
-        async def load() -> dict[str, int]:
-            used = {}
-            for name in self.node_names:
-                if not self.running[name].children[0].is_alive:
-                    continue
-                async with grpc.aio.insecure_channel(self.address(name)) as channel:
-                    stub = (
-                        prefill_pb2_grpc.PrefillServiceStub(channel)
-                        if name.startswith("prefill")
-                        else decode_pb2_grpc.DecodeServiceStub(channel)
-                    )
-                    report = await stub.GetLoad(common_pb2.GetLoadRequest(), timeout=5)
-                    used[name] = report.kv_blocks_used
-            return used
-
-        return asyncio.run(load())
-
-    def wait_all_free(self, timeout_s: float = 15) -> None:
-        deadline = time.monotonic() + timeout_s
-        while (used := self.blocks_in_use()) and any(used.values()):
-            assert time.monotonic() < deadline, f"blocks still in use: {used}"
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        for name in ["gateway", *self.node_names]:
-            if name in self.running:
-                self.running[name].stop()
-
-
 @pytest.fixture(scope="module")
-def cluster(tiny_llama_dir: Path) -> Iterator[Cluster]:
-    cluster = Cluster(tiny_llama_dir)
-    try:
-        cluster.start(*cluster.node_names)
-        cluster.start("gateway")
-        cluster.wait_gateway_ready()
+def cluster(tiny_llama_dir: Path) -> Iterator[ProcessCluster]:
+    # Consecutive ports per group: a topology numbers its nodes from a base port.
+    base = free_ports(6, consecutive=True)[0]
+    topology = Topology(
+        model=str(tiny_llama_dir),
+        served_model_name="tiny-llama",
+        kv_transport="ucx",
+        host="127.0.0.1",
+        prefill=NodeGroup(Role.PREFILL, count=2, base_grpc_port=base, args=NODE_ARGS),
+        decode=NodeGroup(Role.DECODE, count=2, base_grpc_port=base + 2, args=NODE_ARGS),
+        colocated=NodeGroup(Role.COLOCATED, count=0),
+        gateway=GatewaySpec(
+            http_port=base + 4,
+            grpc_port=base + 5,
+            args=(
+                ("max-model-len", str(MAX_MODEL_LEN)),
+                ("request-timeout-s", str(REQUEST_TIMEOUT_S)),
+                ("health-interval-s", "0.3"),
+                ("lease-ms", "4000"),
+            ),
+        ),
+    )
+    with ProcessCluster(topology, {"prefill-0": PREFILL_0_ARGS}) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture
-def healthy(cluster: Cluster) -> Iterator[Cluster]:
+def healthy(cluster: ProcessCluster) -> Iterator[ProcessCluster]:
     """The cluster with every process alive before the test; zero blocks checked after it."""
     cluster.restart_dead()
     yield cluster
@@ -193,22 +83,17 @@ def healthy(cluster: Cluster) -> Iterator[Cluster]:
     assert complete(cluster)["choices"][0]["finish_reason"] == "length"  # the survivors serve
 
 
-def body(prompt: list[int], max_tokens: int = 8, **extra) -> dict:
-    return {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, **extra}  # fmt: skip
-
-
-def complete(cluster: Cluster, prompt: list[int] | None = None, **extra) -> dict:
+def complete(cluster: ProcessCluster, prompt: list[int] | None = None, **extra) -> dict:
     response = httpx.post(
         f"{cluster.base_url}/v1/completions",
-        json=body(prompt or [5, 6, 7, 8], **extra),
+        json=completion_body(prompt or [5, 6, 7, 8], **extra),
         timeout=REQUEST_TIMEOUT_S + 5,
     )
     assert response.status_code == 200, response.text
     return response.json()
 
 
-def stream_events(cluster: Cluster, request: dict, on_chunk=None) -> list[dict]:
+def stream_events(cluster: ProcessCluster, request: dict, on_chunk=None) -> list[dict]:
     """Every SSE event of a streamed completion (``[DONE]`` as the string)."""
     events = []
     with httpx.stream(
@@ -226,15 +111,21 @@ def stream_events(cluster: Cluster, request: dict, on_chunk=None) -> list[dict]:
     return events
 
 
-def test_decode_killed_before_the_first_token_is_retried(healthy: Cluster) -> None:
-    # Both decodes are idle; the gateway tries decode-0 first until its poll says otherwise.
-    healthy.kill("decode-0")
-    results = [complete(healthy, [10 + i, 11, 12, 13]) for i in range(3)]
-    assert all(r["choices"][0]["finish_reason"] == "length" for r in results)
-    assert all(r["usage"]["completion_tokens"] == 8 for r in results)
+def test_decode_killed_before_the_first_token_is_retried(healthy: ProcessCluster) -> None:
+    # Both decodes are idle, so the gateway tries decode-0 first until it learns that it died.
+    # Its health poll must not learn that before a request does, or nothing would be retried:
+    # for this test the gateway polls once at start and then not for ten minutes.
+    with healthy.gateway_with("--health-interval-s", "600"):
+        healthy.wait_gateway_ready()
+        retries = healthy.gateway_counter("pdserve:request_retries_total")
+        healthy.kill("decode-0")
+        results = [complete(healthy, [10 + i, 11, 12, 13]) for i in range(3)]
+        assert all(r["choices"][0]["finish_reason"] == "length" for r in results)
+        assert all(r["usage"]["completion_tokens"] == 8 for r in results)
+        assert healthy.gateway_counter("pdserve:request_retries_total") == retries + 1
 
 
-def test_decode_killed_after_tokens_ends_the_stream_with_an_error(healthy: Cluster) -> None:
+def test_decode_killed_after_tokens_ends_the_stream_with_an_error(healthy: ProcessCluster) -> None:
     killed: list[str] = []
 
     def kill_its_decode(events: list) -> None:
@@ -244,7 +135,7 @@ def test_decode_killed_after_tokens_ends_the_stream_with_an_error(healthy: Clust
             healthy.kill(serving)
             killed.append(serving)
 
-    events = stream_events(healthy, body([20, 21, 22], max_tokens=400), kill_its_decode)
+    events = stream_events(healthy, completion_body([20, 21, 22], max_tokens=400), kill_its_decode)
     assert killed
     finish = [e for e in events if isinstance(e, dict) and e.get("choices")][-1]
     assert finish["choices"][0]["finish_reason"] == "error"
@@ -252,14 +143,16 @@ def test_decode_killed_after_tokens_ends_the_stream_with_an_error(healthy: Clust
     assert events[-1] == "[DONE]"
 
 
-def test_prefill_killed_during_its_push_is_retried_on_the_other(healthy: Cluster) -> None:
+def test_prefill_killed_during_its_push_is_retried_on_the_other(healthy: ProcessCluster) -> None:
     """prefill-0 pauses 1.5 s before the last message of every push: kill it then."""
     results: dict = {}
 
     async def run() -> None:
         async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S + 5) as client:
             task = asyncio.create_task(
-                client.post(f"{healthy.base_url}/v1/completions", json=body(list(range(30, 90))))
+                client.post(
+                    f"{healthy.base_url}/v1/completions", json=completion_body(list(range(30, 90)))
+                )
             )
             await asyncio.sleep(0.8)  # routed (to prefill-0: idle, listed first) and pushing
             healthy.kill("prefill-0")
@@ -271,12 +164,14 @@ def test_prefill_killed_during_its_push_is_retried_on_the_other(healthy: Cluster
     assert response.json()["usage"]["completion_tokens"] == 8
 
 
-def test_a_stopped_node_never_hangs_a_request_past_its_deadline(healthy: Cluster) -> None:
+def test_a_stopped_node_never_hangs_a_request_past_its_deadline(healthy: ProcessCluster) -> None:
     healthy.kill("decode-0", signal.SIGSTOP)
     healthy.kill("decode-1", signal.SIGSTOP)
     try:
         started = time.monotonic()
-        response = httpx.post(f"{healthy.base_url}/v1/completions", json=body([40, 41]), timeout=60)
+        response = httpx.post(
+            f"{healthy.base_url}/v1/completions", json=completion_body([40, 41]), timeout=60
+        )
         elapsed = time.monotonic() - started
         assert response.status_code in (503, 504), response.text
         assert "error" in response.json()
@@ -286,11 +181,13 @@ def test_a_stopped_node_never_hangs_a_request_past_its_deadline(healthy: Cluster
         healthy.kill("decode-1", signal.SIGCONT)
 
 
-def test_clients_that_disconnect_at_random_points_leak_nothing(healthy: Cluster) -> None:
+def test_clients_that_disconnect_at_random_points_leak_nothing(healthy: ProcessCluster) -> None:
     rng = random.Random(3)
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
-        request = body([50 + i, 51, 52, 53] * rng.randint(1, 20), max_tokens=64, stream=True)
+        request = completion_body(
+            [50 + i, 51, 52, 53] * rng.randint(1, 20), max_tokens=64, stream=True
+        )
         cut_after = rng.randint(0, 6)
         with contextlib.suppress(httpx.HTTPError):
             async with client.stream("POST", "/v1/completions", json=request) as response:
@@ -307,11 +204,11 @@ def test_clients_that_disconnect_at_random_points_leak_nothing(healthy: Cluster)
     asyncio.run(run())
 
 
-def test_gateway_restarted_while_streams_are_open(healthy: Cluster) -> None:
+def test_gateway_restarted_while_streams_are_open(healthy: ProcessCluster) -> None:
     opened = []
 
     async def reader(client: httpx.AsyncClient) -> None:
-        request = body([60, 61, 62], max_tokens=400, stream=True)
+        request = completion_body([60, 61, 62], max_tokens=400, stream=True)
         with contextlib.suppress(httpx.HTTPError):
             async with client.stream("POST", "/v1/completions", json=request) as response:
                 async for line in response.aiter_lines():
@@ -330,7 +227,7 @@ def test_gateway_restarted_while_streams_are_open(healthy: Cluster) -> None:
     healthy.restart_dead()  # the nodes freed the dropped streams; a new gateway serves
 
 
-def test_a_short_soak_loses_and_leaks_nothing(healthy: Cluster) -> None:
+def test_a_short_soak_loses_and_leaks_nothing(healthy: ProcessCluster) -> None:
     """benchmarks/soak.py for a few seconds: random streams, a fifth of them cancelled.
 
     Load sized to the request deadline: prefill-0 holds every push 1.5 s and computes 16 tokens
@@ -355,7 +252,7 @@ def test_a_short_soak_loses_and_leaks_nothing(healthy: Cluster) -> None:
 
 
 def test_greedy_text_through_processes_equals_the_single_engine(
-    healthy: Cluster, tiny_llama_dir: Path
+    healthy: ProcessCluster, tiny_llama_dir: Path
 ) -> None:
     """The baseline the faults are measured against: gateway, prefill and decode processes,
     KV over UCX, give the single-process engine's greedy text."""
@@ -368,7 +265,10 @@ def test_greedy_text_through_processes_equals_the_single_engine(
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=healthy.base_url, timeout=30) as client:
             return await asyncio.gather(
-                *(client.post("/v1/completions", json=body(p, max_tokens=8)) for p in prompts)
+                *(
+                    client.post("/v1/completions", json=completion_body(p, max_tokens=8))
+                    for p in prompts
+                )
             )
 
     responses = asyncio.run(run())
@@ -378,7 +278,7 @@ def test_greedy_text_through_processes_equals_the_single_engine(
         assert response.json()["choices"][0]["text"] == tokenizer.decode(output.token_ids)
 
 
-def test_decode_killed_during_the_push_cuts_the_transfer(healthy: Cluster) -> None:
+def test_decode_killed_during_the_push_cuts_the_transfer(healthy: ProcessCluster) -> None:
     """The UCX peer of a transfer in flight vanishes: prefill-0 is mid-push (paused before its
     last message) when the decode node it pushes to is killed. The push must not hang the
     prefill node or leak its blocks (checked after the test), and the request completes on the
@@ -388,7 +288,10 @@ def test_decode_killed_during_the_push_cuts_the_transfer(healthy: Cluster) -> No
     async def run() -> None:
         async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S + 5) as client:
             task = asyncio.create_task(
-                client.post(f"{healthy.base_url}/v1/completions", json=body(list(range(130, 190))))
+                client.post(
+                    f"{healthy.base_url}/v1/completions",
+                    json=completion_body(list(range(130, 190))),
+                )
             )
             # A prompt no node has seen: no prefix affinity, so prefill-0 (idle, listed first)
             # serves it, with whichever decode the load order picks.
@@ -406,7 +309,7 @@ def test_decode_killed_during_the_push_cuts_the_transfer(healthy: Cluster) -> No
     assert response.json()["usage"]["completion_tokens"] == 8
 
 
-def test_prefill_killed_while_it_computes_is_retried_on_the_other(healthy: Cluster) -> None:
+def test_prefill_killed_while_it_computes_is_retried_on_the_other(healthy: ProcessCluster) -> None:
     """prefill-0 computes 16 tokens a step: a 480-token prompt runs 30 steps there. It is killed
     as soon as its engine reports the request running (computing, not yet pushing)."""
     results: dict = {}
@@ -421,7 +324,7 @@ def test_prefill_killed_while_it_computes_is_retried_on_the_other(healthy: Clust
         async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S + 5) as client:
             prompt = list(range(1000, 1480))  # unseen: no prefix affinity
             task = asyncio.create_task(
-                client.post(f"{healthy.base_url}/v1/completions", json=body(prompt))
+                client.post(f"{healthy.base_url}/v1/completions", json=completion_body(prompt))
             )
             for _ in range(500):
                 if await running_on_prefill_0():

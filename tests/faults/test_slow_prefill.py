@@ -11,18 +11,15 @@ block in use. A prompt whose prefill alone outlasts the lease completes.
 from __future__ import annotations
 
 import asyncio
-import io
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 
-from deploy.commands import local_processes
 from deploy.local_ports import free_ports
 from deploy.topology import GatewaySpec, NodeGroup, Role, Topology
-from tests.faults.test_process_faults import Cluster, body
+from support.process_cluster import ProcessCluster, completion_body
 
 pytestmark = pytest.mark.slow
 
@@ -32,60 +29,44 @@ PREFILL_ARGS = ("--test-step-delay-s", "0.1", "--max-num-batched-tokens", "16")
 DECODE_ARGS = ("--max-num-seqs", "4", "--max-waiting-reservations", "6")
 
 
-class SlowPrefillCluster(Cluster):
-    def __init__(self, model_dir: Path) -> None:  # noqa: PLW0231 (a topology of its own)
-        base = free_ports(4, consecutive=True)[0]
-        node_args = (("kv-cache-memory", "8MiB"), ("max-model-len", str(MAX_MODEL_LEN)),
-                     ("dtype", "float32"), ("drain-grace-s", "2"))  # fmt: skip
-        self.topology = Topology(
-            model=str(model_dir),
-            served_model_name="tiny-llama",
-            kv_transport="ucx",
-            host="127.0.0.1",
-            prefill=NodeGroup(Role.PREFILL, count=1, base_grpc_port=base, args=node_args),
-            decode=NodeGroup(Role.DECODE, count=1, base_grpc_port=base + 1, args=node_args),
-            colocated=NodeGroup(Role.COLOCATED, count=0),
-            gateway=GatewaySpec(
-                http_port=base + 2,
-                grpc_port=base + 3,
-                args=(
-                    ("max-model-len", str(MAX_MODEL_LEN)),
-                    ("request-timeout-s", "300"),
-                    ("health-interval-s", "0.3"),
-                    ("lease-ms", str(LEASE_MS)),
-                ),
-            ),
-        )
-        specs = {spec.name: spec for spec in local_processes(self.topology)}
-        for name, extra in (("prefill-0", PREFILL_ARGS), ("decode-0", DECODE_ARGS)):
-            specs[name] = replace(specs[name], argv=(*specs[name].argv, *extra))
-        self.specs = specs
-        self.running = {}
-        self.log = io.StringIO()
-        self.base_url = f"http://127.0.0.1:{self.topology.gateway.http_port}"
-
-
 @pytest.fixture(scope="module")
-def slow(tiny_llama_dir: Path) -> Iterator[SlowPrefillCluster]:
-    cluster = SlowPrefillCluster(tiny_llama_dir)
-    try:
-        cluster.start(*cluster.node_names)
-        cluster.start("gateway")
-        cluster.wait_gateway_ready()
+def slow(tiny_llama_dir: Path) -> Iterator[ProcessCluster]:
+    base = free_ports(4, consecutive=True)[0]
+    node_args = (("kv-cache-memory", "8MiB"), ("max-model-len", str(MAX_MODEL_LEN)),
+                 ("dtype", "float32"), ("drain-grace-s", "2"))  # fmt: skip
+    topology = Topology(
+        model=str(tiny_llama_dir),
+        served_model_name="tiny-llama",
+        kv_transport="ucx",
+        host="127.0.0.1",
+        prefill=NodeGroup(Role.PREFILL, count=1, base_grpc_port=base, args=node_args),
+        decode=NodeGroup(Role.DECODE, count=1, base_grpc_port=base + 1, args=node_args),
+        colocated=NodeGroup(Role.COLOCATED, count=0),
+        gateway=GatewaySpec(
+            http_port=base + 2,
+            grpc_port=base + 3,
+            args=(
+                ("max-model-len", str(MAX_MODEL_LEN)),
+                ("request-timeout-s", "300"),
+                ("health-interval-s", "0.3"),
+                ("lease-ms", str(LEASE_MS)),
+            ),
+        ),
+    )
+    extra = {"prefill-0": PREFILL_ARGS, "decode-0": DECODE_ARGS}
+    with ProcessCluster(topology, extra) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 async def _post(client: httpx.AsyncClient, request: dict) -> httpx.Response:
     return await client.post("/v1/completions", json=request)
 
 
-def test_a_prefill_longer_than_the_lease_completes(slow: SlowPrefillCluster) -> None:
+def test_a_prefill_longer_than_the_lease_completes(slow: ProcessCluster) -> None:
     # 400 prompt tokens at 16 a step, each step 0.1 s longer: 25 steps, well past the 1 s lease.
     prompt = [(7 * i) % 500 + 3 for i in range(400)]
     response = httpx.post(
-        f"{slow.base_url}/v1/completions", json=body(prompt, max_tokens=8), timeout=300
+        f"{slow.base_url}/v1/completions", json=completion_body(prompt, max_tokens=8), timeout=300
     )
     assert response.status_code == 200, slow.log.getvalue()[-3000:]
     assert response.json()["usage"]["completion_tokens"] == 8
@@ -93,11 +74,14 @@ def test_a_prefill_longer_than_the_lease_completes(slow: SlowPrefillCluster) -> 
 
 
 def test_a_burst_past_the_batch_completes_or_is_refused_with_429(
-    slow: SlowPrefillCluster,
+    slow: ProcessCluster,
 ) -> None:
     # 16 prompts of 40 tokens queue on the prefill node (40 slowed steps in all, past the lease
     # many times over) behind a decode batch of 4 and 6 waiting places.
-    requests = [body([10 + i, *range(20, 59)], max_tokens=8, stream=i % 2 == 1) for i in range(16)]
+    requests = [
+        completion_body([10 + i, *range(20, 59)], max_tokens=8, stream=i % 2 == 1)
+        for i in range(16)
+    ]
 
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=slow.base_url, timeout=300) as client:

@@ -6,7 +6,6 @@ import json
 import logging
 import random
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer as HfTokenizer
@@ -30,11 +29,6 @@ SP_CORPUS = (
 )
 
 DetokenizerFactory = Callable[..., IncrementalDetokenizer]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_dir: Path) -> Tokenizer:
-    return Tokenizer.from_model_dir(tiny_llama_dir)
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,10 @@
-"""The gateway against fake nodes (benchmarks/fake_node.py, no model) scripted to fail: what a
+"""The gateway against fake nodes (tests/support/fake_node.py, no model) scripted to fail: what a
 client of the public gRPC API sees for each failure, and when the gateway retries."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
-from pathlib import Path
 
 import grpc
 import pytest
@@ -14,16 +12,6 @@ import pytest
 from gateway.config import parse_gateway_config
 from gateway.server import GatewayServer
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def fake_node():
-    spec = importlib.util.spec_from_file_location("fake_node", ROOT / "benchmarks/fake_node.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 async def start_fake(fake_node, role: str, **script) -> tuple[grpc.aio.Server, str]:

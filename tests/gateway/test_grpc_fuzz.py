@@ -6,20 +6,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import grpc
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.config import parse_gateway_config
 from gateway.server import GatewayServer
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from support import fake_node
 
-ROOT = Path(__file__).resolve().parents[2]
 ALLOWED = {
     grpc.StatusCode.OK,
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -77,11 +76,8 @@ def requests(draw) -> gateway_pb2.GatewayGenerateRequest:
     return message
 
 
+@pytest.mark.slow
 def test_any_request_gets_ok_or_a_client_error(tiny_llama_dir: Path) -> None:
-    spec = importlib.util.spec_from_file_location("fake_node", ROOT / "benchmarks/fake_node.py")
-    fake_node = importlib.util.module_from_spec(spec)
-    sys.modules["fake_node"] = fake_node
-    spec.loader.exec_module(fake_node)
     loop = asyncio.new_event_loop()
 
     async def start():

@@ -216,11 +216,6 @@ class ScriptedGenerator:
         yield Finished(FinishReason.LENGTH, Usage(len(request.prompt_token_ids), 2))
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_dir: Path) -> Tokenizer:
-    return Tokenizer.from_model_dir(tiny_llama_dir)
-
-
 def test_a_key_over_its_rate_gets_429_while_others_do_not(
     tokenizer: Tokenizer, caplog: pytest.LogCaptureFixture
 ) -> None:

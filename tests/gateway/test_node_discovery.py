@@ -1,14 +1,12 @@
 """Node discovery: ``dns:///name:port`` node lists, re-resolved before every health poll, against
-fake nodes (benchmarks/fake_node.py) and a resolver whose answers the test changes while
+fake nodes (tests/support/fake_node.py) and a resolver whose answers the test changes while
 requests are in flight."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import socket
-from pathlib import Path
 
 import grpc
 import pytest
@@ -20,16 +18,7 @@ from gateway.router import Router
 from gateway.server import GatewayServer
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 30  # generous: a loaded host polls late, never wrongly
-
-
-@pytest.fixture(scope="module")
-def fake_node():
-    spec = importlib.util.spec_from_file_location("fake_node", ROOT / "benchmarks/fake_node.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class ScriptedResolver:

@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -143,11 +142,6 @@ class _ThreadedUvicorn:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_dir: Path) -> Tokenizer:
-    return Tokenizer.from_model_dir(tiny_llama_dir)
 
 
 def start(
@@ -1004,6 +998,7 @@ def _json_values() -> st.SearchStrategy[object]:
     )
 
 
+@pytest.mark.slow
 def test_no_body_gets_a_5xx(serve: Callable[..., Served]) -> None:
     served = serve()
     client = httpx.Client(base_url=served.url, timeout=10)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
@@ -50,11 +49,6 @@ class FakeLegs:
             # Closed after the Finished is harmless: the legs are done by then.
             self.is_cancelled = not any(isinstance(event, Finished) for event in self.pulled)
             raise
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_dir: Path) -> Tokenizer:
-    return Tokenizer.from_model_dir(tiny_llama_dir)
 
 
 def chunks_of(

@@ -67,11 +67,6 @@ ModelDirFactory = Callable[..., Path]
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_llama_dir: Path) -> Tokenizer:
-    return Tokenizer.from_model_dir(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
 def hf_tokenizer(tiny_llama_dir: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(tiny_llama_dir)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -100,11 +99,6 @@ def test_a_marker_split_across_deltas_is_held_back() -> None:
     assert plain.feed("a <to")[0] == "a "
     assert plain.feed("p")[0] == "<top"
     assert plain.finish() == (None, [])
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_dir: Path) -> Tokenizer:
-    return Tokenizer.from_model_dir(tiny_llama_dir)
 
 
 @pytest.fixture

@@ -24,21 +24,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from decode_node.role import decode_services
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.engine import LLM, SamplingParams
-from services.node_config import Role, parse_node_config
-from services.node_runtime import start_node
+from services.node.config import Role, parse_node_config
+from services.node.runtime import start_node
+from support.node_argv import node_argv
 
 MAX_MODEL_LEN = 128
 GREEDY = common_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 GREEDY_PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-def node_argv(model_dir: Path) -> list[str]:
-    return [
-        "--role", "colocated", "--model", str(model_dir), "--dtype", "float32",
-        "--host", "127.0.0.1", "--grpc-port", "0", "--kv-transport", "loopback",
-        "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "2MiB",
-        "--drain-grace-s", "2",
-    ]  # fmt: skip
+def colocated_argv(model_dir: Path) -> list[str]:
+    return node_argv(
+        model_dir, "colocated", kv_memory="2MiB", max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=None, drain_grace_s=2,
+    )  # fmt: skip
 
 
 def run_with_node(model_dir: Path, body, *, with_engine: bool = False) -> None:
@@ -46,7 +45,7 @@ def run_with_node(model_dir: Path, body, *, with_engine: bool = False) -> None:
     ``with_engine``), then drain it."""
 
     async def main() -> None:
-        config = parse_node_config(node_argv(model_dir), {}, role=Role.DECODE)
+        config = parse_node_config(colocated_argv(model_dir), {}, role=Role.DECODE)
         server, engine = await start_node(config, decode_services)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
         try:
@@ -200,7 +199,7 @@ def test_kv_source_is_refused_by_a_colocated_node(tiny_llama_dir: Path) -> None:
 
 def test_the_process_serves_and_exits_0_on_sigterm(tiny_llama_dir: Path) -> None:
     port = 50000 + os.getpid() % 10000
-    argv = [a if a != "0" else str(port) for a in node_argv(tiny_llama_dir)]
+    argv = [a if a != "0" else str(port) for a in colocated_argv(tiny_llama_dir)]
     process = subprocess.Popen(
         [sys.executable, "-m", "decode_node", *argv],
         stdout=subprocess.PIPE,

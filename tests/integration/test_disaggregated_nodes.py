@@ -29,8 +29,9 @@ from pdserve.v1 import (
 )
 from prefill_node.role import prefill_services
 from services.engine import LLM, SamplingParams
-from services.node_config import Role, parse_node_config
-from services.node_runtime import start_node
+from services.node.config import Role, parse_node_config
+from services.node.runtime import start_node
+from support.node_argv import node_argv
 
 MAX_MODEL_LEN = 256
 GREEDY = common_pb2.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -42,12 +43,8 @@ def scrape(port: int) -> str:
 
 
 def argv(model_dir: Path, role: str, kv_memory: str, *extra: str) -> list[str]:
-    return [
-        *extra,
-        "--role", role, "--model", str(model_dir), "--dtype", "float32", "--host", "127.0.0.1",
-        "--grpc-port", "0", "--kv-transport", "loopback", "--max-model-len", str(MAX_MODEL_LEN),
-        "--kv-cache-memory", kv_memory, "--max-num-batched-tokens", "64", "--drain-grace-s", "1",
-    ]  # fmt: skip
+    flags = node_argv(model_dir, role, kv_memory=kv_memory, max_model_len=MAX_MODEL_LEN)
+    return [*extra, *flags]
 
 
 class Cluster:

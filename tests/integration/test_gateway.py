@@ -29,9 +29,10 @@ from gateway.server import GatewayServer
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from prefill_node.role import prefill_services
 from services.engine import LLM, SamplingParams
-from services.node_config import Role, parse_node_config
-from services.node_runtime import start_node
+from services.node.config import Role, parse_node_config
+from services.node.runtime import start_node
 from services.tls import TlsFiles, aio_channel
+from support.node_argv import node_argv
 
 MAX_MODEL_LEN = 256
 GREEDY = common_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -67,13 +68,9 @@ def node_channel(address: str) -> grpc.aio.Channel:
     return aio_channel(address, tls)
 
 
-def node_argv(model_dir: Path, role: str, kv_memory: str) -> list[str]:
-    return [
-        "--role", role, "--model", str(model_dir), "--dtype", "float32", "--host", "127.0.0.1",
-        "--grpc-port", "0", "--kv-transport", "loopback", "--max-model-len", str(MAX_MODEL_LEN),
-        "--kv-cache-memory", kv_memory, "--max-num-batched-tokens", "64", "--drain-grace-s", "1",
-        *tls_argv("node"),
-    ]  # fmt: skip
+def tls_node_flags(model_dir: Path, role: str, kv_memory: str) -> list[str]:
+    flags = node_argv(model_dir, role, kv_memory=kv_memory, max_model_len=MAX_MODEL_LEN)
+    return [*flags, *tls_argv("node")]
 
 
 class Stack:
@@ -128,13 +125,13 @@ def run_stack(
         nodes = {}
         if colocated:
             nodes["colocated"] = await start_node(
-                parse_node_config(node_argv(model_dir, "colocated", "5MiB"), {}),
+                parse_node_config(tls_node_flags(model_dir, "colocated", "5MiB"), {}),
                 decode_services,
             )
         else:
             nodes["prefill"] = await start_node(
                 parse_node_config(
-                    [*node_argv(model_dir, "prefill", "3MiB"), *prefill_extra],
+                    [*tls_node_flags(model_dir, "prefill", "3MiB"), *prefill_extra],
                     {},
                     role=Role.PREFILL,
                 ),
@@ -142,7 +139,9 @@ def run_stack(
             )
             for i, memory in enumerate(decode_kv):
                 nodes[f"decode{i}"] = await start_node(
-                    parse_node_config(node_argv(model_dir, "decode", memory), {}, role=Role.DECODE),
+                    parse_node_config(
+                        tls_node_flags(model_dir, "decode", memory), {}, role=Role.DECODE
+                    ),
                     decode_services,
                 )
 

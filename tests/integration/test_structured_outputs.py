@@ -219,6 +219,7 @@ async def _public_grpc_api(stack: Stack) -> None:
     assert "guided.regex" in error.value.details()
 
 
+@pytest.mark.slow
 def test_json_schemas_and_tool_calls_on_the_disaggregated_stack(tiny_llama_dir: Path) -> None:
     async def body(stack: Stack) -> None:
         await _public_grpc_api(stack)

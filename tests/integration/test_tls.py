@@ -30,9 +30,10 @@ from gateway.server import GatewayServer
 from pdserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc
 from prefill_node.role import prefill_services
 from services.engine import LLM, SamplingParams
-from services.node_config import Role, parse_node_config
-from services.node_runtime import start_node
+from services.node.config import Role, parse_node_config
+from services.node.runtime import start_node
 from services.tls import TlsFiles, aio_channel
+from support.node_argv import node_argv
 
 MAX_MODEL_LEN = 256
 GREEDY = common_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -63,19 +64,15 @@ def tls_flags(directory: Path, name: str) -> list[str]:
     ]  # fmt: skip
 
 
-def node_argv(model_dir: Path, role: str, kv_memory: str) -> list[str]:
-    return [
-        "--role", role, "--model", str(model_dir), "--dtype", "float32", "--host", "127.0.0.1",
-        "--grpc-port", "0", "--kv-transport", "loopback", "--max-model-len", str(MAX_MODEL_LEN),
-        "--kv-cache-memory", kv_memory, "--max-num-batched-tokens", "64", "--drain-grace-s", "1",
-    ]  # fmt: skip
+def flags_for(model_dir: Path, role: str, kv_memory: str) -> list[str]:
+    return node_argv(model_dir, role, kv_memory=kv_memory, max_model_len=MAX_MODEL_LEN)
 
 
 async def start_nodes(model_dir: Path, certs_dir: Path) -> dict:
     nodes = {}
     nodes["prefill"] = await start_node(
         parse_node_config(
-            [*node_argv(model_dir, "prefill", "3MiB"), *tls_flags(certs_dir, "prefill-0")],
+            [*flags_for(model_dir, "prefill", "3MiB"), *tls_flags(certs_dir, "prefill-0")],
             {},
             role=Role.PREFILL,
         ),
@@ -89,12 +86,12 @@ async def start_nodes(model_dir: Path, certs_dir: Path) -> dict:
         "PDSERVE_TLS_CA": str(certs_dir / "ca.crt"),
     }
     nodes["decode"] = await start_node(
-        parse_node_config(node_argv(model_dir, "decode", "5MiB"), environ, role=Role.DECODE),
+        parse_node_config(flags_for(model_dir, "decode", "5MiB"), environ, role=Role.DECODE),
         decode_services,
     )
     nodes["colocated"] = await start_node(
         parse_node_config(
-            [*node_argv(model_dir, "colocated", "5MiB"), *tls_flags(certs_dir, "colocated-0")], {}
+            [*flags_for(model_dir, "colocated", "5MiB"), *tls_flags(certs_dir, "colocated-0")], {}
         ),
         decode_services,
     )

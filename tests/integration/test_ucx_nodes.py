@@ -19,6 +19,9 @@ from deploy.local_ports import free_ports
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.engine import LLM, SamplingParams
 
+# Node processes and a UCX context each: seconds per test.
+pytestmark = pytest.mark.slow
+
 MAX_MODEL_LEN = 256
 GREEDY = common_pb2.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

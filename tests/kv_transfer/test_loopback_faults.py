@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -15,14 +16,15 @@ from kv_transfer import (
     TransferStatus,
     make_transport,
 )
+from support.fake_clock import FakeClock
 
 pytestmark = pytest.mark.timeout(30)
 
 PAGE = 8192
 
 
-def make_pair(faults: LoopbackFaults):
-    writer = make_transport("loopback", faults=faults)
+def make_pair(faults: LoopbackFaults, clock: Callable[[], float] = time.monotonic):
+    writer = make_transport("loopback", faults=faults, clock=clock)
     receiver = make_transport("loopback")
     writer.register("src", np.ones(64 * PAGE, np.uint8))
     dst = np.zeros(64 * PAGE, np.uint8)
@@ -44,11 +46,13 @@ def test_failure_after_some_bytes_is_reported_on_both_sides() -> None:
 
 
 def test_a_slow_transfer_times_out_and_the_receiver_hears_of_it() -> None:
-    writer, receiver, _, pages = make_pair(LoopbackFaults(delay_per_message_s=0.5))
-    handle = writer.write(
-        receiver.address(), pages, transfer_id="s", deadline=time.monotonic() + 0.2
-    )
+    # Started at the real time: a transport that read time.monotonic() instead would finish.
+    clock = FakeClock(now=time.monotonic())
+    writer, receiver, _, pages = make_pair(LoopbackFaults(delay_per_message_s=0.01), clock)
+    handle = writer.write(receiver.address(), pages, transfer_id="s", deadline=clock.now + 5)
+    clock.now += 10  # the copy is slower than its deadline
     assert handle.wait(5) is TransferStatus.TIMED_OUT
+    assert handle.error == "the deadline passed"
     assert receiver.wait_inbound("s", 5) is TransferStatus.TIMED_OUT
     writer.close()
     receiver.close()

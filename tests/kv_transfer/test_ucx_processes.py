@@ -14,7 +14,7 @@ import pytest
 
 from kv_transfer import PageCopy, PeerAddress, TransferStatus, make_transport
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.slow]
 
 PAGE = 8192
 DST_BYTES = 8 << 20

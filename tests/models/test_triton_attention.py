@@ -243,7 +243,7 @@ def test_bf16_matches_torch_backend_on_gpu(step) -> None:
 
 
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.models.attention import make_attention_backend
+    from services.models.backends import make_attention_backend
 
     cuda = make_attention_backend("auto", torch.device("cuda"), block_size=16, scale=1.0)
     assert isinstance(cuda, triton_attention.TritonPagedAttention)

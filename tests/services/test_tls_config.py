@@ -9,7 +9,7 @@ import pytest
 
 from deploy.certs import write_deployment
 from gateway.config import parse_gateway_config
-from services.node_config import Role, parse_node_config
+from services.node.config import Role, parse_node_config
 from services.tls import TlsFiles
 
 

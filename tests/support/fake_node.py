@@ -10,7 +10,7 @@ Two uses:
 Tokens are ``(prompt[-1] + i) % vocab`` so a client can check what it got. The decode role keeps
 the node contract: the first event is a reservation, tokens 2..N follow the prefill's commit.
 
-    python benchmarks/fake_node.py --role colocated --port 50081 [--itl-ms 0] [--ttft-ms 0]
+    python tests/support/fake_node.py --role colocated --port 50081 [--itl-ms 0] [--ttft-ms 0]
         [--fail-after-tokens K] [--refuse | --refuse-unless-waiting]
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo root
 
 from pdserve.v1 import (  # noqa: E402  (after the path set-up, when run as a script)
     common_pb2,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from services.engine import SchedulingPolicy
-from services.node_config import Role, parse_bytes, parse_node_config
+from services.node.config import Role, parse_bytes, parse_node_config
 
 
 def test_defaults_per_role() -> None:

@@ -9,7 +9,8 @@ Life cycle (``NodeServer``):
                     get ``drain_grace_s`` to finish; then the server stops and ``wait()``
                     returns, and the process exits 0.
 
-Health reports this process's own state, never its peers' (peers.md #8).
+Health reports this process's own state, never its peers': a dead prefill node must not make a
+healthy decode node fail its health check.
 """
 
 from __future__ import annotations

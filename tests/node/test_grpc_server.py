@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from services.grpc_server import NodeServer
+from services.node.grpc_server import NodeServer
 
 SERVICE = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
 

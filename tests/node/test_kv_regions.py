@@ -14,7 +14,7 @@ import torch
 
 from kv_transfer import make_transport
 from kv_transfer.memory import MemoryKind, UnsupportedMemoryError
-from services.kv_regions import layer_memory, open_kv_transport, region_name
+from services.node.kv_regions import layer_memory, open_kv_transport, region_name
 
 SHAPE = (2, 8, 16, 2, 8)  # [2, blocks, block_size, kv_heads, head_dim]
 
@@ -85,8 +85,8 @@ def test_the_node_exits_with_one_line_not_a_traceback(tmp_path) -> None:
     script = textwrap.dedent(
         """
         import sys
-        from services import node_runtime
-        from services.node_config import parse_node_config
+        from services.node import runtime as node_runtime
+        from services.node.config import parse_node_config
         from kv_transfer.memory import UnsupportedMemoryError
 
         class Engine:
@@ -114,8 +114,8 @@ def test_the_node_exits_with_one_line_not_a_traceback(tmp_path) -> None:
 
 
 def test_auto_choice_is_logged(caplog: pytest.LogCaptureFixture) -> None:
-    from services.node_config import parse_node_config
-    from services.node_runtime import resolve_kv_transport
+    from services.node.config import parse_node_config
+    from services.node.runtime import resolve_kv_transport
 
     caplog.set_level(logging.INFO)
     host = resolve_kv_transport(parse_node_config(["--role", "decode"], environ={}))

@@ -8,7 +8,7 @@ Each layer is registered where it lives: a CUDA cache by its device pointer
 a copy. A transport that receives only into shared memory (shm) first moves each host layer
 into a shared allocation, in place (``Tensor.set_``: every holder of the tensor sees the new
 memory). A transport that cannot carry the cache's memory raises ``UnsupportedMemoryError``
-naming both; the node exits with that one line (services/node_runtime.py).
+naming both; the node exits with that one line (services/node/runtime.py).
 """
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ from pdserve.v1 import common_pb2
 from services.async_engine import AsyncEngine, EngineDeadError
 from services.convert import load_report_to_proto
 from services.engine import EngineCore
-from services.grpc_server import NodeServer, Registrar
 from services.listen import ListenError
-from services.metrics import NodeMetrics
-from services.node_config import NodeConfig, Role
+from services.node.config import NodeConfig, Role
+from services.node.grpc_server import NodeServer, Registrar
+from services.node.metrics import NodeMetrics
 
 logger = logging.getLogger(__name__)
 

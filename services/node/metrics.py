@@ -1,8 +1,9 @@
 """A node's Prometheus metrics (design §7), under the ``pdserve:`` prefix vLLM users know.
 
 One ``NodeMetrics`` per node, on its own registry (several nodes can share a test process), every
-series labelled by ``role`` and ``node``. Gauges are refreshed from ``EngineStats`` by a periodic
-task; latencies, transfer sizes and failures are observed where they happen.
+series labelled by ``role`` and ``node``. Gauges (and the preemption counter) are refreshed from
+``EngineStats`` by a periodic task; latencies, transfer sizes and failures are observed where
+they happen.
 """
 
 from __future__ import annotations
@@ -56,7 +57,12 @@ class NodeMetrics:
         self.prefix_cache_hit_rate = gauge(
             "prefix_cache_hit_rate", "Prompt tokens served by the prefix cache / tokens looked up"
         )
-        self.num_preemptions = gauge("num_preemptions_total", "Preemptions since start")
+        # A counter (exported as pdserve:num_preemptions_total): rate() over it is meaningful,
+        # and Prometheus naming reserves _total for counters.
+        self.num_preemptions = Counter(
+            "pdserve:num_preemptions", "Preemptions since start", names, registry=self.registry
+        ).labels(**labels)
+        self._preemptions_seen = 0
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Request arrival to first token"
         )
@@ -108,6 +114,12 @@ class NodeMetrics:
             **self._labels, transport=self._transport, lanes=",".join(lanes)
         ).set(1)
 
+    def preemptions_seen(self, total: int) -> None:
+        """Advances the counter to the engine's running total (read from its stats)."""
+        if total > self._preemptions_seen:
+            self.num_preemptions.inc(total - self._preemptions_seen)
+            self._preemptions_seen = total
+
     def serve(self, port: int) -> None:
         try:
             start_http_server(port, registry=self.registry)
@@ -126,5 +138,5 @@ class NodeMetrics:
             self.num_requests_reserved.set(stats.num_reserved)
             self.kv_cache_usage_perc.set(stats.kv_cache_usage)
             self.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate)
-            self.num_preemptions.set(stats.num_preemptions_total)
+            self.preemptions_seen(stats.num_preemptions_total)
             await asyncio.sleep(interval_s)

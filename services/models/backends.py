@@ -1,0 +1,54 @@
+"""Choosing an attention backend by name: the one module that knows every implementation.
+
+``attention.py`` holds the interface and the portable torch path; ``native_attention.py`` (the
+CPU kernel) and ``triton_attention.py`` (the GPU kernels) build on it. Choosing among them lives
+here so that the interface never imports an implementation (no import cycle).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from services.models.attention import AttentionBackend, TorchPagedAttention
+
+logger = logging.getLogger(__name__)
+
+
+def make_attention_backend(
+    name: str, device: torch.device, *, block_size: int, scale: float
+) -> AttentionBackend:
+    """``torch``, ``native`` (raises if the CPU kernel cannot be built), ``triton`` (raises
+    without CUDA, unless under ``TRITON_INTERPRET=1``) or ``auto``: triton on CUDA, native on
+    CPU, the torch path where neither is available."""
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        try:
+            from services.models.triton_attention import (
+                TritonPagedAttention,
+                triton_unavailable_reason,
+            )
+        except ImportError as exc:
+            reason: str | None = f"cannot import triton: {exc}"
+        else:
+            reason = triton_unavailable_reason(device)
+            if reason is None:
+                return TritonPagedAttention(block_size, scale)
+        if name == "triton":
+            raise ValueError(f"attention_backend 'triton' is unavailable: {reason}")
+        logger.warning("Triton attention unavailable (%s); using the torch path", reason)
+        return TorchPagedAttention(block_size, scale)
+    if name == "torch" or (name == "auto" and device.type != "cpu"):
+        return TorchPagedAttention(block_size, scale)
+    try:
+        from services.models.native_attention import NativePagedAttention, native_kernel_error
+    except ImportError as exc:
+        error: str | None = f"cannot import the native backend: {exc}"
+    else:
+        error = native_kernel_error()
+        if error is None and device.type == "cpu":
+            return NativePagedAttention(block_size, scale)
+    if name == "native":
+        raise ValueError(f"attention_backend 'native' is unavailable: {error or 'CPU only'}")
+    logger.warning("native CPU attention unavailable (%s); using the torch path", error)
+    return TorchPagedAttention(block_size, scale)
