@@ -16,18 +16,19 @@ import uuid
 import grpc
 
 from gateway.auth import ApiKey
-from gateway.convert import (
-    finish_reason_to_proto,
-    logprob_to_proto,
-    sampling_from_proto,
-    timings_to_proto,
-    usage_to_proto,
-)
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
 from gateway.generation import GenerationRequest
 from gateway.text_stream import TextDelta, stream_text
-from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.convert import (
+    finish_reason_to_proto,
+    sampling_params_from_proto,
+    stage_timings_to_proto,
+    token_logprob_to_proto,
+    usage_to_proto,
+)
+from services.types import SamplingParamError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                                 delta=gateway_pb2.GatewayTextDelta(
                                     text=item.text,
                                     token_ids=item.token_ids,
-                                    logprobs=[logprob_to_proto(lp) for lp in item.logprobs or ()],
+                                    logprobs=[
+                                        token_logprob_to_proto(lp) for lp in item.logprobs or ()
+                                    ],
                                 )
                             )
                         else:
@@ -75,7 +78,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                                 finished=gateway_pb2.GatewayFinished(
                                     finish_reason=finish_reason_to_proto(item.finish_reason),
                                     usage=usage_to_proto(item.usage),
-                                    timings=timings_to_proto(item.timings),
+                                    timings=stage_timings_to_proto(item.timings),
                                     error=item.error or "",
                                     stop_reason=item.stop_reason
                                     if isinstance(item.stop_reason, str)
@@ -141,7 +144,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise invalid("input: set one of text, token_ids or chat", param="input")
         if not prompt:
             raise invalid(f"{kind}: the prompt is empty", param=kind)
-        sampling = sampling_from_proto(request.sampling)
+        sampling = _sampling_from_proto(request.sampling)
         limits.check_max_tokens(
             sampling.max_tokens, len(prompt), prompt_param=kind, max_param="sampling.max_tokens"
         )
@@ -157,3 +160,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             deadline=deadline,
             arrival=arrival,
         )
+
+
+def _sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
+    """The node's own checks, plus the grammar's, before admission: INVALID_ARGUMENT naming the
+    field (``sampling.<name>``) instead of a node's refusal after routing."""
+    try:
+        sampling = sampling_params_from_proto(message)
+    except SamplingParamError as exc:
+        raise invalid(str(exc), param=f"sampling.{exc.param}") from None
+    except ValueError as exc:  # an unknown guided kind
+        raise invalid(str(exc), param="sampling.guided") from None
+    if sampling.guided is not None:
+        try:
+            sampling.guided.check()
+        except ValueError as exc:
+            raise invalid(str(exc), param="sampling.guided") from None
+    return sampling

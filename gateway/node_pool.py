@@ -26,14 +26,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.node_discovery import DnsResolver, ResolveError, Resolver, parse_target
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from services.tls import TlsFiles, aio_channel
+from services.types import Role
 
 logger = logging.getLogger(__name__)
-
-
-class NodeRole(enum.StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    COLOCATED = "colocated"
 
 
 class NodeHealth(enum.Enum):
@@ -63,7 +58,7 @@ class Node:
     def __init__(
         self,
         address: str,
-        role: NodeRole,
+        role: Role,
         tls: TlsFiles | None = None,
         tls_name: str | None = None,
     ) -> None:
@@ -106,7 +101,7 @@ class Node:
         was_unhealthy = self.health is NodeHealth.UNHEALTHY
         try:
             status = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
-            stub = self.prefill if self.role is NodeRole.PREFILL else self.decode
+            stub = self.prefill if self.role is Role.PREFILL else self.decode
             report = await stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             self._set(NodeHealth.UNHEALTHY, f"{exc.code().name}: {exc.details()}")
@@ -157,25 +152,25 @@ class NodePool:
         """``tls``: mutual TLS to every node (see ``services/tls.py``); None: plaintext."""
         self.tls = tls
         self._targets = {
-            NodeRole.PREFILL: [parse_target(a) for a in prefill],
-            NodeRole.DECODE: [parse_target(a) for a in decode],
-            NodeRole.COLOCATED: [parse_target(a) for a in colocated],
+            Role.PREFILL: [parse_target(a) for a in prefill],
+            Role.DECODE: [parse_target(a) for a in decode],
+            Role.COLOCATED: [parse_target(a) for a in colocated],
         }
         # Fixed entries are nodes from the start; DNS names get theirs at the first refresh.
-        self.prefill = self._fixed_nodes(NodeRole.PREFILL)
-        self.decode = self._fixed_nodes(NodeRole.DECODE)
-        self.colocated = self._fixed_nodes(NodeRole.COLOCATED)
+        self.prefill = self._fixed_nodes(Role.PREFILL)
+        self.decode = self._fixed_nodes(Role.DECODE)
+        self.colocated = self._fixed_nodes(Role.COLOCATED)
         self.retiring: list[Node] = []
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.resolver: Resolver = resolver or DnsResolver(timeout_s)
 
-    def _fixed_nodes(self, role: NodeRole) -> list[Node]:
+    def _fixed_nodes(self, role: Role) -> list[Node]:
         return [Node(t.address, role, self.tls) for t in self._targets[role] if not t.dns]
 
-    def _role_nodes(self, role: NodeRole) -> list[Node]:
-        return {NodeRole.PREFILL: self.prefill, NodeRole.DECODE: self.decode,
-                NodeRole.COLOCATED: self.colocated}[role]  # fmt: skip
+    def _role_nodes(self, role: Role) -> list[Node]:
+        return {Role.PREFILL: self.prefill, Role.DECODE: self.decode,
+                Role.COLOCATED: self.colocated}[role]  # fmt: skip
 
     @property
     def nodes(self) -> list[Node]:
@@ -211,7 +206,7 @@ class NodePool:
             logger.info("node %s (%s) retired", node.address, node.role)
         await asyncio.gather(*(node.close() for node in finished))
 
-    def _reconcile(self, role: NodeRole, wanted: dict[str, str | None]) -> None:
+    def _reconcile(self, role: Role, wanted: dict[str, str | None]) -> None:
         current = self._role_nodes(role)
         have = {n.address for n in current}
         for node in [n for n in current if n.address not in wanted]:

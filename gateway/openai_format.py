@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from gateway.generation import TokenLogprob
 from gateway.openai_job import OpenAIJob
 from gateway.openai_protocol import (
     ChatChoice,
@@ -31,6 +30,7 @@ from gateway.text_stream import TextDelta, TextFinished
 from gateway.tokenizer import Tokenizer
 from gateway.tool_calls import ToolCallStream
 from gateway.tool_parsers import parser_for
+from services.types import TokenLogprob
 
 # OpenAI's stand-in for a logprob of -inf: JSON has no infinities.
 _MIN_LOGPROB = -9999.0

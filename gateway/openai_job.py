@@ -1,5 +1,5 @@
 """One OpenAI request turned into what the generator takes: an ``OpenAIJob``, then per choice a
-``GenerationRequest``'s prompt token ids and ``SamplingOptions``.
+``GenerationRequest``'s prompt token ids and ``SamplingParams``.
 
 Validation comes in two steps, each raising a ``GatewayError`` that names the offending field:
 ``completion_job`` / ``chat_job`` check what needs no tokenizer, before admission (so a bad
@@ -21,10 +21,10 @@ from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
 from gateway.guided import check, guided_from_request
 from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
-from gateway.sampling import SamplingOptions
 from gateway.tokenizer import Tokenizer
 from gateway.tool_calls import ToolMode, ToolPlan, tool_plan
 from services.guided_decoding import GuidedDecoding
+from services.types import SamplingParamError, SamplingParams
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -245,7 +245,7 @@ def prompt_token_ids(job: OpenAIJob, tokenizer: Tokenizer) -> list[tuple[int, ..
 
 def sampling_options(
     job: OpenAIJob, prompt_len: int, choice: int, frontend: Frontend
-) -> SamplingOptions:
+) -> SamplingParams:
     body = job.body
     limits = frontend.limits
     param = "messages" if job.is_chat else "prompt"
@@ -263,20 +263,27 @@ def sampling_options(
     if body.seed is not None:
         # seed + choice: the n choices differ, and each stays reproducible; wrapped into int64.
         seed = (body.seed + choice + _INT64) % (2 * _INT64) - _INT64
-    return SamplingOptions(
-        max_tokens=max_tokens,
-        min_tokens=body.min_tokens or 0,
-        temperature=body.temperature,
-        top_k=-1 if body.top_k == 0 else body.top_k,
-        top_p=body.top_p,
-        min_p=body.min_p or 0.0,
-        seed=seed,
-        repetition_penalty=body.repetition_penalty,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        stop_token_ids=tuple(body.stop_token_ids or ()),
-        ignore_eos=body.ignore_eos,
-        logprobs=job.num_logprobs,
-        guided=job.guided,
-        logit_bias=job.logit_bias,
-    )
+    # A field the client left out (or sent as null) takes the engine's default.
+    given = {
+        "temperature": body.temperature,
+        "top_k": -1 if body.top_k == 0 else body.top_k,
+        "top_p": body.top_p,
+        "repetition_penalty": body.repetition_penalty,
+    }
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens or 0,
+            min_p=body.min_p or 0.0,
+            seed=seed,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            logprobs=job.num_logprobs,
+            guided=job.guided,
+            logit_bias=job.logit_bias,
+            **{name: value for name, value in given.items() if value is not None},
+        )
+    except SamplingParamError as exc:
+        raise invalid(str(exc), param=exc.param) from None

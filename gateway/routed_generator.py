@@ -36,26 +36,20 @@ from dataclasses import replace
 import grpc
 
 from gateway.config import KvFailurePolicy, RouterConfig
-from gateway.convert import (
-    finish_reason_from_proto,
-    logprob_from_proto,
-    sampling_to_proto,
-    timings_from_proto,
-)
 from gateway.errors import ErrorKind, GatewayError
-from gateway.generation import (
-    Finished,
-    FinishReason,
-    GenerationEvent,
-    GenerationRequest,
-    StageTimings,
-    TokenChunk,
-    Usage,
-)
+from gateway.generation import Finished, GenerationEvent, GenerationRequest, TokenChunk
 from gateway.metrics import GatewayMetrics
 from gateway.node_pool import Node
 from gateway.router import Route, Router
 from pdserve.v1 import decode_pb2, prefill_pb2
+from services.convert import (
+    finish_reason_from_proto,
+    sampling_params_to_proto,
+    stage_timings_from_proto,
+    token_logprob_from_proto,
+    usage_from_proto,
+)
+from services.types import FinishReason, StageTimings, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +119,7 @@ class _DecodeReader:
                 raise _StreamEnded(FinishReason.ERROR, "the decode stream ended without Finished")
             kind = event.WhichOneof("event")
             if kind == "tokens":
-                logprobs = tuple(logprob_from_proto(lp) for lp in event.tokens.logprobs)
+                logprobs = tuple(token_logprob_from_proto(lp) for lp in event.tokens.logprobs)
                 return TokenChunk(tuple(event.tokens.token_ids), logprobs or None)
             if kind == "finished":
                 return _finished_from_proto(event.finished)
@@ -256,7 +250,7 @@ class RoutedGenerator:
         message = decode_pb2.GenerateRequest(
             request_id=leg_id,
             prompt_token_ids=request.prompt_token_ids,
-            sampling=sampling_to_proto(request.sampling),
+            sampling=sampling_params_to_proto(request.sampling),
             kv_source=kv_source,
         )
         if kv_source:
@@ -318,7 +312,7 @@ class RoutedGenerator:
                 prefill_pb2.PrefillRequest(
                     request_id=leg_id,
                     prompt_token_ids=request.prompt_token_ids,
-                    sampling=sampling_to_proto(request.sampling),
+                    sampling=sampling_params_to_proto(request.sampling),
                     destination=first.reservation,
                     decode_target=decode.address,
                 ),
@@ -354,11 +348,11 @@ class RoutedGenerator:
                 prefill.num_in_flight -= 1
                 prefill = None
                 cached = result.cached_prompt_tokens
-                prefill_timings = timings_from_proto(result.timings)
+                prefill_timings = stage_timings_from_proto(result.timings)
                 reader.streamed = True
                 yield TokenChunk(
                     (result.first_token_id,),
-                    (logprob_from_proto(result.first_logprobs),)
+                    (token_logprob_from_proto(result.first_logprobs),)
                     if result.HasField("first_logprobs")
                     else None,
                 )
@@ -421,13 +415,10 @@ def _failure(exc: grpc.aio.AioRpcError, node: Node, leg: str) -> Exception:
 
 def _finished_from_proto(message: decode_pb2.Finished) -> Finished:
     return Finished(
-        finish_reason=finish_reason_from_proto(message.finish_reason),
-        usage=Usage(
-            prompt_tokens=message.usage.prompt_tokens,
-            completion_tokens=message.usage.completion_tokens,
-            cached_prompt_tokens=message.usage.cached_prompt_tokens,
-        ),
-        timings=timings_from_proto(message.timings),
+        # A reason this gateway does not know (a newer node) reads as an error, never a success.
+        finish_reason=finish_reason_from_proto(message.finish_reason) or FinishReason.ERROR,
+        usage=usage_from_proto(message.usage),
+        timings=stage_timings_from_proto(message.timings),
         error=message.error or None,
     )
 

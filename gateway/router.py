@@ -25,8 +25,9 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from gateway.config import RouterConfig
-from gateway.node_pool import Node, NodePool, NodeRole
+from gateway.node_pool import Node, NodePool
 from gateway.prefix_affinity import PrefixAffinity
+from services.types import Role
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class Route:
         """The metric label: ``disaggregated``, ``local_prefill`` or ``colocated``."""
         if self.prefill is not None:
             return "disaggregated"
-        return "local_prefill" if self.decode.role is NodeRole.DECODE else "colocated"
+        return "local_prefill" if self.decode.role is Role.DECODE else "colocated"
 
 
 def _prefill_queue(node: Node) -> int:

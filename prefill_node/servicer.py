@@ -43,8 +43,8 @@ from services.kv_regions import to_page_copies
 from services.metrics import NodeMetrics
 from services.node_config import NodeConfig
 from services.node_runtime import NodeServerRef, load_report
-from services.stage_timings import StageTimings
 from services.tls import aio_channel
+from services.types import StageTimings
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from pdserve.v1 import decode_pb2
 from services.async_engine import AsyncEngine
 from services.engine import LLM, EngineCore, FinishReason, SamplingParams
 from services.engine.kv_layout import layer_copies
-from services.stage_timings import StageTimings
+from services.types import StageTimings
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
