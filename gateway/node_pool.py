@@ -1,4 +1,5 @@
-"""The gateway's view of its nodes: one gRPC channel each, health and load refreshed by polling.
+"""The gateway's nodes: each one's routing state (``gateway.node.Node``) and its client
+(``gateway.node_client.NodeClient``: one gRPC channel), health and load refreshed by polling.
 
 Life cycle of a node here: UNKNOWN (start) → HEALTHY when grpc.health.v1 says SERVING and a
 GetLoad answered → UNHEALTHY when a poll fails, the node reports NOT_SERVING or draining, or a
@@ -16,120 +17,15 @@ the address comes back first, the node returns as it is). A failed lookup change
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
-from dataclasses import dataclass
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+from gateway.node import Node
+from gateway.node_client import NodeClient
 from gateway.node_discovery import DnsResolver, ResolveError, Resolver, parse_target
-from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from services.tls import TlsFiles, aio_channel
+from services.tls import TlsFiles
 from services.types import Role
 
 logger = logging.getLogger(__name__)
-
-
-class NodeHealth(enum.Enum):
-    UNKNOWN = "unknown"
-    HEALTHY = "healthy"
-    UNHEALTHY = "unhealthy"
-
-
-@dataclass(frozen=True)
-class NodeLoad:
-    num_running: int = 0
-    num_waiting: int = 0
-    num_reserved: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    draining: bool = False
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
-
-
-class Node:
-    """One node: its channel and stubs, its last health and load, and the gateway's own count of
-    requests it has sent there (fresher than the last poll)."""
-
-    def __init__(
-        self,
-        address: str,
-        role: Role,
-        tls: TlsFiles | None = None,
-        tls_name: str | None = None,
-    ) -> None:
-        """``tls_name``: the name the node's certificate is checked against instead of
-        ``address`` (a node found through DNS is dialled at its pod IP, which no certificate
-        names; its service name does)."""
-        self.address = address
-        self.role = role
-        self.tls_name = tls_name
-        options: list[tuple[str, object]] = [
-            # Streams may be idle for long between tokens of a slow model; keep them alive.
-            ("grpc.keepalive_time_ms", 30_000),
-            ("grpc.max_receive_message_length", 64 * 2**20),
-        ]
-        if tls is not None and tls_name is not None:
-            options.append(("grpc.ssl_target_name_override", tls_name))
-        self.channel = aio_channel(address, tls, options=options)
-        self.prefill = prefill_pb2_grpc.PrefillServiceStub(self.channel)
-        self.decode = decode_pb2_grpc.DecodeServiceStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
-        self.health = NodeHealth.UNKNOWN
-        self.load = NodeLoad()
-        self.num_in_flight = 0
-        self.last_error: str | None = None
-
-    @property
-    def is_healthy(self) -> bool:
-        return self.health is NodeHealth.HEALTHY and not self.load.draining
-
-    def mark_failed(self, reason: str) -> None:
-        """A request saw the node unreachable: stop routing to it until a poll says otherwise."""
-        if self.health is not NodeHealth.UNHEALTHY:
-            logger.warning("node %s (%s) marked unhealthy: %s", self.address, self.role, reason)
-        self.health = NodeHealth.UNHEALTHY
-        self.last_error = reason
-
-    async def poll(self, timeout_s: float) -> bool:
-        """Refreshes health and load; True when the node just came back from UNHEALTHY (it may
-        have restarted with an empty cache)."""
-        was_unhealthy = self.health is NodeHealth.UNHEALTHY
-        try:
-            status = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
-            stub = self.prefill if self.role is Role.PREFILL else self.decode
-            report = await stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            self._set(NodeHealth.UNHEALTHY, f"{exc.code().name}: {exc.details()}")
-            return False
-        self.load = NodeLoad(
-            num_running=report.num_running,
-            num_waiting=report.num_waiting,
-            num_reserved=report.num_reserved,
-            kv_blocks_used=report.kv_blocks_used,
-            kv_blocks_total=report.kv_blocks_total,
-            draining=report.draining,
-        )
-        if status.status != health_pb2.HealthCheckResponse.SERVING:
-            self._set(NodeHealth.UNHEALTHY, "health: NOT_SERVING")
-            return False
-        self._set(NodeHealth.HEALTHY, None)
-        return was_unhealthy
-
-    def _set(self, health: NodeHealth, error: str | None) -> None:
-        if health is not self.health:
-            log = logger.info if health is NodeHealth.HEALTHY else logger.warning
-            log("node %s (%s): %s%s", self.address, self.role, health.value,
-                f" ({error})" if error else "")  # fmt: skip
-        self.health = health
-        self.last_error = error
-
-    async def close(self) -> None:
-        await self.channel.close()
 
 
 class NodePool:
@@ -151,6 +47,7 @@ class NodePool:
     ) -> None:
         """``tls``: mutual TLS to every node (see ``services/tls.py``); None: plaintext."""
         self.tls = tls
+        self._clients: dict[Node, NodeClient] = {}
         self._targets = {
             Role.PREFILL: [parse_target(a) for a in prefill],
             Role.DECODE: [parse_target(a) for a in decode],
@@ -166,7 +63,16 @@ class NodePool:
         self.resolver: Resolver = resolver or DnsResolver(timeout_s)
 
     def _fixed_nodes(self, role: Role) -> list[Node]:
-        return [Node(t.address, role, self.tls) for t in self._targets[role] if not t.dns]
+        return [self._add(t.address, role, None) for t in self._targets[role] if not t.dns]
+
+    def _add(self, address: str, role: Role, tls_name: str | None) -> Node:
+        node = Node(address, role, tls_name)
+        self._clients[node] = NodeClient(address, role, self.tls, tls_name)
+        return node
+
+    def client(self, node: Node) -> NodeClient:
+        """The channel and stubs of a node this pool holds (routed or retiring)."""
+        return self._clients[node]
 
     def _role_nodes(self, role: Role) -> list[Node]:
         return {Role.PREFILL: self.prefill, Role.DECODE: self.decode,
@@ -204,7 +110,7 @@ class NodePool:
         self.retiring = [n for n in self.retiring if n.num_in_flight > 0]
         for node in finished:
             logger.info("node %s (%s) retired", node.address, node.role)
-        await asyncio.gather(*(node.close() for node in finished))
+        await asyncio.gather(*(self._clients.pop(node).close() for node in finished))
 
     def _reconcile(self, role: Role, wanted: dict[str, str | None]) -> None:
         current = self._role_nodes(role)
@@ -221,15 +127,17 @@ class NodePool:
                 current.append(back[0])
             else:
                 logger.info("node %s (%s) discovered", address, role)
-                current.append(Node(address, role, self.tls, wanted[address]))
+                current.append(self._add(address, role, wanted[address]))
 
     async def poll_once(self) -> list[Node]:
         """Refreshes the node set, then polls every node; returns those that came back from
         UNHEALTHY."""
         await self.refresh()
         nodes = self.nodes
-        recovered = await asyncio.gather(*(node.poll(self.timeout_s) for node in nodes))
+        polls = await asyncio.gather(*(self._clients[n].poll(self.timeout_s) for n in nodes))
+        recovered = [node.observe_poll(*poll) for node, poll in zip(nodes, polls, strict=True)]
         return [node for node, back in zip(nodes, recovered, strict=True) if back]
 
     async def close(self) -> None:
-        await asyncio.gather(*(node.close() for node in [*self.nodes, *self.retiring]))
+        await asyncio.gather(*(client.close() for client in self._clients.values()))
+        self._clients.clear()

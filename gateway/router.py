@@ -25,7 +25,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from gateway.config import RouterConfig
-from gateway.node_pool import Node, NodePool
+from gateway.node import Node
+from gateway.node_pool import NodePool
 from gateway.prefix_affinity import PrefixAffinity
 from services.types import Role
 

@@ -15,7 +15,8 @@ import pytest
 
 from gateway.config import RouterConfig, parse_gateway_config
 from gateway.node_discovery import DnsResolver, ResolveError, parse_target
-from gateway.node_pool import NodeHealth, NodePool
+from gateway.node import NodeHealth
+from gateway.node_pool import NodePool
 from gateway.router import Router
 from gateway.server import GatewayServer
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from gateway.config import RouterConfig
-from gateway.node_pool import NodeHealth, NodeLoad, NodePool
+from gateway.node import NodeHealth, NodeLoad
+from gateway.node_pool import NodePool
 from gateway.prefix_affinity import PrefixAffinity
 from gateway.router import Router
 
