@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 from gateway.config import RouterConfig, parse_gateway_config
-from gateway.node_discovery import DnsResolver, ResolveError, parse_target
 from gateway.node import NodeHealth
+from gateway.node_discovery import DnsResolver, ResolveError, parse_target
 from gateway.node_pool import NodePool
 from gateway.router import Router
 from gateway.server import GatewayServer
