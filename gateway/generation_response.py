@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Sequence
 
 from fastapi.responses import Response
@@ -32,6 +31,7 @@ from gateway.openai_errors import internal_error_body
 from gateway.openai_format import ChatFormat, ChoiceState, CompletionFormat, OpenAIFormat
 from gateway.openai_job import OpenAIJob, prompt_token_ids, sampling_options
 from gateway.openai_protocol import PromptTokensDetails, UsageInfo
+from gateway.pipeline import admitted, tokenize
 from gateway.sse import DONE, MEDIA_TYPE, sse_event
 from gateway.text_stream import TextDelta, TextFinished
 from services.types import FinishReason, StageTimings, Usage
@@ -80,12 +80,8 @@ class GenerationResponse(Response):
         frontend = self._frontend
         metrics = frontend.metrics
         try:
-            queued_at = time.monotonic()
-            async with frontend.admission.admit():
-                metrics.request_queue_time.observe(time.monotonic() - queued_at)
-                # In a thread: a long prompt takes seconds to tokenize (4 MiB: ~6 s), which on
-                # the loop would stall every other stream; Tokenizer.encode releases the GIL.
-                prompts = await asyncio.to_thread(prompt_token_ids, self._job, frontend.tokenizer)
+            async with admitted(frontend):
+                prompts = await tokenize(prompt_token_ids, self._job, frontend.tokenizer)
                 states, requests = self._plan(prompts)
                 async with ChoiceFanout(frontend, self._job, requests) as choices:
                     first_events = await choices.first_events()
