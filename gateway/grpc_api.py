@@ -20,7 +20,7 @@ from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
 from gateway.generation import GenerationRequest
 from gateway.pipeline import admitted, generate_text, tokenize
-from gateway.text_stream import TextDelta
+from gateway.text.text_stream import TextDelta
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.convert import (
     finish_reason_to_proto,

@@ -22,7 +22,7 @@ from typing import ParamSpec, TypeVar
 
 from gateway.frontend import Frontend
 from gateway.generation import GenerationRequest
-from gateway.text_stream import TextEvent, stream_text
+from gateway.text.text_stream import TextEvent, stream_text
 
 P = ParamSpec("P")
 T = TypeVar("T")

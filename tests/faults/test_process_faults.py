@@ -32,7 +32,7 @@ from deploy.commands import ProcessSpec, local_processes
 from deploy.local_ports import free_ports
 from deploy.supervisor import Output, Supervisor
 from deploy.topology import GatewaySpec, NodeGroup, Role, Topology
-from gateway.tokenizer import Tokenizer
+from gateway.text.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from services.engine import LLM, SamplingParams
 

@@ -20,11 +20,11 @@ from gateway.auth import ApiKey, ApiKeys, KeyLimits
 from gateway.errors import ErrorKind, GatewayError
 from gateway.frontend import Frontend
 from gateway.generation import Finished, GenerationEvent, GenerationRequest, TokenChunk
+from gateway.http_api.openai_app import build_openai_app
 from gateway.key_limiter import KeyLimiter, KeyMeteredGenerator
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
-from gateway.openai_app import build_openai_app
-from gateway.tokenizer import Tokenizer
+from gateway.text.tokenizer import Tokenizer
 from services.types import FinishReason, Usage
 
 SECRET_A = "sk-alpha-7f3b1c9d2e"

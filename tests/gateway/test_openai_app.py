@@ -25,10 +25,10 @@ from gateway.auth import ApiKeys
 from gateway.errors import ErrorKind, GatewayError
 from gateway.frontend import Frontend
 from gateway.generation import Finished, GenerationEvent, GenerationRequest, TokenChunk
+from gateway.http_api.openai_app import build_openai_app
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
-from gateway.openai_app import build_openai_app
-from gateway.tokenizer import Tokenizer
+from gateway.text.tokenizer import Tokenizer
 from services.types import FinishReason, SamplingParams, TokenLogprob, Usage
 
 MODEL = "tiny-llama"

@@ -13,7 +13,8 @@ import pytest
 from gateway.config import RouterConfig
 from gateway.errors import ErrorKind, GatewayError
 from gateway.generation import Finished, GenerationEvent, GenerationRequest, TokenChunk
-from gateway.legs import (
+from gateway.metrics import GatewayMetrics
+from gateway.routing.legs import (
     DecodeEvent,
     DecodeLeg,
     PrefillLeg,
@@ -22,10 +23,9 @@ from gateway.legs import (
     RetryableFailure,
     StreamEnded,
 )
-from gateway.metrics import GatewayMetrics
-from gateway.node import Node, NodeHealth
-from gateway.routed_generator import RoutedGenerator
-from gateway.router import Route
+from gateway.routing.node import Node, NodeHealth
+from gateway.routing.routed_generator import RoutedGenerator
+from gateway.routing.router import Route
 from services.types import FinishReason, Role, SamplingParams, StageTimings, Usage
 
 PROMPT = (1, 2, 3)

@@ -24,8 +24,8 @@ Life cycle of one request here:
 5. CLOSED: however the consumer leaves (aclose, cancellation), each leg's context exit cancels
    its call, and a cancelled RPC aborts the request on its node (peers.md #4, #5).
 
-The legs themselves (``gateway.legs``; over gRPC in ``gateway.grpc_legs``) count their own work
-in flight on their node; this module decides which legs to open and in what order events go out.
+The legs themselves (``legs``; over gRPC in ``grpc_legs``) count their own work in flight on
+their node; this module decides which legs to open and in what order events go out.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ from dataclasses import replace
 from gateway.config import RouterConfig
 from gateway.errors import ErrorKind, GatewayError
 from gateway.generation import Finished, GenerationEvent, GenerationRequest, TokenChunk
-from gateway.grpc_legs import GrpcLegs
-from gateway.legs import (
+from gateway.metrics import GatewayMetrics
+from gateway.routing.grpc_legs import GrpcLegs
+from gateway.routing.legs import (
     DecodeEvent,
     DecodeLeg,
     Legs,
@@ -49,9 +50,8 @@ from gateway.legs import (
     RetryableFailure,
     StreamEnded,
 )
-from gateway.metrics import GatewayMetrics
-from gateway.node import Node
-from gateway.router import Route, Router
+from gateway.routing.node import Node
+from gateway.routing.router import Route, Router
 from services.types import StageTimings, Usage
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """One node's gRPC channel and stubs: what the gateway sends requests and health polls over.
 
-The routing state of the same node (health, load, work in flight) is ``gateway.node.Node``;
+The routing state of the same node (health, load, work in flight) is ``gateway.routing.node.Node``;
 ``NodePool`` keeps the two side by side and closes the channel when the node retires.
 """
 
@@ -11,7 +11,7 @@ import logging
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.node import NodeLoad
+from gateway.routing.node import NodeLoad
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from services.tls import TlsFiles, aio_channel
 from services.types import Role

@@ -25,9 +25,9 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from gateway.config import RouterConfig
-from gateway.node import Node
-from gateway.node_pool import NodePool
-from gateway.prefix_affinity import PrefixAffinity
+from gateway.routing.node import Node
+from gateway.routing.node_pool import NodePool
+from gateway.routing.prefix_affinity import PrefixAffinity
 from services.types import Role
 
 logger = logging.getLogger(__name__)

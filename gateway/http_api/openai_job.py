@@ -20,8 +20,8 @@ from fastapi import Request
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
 from gateway.guided import check, guided_from_request
-from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
-from gateway.tokenizer import Tokenizer
+from gateway.http_api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from gateway.text.tokenizer import Tokenizer
 from gateway.tool_calls import ToolMode, ToolPlan, tool_plan
 from services.guided_decoding import GuidedDecoding
 from services.types import SamplingParamError, SamplingParams

@@ -16,7 +16,7 @@ from types import TracebackType
 from typing import Protocol
 
 from gateway.generation import Finished, GenerationRequest, TokenChunk
-from gateway.node import Node
+from gateway.routing.node import Node
 from services.types import FinishReason, StageTimings
 
 

@@ -1,5 +1,5 @@
-"""The gateway's nodes: each one's routing state (``gateway.node.Node``) and its client
-(``gateway.node_client.NodeClient``: one gRPC channel), health and load refreshed by polling.
+"""The gateway's nodes: each one's routing state (``node.Node``) and its client
+(``node_client.NodeClient``: one gRPC channel), health and load refreshed by polling.
 
 Life cycle of a node here: UNKNOWN (start) → HEALTHY when grpc.health.v1 says SERVING and a
 GetLoad answered → UNHEALTHY when a poll fails, the node reports NOT_SERVING or draining, or a
@@ -8,10 +8,10 @@ again at the next good poll. The state is soft (peers.md #12): everything comes 
 poll, so a restarted node is judged by what it reports now, never by what it held before.
 
 Life cycle of the node set: a ``dns:///`` entry is resolved again before every poll
-(``gateway.node_discovery``). A new address becomes a node in UNKNOWN, polled at once and routed
-to only once that poll finds it HEALTHY. An address gone from the answer RETIRES its node: no new
-request is routed to it, the requests it has finish, and its channel closes once it has none (if
-the address comes back first, the node returns as it is). A failed lookup changes nothing.
+(``node_discovery``). A new address becomes a node in UNKNOWN, polled at once and routed to only
+once that poll finds it HEALTHY. An address gone from the answer RETIRES its node: no new request
+is routed to it, the requests it has finish, and its channel closes once it has none (if the
+address comes back first, the node returns as it is). A failed lookup changes nothing.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from gateway.node import Node
-from gateway.node_client import NodeClient
-from gateway.node_discovery import DnsResolver, ResolveError, Resolver, parse_target
+from gateway.routing.node import Node
+from gateway.routing.node_client import NodeClient
+from gateway.routing.node_discovery import DnsResolver, ResolveError, Resolver, parse_target
 from services.tls import TlsFiles
 from services.types import Role
 

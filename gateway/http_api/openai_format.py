@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from gateway.openai_job import OpenAIJob
-from gateway.openai_protocol import (
+from gateway.http_api.openai_job import OpenAIJob
+from gateway.http_api.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -26,8 +26,8 @@ from gateway.openai_protocol import (
     TopLogprob,
     UsageInfo,
 )
-from gateway.text_stream import TextDelta, TextFinished
-from gateway.tokenizer import Tokenizer
+from gateway.text.text_stream import TextDelta, TextFinished
+from gateway.text.tokenizer import Tokenizer
 from gateway.tool_calls import ToolCallStream
 from gateway.tool_parsers import parser_for
 from services.types import TokenLogprob

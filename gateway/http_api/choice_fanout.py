@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from gateway.errors import GatewayError
 from gateway.frontend import Frontend
 from gateway.generation import GenerationRequest
-from gateway.openai_job import OpenAIJob
+from gateway.http_api.openai_job import OpenAIJob
 from gateway.pipeline import generate_text
-from gateway.text_stream import TextDelta, TextFinished
+from gateway.text.text_stream import TextDelta, TextFinished
 
 logger = logging.getLogger(__name__)
 

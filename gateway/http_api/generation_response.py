@@ -22,18 +22,18 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from gateway.choice_fanout import ChoiceEvent, ChoiceFanout
-from gateway.client_send import SlowClientError, bounded_send, send_json
 from gateway.errors import ErrorKind, GatewayError
 from gateway.frontend import Frontend
 from gateway.generation import GenerationRequest
-from gateway.openai_errors import internal_error_body
-from gateway.openai_format import ChatFormat, ChoiceState, CompletionFormat, OpenAIFormat
-from gateway.openai_job import OpenAIJob, prompt_token_ids, sampling_options
-from gateway.openai_protocol import PromptTokensDetails, UsageInfo
+from gateway.http_api.choice_fanout import ChoiceEvent, ChoiceFanout
+from gateway.http_api.client_send import SlowClientError, bounded_send, send_json
+from gateway.http_api.openai_errors import internal_error_body
+from gateway.http_api.openai_format import ChatFormat, ChoiceState, CompletionFormat, OpenAIFormat
+from gateway.http_api.openai_job import OpenAIJob, prompt_token_ids, sampling_options
+from gateway.http_api.openai_protocol import PromptTokensDetails, UsageInfo
+from gateway.http_api.sse import DONE, MEDIA_TYPE, sse_event
 from gateway.pipeline import admitted, tokenize
-from gateway.sse import DONE, MEDIA_TYPE, sse_event
-from gateway.text_stream import TextDelta, TextFinished
+from gateway.text.text_stream import TextDelta, TextFinished
 from services.types import FinishReason, StageTimings, Usage
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,8 @@ import grpc
 from gateway.config import KvFailurePolicy, RouterConfig
 from gateway.errors import ErrorKind, GatewayError
 from gateway.generation import Finished, GenerationRequest, TokenChunk
-from gateway.legs import (
+from gateway.metrics import GatewayMetrics
+from gateway.routing.legs import (
     DecodeEvent,
     DecodeLeg,
     PrefillLeg,
@@ -24,9 +25,8 @@ from gateway.legs import (
     RetryableFailure,
     StreamEnded,
 )
-from gateway.metrics import GatewayMetrics
-from gateway.node import Node
-from gateway.node_pool import NodePool
+from gateway.routing.node import Node
+from gateway.routing.node_pool import NodePool
 from pdserve.v1 import decode_pb2, kv_pb2, prefill_pb2
 from services.convert import (
     finish_reason_from_proto,
