@@ -19,7 +19,7 @@ from gateway.auth import ApiKey
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
 from gateway.generation import GenerationRequest
-from gateway.pipeline import admitted, generate_text, tokenize
+from gateway.pipeline import TextOptions, admitted, generate_text, tokenize
 from gateway.text.text_stream import TextDelta
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.convert import (
@@ -48,18 +48,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             key = self._authenticate(context)
             lease = frontend.key_limiter.acquire(key)  # released when the stream ends
             checked = self._check(request)
-            skip_special = (
-                request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+            options = TextOptions(
+                stop=tuple(request.stop),
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                skip_special_tokens=(
+                    request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+                ),
             )
             async with admitted(frontend):
                 generation = await tokenize(self._generation_request, request, checked, arrival)
-                async with generate_text(
-                    frontend,
-                    generation,
-                    stop=tuple(request.stop),
-                    include_stop_str_in_output=request.include_stop_str_in_output,
-                    skip_special_tokens=skip_special,
-                ) as texts:
+                async with generate_text(frontend, generation, options) as texts:
                     async for item in texts:
                         if isinstance(item, TextDelta):
                             yield gateway_pb2.GatewayGenerateResponse(

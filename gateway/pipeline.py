@@ -18,6 +18,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
 from gateway.frontend import Frontend
@@ -26,6 +27,15 @@ from gateway.text.text_stream import TextEvent, stream_text
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """How token events become text: the request's stop strings and detokenizer flags."""
+
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
 
 @asynccontextmanager
@@ -44,10 +54,7 @@ async def tokenize(encode: Callable[P, T], *args: P.args, **kwargs: P.kwargs) ->
 async def generate_text(
     frontend: Frontend,
     request: GenerationRequest,
-    *,
-    stop: tuple[str, ...],
-    include_stop_str_in_output: bool,
-    skip_special_tokens: bool,
+    options: TextOptions,
 ) -> AsyncIterator[AsyncIterator[TextEvent]]:
     events = frontend.generator.generate(request)
     try:
@@ -55,9 +62,9 @@ async def generate_text(
             events,
             frontend.tokenizer,
             request.prompt_token_ids,
-            stop=stop,
-            include_stop_str_in_output=include_stop_str_in_output,
-            skip_special_tokens=skip_special_tokens,
+            stop=options.stop,
+            include_stop_str_in_output=options.include_stop_str_in_output,
+            skip_special_tokens=options.skip_special_tokens,
         )
         try:
             yield texts

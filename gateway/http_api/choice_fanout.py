@@ -16,8 +16,7 @@ from collections.abc import Sequence
 from gateway.errors import GatewayError
 from gateway.frontend import Frontend
 from gateway.generation import GenerationRequest
-from gateway.http_api.openai_job import OpenAIJob
-from gateway.pipeline import generate_text
+from gateway.pipeline import TextOptions, generate_text
 from gateway.text.text_stream import TextDelta, TextFinished
 
 logger = logging.getLogger(__name__)
@@ -31,12 +30,12 @@ class ChoiceFanout:
     def __init__(
         self,
         frontend: Frontend,
-        job: OpenAIJob,
         requests: Sequence[GenerationRequest],
+        options: TextOptions,
     ) -> None:
         self._frontend = frontend
-        self._job = job
         self._requests = requests
+        self._options = options
         self._queue: asyncio.Queue[tuple[int, ChoiceEvent | Exception]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -69,15 +68,8 @@ class ChoiceFanout:
         return await self._queue.get()
 
     async def _pump(self, index: int, request: GenerationRequest) -> None:
-        job = self._job
         try:
-            async with generate_text(
-                self._frontend,
-                request,
-                stop=job.stop,
-                include_stop_str_in_output=job.body.include_stop_str_in_output,
-                skip_special_tokens=job.body.skip_special_tokens,
-            ) as texts:
+            async with generate_text(self._frontend, request, self._options) as texts:
                 is_finished = False
                 async for event in texts:
                     self._queue.put_nowait((index, event))

@@ -3,8 +3,8 @@
 
 Validation comes in two steps, each raising a ``GatewayError`` that names the offending field:
 ``completion_job`` / ``chat_job`` check what needs no tokenizer, before admission (so a bad
-request never waits for a slot); ``prompt_token_ids`` and ``sampling_options`` check what needs
-the tokens, after admission, off the event loop.
+request never waits for a slot); ``prompt_token_ids`` (off the event loop) and
+``choice_requests`` check what needs the tokens, after admission.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from fastapi import Request
 
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
+from gateway.generation import GenerationRequest
 from gateway.guided import check, guided_from_request
 from gateway.http_api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from gateway.text.tokenizer import Tokenizer
@@ -243,7 +244,32 @@ def prompt_token_ids(job: OpenAIJob, tokenizer: Tokenizer) -> list[tuple[int, ..
     return [tuple(ids) for ids in prompts]
 
 
-def sampling_options(
+def choice_requests(
+    job: OpenAIJob, prompts: list[tuple[int, ...]], frontend: Frontend
+) -> list[GenerationRequest]:
+    """One request per choice, in choice order (prompt ``p``'s ``n`` choices at ``p * n + i``);
+    the ids are ``{request_id}-{index}`` when there is more than one."""
+    n = job.body.n
+    num_choices = len(prompts) * n
+    timeout_s = frontend.request_timeout_s
+    deadline = None if timeout_s is None else job.arrival + timeout_s
+    requests = []
+    for prompt_index, prompt in enumerate(prompts):
+        for choice in range(n):
+            index = prompt_index * n + choice
+            requests.append(
+                GenerationRequest(
+                    request_id=job.request_id if num_choices == 1 else f"{job.request_id}-{index}",
+                    prompt_token_ids=prompt,
+                    sampling=sampling_params(job, len(prompt), choice, frontend),
+                    deadline=deadline,
+                    arrival=job.arrival,
+                )
+            )
+    return requests
+
+
+def sampling_params(
     job: OpenAIJob, prompt_len: int, choice: int, frontend: Frontend
 ) -> SamplingParams:
     body = job.body
