@@ -31,14 +31,16 @@ _FINISH_TO_PROTO: dict[FinishReason, int] = {
     FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
 }
 _FINISH_FROM_PROTO: dict[int, FinishReason] = {v: k for k, v in _FINISH_TO_PROTO.items()}
-_GUIDED_TO_PROTO: dict[GuidedKind, int] = {
+_GUIDED_TO_PROTO: dict[GuidedKind, common_pb2.GuidedKind] = {
     GuidedKind.JSON_OBJECT: common_pb2.GUIDED_KIND_JSON_OBJECT,
     GuidedKind.JSON_SCHEMA: common_pb2.GUIDED_KIND_JSON_SCHEMA,
     GuidedKind.REGEX: common_pb2.GUIDED_KIND_REGEX,
     GuidedKind.CHOICE: common_pb2.GUIDED_KIND_CHOICE,
     GuidedKind.GRAMMAR: common_pb2.GUIDED_KIND_GRAMMAR,
 }
-_GUIDED_FROM_PROTO: dict[int, GuidedKind] = {value: key for key, value in _GUIDED_TO_PROTO.items()}
+_GUIDED_FROM_PROTO: dict[common_pb2.GuidedKind, GuidedKind] = {
+    v: k for k, v in _GUIDED_TO_PROTO.items()
+}
 
 # proto3 `optional` fields: absent means the engine's default, so only present ones are passed.
 _OPTIONAL_FIELDS = (

@@ -33,8 +33,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import replace
+from typing import Any
 
 from gateway.config import RouterConfig
 from gateway.errors import ErrorKind, GatewayError
@@ -145,7 +146,7 @@ class RoutedGenerator:
 
     async def _attempt(
         self, route: Route, leg_id: str, request: GenerationRequest, wait_for_room: bool = False
-    ) -> AsyncIterator[GenerationEvent]:
+    ) -> AsyncGenerator[GenerationEvent, None]:
         """Yields the attempt's events; raises ``RetryableFailure`` only before the first.
 
         Deadlines are the RPCs' own (``timeout=`` on each call), never an ``asyncio.timeout``
@@ -176,7 +177,7 @@ class RoutedGenerator:
 
     async def _colocated(
         self, node: Node, leg_id: str, request: GenerationRequest, timeout: float | None
-    ) -> AsyncIterator[GenerationEvent]:
+    ) -> AsyncGenerator[GenerationEvent, None]:
         async with self.legs.decode(node, leg_id, request, None, timeout, False) as decode:
             while True:
                 event = await decode.next()
@@ -195,7 +196,7 @@ class RoutedGenerator:
         request: GenerationRequest,
         timeout: float | None,
         wait_for_room: bool = False,
-    ) -> AsyncIterator[GenerationEvent]:
+    ) -> AsyncGenerator[GenerationEvent, None]:
         legs = self.legs
         async with (
             legs.decode(
@@ -215,6 +216,7 @@ class RoutedGenerator:
                     decode.streamed = True
                     yield answer.first
                 while True:
+                    event: DecodeEvent
                     if held:
                         event = held.pop(0)
                     elif pending is not None:
@@ -250,7 +252,8 @@ async def _hold_until_prefill(
     try:
         while not reply.done():
             assert pending is not None
-            await asyncio.wait({reply, pending}, return_when=asyncio.FIRST_COMPLETED)
+            racing: set[asyncio.Future[Any]] = {reply, pending}
+            await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
             if not pending.done():
                 continue
             event = pending.result()  # a decode failure here is retryable
