@@ -27,7 +27,7 @@ from gateway.routing.legs import (
 )
 from gateway.routing.node import Node
 from gateway.routing.node_pool import NodePool
-from pdserve.v1 import decode_pb2, kv_pb2, prefill_pb2
+from pdserve.v1 import common_pb2, decode_pb2, kv_pb2, prefill_pb2
 from services.convert import (
     finish_reason_from_proto,
     sampling_params_to_proto,
@@ -35,7 +35,7 @@ from services.convert import (
     token_logprob_from_proto,
     usage_from_proto,
 )
-from services.types import FinishReason
+from services.types import FinishReason, StageTimings
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class GrpcDecodeLeg(DecodeLeg):
                 logprobs = tuple(token_logprob_from_proto(lp) for lp in event.tokens.logprobs)
                 return TokenChunk(tuple(event.tokens.token_ids), logprobs or None)
             if kind == "finished":
-                return _finished_from_proto(event.finished)
+                return _finished_from_proto(event.finished, self.node)
             if kind == "recomputing":
                 logger.warning("decode node %s recomputes the prompt itself", self.node.address)
                 self.metrics.retries.labels(cause="kv_recompute").inc()
@@ -230,7 +230,7 @@ class GrpcPrefillLeg(PrefillLeg):
                 else None,
             ),
             cached_prompt_tokens=result.cached_prompt_tokens,
-            timings=stage_timings_from_proto(result.timings),
+            timings=_timings(result.timings, self.node),
         )
 
 
@@ -250,11 +250,21 @@ def rpc_failure(exc: grpc.aio.AioRpcError, node: Node, leg: str) -> Exception:
     return RetryableFailure(f"{leg}_{code.name.lower()}", node, details)
 
 
-def _finished_from_proto(message: decode_pb2.Finished) -> Finished:
+def _timings(message: common_pb2.StageTimings, node: Node) -> StageTimings:
+    """A node's stage durations; ones that are negative or not finite (a node's bug) are
+    logged and dropped: they are observability, and the request's tokens stand."""
+    try:
+        return stage_timings_from_proto(message)
+    except ValueError as exc:
+        logger.warning("node %s sent bad stage timings, dropped: %s", node.address, exc)
+        return StageTimings()
+
+
+def _finished_from_proto(message: decode_pb2.Finished, node: Node) -> Finished:
     return Finished(
         # A reason this gateway does not know (a newer node) reads as an error, never a success.
         finish_reason=finish_reason_from_proto(message.finish_reason) or FinishReason.ERROR,
         usage=usage_from_proto(message.usage),
-        timings=stage_timings_from_proto(message.timings),
+        timings=_timings(message.timings, node),
         error=message.error or None,
     )
