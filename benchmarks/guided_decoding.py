@@ -33,10 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.engine.sampler import Sampler, SamplingMetadata  # noqa: E402
-from services.engine.sampling_params import SamplingParams  # noqa: E402
 from services.engine.structured_output import StructuredOutputs  # noqa: E402
 from services.guided_decoding import GuidedDecoding  # noqa: E402
 from services.models.tiny import SIZES, _synthetic_corpus, build_tokenizer  # noqa: E402
+from services.types import SamplingParams  # noqa: E402
 
 SCHEMA = {
     "type": "object",

@@ -16,7 +16,7 @@ Two kinds of Generate:
   stream aborts the transfer, which frees the blocks once the transport is fenced.
 
 ``Finished`` carries usage (the prefill node's prefix-cache hits when it computed the prompt)
-and per-stage timings (``services.stage_timings``).
+and per-stage timings (``services.decode_clock``).
 """
 
 from __future__ import annotations
@@ -48,11 +48,12 @@ from services.convert import (
     stage_timings_from_proto,
     stage_timings_to_proto,
 )
+from services.decode_clock import DecodeClock
 from services.engine import EngineCoreOutput, SamplingParams
 from services.node.config import NodeConfig
 from services.node.metrics import NodeMetrics
 from services.node.runtime import NodeServerRef, load_report
-from services.stage_timings import DecodeClock, StageTimings
+from services.types import StageTimings
 
 logger = logging.getLogger(__name__)
 

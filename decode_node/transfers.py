@@ -50,7 +50,7 @@ from kv_transfer import KvTransport, TransferStatus
 from services.async_engine import AsyncEngine
 from services.engine import SamplingParams
 from services.node.metrics import NodeMetrics
-from services.stage_timings import StageTimings
+from services.types import StageTimings
 
 logger = logging.getLogger(__name__)
 

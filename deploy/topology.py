@@ -15,7 +15,6 @@ frozen and validated on construction; ``Topology.nodes`` derives the node instan
 from __future__ import annotations
 
 import dataclasses
-import enum
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from services.types import Role
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_TRANSPORTS = ("auto", "shm", "cuda_ipc", "ucx", "loopback")
@@ -33,17 +34,6 @@ _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 # is a switch given alone (``no-prefix-caching: true`` in YAML).
 FlagArgs = tuple[tuple[str, str], ...]
 EnvVars = tuple[tuple[str, str], ...]
-
-
-class Role(enum.StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    COLOCATED = "colocated"
-
-    @property
-    def module(self) -> str:
-        """The ``python -m`` entry point that runs this role."""
-        return "prefill_node" if self is Role.PREFILL else "decode_node"
 
 
 DEFAULT_BASE_PORTS = {Role.PREFILL: 50061, Role.DECODE: 50071, Role.COLOCATED: 50081}

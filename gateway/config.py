@@ -3,7 +3,7 @@ a frozen ``GatewayConfig``; the router, the limits and the servers each get only
 
 Node lists are comma-separated ``host:port`` lists (``--prefill a:50061,b:50061``, or
 ``PDSERVE_PREFILL``); an entry ``dns:///name:port`` stands for every address the name resolves
-to, re-resolved every health interval (``gateway.node_discovery``). API keys: ``--api-key``
+to, re-resolved every health interval (``gateway.routing.node_discovery``). API keys: ``--api-key``
 (repeatable) or ``PDSERVE_API_KEYS=k1,k2``, and ``--api-key-file`` (names and per-key limits).
 """
 

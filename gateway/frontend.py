@@ -15,7 +15,7 @@ from gateway.generation import Generator
 from gateway.key_limiter import KeyLimiter
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
-from gateway.tokenizer import Tokenizer
+from gateway.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""The public gRPC API (``pdserve.v1.GatewayService``): protobuf in, the shared front-end path
-inside (auth, admission, tokenizer, routed generator, text stream), protobuf out.
+"""The public gRPC API (``pdserve.v1.GatewayService``): protobuf in, the shared front-end
+pipeline inside (``gateway.pipeline``: checks, admission, tokenize, generate, text), protobuf
+out. Authentication and the per-key limits come first, as on the HTTP bridge.
 
 Errors before the first delta abort the call with the status of their ``ErrorKind``
 (INVALID_ARGUMENT naming the field, UNAUTHENTICATED, RESOURCE_EXHAUSTED, UNAVAILABLE, ...).
@@ -8,7 +9,6 @@ A cancelled call (client gone, deadline) closes the generator, which cancels bot
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -16,18 +16,20 @@ import uuid
 import grpc
 
 from gateway.auth import ApiKey
-from gateway.convert import (
-    finish_reason_to_proto,
-    logprob_to_proto,
-    sampling_from_proto,
-    timings_to_proto,
-    usage_to_proto,
-)
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
 from gateway.generation import GenerationRequest
-from gateway.text_stream import TextDelta, stream_text
-from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
+from gateway.pipeline import TextOptions, admitted, generate_text, tokenize
+from gateway.text.text_stream import TextDelta
+from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.convert import (
+    finish_reason_to_proto,
+    sampling_params_from_proto,
+    stage_timings_to_proto,
+    token_logprob_to_proto,
+    usage_to_proto,
+)
+from services.types import SamplingParamError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -45,29 +47,26 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         try:
             key = self._authenticate(context)
             lease = frontend.key_limiter.acquire(key)  # released when the stream ends
-            # Tokenizing a long prompt takes a while; in a thread it does not stall other streams.
-            generation = await asyncio.to_thread(self._generation_request, request, arrival)
-            skip_special = (
-                request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+            checked = self._check(request)
+            options = TextOptions(
+                stop=tuple(request.stop),
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                skip_special_tokens=(
+                    request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+                ),
             )
-            async with frontend.admission.admit():
-                frontend.metrics.request_queue_time.observe(time.monotonic() - arrival)
-                events = frontend.generator.generate(generation)
-                try:
-                    async for item in stream_text(
-                        events,
-                        frontend.tokenizer,
-                        generation.prompt_token_ids,
-                        stop=tuple(request.stop),
-                        include_stop_str_in_output=request.include_stop_str_in_output,
-                        skip_special_tokens=skip_special,
-                    ):
+            async with admitted(frontend):
+                generation = await tokenize(self._generation_request, request, checked, arrival)
+                async with generate_text(frontend, generation, options) as texts:
+                    async for item in texts:
                         if isinstance(item, TextDelta):
                             yield gateway_pb2.GatewayGenerateResponse(
                                 delta=gateway_pb2.GatewayTextDelta(
                                     text=item.text,
                                     token_ids=item.token_ids,
-                                    logprobs=[logprob_to_proto(lp) for lp in item.logprobs or ()],
+                                    logprobs=[
+                                        token_logprob_to_proto(lp) for lp in item.logprobs or ()
+                                    ],
                                 )
                             )
                         else:
@@ -75,7 +74,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                                 finished=gateway_pb2.GatewayFinished(
                                     finish_reason=finish_reason_to_proto(item.finish_reason),
                                     usage=usage_to_proto(item.usage),
-                                    timings=timings_to_proto(item.timings),
+                                    timings=stage_timings_to_proto(item.timings),
                                     error=item.error or "",
                                     stop_reason=item.stop_reason
                                     if isinstance(item.stop_reason, str)
@@ -84,8 +83,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                                     num_retries=item.num_retries,
                                 )
                             )
-                finally:
-                    await events.aclose()
         except GatewayError as exc:
             frontend.metrics.request_errors.labels(reason=exc.kind.name.lower()).inc()
             if exc.retry_after_s is not None:
@@ -115,10 +112,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         metadata = dict(context.invocation_metadata() or ())
         return self.frontend.api_keys.check(metadata.get("authorization"))
 
-    def _generation_request(
-        self, request: gateway_pb2.GatewayGenerateRequest, arrival: float
-    ) -> GenerationRequest:
-        frontend, limits = self.frontend, self.frontend.limits
+    def _check(self, request: gateway_pb2.GatewayGenerateRequest) -> SamplingParams:
+        """What needs no tokenizer, before admission: model, input kind, sampling, stop."""
+        frontend = self.frontend
         if request.model and request.model != frontend.served_model_name:
             raise GatewayError(
                 ErrorKind.NOT_FOUND,
@@ -126,6 +122,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 f"{frontend.served_model_name!r}",
                 param="model",
             )
+        if request.WhichOneof("input") is None:
+            raise invalid("input: set one of text, token_ids or chat", param="input")
+        sampling = _sampling_from_proto(request.sampling)
+        frontend.limits.check_logprobs(sampling.logprobs, "sampling.logprobs")
+        frontend.limits.check_stop(request.stop)
+        return sampling
+
+    def _generation_request(
+        self, request: gateway_pb2.GatewayGenerateRequest, sampling: SamplingParams, arrival: float
+    ) -> GenerationRequest:
+        """Tokenizes (after admission, in a thread) and checks what needs the token count."""
+        frontend, limits = self.frontend, self.frontend.limits
         kind = request.WhichOneof("input")
         if kind == "text":
             prompt = frontend.tokenizer.encode(request.text)
@@ -134,19 +142,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             vocab = frontend.tokenizer.vocab_size
             if any(token >= vocab for token in prompt):
                 raise invalid(f"token_ids: ids must be < vocab size {vocab}", param="token_ids")
-        elif kind == "chat":
+        else:
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             prompt = frontend.tokenizer.encode_chat(messages)
-        else:
-            raise invalid("input: set one of text, token_ids or chat", param="input")
         if not prompt:
             raise invalid(f"{kind}: the prompt is empty", param=kind)
-        sampling = sampling_from_proto(request.sampling)
         limits.check_max_tokens(
             sampling.max_tokens, len(prompt), prompt_param=kind, max_param="sampling.max_tokens"
         )
-        limits.check_logprobs(sampling.logprobs, "sampling.logprobs")
-        limits.check_stop(request.stop)
         deadline = (
             arrival + frontend.request_timeout_s if frontend.request_timeout_s is not None else None
         )
@@ -157,3 +160,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             deadline=deadline,
             arrival=arrival,
         )
+
+
+def _sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
+    """The node's own checks, plus the grammar's, before admission: INVALID_ARGUMENT naming the
+    field (``sampling.<name>``) instead of a node's refusal after routing."""
+    try:
+        sampling = sampling_params_from_proto(message)
+    except SamplingParamError as exc:
+        raise invalid(str(exc), param=f"sampling.{exc.param}") from None
+    except ValueError as exc:  # an unknown guided kind
+        raise invalid(str(exc), param="sampling.guided") from None
+    if sampling.guided is not None:
+        try:
+            sampling.guided.check()
+        except ValueError as exc:
+            raise invalid(str(exc), param="sampling.guided") from None
+    return sampling

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from gateway.errors import invalid
-from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from gateway.http_api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from services.guided_decoding import GuidedDecoding, GuidedKind
 
 logger = logging.getLogger(__name__)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.errors import invalid
+from services.types import MAX_LOGPROBS
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,8 @@ class RequestLimits:
     max_n: int = 16
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
-    max_logprobs: int = 20
+    max_logprobs: int = MAX_LOGPROBS
+    """Alternatives per token a request may ask for; at most what the nodes allow."""
     max_prompts: int = 64
     """Prompts in one batched /v1/completions request."""
 
@@ -42,8 +44,10 @@ class RequestLimits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.body_read_timeout_s is not None and self.body_read_timeout_s <= 0:
             raise ValueError(f"body_read_timeout_s must be > 0, got {self.body_read_timeout_s}")
-        if not 0 <= self.max_logprobs <= 20:
-            raise ValueError(f"max_logprobs must be in [0, 20], got {self.max_logprobs}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}"
+            )
 
     def check_stop(self, stop: Sequence[str], param: str = "stop") -> None:
         if len(stop) > self.max_stop_strings:

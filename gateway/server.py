@@ -24,13 +24,13 @@ from gateway.auth import ApiKeys
 from gateway.config import GatewayConfig
 from gateway.frontend import Frontend
 from gateway.grpc_api import GatewayServicer
+from gateway.http_api.openai_app import build_openai_app
 from gateway.key_limiter import KeyLimiter, KeyMeteredGenerator
 from gateway.metrics import GatewayMetrics
-from gateway.node_pool import NodePool
-from gateway.openai_app import build_openai_app
-from gateway.routed_generator import RoutedGenerator
-from gateway.router import Router
-from gateway.tokenizer import Tokenizer
+from gateway.routing.node_pool import NodePool
+from gateway.routing.routed_generator import RoutedGenerator
+from gateway.routing.router import Router
+from gateway.text.tokenizer import Tokenizer
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.listen import add_grpc_port, bind_tcp
 from services.tls import edge_server_credentials

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import invalid
-from gateway.openai_protocol import (
+from gateway.http_api.openai_protocol import (
     ChatCompletionRequest,
     FunctionCall,
     FunctionCallDelta,

@@ -43,8 +43,8 @@ from services.node.config import NodeConfig
 from services.node.kv_regions import to_page_copies
 from services.node.metrics import NodeMetrics
 from services.node.runtime import NodeServerRef, load_report
-from services.stage_timings import StageTimings
 from services.tls import aio_channel
+from services.types import StageTimings
 
 logger = logging.getLogger(__name__)
 

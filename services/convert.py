@@ -1,5 +1,7 @@
-"""Protobuf ↔ engine dataclasses, at the servicer edge and nowhere else.
+"""``pdserve.v1`` protobuf ↔ the shared types (``services.types``), at the gRPC edge only.
 
+The one converter for both sides of the torch line: the nodes' servicers and the gateway (its
+node legs and its public gRPC API) import it, so it stays torch-free (an import contract checks).
 Every conversion from the wire validates: a bad value raises ``ValueError`` whose message names
 the field, which the servicers return as ``INVALID_ARGUMENT``.
 """
@@ -9,26 +11,36 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 from pdserve.v1 import common_pb2
-from services.engine import EngineStats, FinishReason, SamplingParams
 from services.guided_decoding import GuidedDecoding, GuidedKind
-from services.stage_timings import StageTimings
+from services.types import (
+    FinishReason,
+    SamplingParamError,
+    SamplingParams,
+    StageTimings,
+    TokenLogprob,
+    Usage,
+)
 
-_FINISH_TO_PROTO = {
+_FINISH_TO_PROTO: dict[FinishReason, int] = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
 }
-_FINISH_FROM_PROTO = {value: key for key, value in _FINISH_TO_PROTO.items()}
-_GUIDED_TO_PROTO = {
+_FINISH_FROM_PROTO: dict[int, FinishReason] = {v: k for k, v in _FINISH_TO_PROTO.items()}
+_GUIDED_TO_PROTO: dict[GuidedKind, common_pb2.GuidedKind] = {
     GuidedKind.JSON_OBJECT: common_pb2.GUIDED_KIND_JSON_OBJECT,
     GuidedKind.JSON_SCHEMA: common_pb2.GUIDED_KIND_JSON_SCHEMA,
     GuidedKind.REGEX: common_pb2.GUIDED_KIND_REGEX,
     GuidedKind.CHOICE: common_pb2.GUIDED_KIND_CHOICE,
     GuidedKind.GRAMMAR: common_pb2.GUIDED_KIND_GRAMMAR,
 }
-_GUIDED_FROM_PROTO = {value: key for key, value in _GUIDED_TO_PROTO.items()}
+_GUIDED_FROM_PROTO: dict[common_pb2.GuidedKind, GuidedKind] = {
+    v: k for k, v in _GUIDED_TO_PROTO.items()
+}
 
 # proto3 `optional` fields: absent means the engine's default, so only present ones are passed.
 _OPTIONAL_FIELDS = (
@@ -43,7 +55,8 @@ _OPTIONAL_FIELDS = (
 
 
 def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
-    """Raises ``ValueError`` naming the field (prefixed ``sampling.``) when a value is bad."""
+    """Raises ``ValueError`` naming the field (prefixed ``sampling.``) when a value is bad: a
+    ``SamplingParamError`` (``param`` without the prefix) for a range, plain for ``guided.kind``."""
     kwargs: dict[str, object] = {
         name: getattr(message, name) for name in _OPTIONAL_FIELDS if message.HasField(name)
     }
@@ -60,7 +73,9 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
     try:
         if message.HasField("guided"):
             kwargs["guided"] = guided_from_proto(message.guided)
-        return SamplingParams(**kwargs)
+        return SamplingParams(**kwargs)  # type: ignore[arg-type]
+    except SamplingParamError as exc:
+        raise SamplingParamError(exc.param, f"sampling.{exc}") from None
     except ValueError as exc:
         raise ValueError(f"sampling.{exc}") from None
 
@@ -133,6 +148,40 @@ def logprobs_from_proto(message: common_pb2.TokenLogprobs) -> dict[int, float]:
     return entries
 
 
+def token_logprob_from_proto(message: common_pb2.TokenLogprobs) -> TokenLogprob:
+    """The gateway's view: the sampled token apart from its alternatives, best first."""
+    return TokenLogprob(
+        token_id=message.token_id,
+        logprob=message.logprob,
+        top=tuple(zip(message.top_token_ids, message.top_logprobs, strict=True)),
+    )
+
+
+def token_logprob_to_proto(logprob: TokenLogprob) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(
+        token_id=logprob.token_id,
+        logprob=logprob.logprob,
+        top_token_ids=[token_id for token_id, _ in logprob.top],
+        top_logprobs=[value for _, value in logprob.top],
+    )
+
+
+def usage_from_proto(message: common_pb2.Usage) -> Usage:
+    return Usage(
+        prompt_tokens=message.prompt_tokens,
+        completion_tokens=message.completion_tokens,
+        cached_prompt_tokens=message.cached_prompt_tokens,
+    )
+
+
+def usage_to_proto(usage: Usage) -> common_pb2.Usage:
+    return common_pb2.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_prompt_tokens=usage.cached_prompt_tokens,
+    )
+
+
 def stage_timings_to_proto(timings: StageTimings) -> common_pb2.StageTimings:
     return common_pb2.StageTimings(**dataclasses.asdict(timings))
 
@@ -146,8 +195,27 @@ def stage_timings_from_proto(message: common_pb2.StageTimings) -> StageTimings:
     return StageTimings(**values)
 
 
+class LoadStats(Protocol):
+    """What a load report carries of ``services.engine.EngineStats`` (torch-free here)."""
+
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_reserved(self) -> int: ...
+    @property
+    def num_blocks_used(self) -> int: ...
+    @property
+    def num_blocks_total(self) -> int: ...
+    @property
+    def prefix_cache_queried_tokens(self) -> int: ...
+    @property
+    def prefix_cache_hit_tokens(self) -> int: ...
+
+
 def load_report_to_proto(
-    stats: EngineStats, *, node_id: str, role: str, fingerprint: str, draining: bool
+    stats: LoadStats, *, node_id: str, role: str, fingerprint: str, draining: bool
 ) -> common_pb2.LoadReport:
     return common_pb2.LoadReport(
         node_id=node_id,

@@ -8,8 +8,7 @@ from services.engine.config import CacheConfig, EngineConfig, SchedulerConfig, S
 from services.engine.engine_core import EngineCore
 from services.engine.llm import LLM
 from services.engine.outputs import EngineCoreOutput, EngineStats, RequestOutput
-from services.engine.request import FinishReason
-from services.engine.sampling_params import SamplingParams
+from services.types import FinishReason, SamplingParams
 
 __all__ = [
     "LLM",

@@ -29,11 +29,11 @@ from services.engine.kv_layout import KvLayout
 from services.engine.model_runner import ModelRunner
 from services.engine.outputs import EngineCoreOutput, EngineStats
 from services.engine.request import Request
-from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import SampledToken, Scheduler
 from services.engine.structured_output import StructuredOutputs
 from services.models.config import ModelConfig
 from services.models.gguf_file import find_gguf, open_gguf
+from services.types import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from services.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SchedulingPolicy
 from services.engine.engine_core import EngineCore
 from services.engine.outputs import RequestOutput
-from services.engine.sampling_params import SamplingParams
+from services.types import SamplingParams
 
 
 class LLM:

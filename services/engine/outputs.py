@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.engine.request import FinishReason
+from services.types import FinishReason
 
 
 @dataclass(frozen=True)

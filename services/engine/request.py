@@ -24,7 +24,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from services.engine.sampling_params import SamplingParams
+from services.types import FinishReason, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -39,14 +39,6 @@ class RequestStatus(enum.Enum):
     @property
     def is_finished(self) -> bool:
         return self in _FINISHED
-
-
-class FinishReason(enum.StrEnum):
-    """Why a request ended; the values are the OpenAI API's ``finish_reason`` strings."""
-
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
 
 
 _FINISHED = {

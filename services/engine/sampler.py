@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.sampling_params import SamplingParams
+from services.types import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,6 @@ then to its default. A bad value is reported by argparse (exit 2) naming the fla
 from __future__ import annotations
 
 import argparse
-import enum
 import os
 import socket
 from collections.abc import Mapping, Sequence
@@ -19,14 +18,9 @@ from kv_transfer.transport_choice import KV_SCOPES
 from services.cli import ENV_PREFIX, apply_env_defaults, parse_bytes
 from services.engine import CacheConfig, EngineConfig, SchedulerConfig, SchedulingPolicy
 from services.tls import TlsFiles, add_tls_flags, tls_from_args
+from services.types import Role
 
 KV_TRANSPORTS = ("auto", "shm", "cuda_ipc", "ucx", "loopback")
-
-
-class Role(enum.StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    COLOCATED = "colocated"
 
 
 DEFAULT_GRPC_PORTS = {Role.PREFILL: 50061, Role.DECODE: 50071, Role.COLOCATED: 50081}

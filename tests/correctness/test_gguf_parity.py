@@ -30,6 +30,6 @@ def test_smollm2_gguf_greedy_ids_equal_transformers(smollm2_gguf: Path, smollm2_
 
 
 def smollm2_tokenizer_text(gguf_path: Path, token_ids: list[int]) -> str:
-    from gateway.tokenizer import Tokenizer
+    from gateway.text.tokenizer import Tokenizer
 
     return Tokenizer.from_model_dir(gguf_path).decode(token_ids)

@@ -20,7 +20,7 @@ from decode_node.transfers import AbortCause, CommitRefused, TransferState
 from kv_transfer import LoopbackFaults
 from pdserve.v1 import decode_pb2
 from services.engine import LLM, FinishReason
-from services.stage_timings import StageTimings
+from services.types import StageTimings
 from support.fake_clock import FakeClock
 from support.transfer_pair import GREEDY, Pair
 

@@ -173,8 +173,8 @@ def test_model_volume_is_mounted_read_only(services) -> None:
 
 def test_env_files_exist_and_set_only_known_flags(services) -> None:
     from gateway.config import build_parser as gateway_parser
-    from services.node.config import Role as NodeRole
     from services.node.config import build_parser as node_parser
+    from services.types import Role as NodeRole
 
     def env_names(parser) -> set[str]:
         return {f"PDSERVE_{a.dest.upper()}" for a in parser._actions if a.option_strings}

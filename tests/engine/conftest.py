@@ -15,8 +15,8 @@ import pytest
 from services.engine.config import SchedulerConfig
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.request import Request
-from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from services.types import SamplingParams
 
 EOS_TOKEN_ID = 2
 """The EOS id of every scheduler ``make_scheduler`` builds (unless told otherwise)."""

@@ -9,7 +9,7 @@ import pytest
 
 from services.engine import LLM, CacheConfig, EngineConfig, EngineCore, SamplingParams
 from services.engine.config import SchedulerConfig
-from services.engine.request import FinishReason
+from services.types import FinishReason
 
 VOCAB_SIZE = 4096
 MAX_MODEL_LEN = 64

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.engine.sampler import Sampler, SamplingMetadata, process_logits
-from services.engine.sampling_params import SamplingParams
+from services.types import SamplingParams
 
 EOS_TOKEN_ID = 2
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.request import FinishReason, RequestStatus
+from services.engine.request import RequestStatus
 from services.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
+from services.types import FinishReason
 
 
 def chunk_of(output: SchedulerOutput, request_id: str) -> ScheduledChunk:

@@ -27,7 +27,7 @@ import pytest
 
 from deploy.local_ports import free_ports
 from deploy.topology import GatewaySpec, NodeGroup, Role, Topology
-from gateway.tokenizer import Tokenizer
+from gateway.text.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2, prefill_pb2_grpc
 from services.engine import LLM, SamplingParams
 from support.process_cluster import ProcessCluster, completion_body

@@ -7,7 +7,7 @@ from types import ModuleType
 
 import pytest
 
-from gateway.tokenizer import Tokenizer
+from gateway.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

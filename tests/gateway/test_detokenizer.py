@@ -11,8 +11,8 @@ import pytest
 from tokenizers import Tokenizer as HfTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.tokenizer import Tokenizer
+from gateway.text.detokenizer import IncrementalDetokenizer
+from gateway.text.tokenizer import Tokenizer
 
 # Rare characters (鿋, 𝄞, 🦜) stay split into byte tokens in the tiny vocabulary; the others are
 # learned whole or partly.
@@ -199,7 +199,7 @@ def test_invalid_byte_runs_restart_the_stream(
     lead_id = sp_tokenizer.encode("日", False)[-3]
     assert sp_tokenizer.backend.id_to_token(lead_id) == "<0xE6>"
     output_ids = [y_id, lead_id, *sp_tokenizer.encode("fox", False)]
-    with caplog.at_level(logging.WARNING, logger="gateway.detokenizer"):
+    with caplog.at_level(logging.WARNING, logger="gateway.text.detokenizer"):
         pieces = detokenize(sp_tokenizer, sp_tokenizer.encode("The"), output_ids)
     assert "restarted" in caplog.text
     assert pieces[0] == "Y"

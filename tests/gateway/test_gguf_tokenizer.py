@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from gateway.config import model_max_len
-from gateway.tokenizer import Tokenizer
+from gateway.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello, world! How are you?",
@@ -82,7 +82,7 @@ def test_a_sentencepiece_gguf_is_refused_by_name(tmp_path: Path) -> None:
 def test_reading_a_gguf_tokenizer_imports_no_torch_nor_numpy(tiny_gguf_factory) -> None:
     gguf_path = tiny_gguf_factory("llama", "F16")
     code = (
-        "import sys; from gateway.tokenizer import Tokenizer; from gateway.config import "
+        "import sys; from gateway.text.tokenizer import Tokenizer; from gateway.config import "
         f"model_max_len; t = Tokenizer.from_model_dir({str(gguf_path)!r}); "
         f"model_max_len(__import__('pathlib').Path({str(gguf_path)!r})); "
         "assert t.encode('hello world'); assert 'torch' not in sys.modules, 'torch imported'"

@@ -19,19 +19,13 @@ from gateway.api_key_file import load_api_key_file
 from gateway.auth import ApiKey, ApiKeys, KeyLimits
 from gateway.errors import ErrorKind, GatewayError
 from gateway.frontend import Frontend
-from gateway.generation import (
-    Finished,
-    FinishReason,
-    GenerationEvent,
-    GenerationRequest,
-    TokenChunk,
-    Usage,
-)
+from gateway.generation import Finished, GenerationEvent, GenerationRequest, TokenChunk
+from gateway.http_api.openai_app import build_openai_app
 from gateway.key_limiter import KeyLimiter, KeyMeteredGenerator
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
-from gateway.openai_app import build_openai_app
-from gateway.tokenizer import Tokenizer
+from gateway.text.tokenizer import Tokenizer
+from services.types import FinishReason, Usage
 
 SECRET_A = "sk-alpha-7f3b1c9d2e"
 SECRET_B = "sk-bravo-0a8e6d4c21"

@@ -12,9 +12,10 @@ import grpc
 import pytest
 
 from gateway.config import RouterConfig, parse_gateway_config
-from gateway.node_discovery import DnsResolver, ResolveError, parse_target
-from gateway.node_pool import NodeHealth, NodePool
-from gateway.router import Router
+from gateway.routing.node import NodeHealth
+from gateway.routing.node_discovery import DnsResolver, ResolveError, parse_target
+from gateway.routing.node_pool import NodePool
+from gateway.routing.router import Router
 from gateway.server import GatewayServer
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 

@@ -23,20 +23,12 @@ from gateway.admission import Admission
 from gateway.auth import ApiKeys
 from gateway.errors import ErrorKind, GatewayError
 from gateway.frontend import Frontend
-from gateway.generation import (
-    Finished,
-    FinishReason,
-    GenerationEvent,
-    GenerationRequest,
-    TokenChunk,
-    TokenLogprob,
-    Usage,
-)
+from gateway.generation import Finished, GenerationEvent, GenerationRequest, TokenChunk
+from gateway.http_api.openai_app import build_openai_app
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
-from gateway.openai_app import build_openai_app
-from gateway.sampling import SamplingOptions
-from gateway.tokenizer import Tokenizer
+from gateway.text.tokenizer import Tokenizer
+from services.types import FinishReason, SamplingParams, TokenLogprob, Usage
 
 MODEL = "tiny-llama"
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
@@ -466,7 +458,7 @@ def test_sampling_parameters_reach_the_generator(serve: Callable[..., Served]) -
     }  # fmt: skip
     assert served.post("/v1/completions", {"model": MODEL, "prompt": "x", **params}).is_success
     first, second = sorted(served.generator.requests, key=lambda request: request.request_id)
-    assert first.sampling == SamplingOptions(
+    assert first.sampling == SamplingParams(
         max_tokens=5, min_tokens=2, temperature=0.5, top_k=-1, top_p=0.9, min_p=0.1,
         seed=2**63 - 1, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=-0.5,
         stop_token_ids=(3, 4), ignore_eos=True,

@@ -7,9 +7,10 @@ import asyncio
 import pytest
 
 from gateway.config import RouterConfig
-from gateway.node_pool import NodeHealth, NodeLoad, NodePool
-from gateway.prefix_affinity import PrefixAffinity
-from gateway.router import Router
+from gateway.routing.node import NodeHealth, NodeLoad
+from gateway.routing.node_pool import NodePool
+from gateway.routing.prefix_affinity import PrefixAffinity
+from gateway.routing.router import Router
 
 BLOCK = 4
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from gateway.errors import GatewayError
-from gateway.stop_strings import StopMatch, StopStringMatcher
+from gateway.text.stop_strings import StopMatch, StopStringMatcher
 
 
 def feed_all(matcher: StopStringMatcher, pieces: list[str]) -> tuple[list[StopMatch], str]:

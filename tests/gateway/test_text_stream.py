@@ -9,17 +9,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from gateway.errors import ErrorKind, GatewayError, invalid
-from gateway.generation import (
-    Finished,
-    FinishReason,
-    GenerationEvent,
-    StageTimings,
-    TokenChunk,
-    TokenLogprob,
-    Usage,
-)
-from gateway.text_stream import TextDelta, TextEvent, TextFinished, stream_text
-from gateway.tokenizer import Tokenizer
+from gateway.generation import Finished, GenerationEvent, TokenChunk
+from gateway.text.text_stream import TextDelta, TextEvent, TextFinished, stream_text
+from gateway.text.tokenizer import Tokenizer
+from services.types import FinishReason, StageTimings, TokenLogprob, Usage
 
 TIMINGS = StageTimings(prefill_compute_s=0.5, decode_s=1.5)
 PROMPT = "Say it:"

@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from gateway.errors import ErrorKind, GatewayError
-from gateway.tokenizer import Tokenizer
+from gateway.text.tokenizer import Tokenizer
 
 TEXTS = (
     "Hello world",

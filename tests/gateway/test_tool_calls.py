@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gateway.tokenizer import Tokenizer
+from gateway.text.tokenizer import Tokenizer
 from gateway.tool_calls import ToolCallStream, ToolMode, ToolPlan
 from gateway.tool_parsers import (
     HermesToolParser,

@@ -13,9 +13,16 @@ from services.convert import (
     logprobs_to_proto,
     sampling_params_from_proto,
     sampling_params_to_proto,
+    stage_timings_from_proto,
+    stage_timings_to_proto,
+    token_logprob_from_proto,
+    token_logprob_to_proto,
+    usage_from_proto,
+    usage_to_proto,
 )
 from services.engine import EngineStats, FinishReason, SamplingParams
 from services.guided_decoding import GuidedDecoding, GuidedKind
+from services.types import SamplingParamError, StageTimings, TokenLogprob, Usage
 
 
 def test_absent_optional_fields_take_engine_defaults() -> None:
@@ -88,6 +95,37 @@ def test_sampling_params_round_trip(params: SamplingParams) -> None:
 def test_bad_values_name_the_field(message: common_pb2.SamplingParams, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         sampling_params_from_proto(message)
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        (common_pb2.SamplingParams(top_k=-5), "top_k"),
+        (common_pb2.SamplingParams(max_tokens=2, min_tokens=5), "min_tokens"),
+        (common_pb2.SamplingParams(frequency_penalty=-3), "frequency_penalty"),
+        (common_pb2.SamplingParams(min_p=3), "min_p"),
+    ],
+)
+def test_a_range_error_keeps_its_field_for_the_gateway(
+    message: common_pb2.SamplingParams, param: str
+) -> None:
+    # The gateway turns it into a 400 / INVALID_ARGUMENT whose param is this field.
+    with pytest.raises(SamplingParamError) as raised:
+        sampling_params_from_proto(message)
+    assert raised.value.param == param
+    assert str(raised.value).startswith(f"sampling.{param} ")
+
+
+def test_the_gateways_types_round_trip() -> None:
+    logprob = TokenLogprob(7, -0.5, ((7, -0.5), (3, -1.25)))
+    wire = token_logprob_to_proto(logprob).SerializeToString()
+    assert token_logprob_from_proto(common_pb2.TokenLogprobs.FromString(wire)) == logprob
+    usage = Usage(prompt_tokens=5, completion_tokens=3, cached_prompt_tokens=4)
+    wire = usage_to_proto(usage).SerializeToString()
+    assert usage_from_proto(common_pb2.Usage.FromString(wire)) == usage
+    timings = StageTimings(prefill_compute_s=0.5, decode_s=1.5, gateway_queue_s=0.25)
+    wire = stage_timings_to_proto(timings).SerializeToString()
+    assert stage_timings_from_proto(common_pb2.StageTimings.FromString(wire)) == timings
 
 
 def test_finish_reasons_map_both_ways() -> None:

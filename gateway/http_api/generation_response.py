@@ -16,24 +16,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Sequence
 
 from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from gateway.choice_fanout import ChoiceEvent, ChoiceFanout
-from gateway.client_send import SlowClientError, bounded_send, send_json
 from gateway.errors import ErrorKind, GatewayError
 from gateway.frontend import Frontend
-from gateway.generation import FinishReason, GenerationRequest, StageTimings, Usage
-from gateway.openai_errors import internal_error_body
-from gateway.openai_format import ChatFormat, ChoiceState, CompletionFormat, OpenAIFormat
-from gateway.openai_job import OpenAIJob, prompt_token_ids, sampling_options
-from gateway.openai_protocol import PromptTokensDetails, UsageInfo
-from gateway.sse import DONE, MEDIA_TYPE, sse_event
-from gateway.text_stream import TextDelta, TextFinished
+from gateway.http_api.choice_fanout import ChoiceEvent, ChoiceFanout
+from gateway.http_api.client_send import SlowClientError, bounded_send, send_json
+from gateway.http_api.openai_errors import internal_error_body
+from gateway.http_api.openai_format import ChatFormat, ChoiceState, CompletionFormat, OpenAIFormat
+from gateway.http_api.openai_job import OpenAIJob, choice_requests, prompt_token_ids
+from gateway.http_api.openai_protocol import PromptTokensDetails, UsageInfo
+from gateway.http_api.sse import DONE, MEDIA_TYPE, sse_event
+from gateway.pipeline import TextOptions, admitted, tokenize
+from gateway.text.text_stream import TextDelta, TextFinished
+from services.types import FinishReason, StageTimings, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -79,14 +79,19 @@ class GenerationResponse(Response):
         frontend = self._frontend
         metrics = frontend.metrics
         try:
-            queued_at = time.monotonic()
-            async with frontend.admission.admit():
-                metrics.request_queue_time.observe(time.monotonic() - queued_at)
-                # In a thread: a long prompt takes seconds to tokenize (4 MiB: ~6 s), which on
-                # the loop would stall every other stream; Tokenizer.encode releases the GIL.
-                prompts = await asyncio.to_thread(prompt_token_ids, self._job, frontend.tokenizer)
-                states, requests = self._plan(prompts)
-                async with ChoiceFanout(frontend, self._job, requests) as choices:
+            async with admitted(frontend):
+                prompts = await tokenize(prompt_token_ids, self._job, frontend.tokenizer)
+                requests = choice_requests(self._job, prompts, frontend)
+                states = [
+                    ChoiceState(index=index, prompt_token_ids=request.prompt_token_ids)
+                    for index, request in enumerate(requests)
+                ]
+                options = TextOptions(
+                    stop=self._job.stop,
+                    include_stop_str_in_output=self._job.body.include_stop_str_in_output,
+                    skip_special_tokens=self._job.body.skip_special_tokens,
+                )
+                async with ChoiceFanout(frontend, requests, options) as choices:
                     first_events = await choices.first_events()
                     if self._job.body.stream:
                         await self._stream(send, states, choices, first_events)
@@ -115,33 +120,6 @@ class GenerationResponse(Response):
             metrics.request_errors.labels(reason="internal").inc()
             if not self._is_started:
                 await self._send_json(send, 500, internal_error_body())
-
-    def _plan(
-        self, prompts: list[tuple[int, ...]]
-    ) -> tuple[list[ChoiceState], list[GenerationRequest]]:
-        job = self._job
-        num_choices = len(prompts) * self._n
-        states, requests = [], []
-        for prompt_index, prompt in enumerate(prompts):
-            for choice in range(self._n):
-                index = prompt_index * self._n + choice
-                request_id = job.request_id if num_choices == 1 else f"{job.request_id}-{index}"
-                sampling = sampling_options(job, len(prompt), choice, self._frontend)
-                states.append(ChoiceState(index=index, prompt_token_ids=prompt))
-                requests.append(
-                    GenerationRequest(
-                        request_id=request_id,
-                        prompt_token_ids=prompt,
-                        sampling=sampling,
-                        deadline=self._deadline(),
-                        arrival=job.arrival,
-                    )
-                )
-        return states, requests
-
-    def _deadline(self) -> float | None:
-        timeout_s = self._frontend.request_timeout_s
-        return None if timeout_s is None else self._job.arrival + timeout_s
 
     async def _stream(
         self,

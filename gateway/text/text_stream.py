@@ -21,18 +21,11 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.generation import (
-    Finished,
-    FinishReason,
-    GenerationEvent,
-    StageTimings,
-    TokenChunk,
-    TokenLogprob,
-    Usage,
-)
-from gateway.stop_strings import StopMatch, StopStringMatcher
-from gateway.tokenizer import Tokenizer
+from gateway.generation import Finished, GenerationEvent, TokenChunk
+from gateway.text.detokenizer import IncrementalDetokenizer
+from gateway.text.stop_strings import StopMatch, StopStringMatcher
+from gateway.text.tokenizer import Tokenizer
+from services.types import FinishReason, StageTimings, TokenLogprob, Usage
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from gateway.config import RouterConfig
-from gateway.node_pool import Node, NodePool, NodeRole
-from gateway.prefix_affinity import PrefixAffinity
+from gateway.routing.node import Node
+from gateway.routing.node_pool import NodePool
+from gateway.routing.prefix_affinity import PrefixAffinity
+from services.types import Role
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ class Route:
         """The metric label: ``disaggregated``, ``local_prefill`` or ``colocated``."""
         if self.prefill is not None:
             return "disaggregated"
-        return "local_prefill" if self.decode.role is NodeRole.DECODE else "colocated"
+        return "local_prefill" if self.decode.role is Role.DECODE else "colocated"
 
 
 def _prefill_queue(node: Node) -> int:

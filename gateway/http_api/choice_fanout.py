@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from gateway.errors import GatewayError
 from gateway.frontend import Frontend
 from gateway.generation import GenerationRequest
-from gateway.openai_job import OpenAIJob
-from gateway.text_stream import TextDelta, TextFinished, stream_text
+from gateway.pipeline import TextOptions, generate_text
+from gateway.text.text_stream import TextDelta, TextFinished
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +30,12 @@ class ChoiceFanout:
     def __init__(
         self,
         frontend: Frontend,
-        job: OpenAIJob,
         requests: Sequence[GenerationRequest],
+        options: TextOptions,
     ) -> None:
         self._frontend = frontend
-        self._job = job
         self._requests = requests
+        self._options = options
         self._queue: asyncio.Queue[tuple[int, ChoiceEvent | Exception]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -68,39 +68,16 @@ class ChoiceFanout:
         return await self._queue.get()
 
     async def _pump(self, index: int, request: GenerationRequest) -> None:
-        job = self._job
         try:
-            events = self._frontend.generator.generate(request)
-            try:
-                texts = stream_text(
-                    events,
-                    self._frontend.tokenizer,
-                    request.prompt_token_ids,
-                    stop=job.stop,
-                    include_stop_str_in_output=job.body.include_stop_str_in_output,
-                    skip_special_tokens=job.body.skip_special_tokens,
-                )
-                try:
-                    is_finished = False
-                    async for event in texts:
-                        self._queue.put_nowait((index, event))
-                        is_finished = isinstance(event, TextFinished)
-                    if not is_finished:  # the consumer waits for a TextFinished: never a hang
-                        raise RuntimeError("the text stream ended without a final event")
-                finally:
-                    await _aclose(texts)
-            finally:
-                await _aclose(events)
+            async with generate_text(self._frontend, request, self._options) as texts:
+                is_finished = False
+                async for event in texts:
+                    self._queue.put_nowait((index, event))
+                    is_finished = isinstance(event, TextFinished)
+                if not is_finished:  # the consumer waits for a TextFinished: never a hang
+                    raise RuntimeError("the text stream ended without a final event")
         except GatewayError as error:
             self._queue.put_nowait((index, error))
         except Exception as error:  # a bug: the request fails, the server goes on
             logger.exception("request %s failed", request.request_id)
             self._queue.put_nowait((index, error))
-
-
-async def _aclose(iterator: object) -> None:
-    # Generator.generate promises an AsyncIterator; the real ones are async generators, whose
-    # aclose() is what cancels the node legs when the generation did not run to its end.
-    aclose = getattr(iterator, "aclose", None)
-    if aclose is not None:
-        await aclose()

@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
+from services.types import MAX_LOGPROBS
+
 
 def _check_utf8(text: str) -> str:
     # JSON can spell a lone surrogate ("\ud800"); no tokenizer or UTF-8 encoder takes one.
@@ -113,7 +115,7 @@ class CompletionRequest(_GenerationParams):
     ``p * n + i`` is the ``i``-th choice of prompt ``p``."""
     max_tokens: int | None = Field(None, ge=1)
     """Default 16 (as OpenAI), lowered when the prompt leaves less room."""
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """Top-n alternatives per token, in the legacy completions format."""
     echo: Flag = False
     """Start each choice's text with its prompt (not with ``logprobs``: no prompt logprobs)."""
@@ -160,7 +162,7 @@ class ChatCompletionRequest(_GenerationParams):
     Default: what is left of the context after the prompt, capped by the server's limit."""
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: Flag = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """Alternatives per token; needs ``logprobs: true``."""
     tools: list[dict[str, Any]] | None = None
     """``{"type": "function", "function": {"name", "description", "parameters"}}`` each."""

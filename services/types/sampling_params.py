@@ -1,4 +1,8 @@
-"""Per-request sampling parameters, validated at construction (vLLM-compatible names)."""
+"""Per-request sampling parameters, validated at construction (vLLM-compatible names).
+
+The one set of range checks: the engine, the nodes' servicers and the gateway (which turns a
+``SamplingParamError`` into a 400 or INVALID_ARGUMENT naming ``param``) all build this type.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +13,20 @@ from services.guided_decoding import GuidedDecoding
 _GREEDY_EPS = 1e-5
 
 
+class SamplingParamError(ValueError):
+    """A bad sampling value; ``param`` names the field, and the message starts with it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    Every check raises ``ValueError`` naming the offending field, so a caller (the Python API or a
-    gRPC servicer) can pass the message straight back to its client.
+    Every check raises ``SamplingParamError`` (a ``ValueError``) naming the offending field, so a
+    caller (the Python API, a gRPC servicer, the gateway) can pass the message to its client.
     """
 
     max_tokens: int = 16
@@ -42,7 +54,8 @@ class SamplingParams:
     ignore_eos: bool = False
     """Keep generating past the model's EOS token (benchmarks)."""
     logprobs: int | None = None
-    """Return the sampled token's log-probability plus this many most likely alternatives."""
+    """Return the sampled token's log-probability plus this many most likely alternatives (at
+    most the vocabulary; the gateway's API allows ``MAX_LOGPROBS``); None: no logprobs."""
     priority: int = 0
     """Scheduling priority under the ``priority`` policy: lower values are served first."""
     guided: GuidedDecoding | None = None
@@ -56,46 +69,58 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
-            raise ValueError(
+            raise SamplingParamError(
+                "min_tokens",
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
-                f"and max_tokens={self.max_tokens}"
+                f"and max_tokens={self.max_tokens}",
             )
         _check_float("temperature", self.temperature)
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise SamplingParamError(
+                "temperature", f"temperature must be >= 0, got {self.temperature}"
+            )
         _check_int("top_k", self.top_k, minimum=-1)
         _check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise SamplingParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         _check_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise SamplingParamError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=-(2**63))
         _check_float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise SamplingParamError(
+                "repetition_penalty",
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check_float(name, value)
             if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+                raise SamplingParamError(name, f"{name} must be in [-2, 2], got {value}")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, minimum=0)
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise SamplingParamError(
+                "ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}"
+            )
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
         _check_int("priority", self.priority, minimum=-(2**63))
         if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
-            raise ValueError(f"guided must be a GuidedDecoding, got {type(self.guided).__name__}")
+            raise SamplingParamError(
+                "guided", f"guided must be a GuidedDecoding, got {type(self.guided).__name__}"
+            )
         bias = tuple(sorted(dict(self.logit_bias).items()))  # one canonical order
         object.__setattr__(self, "logit_bias", bias)
         for token_id, value in self.logit_bias:
             _check_int("logit_bias", token_id, minimum=0)
             _check_float("logit_bias", value)
             if not -100.0 <= value <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+                raise SamplingParamError(
+                    "logit_bias", f"logit_bias values must be in [-100, 100], got {value}"
+                )
 
     @property
     def is_greedy(self) -> bool:
@@ -112,13 +137,13 @@ class SamplingParams:
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise SamplingParamError(name, f"{name} must be an integer, got {value!r}")
     if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise SamplingParamError(name, f"{name} must be >= {minimum}, got {value}")
 
 
 def _check_float(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise SamplingParamError(name, f"{name} must be a number, got {value!r}")
     if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"{name} must be finite, got {value}")
+        raise SamplingParamError(name, f"{name} must be finite, got {value}")

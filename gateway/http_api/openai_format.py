@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from gateway.generation import TokenLogprob
-from gateway.openai_job import OpenAIJob
-from gateway.openai_protocol import (
+from gateway.http_api.openai_job import OpenAIJob
+from gateway.http_api.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -27,10 +26,11 @@ from gateway.openai_protocol import (
     TopLogprob,
     UsageInfo,
 )
-from gateway.text_stream import TextDelta, TextFinished
-from gateway.tokenizer import Tokenizer
+from gateway.text.text_stream import TextDelta, TextFinished
+from gateway.text.tokenizer import Tokenizer
 from gateway.tool_calls import ToolCallStream
 from gateway.tool_parsers import parser_for
+from services.types import TokenLogprob
 
 # OpenAI's stand-in for a logprob of -inf: JSON has no infinities.
 _MIN_LOGPROB = -9999.0

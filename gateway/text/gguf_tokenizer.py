@@ -74,7 +74,7 @@ _SPECIAL_TOKEN_IDS = {
 
 @dataclass(frozen=True)
 class GgufTokenizerParts:
-    """What ``gateway.tokenizer.Tokenizer`` needs, read from one GGUF file."""
+    """What ``gateway.text.tokenizer.Tokenizer`` needs, read from one GGUF file."""
 
     backend: HfTokenizer
     special_tokens: dict[str, str]

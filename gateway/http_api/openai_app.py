@@ -31,11 +31,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.errors import ErrorKind, GatewayError
 from gateway.frontend import Frontend
-from gateway.generation_response import GenerationResponse
-from gateway.http_gate import HttpGate
-from gateway.openai_errors import drop_fastapi_422, install_error_handlers
-from gateway.openai_job import chat_job, check_model, completion_job
-from gateway.openai_protocol import (
+from gateway.http_api.generation_response import GenerationResponse
+from gateway.http_api.http_gate import HttpGate
+from gateway.http_api.openai_errors import drop_fastapi_422, install_error_handlers
+from gateway.http_api.openai_job import chat_job, check_model, completion_job
+from gateway.http_api.openai_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -44,7 +44,7 @@ from gateway.openai_protocol import (
     ModelCard,
     ModelList,
 )
-from gateway.sse import MEDIA_TYPE
+from gateway.http_api.sse import MEDIA_TYPE
 
 _ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     status: {"model": ErrorResponse, "description": description}

@@ -1,10 +1,10 @@
 """One OpenAI request turned into what the generator takes: an ``OpenAIJob``, then per choice a
-``GenerationRequest``'s prompt token ids and ``SamplingOptions``.
+``GenerationRequest``'s prompt token ids and ``SamplingParams``.
 
 Validation comes in two steps, each raising a ``GatewayError`` that names the offending field:
 ``completion_job`` / ``chat_job`` check what needs no tokenizer, before admission (so a bad
-request never waits for a slot); ``prompt_token_ids`` and ``sampling_options`` check what needs
-the tokens, after admission, off the event loop.
+request never waits for a slot); ``prompt_token_ids`` (off the event loop) and
+``choice_requests`` check what needs the tokens, after admission.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from fastapi import Request
 
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
+from gateway.generation import GenerationRequest
 from gateway.guided import check, guided_from_request
-from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
-from gateway.sampling import SamplingOptions
-from gateway.tokenizer import Tokenizer
+from gateway.http_api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from gateway.text.tokenizer import Tokenizer
 from gateway.tool_calls import ToolMode, ToolPlan, tool_plan
 from services.guided_decoding import GuidedDecoding
+from services.types import SamplingParamError, SamplingParams
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -243,9 +244,34 @@ def prompt_token_ids(job: OpenAIJob, tokenizer: Tokenizer) -> list[tuple[int, ..
     return [tuple(ids) for ids in prompts]
 
 
-def sampling_options(
+def choice_requests(
+    job: OpenAIJob, prompts: list[tuple[int, ...]], frontend: Frontend
+) -> list[GenerationRequest]:
+    """One request per choice, in choice order (prompt ``p``'s ``n`` choices at ``p * n + i``);
+    the ids are ``{request_id}-{index}`` when there is more than one."""
+    n = job.body.n
+    num_choices = len(prompts) * n
+    timeout_s = frontend.request_timeout_s
+    deadline = None if timeout_s is None else job.arrival + timeout_s
+    requests = []
+    for prompt_index, prompt in enumerate(prompts):
+        for choice in range(n):
+            index = prompt_index * n + choice
+            requests.append(
+                GenerationRequest(
+                    request_id=job.request_id if num_choices == 1 else f"{job.request_id}-{index}",
+                    prompt_token_ids=prompt,
+                    sampling=sampling_params(job, len(prompt), choice, frontend),
+                    deadline=deadline,
+                    arrival=job.arrival,
+                )
+            )
+    return requests
+
+
+def sampling_params(
     job: OpenAIJob, prompt_len: int, choice: int, frontend: Frontend
-) -> SamplingOptions:
+) -> SamplingParams:
     body = job.body
     limits = frontend.limits
     param = "messages" if job.is_chat else "prompt"
@@ -263,20 +289,27 @@ def sampling_options(
     if body.seed is not None:
         # seed + choice: the n choices differ, and each stays reproducible; wrapped into int64.
         seed = (body.seed + choice + _INT64) % (2 * _INT64) - _INT64
-    return SamplingOptions(
-        max_tokens=max_tokens,
-        min_tokens=body.min_tokens or 0,
-        temperature=body.temperature,
-        top_k=-1 if body.top_k == 0 else body.top_k,
-        top_p=body.top_p,
-        min_p=body.min_p or 0.0,
-        seed=seed,
-        repetition_penalty=body.repetition_penalty,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        stop_token_ids=tuple(body.stop_token_ids or ()),
-        ignore_eos=body.ignore_eos,
-        logprobs=job.num_logprobs,
-        guided=job.guided,
-        logit_bias=job.logit_bias,
-    )
+    # A field the client left out (or sent as null) takes the engine's default.
+    given = {
+        "temperature": body.temperature,
+        "top_k": -1 if body.top_k == 0 else body.top_k,
+        "top_p": body.top_p,
+        "repetition_penalty": body.repetition_penalty,
+    }
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens or 0,
+            min_p=body.min_p or 0.0,
+            seed=seed,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            logprobs=job.num_logprobs,
+            guided=job.guided,
+            logit_bias=job.logit_bias,
+            **{name: value for name, value in given.items() if value is not None},
+        )
+    except SamplingParamError as exc:
+        raise invalid(str(exc), param=exc.param) from None

@@ -2,7 +2,7 @@
 
 The gateway image has no torch or transformers, so this module reads the model itself. A GGUF
 file (or a directory holding one) carries vocabulary, special tokens and chat template in its
-metadata (``gateway.gguf_tokenizer`` rebuilds the tokenizer). A Hugging Face model directory
+metadata (``gateway.text.gguf_tokenizer`` rebuilds the tokenizer). A Hugging Face model directory
 gives ``tokenizer.json`` (read through the ``tokenizers`` library), ``tokenizer_config.json``
 for the named special tokens and the chat template (``chat_template.jinja`` wins when present, as
 in transformers 5), and ``generation_config.json`` for extra EOS ids. Encoding, decoding and
@@ -31,7 +31,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HfTokenizer
 
 from gateway.errors import invalid
-from gateway.gguf_tokenizer import gguf_tokenizer_parts
+from gateway.text.gguf_tokenizer import gguf_tokenizer_parts
 from services.models.gguf_file import find_gguf, open_gguf
 
 logger = logging.getLogger(__name__)

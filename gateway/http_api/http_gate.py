@@ -9,9 +9,9 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.client_send import send_json
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
+from gateway.http_api.client_send import send_json
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 """The routes a key's limits count (each request starts generations)."""

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from tokenizers.decoders import DecodeStream
 
-from gateway.tokenizer import Tokenizer
+from gateway.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

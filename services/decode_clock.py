@@ -1,20 +1,8 @@
-"""Per-stage timings of one request (design §7), and the clock that measures a node's part.
+"""The clock that measures a decode (or colocated) node's stages of one request.
 
-Stages, in seconds, each 0.0 where it did not apply:
-
-- ``prefill_queue_s``     arrival at the node that computed the prompt → its first step.
-- ``prefill_compute_s``   that first step → the first token.
-- ``kv_transfer_s``       the push of the prompt's pages (0 when the prompt was computed where
-                          it decodes: a colocated node, or a decode node that recomputed).
-- ``decode_queue_s``      the decode node accepted the commit → the request's first decode step
-                          (0 when the prompt was computed where it decodes: it never leaves the
-                          batch).
-- ``first_decode_step_s`` the first decode step's start → the token it produced.
-- ``decode_s``            the first decode step's start → the last token (includes
-                          ``first_decode_step_s``).
-
-All moments are ``time.monotonic()`` of one process: a node measures its own stages, and the
-prefill node's travel to the decode node as durations in the commit.
+The stages are ``services.types.StageTimings``'s (design §7). All moments are
+``time.monotonic()`` of one process: a node measures its own stages, and the prefill node's
+travel to the decode node arrives as durations in the commit.
 """
 
 from __future__ import annotations
@@ -22,16 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.engine import EngineCoreOutput
-
-
-@dataclass(frozen=True)
-class StageTimings:
-    prefill_queue_s: float = 0.0
-    prefill_compute_s: float = 0.0
-    kv_transfer_s: float = 0.0
-    decode_queue_s: float = 0.0
-    first_decode_step_s: float = 0.0
-    decode_s: float = 0.0
+from services.types import StageTimings
 
 
 @dataclass
@@ -68,7 +47,9 @@ class DecodeClock:
             if self.first_scheduled is None or self.first_token is None:
                 # The first token already ended the request: no decode step ran.
                 return StageTimings(
-                    prefill.prefill_queue_s, prefill.prefill_compute_s, prefill.kv_transfer_s
+                    prefill_queue_s=prefill.prefill_queue_s,
+                    prefill_compute_s=prefill.prefill_compute_s,
+                    kv_transfer_s=prefill.kv_transfer_s,
                 )
             assert self.last_token is not None
             return StageTimings(

@@ -1,0 +1,61 @@
+"""One node's gRPC channel and stubs: what the gateway sends requests and health polls over.
+
+The routing state of the same node (health, load, work in flight) is ``gateway.routing.node.Node``;
+``NodePool`` keeps the two side by side and closes the channel when the node retires.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.routing.node import NodeLoad
+from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from services.tls import TlsFiles, aio_channel
+from services.types import Role
+
+logger = logging.getLogger(__name__)
+
+
+class NodeClient:
+    def __init__(
+        self, address: str, role: Role, tls: TlsFiles | None = None, tls_name: str | None = None
+    ) -> None:
+        self.address = address
+        self.role = role
+        options: list[tuple[str, object]] = [
+            # Streams may be idle for long between tokens of a slow model; keep them alive.
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.max_receive_message_length", 64 * 2**20),
+        ]
+        if tls is not None and tls_name is not None:
+            options.append(("grpc.ssl_target_name_override", tls_name))
+        self.channel = aio_channel(address, tls, options=options)
+        self.prefill = prefill_pb2_grpc.PrefillServiceStub(self.channel)
+        self.decode = decode_pb2_grpc.DecodeServiceStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def poll(self, timeout_s: float) -> tuple[NodeLoad | None, str | None]:
+        """The node's load and, when it is not SERVING or did not answer, why (else None)."""
+        try:
+            status = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            stub = self.prefill if self.role is Role.PREFILL else self.decode
+            report = await stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            return None, f"{exc.code().name}: {exc.details()}"
+        load = NodeLoad(
+            num_running=report.num_running,
+            num_waiting=report.num_waiting,
+            num_reserved=report.num_reserved,
+            kv_blocks_used=report.kv_blocks_used,
+            kv_blocks_total=report.kv_blocks_total,
+            draining=report.draining,
+        )
+        if status.status != health_pb2.HealthCheckResponse.SERVING:
+            return load, "health: NOT_SERVING"
+        return load, None
+
+    async def close(self) -> None:
+        await self.channel.close()

@@ -1,0 +1,299 @@
+"""Runs one request across the nodes (design §2): the gateway's two legs, retries and deadlines.
+
+Life cycle of one request here:
+
+1. ATTEMPT: the router picks a pair (or a colocated node) not yet tried by this request.
+2. Disaggregated: ``Decode.Generate(kv_source=P)`` is opened; its first event is the KV
+   reservation (or RESOURCE_EXHAUSTED: next attempt). ``Prefill.Prefill(destination=...)``
+   pushes the pages, commits, and returns the first token, which is sent on at once (TTFT);
+   tokens 2..N come from the decode stream (buffered if they overtake the prefill's reply).
+   If the decode node announces ``recomputing`` (``on_kv_failure=recompute`` after a failed
+   push), the prefill leg is dropped and every token comes from the decode stream.
+   Colocated, or a short prompt prefilled on its decode node (``local_prefill_max_tokens``):
+   one ``Generate`` stream without ``kv_source`` carries every token.
+3. RETRY: a refusal or failure before anything was sent to the client ends the attempt (both
+   legs cancelled, so both nodes free their blocks); the next attempt uses a fresh leg id, so a
+   fresh reservation and transfer id (peers.md #13), on nodes this request has not tried.
+   WAIT: when every decode node tried refused for want of room (``decode_full``), one more
+   attempt asks a decode node to hold the request in its bounded wait queue until room frees
+   (``wait_for_room``; bounded by the request deadline): overload is a queue, not an error.
+   Only a full wait queue is refused, with RESOURCE_EXHAUSTED (HTTP 429 + Retry-After), before
+   any node did work for the request.
+4. STREAMING: once a token was sent, a failure ends the stream with ``Finished(ERROR)`` — never
+   a silent truncation — and a passed deadline with ``Finished(ABORT)``.
+5. CLOSED: however the consumer leaves (aclose, cancellation), each leg's context exit cancels
+   its call, and a cancelled RPC aborts the request on its node (peers.md #4, #5).
+
+The legs themselves (``legs``; over gRPC in ``grpc_legs``) count their own work in flight on
+their node; this module decides which legs to open and in what order events go out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from gateway.config import RouterConfig
+from gateway.errors import ErrorKind, GatewayError
+from gateway.generation import Finished, GenerationEvent, GenerationRequest, TokenChunk
+from gateway.metrics import GatewayMetrics
+from gateway.routing.grpc_legs import GrpcLegs
+from gateway.routing.legs import (
+    DecodeEvent,
+    DecodeLeg,
+    Legs,
+    PrefillReply,
+    Recomputing,
+    RetryableFailure,
+    StreamEnded,
+)
+from gateway.routing.node import Node
+from gateway.routing.router import Route, Router
+from services.types import StageTimings, Usage
+
+logger = logging.getLogger(__name__)
+
+
+class RoutedGenerator:
+    def __init__(
+        self,
+        router: Router,
+        config: RouterConfig,
+        metrics: GatewayMetrics,
+        legs: Legs | None = None,
+    ) -> None:
+        """``legs``: opens the legs of an attempt; gRPC to the router's nodes by default."""
+        self.router = router
+        self.config = config
+        self.metrics = metrics
+        self.legs: Legs = legs or GrpcLegs(router.pool, config, metrics)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        started = time.monotonic()
+        arrival = request.arrival or started
+        gateway_queue_s = started - arrival
+        tried: set[str] = set()
+        failures: list[RetryableFailure] = []
+        wait_for_room = False
+        attempt = 0
+        while True:
+            route = None
+            if attempt <= self.config.max_retries:
+                route = self.router.pick(request.prompt_token_ids, exclude=tried)
+            if route is None and not wait_for_room and _all_full(failures):
+                # Every decode node tried is full: wait for room on one (the router's pick).
+                wait_for_room, tried = True, set()
+                route = self.router.pick(request.prompt_token_ids, exclude=tried)
+            if route is None:
+                break
+            # A retry never reuses an id: the prefill node keeps a held id reserved (peers #13).
+            leg_id = request.request_id if attempt == 0 else f"{request.request_id}.r{attempt}"
+            num_sent, last_sent = 0, 0.0
+            try:
+                async for event in self._attempt(route, leg_id, request, wait_for_room):
+                    now = time.monotonic()
+                    if isinstance(event, TokenChunk):
+                        if num_sent == 0:
+                            self.metrics.time_to_first_token.observe(now - arrival)
+                        else:
+                            self.metrics.inter_token_latency.observe(now - last_sent)
+                        num_sent, last_sent = num_sent + len(event.token_ids), now
+                    else:
+                        event = replace(
+                            event,
+                            timings=replace(event.timings, gateway_queue_s=gateway_queue_s),
+                            num_retries=attempt,
+                        )
+                        self.metrics.e2e_request_latency.observe(now - arrival)
+                        self.metrics.observe_stages(event.timings)
+                        self.metrics.requests_finished.labels(event.finish_reason.value).inc()
+                    yield event
+                return
+            except RetryableFailure as failure:
+                # A full decode node is admission at work (the request waits next), not a fault.
+                level = logging.INFO if failure.cause == "decode_full" else logging.WARNING
+                logger.log(
+                    level, "request %s: attempt %d on %s failed before any token (%s): %s",
+                    request.request_id, attempt, failure.node.address, failure.cause,
+                    failure.message,
+                )  # fmt: skip
+                self.metrics.retries.labels(cause=failure.cause).inc()
+                failures.append(failure)
+                tried.add(failure.node.address)
+                attempt += 1
+                if wait_for_room and failure.cause == "decode_full":
+                    break  # even the wait queue is full: 429
+        raise self._no_route(failures)
+
+    def _no_route(self, failures: list[RetryableFailure]) -> GatewayError:
+        if _all_full(failures):
+            self.metrics.request_errors.labels(reason="no_capacity").inc()
+            return GatewayError(
+                ErrorKind.RESOURCE_EXHAUSTED,
+                f"no KV capacity: every decode node tried ({len(failures)}) is full; retry later",
+            )
+        self.metrics.request_errors.labels(reason="no_node").inc()
+        detail = "; ".join(f"{f.node.address}: {f.message}" for f in failures)
+        return GatewayError(
+            ErrorKind.UNAVAILABLE,
+            "no healthy prefill/decode pair or colocated node could serve the request"
+            + (f" ({detail})" if detail else ""),
+        )
+
+    async def _attempt(
+        self, route: Route, leg_id: str, request: GenerationRequest, wait_for_room: bool = False
+    ) -> AsyncGenerator[GenerationEvent, None]:
+        """Yields the attempt's events; raises ``RetryableFailure`` only before the first.
+
+        Deadlines are the RPCs' own (``timeout=`` on each call), never an ``asyncio.timeout``
+        around a ``yield``, which would cancel whatever the consumer awaits at that moment.
+        """
+        timeout = None if request.deadline is None else request.deadline - time.monotonic()
+        if timeout is not None and timeout <= 0:
+            raise _deadline_error(self.metrics)
+        self.metrics.attempts.labels(route=route.kind).inc()
+        if route.prefill is None:
+            leg = self._colocated(route.decode, leg_id, request, timeout)
+        else:
+            leg = self._disaggregated(
+                route.prefill, route.decode, leg_id, request, timeout, wait_for_room
+            )
+        num_sent = 0
+        try:
+            async for event in leg:
+                if isinstance(event, TokenChunk):
+                    num_sent += len(event.token_ids)
+                yield event
+        except StreamEnded as ended:
+            self.metrics.request_errors.labels(reason=f"stream_{ended.reason.value}").inc()
+            prompt = len(request.prompt_token_ids)
+            yield Finished(ended.reason, Usage(prompt, num_sent), error=ended.message)
+        finally:
+            await leg.aclose()
+
+    async def _colocated(
+        self, node: Node, leg_id: str, request: GenerationRequest, timeout: float | None
+    ) -> AsyncGenerator[GenerationEvent, None]:
+        async with self.legs.decode(node, leg_id, request, None, timeout, False) as decode:
+            while True:
+                event = await decode.next()
+                if isinstance(event, TokenChunk):
+                    decode.streamed = True
+                if not isinstance(event, Recomputing):
+                    yield event
+                if isinstance(event, Finished):
+                    return
+
+    async def _disaggregated(
+        self,
+        prefill_node: Node,
+        decode_node: Node,
+        leg_id: str,
+        request: GenerationRequest,
+        timeout: float | None,
+        wait_for_room: bool = False,
+    ) -> AsyncGenerator[GenerationEvent, None]:
+        legs = self.legs
+        async with (
+            legs.decode(
+                decode_node, leg_id, request, prefill_node, timeout, wait_for_room
+            ) as decode,
+            legs.prefill(prefill_node, leg_id, request, decode_node, timeout) as prefill,
+        ):
+            reservation = await decode.reservation()
+            reply = asyncio.ensure_future(prefill.reply(reservation))
+            pending: asyncio.Future[DecodeEvent] | None = None
+            try:
+                held, recomputing, pending = await _hold_until_prefill(decode, reply)
+                cached, prefill_timings = 0, StageTimings()
+                if not recomputing:
+                    answer = reply.result()  # a failed prefill raises here: retryable
+                    cached, prefill_timings = answer.cached_prompt_tokens, answer.timings
+                    decode.streamed = True
+                    yield answer.first
+                while True:
+                    event: DecodeEvent
+                    if held:
+                        event = held.pop(0)
+                    elif pending is not None:
+                        event, pending = await pending, None
+                    else:
+                        event = await decode.next()
+                    if isinstance(event, Recomputing):
+                        continue
+                    if isinstance(event, TokenChunk):
+                        decode.streamed = True
+                        yield event
+                        continue
+                    yield _merge(event, cached, prefill_timings)
+                    return
+            finally:
+                for future in (pending, reply):
+                    if future is None:
+                        continue
+                    future.cancel()
+                    if future.done() and not future.cancelled():
+                        future.exception()  # retrieved: a failure after the attempt ended is moot
+
+
+async def _hold_until_prefill(
+    decode: DecodeLeg, reply: asyncio.Future[PrefillReply]
+) -> tuple[list[TokenChunk | Finished], bool, asyncio.Future[DecodeEvent] | None]:
+    """Reads the decode stream until the prefill answers: tokens 2..N may overtake the
+    prefill's reply, and the first token must go out first, so they are held. Returns the held
+    events, whether the decode node took the prompt over (``Recomputing``: the prefill is
+    cancelled), and a read still under way."""
+    held: list[TokenChunk | Finished] = []
+    pending: asyncio.Future[DecodeEvent] | None = asyncio.ensure_future(decode.next())
+    try:
+        while not reply.done():
+            assert pending is not None
+            racing: set[asyncio.Future[Any]] = {reply, pending}
+            await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+            if not pending.done():
+                continue
+            event = pending.result()  # a decode failure here is retryable
+            pending = None
+            if isinstance(event, Recomputing):
+                reply.cancel()
+                return held, True, None
+            held.append(event)
+            if isinstance(event, Finished):
+                await asyncio.wait({reply})
+                break
+            pending = asyncio.ensure_future(decode.next())
+    except BaseException:
+        if pending is not None:
+            pending.cancel()
+        raise
+    return held, False, pending
+
+
+def _all_full(failures: list[RetryableFailure]) -> bool:
+    return bool(failures) and all(f.cause == "decode_full" for f in failures)
+
+
+def _deadline_error(metrics: GatewayMetrics) -> GatewayError:
+    metrics.request_errors.labels(reason="deadline").inc()
+    return GatewayError(
+        ErrorKind.DEADLINE_EXCEEDED, "the request deadline passed before the first token"
+    )
+
+
+def _merge(finished: Finished, cached: int, prefill_timings: StageTimings) -> Finished:
+    """The decode's Finished, completed with what only the prefill leg reported."""
+    usage = finished.usage
+    if usage.cached_prompt_tokens == 0 and cached:
+        usage = replace(usage, cached_prompt_tokens=cached)
+    timings = finished.timings
+    timings = replace(
+        timings,
+        prefill_queue_s=timings.prefill_queue_s or prefill_timings.prefill_queue_s,
+        prefill_compute_s=timings.prefill_compute_s or prefill_timings.prefill_compute_s,
+        kv_transfer_s=timings.kv_transfer_s or prefill_timings.kv_transfer_s,
+    )
+    return replace(finished, usage=usage, timings=timings)

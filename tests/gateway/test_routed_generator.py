@@ -1,0 +1,332 @@
+"""The routed generator's retries, recompute and event order, driven with fake legs: no node
+processes, no gRPC. Each fake leg records what the generator asked of it; every test also
+checks that each leg counted itself in flight while open and that no count is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import pytest
+
+from gateway.config import RouterConfig
+from gateway.errors import ErrorKind, GatewayError
+from gateway.generation import Finished, GenerationEvent, GenerationRequest, TokenChunk
+from gateway.metrics import GatewayMetrics
+from gateway.routing.legs import (
+    DecodeEvent,
+    DecodeLeg,
+    PrefillLeg,
+    PrefillReply,
+    Recomputing,
+    RetryableFailure,
+    StreamEnded,
+)
+from gateway.routing.node import Node, NodeHealth
+from gateway.routing.routed_generator import RoutedGenerator
+from gateway.routing.router import Route
+from services.types import FinishReason, Role, SamplingParams, StageTimings, Usage
+
+PROMPT = (1, 2, 3)
+DECODE_TIMINGS = StageTimings(decode_queue_s=0.5, decode_s=2.0)
+PREFILL_TIMINGS = StageTimings(prefill_queue_s=0.25, prefill_compute_s=1.0, kv_transfer_s=0.125)
+
+# A decode script: what ``reservation()`` does (None: answers), then the events ``next()``
+# returns in order (an exception instance is raised instead).
+DecodeScript = tuple[Exception | None, list[DecodeEvent | Exception]]
+
+
+def finished(completion_tokens: int) -> Finished:
+    return Finished(FinishReason.LENGTH, Usage(len(PROMPT), completion_tokens), DECODE_TIMINGS)
+
+
+def served(*token_ids: int) -> DecodeScript:
+    return None, [*(TokenChunk((t,)) for t in token_ids), finished(len(token_ids) + 1)]
+
+
+@dataclass
+class FakeDecodeLeg(DecodeLeg):
+    node: Node
+    script: DecodeScript
+    legs: FakeLegs
+    wait_for_room: bool
+    streamed: bool = False
+    closed: bool = False
+    events: list[DecodeEvent | Exception] = field(init=False)
+
+    async def __aenter__(self) -> FakeDecodeLeg:
+        self.events = list(self.script[1])
+        self.node.num_in_flight += 1
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.closed = True
+        self.node.num_in_flight -= 1
+
+    async def reservation(self) -> object:
+        if self.script[0] is not None:
+            raise self.script[0]
+        return f"reservation on {self.node.address}"
+
+    async def next(self) -> DecodeEvent:
+        await self.legs.decode_gate.wait()
+        event = self.events.pop(0)
+        if isinstance(event, Exception):
+            raise event
+        return event
+
+
+@dataclass
+class FakePrefillLeg(PrefillLeg):
+    node: Node
+    outcome: PrefillReply | Exception
+    legs: FakeLegs
+    reservation: object = None
+    cancelled: bool = False
+    counted: bool = False
+
+    async def __aenter__(self) -> FakePrefillLeg:
+        self.node.num_in_flight += 1
+        self.counted = True
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.counted:
+            self.node.num_in_flight -= 1
+
+    async def reply(self, reservation: object) -> PrefillReply:
+        self.reservation = reservation
+        try:
+            await self.legs.prefill_gate.wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        if isinstance(self.outcome, Exception):
+            raise self.outcome
+        self.node.num_in_flight -= 1
+        self.counted = False
+        return self.outcome
+
+
+@dataclass
+class FakeLegs:
+    decode_scripts: dict[str, DecodeScript]
+    prefill_outcomes: dict[str, PrefillReply | Exception] = field(default_factory=dict)
+    opened: list[FakeDecodeLeg | FakePrefillLeg] = field(default_factory=list)
+    leg_ids: list[str] = field(default_factory=list)
+    decode_gate: asyncio.Event = field(default_factory=asyncio.Event)
+    prefill_gate: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.decode_gate.set()
+        self.prefill_gate.set()
+
+    def decode(
+        self,
+        node: Node,
+        leg_id: str,
+        request: GenerationRequest,
+        prefill: Node | None,
+        timeout: float | None,
+        wait_for_room: bool,
+    ) -> FakeDecodeLeg:
+        self.leg_ids.append(leg_id)
+        leg = FakeDecodeLeg(node, self.decode_scripts[node.address], self, wait_for_room)
+        self.opened.append(leg)
+        return leg
+
+    def prefill(
+        self,
+        node: Node,
+        leg_id: str,
+        request: GenerationRequest,
+        decode: Node,
+        timeout: float | None,
+    ) -> FakePrefillLeg:
+        leg = FakePrefillLeg(node, self.prefill_outcomes[node.address], self)
+        self.opened.append(leg)
+        return leg
+
+
+class PairRouter:
+    """Picks the first pair (or colocated node) not excluded, as the real router's retry does."""
+
+    def __init__(self, routes: list[Route]) -> None:
+        self.routes = routes
+
+    def pick(
+        self, prompt: object, exclude: set[str] | frozenset[str] = frozenset()
+    ) -> Route | None:
+        for route in self.routes:
+            nodes = [route.decode] + ([route.prefill] if route.prefill else [])
+            if not any(node.address in exclude for node in nodes):
+                return route
+        return None
+
+
+def healthy(address: str, role: Role) -> Node:
+    node = Node(address, role)
+    node.health = NodeHealth.HEALTHY
+    return node
+
+
+def pairs(count: int) -> list[Route]:
+    return [
+        Route(decode=healthy(f"d{i}", Role.DECODE), prefill=healthy(f"p{i}", Role.PREFILL))
+        for i in range(count)
+    ]
+
+
+def reply(token_id: int) -> PrefillReply:
+    return PrefillReply(TokenChunk((token_id,)), cached_prompt_tokens=2, timings=PREFILL_TIMINGS)
+
+
+def make_generator(routes: list[Route], legs: FakeLegs) -> RoutedGenerator:
+    config = RouterConfig(prefill=("127.0.0.1:1",), decode=("127.0.0.1:2",), colocated=())
+    return RoutedGenerator(PairRouter(routes), config, GatewayMetrics(), legs)  # type: ignore[arg-type]
+
+
+def request() -> GenerationRequest:
+    return GenerationRequest("req", PROMPT, SamplingParams(max_tokens=8))
+
+
+async def collect(generator: RoutedGenerator) -> list[GenerationEvent]:
+    return [event async for event in generator.generate(request())]
+
+
+def token_ids(events: list[GenerationEvent]) -> list[int]:
+    return [t for e in events if isinstance(e, TokenChunk) for t in e.token_ids]
+
+
+def assert_no_work_left(routes: list[Route], legs: FakeLegs) -> None:
+    for route in routes:
+        assert route.decode.num_in_flight == 0
+        assert route.prefill is None or route.prefill.num_in_flight == 0
+    assert all(leg.closed for leg in legs.opened if isinstance(leg, FakeDecodeLeg))
+
+
+def test_a_full_decode_node_is_retried_on_the_next_pair_under_a_fresh_leg_id() -> None:
+    routes = pairs(2)
+    full = RetryableFailure("decode_full", routes[0].decode, "no room")
+    legs = FakeLegs({"d0": (full, []), "d1": served(11, 12)}, {"p0": reply(10), "p1": reply(10)})
+    events = asyncio.run(collect(make_generator(routes, legs)))
+    assert token_ids(events) == [10, 11, 12]
+    final = events[-1]
+    assert isinstance(final, Finished) and final.num_retries == 1
+    assert legs.leg_ids == ["req", "req.r1"]
+    first_prefill = next(leg for leg in legs.opened if leg.node is routes[0].prefill)
+    assert isinstance(first_prefill, FakePrefillLeg) and first_prefill.reservation is None
+    assert_no_work_left(routes, legs)
+
+
+def test_a_failed_prefill_ends_the_attempt_and_the_next_pair_serves() -> None:
+    routes = pairs(2)
+    down = RetryableFailure("prefill_unavailable", routes[0].prefill, "connection refused")
+    legs = FakeLegs({"d0": served(11), "d1": served(21)}, {"p0": down, "p1": reply(20)})
+    events = asyncio.run(collect(make_generator(routes, legs)))
+    assert token_ids(events) == [20, 21]
+    first_decode = legs.opened[0]
+    assert isinstance(first_decode, FakeDecodeLeg) and first_decode.closed
+    assert_no_work_left(routes, legs)
+
+
+def test_every_decode_full_then_one_attempt_waits_for_room_and_a_full_queue_is_429() -> None:
+    routes = pairs(2)
+    legs = FakeLegs(
+        {f"d{i}": (RetryableFailure("decode_full", r.decode, "no room"), []) for i, r in
+         enumerate(routes)},
+        {"p0": reply(10), "p1": reply(10)},
+    )  # fmt: skip
+    with pytest.raises(GatewayError) as raised:
+        asyncio.run(collect(make_generator(routes, legs)))
+    assert raised.value.kind is ErrorKind.RESOURCE_EXHAUSTED
+    waits = [leg.wait_for_room for leg in legs.opened if isinstance(leg, FakeDecodeLeg)]
+    assert waits == [False, False, True], "two refusals, then one attempt that queues"
+    assert_no_work_left(routes, legs)
+
+
+def test_recompute_cancels_the_prefill_and_takes_every_token_from_the_decode_stream() -> None:
+    routes = pairs(1)
+    legs = FakeLegs({"d0": (None, [Recomputing(), *served(5, 6, 7)[1]])}, {"p0": reply(99)})
+    legs.prefill_gate.clear()  # the prefill never answers: the decode node takes over
+    events = asyncio.run(collect(make_generator(routes, legs)))
+    assert token_ids(events) == [5, 6, 7]
+    prefill = next(leg for leg in legs.opened if isinstance(leg, FakePrefillLeg))
+    assert prefill.cancelled
+    final = events[-1]
+    assert isinstance(final, Finished) and final.timings.prefill_compute_s == 0.0
+    assert final.num_retries == 0
+    assert_no_work_left(routes, legs)
+
+
+def test_decode_tokens_that_overtake_the_prefill_reply_wait_behind_the_first_token() -> None:
+    routes = pairs(1)
+    legs = FakeLegs({"d0": served(11, 12)}, {"p0": reply(10)})
+    legs.prefill_gate.clear()
+
+    async def run() -> list[GenerationEvent]:
+        generator = make_generator(routes, legs).generate(request())
+        first = asyncio.ensure_future(anext(generator))
+        # The decode stream is read (and held) while the prefill has not answered.
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not first.done()
+        assert routes[0].prefill is not None and routes[0].prefill.num_in_flight == 1
+        legs.prefill_gate.set()
+        events = [await first]
+        assert routes[0].prefill.num_in_flight == 0, "the prefill leg stops counting at its reply"
+        assert routes[0].decode.num_in_flight == 1
+        events += [event async for event in generator]
+        return events
+
+    events = asyncio.run(run())
+    assert token_ids(events) == [10, 11, 12]
+    final = events[-1]
+    assert isinstance(final, Finished)
+    assert final.usage.cached_prompt_tokens == 2, "the prefill's cache hits reach the usage"
+    assert final.timings.prefill_compute_s == PREFILL_TIMINGS.prefill_compute_s
+    assert final.timings.decode_s == DECODE_TIMINGS.decode_s
+    assert_no_work_left(routes, legs)
+
+
+def test_a_failure_after_a_token_is_a_finished_error_not_a_retry() -> None:
+    routes = pairs(2)
+    lost = StreamEnded(FinishReason.ERROR, "decode node lost")
+    legs = FakeLegs({"d0": (None, [TokenChunk((11,)), lost]), "d1": served(21)},
+                    {"p0": reply(10), "p1": reply(20)})  # fmt: skip
+    events = asyncio.run(collect(make_generator(routes, legs)))
+    assert token_ids(events) == [10, 11]
+    final = events[-1]
+    assert isinstance(final, Finished) and final.finish_reason is FinishReason.ERROR
+    assert final.error == "decode node lost" and final.usage.completion_tokens == 2
+    assert legs.leg_ids == ["req"], "nothing is retried once a token reached the client"
+    assert_no_work_left(routes, legs)
+
+
+def test_closing_the_stream_early_cancels_both_legs() -> None:
+    routes = pairs(1)
+    legs = FakeLegs({"d0": served(11, 12, 13)}, {"p0": reply(10)})
+
+    async def run() -> None:
+        generator = make_generator(routes, legs).generate(request())
+        assert isinstance(await anext(generator), TokenChunk)
+        legs.decode_gate.clear()  # the next read blocks: the client leaves meanwhile
+        await generator.aclose()
+
+    asyncio.run(run())
+    assert_no_work_left(routes, legs)
+
+
+def test_a_colocated_node_serves_alone_and_skips_a_recomputing_notice() -> None:
+    node = healthy("c0", Role.COLOCATED)
+    routes = [Route(decode=node, prefill=None)]
+    legs = FakeLegs({"c0": (None, [Recomputing(), *served(1, 2)[1]])})
+    events = asyncio.run(collect(make_generator(routes, legs)))
+    assert token_ids(events) == [1, 2]
+    assert [type(leg) for leg in legs.opened] == [FakeDecodeLeg]
+    assert_no_work_left(routes, legs)
