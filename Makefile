@@ -61,7 +61,7 @@ $(MODEL_DIR)/config.json:
 	$(PY) -m services.models.tiny $(MODEL_DIR).tmp --arch llama --size tiny
 	rm -rf $(MODEL_DIR) && mv $(MODEL_DIR).tmp $(MODEL_DIR)
 
-# make run [MODEL=dir|gguf] [DTYPE=bfloat16] [KV_TRANSPORT=auto|shm|ucx|cuda_ipc] [PREFILL=1]
+# make run [MODEL=dir|gguf] [DTYPE=auto|float32|bfloat16] [KV_TRANSPORT=auto|shm|ucx|cuda_ipc] [PREFILL=1]
 #          [DECODE=1] [COLOCATED=0] [HOST=127.0.0.1]
 #          [HTTP_PORT=8000] [GRPC_PORT=50051] [PREFILL_PORT=50061] [DECODE_PORT=50071]
 #          [COLOCATED_PORT=50081] [TOPOLOGY=deploy/topology.example.yaml] [TLS=1]

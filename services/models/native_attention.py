@@ -27,9 +27,7 @@ reports why the kernel is unavailable instead of raising, so ``make_attention_ba
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import platform
 import threading
 import time
 from pathlib import Path
@@ -37,6 +35,7 @@ from pathlib import Path
 import torch
 
 from services.models.attention import AttentionMetadata, TorchPagedAttention
+from services.models.cpu_features import cpu_tag
 
 logger = logging.getLogger(__name__)
 
@@ -61,26 +60,10 @@ def native_kernel_error() -> str | None:
         return _build_error
 
 
-def _cpu_tag() -> str:
-    """A short hash of this CPU's model and instruction-set flags.
-
-    The kernel is built with ``-march=native``, and torch's rebuild check looks at sources and
-    flags, not at the CPU: naming the build after the CPU keeps a build cache that is shared
-    with (or copied from) another machine from loading code with instructions this one lacks.
-    """
-    identity = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            lines = [line for line in cpuinfo if line.startswith(("model name", "flags"))]
-        identity += "".join(sorted(set(lines)))
-    except OSError:
-        identity += platform.processor()
-    return hashlib.sha256(identity.encode()).hexdigest()[:12]
-
-
 def _build_and_load() -> str | None:
     start = time.perf_counter()
-    name = f"{_EXTENSION_BASE_NAME}_{_cpu_tag()}"
+    # Named after the CPU: the build uses -march=native (see cpu_features.cpu_tag).
+    name = f"{_EXTENSION_BASE_NAME}_{cpu_tag()}"
     try:
         from torch.utils.cpp_extension import load
 
