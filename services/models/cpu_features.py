@@ -1,6 +1,7 @@
-"""What this CPU can run, read from ``/proc/cpuinfo``: its instruction-set flags and a short
-hash of its identity that names per-CPU caches (the native kernel's build, the measured
-compute dtype).
+"""What this CPU can run, read from ``/proc/cpuinfo``: its instruction-set flags (which native
+kernel variants it runs) and a short hash of its identity that names per-CPU caches (the
+measured compute dtype). The hash once named the native kernel's ``-march=native`` build; that
+build now serves every host.
 
 Torch-free: only the standard library, so any process may ask.
 """
@@ -39,8 +40,7 @@ def cpu_tag() -> str:
     """A short hash of this CPU's model and instruction-set flags.
 
     Caches that depend on the CPU are named after it, so that a cache shared with (or copied
-    from) another machine is never read as this one's: torch's rebuild check looks at sources
-    and flags, not at the CPU, and a measured GEMM rate belongs to one CPU.
+    from) another machine is never read as this one's: a measured GEMM rate belongs to one CPU.
     """
     identity = platform.machine()
     try:
@@ -53,7 +53,7 @@ def cpu_tag() -> str:
 
 
 def cpu_cache_dir() -> Path:
-    """Where per-CPU caches live: torch's extension build root, the native kernel's cache
+    """Where per-CPU caches live: beside the native kernel's build, in torch's extension root
     (``TORCH_EXTENSIONS_DIR`` when set, else ``~/.cache/torch_extensions/py<ver>_cpu``)."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root:
