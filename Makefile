@@ -94,16 +94,18 @@ endif
 down:
 	$(COMPOSE) $(strip $(COMPOSE_FILES)) down --remove-orphans
 
-# make bench: the offline engine comparison, then the serving comparison (pdserve colocated and
-# disaggregated, and vLLM's CPU build when ../shared/peers/vllm-cpu.sh has installed it) on the
-# small model. Figures go to benchmarks/results/; docs/benchmarks.md says how to read them.
+# make bench: the roofline report (GEMM peak, copy bandwidth, prefill and decode against them),
+# the offline engine comparison (pdserve in --dtype auto against transformers in its default
+# dtype), then the serving comparison (pdserve colocated and disaggregated, and vLLM's CPU build
+# when ../shared/peers/vllm-cpu.sh has installed it) on the small model. Figures go to benchmarks/results/; docs/benchmarks.md says how to read them.
 SMALL_MODEL := models/small-llama
 VLLM_VENV ?= $(HOME)/.cache/pdserve/vllm-cpu
 comma := ,
 BENCH_SYSTEMS ?= colocated$(comma)disaggregated$(if $(wildcard $(VLLM_VENV)/bin/vllm),$(comma)vllm)
 
 bench: protos $(SMALL_MODEL)/config.json
-	$(PY) benchmarks/offline_throughput.py --model $(SMALL_MODEL)
+	$(PY) benchmarks/roofline.py --model $(SMALL_MODEL)
+	$(PY) benchmarks/offline_throughput.py --model $(SMALL_MODEL) --dtype auto --hf-dtype default
 	$(PY) benchmarks/serving_comparison.py --model $(SMALL_MODEL) --systems $(BENCH_SYSTEMS) \
 		--vllm-venv $(VLLM_VENV)
 
