@@ -37,6 +37,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -107,7 +108,20 @@ def decode_bound_s(
     return compute, memory
 
 
-def run_engine(args: argparse.Namespace) -> dict[str, object]:
+@dataclass(frozen=True)
+class EngineRun:
+    dtype: str
+    dtype_source: str
+    itemsize: int
+    prefill_seconds: float
+    prefill_tok_per_s: float
+    decode_step_seconds: list[float]
+    decode_step_median_s: float
+    decoder_weights: int
+    lm_head_weights: int
+
+
+def run_engine(args: argparse.Namespace) -> EngineRun:
     llm = LLM(
         args.model,
         dtype=args.dtype,
@@ -139,17 +153,17 @@ def run_engine(args: argparse.Namespace) -> dict[str, object]:
         engine.step()
         step_times.append(time.perf_counter() - step_start)
     decoder, lm_head = weight_counts(llm)
-    return {
-        "dtype": engine.dtype_choice.dtype,
-        "dtype_source": engine.dtype_choice.source,
-        "itemsize": engine.runner.dtype.itemsize,
-        "prefill_seconds": prefill_s,
-        "prefill_tok_per_s": args.num_prompts * args.input_len / prefill_s,
-        "decode_step_seconds": step_times,
-        "decode_step_median_s": statistics.median(step_times),
-        "decoder_weights": decoder,
-        "lm_head_weights": lm_head,
-    }
+    return EngineRun(
+        dtype=engine.dtype_choice.dtype,
+        dtype_source=engine.dtype_choice.source,
+        itemsize=engine.runner.dtype.itemsize,
+        prefill_seconds=prefill_s,
+        prefill_tok_per_s=args.num_prompts * args.input_len / prefill_s,
+        decode_step_seconds=step_times,
+        decode_step_median_s=statistics.median(step_times),
+        decoder_weights=decoder,
+        lm_head_weights=lm_head,
+    )
 
 
 def main() -> None:
@@ -177,13 +191,13 @@ def main() -> None:
     engine = run_engine(args)
     load_after = os.getloadavg()
 
-    decoder, lm_head = engine["decoder_weights"], engine["lm_head_weights"]
+    decoder, lm_head = engine.decoder_weights, engine.lm_head_weights
     # Prefill roofline in tokens/s: 2 FLOPs per decoder linear weight per token at the peak.
     prefill_roof = peak / (2 * decoder)
-    prefill_fraction = engine["prefill_tok_per_s"] / prefill_roof
+    prefill_fraction = engine.prefill_tok_per_s / prefill_roof
     # Decode: the mean context over the timed steps (prompt + tokens generated so far).
-    num_seqs, itemsize = args.num_prompts, engine["itemsize"]
-    mean_context = args.input_len + 1 + len(engine["decode_step_seconds"]) / 2
+    num_seqs, itemsize = args.num_prompts, engine.itemsize
+    mean_context = args.input_len + 1 + len(engine.decode_step_seconds) / 2
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize * mean_context
     decode_compute_s, decode_memory_s = decode_bound_s(
         weights=decoder + lm_head,
@@ -194,20 +208,22 @@ def main() -> None:
         bandwidth=bandwidth,
     )
     decode_bound = max(decode_compute_s, decode_memory_s)
-    decode_ratio = engine["decode_step_median_s"] / decode_bound
+    decode_ratio = engine.decode_step_median_s / decode_bound
 
+    flags_seen = [flag for flag in FLAGS_OF_INTEREST if flag in flags]
+    host = {
+        "cpu": cpu_model(),
+        "flags": flags_seen,
+        "torch_threads": torch.get_num_threads(),
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+    }
     report = {
-        "host": {
-            "cpu": cpu_model(),
-            "flags": [flag for flag in FLAGS_OF_INTEREST if flag in flags],
-            "torch_threads": torch.get_num_threads(),
-            "load_average_before": load_before,
-            "load_average_after": load_after,
-        },
+        "host": host,
         "gemm_gflops": gflops,
         "peak_dtype": peak_dtype,
         "copy_bandwidth_gb_s": bandwidth / 1e9,
-        "engine": {k: v for k, v in engine.items() if k != "decode_step_seconds"},
+        "engine": {k: v for k, v in asdict(engine).items() if k != "decode_step_seconds"},
         "prefill_roofline_tok_per_s": prefill_roof,
         "prefill_fraction": prefill_fraction,
         "decode_compute_ms": decode_compute_s * 1e3,
@@ -215,20 +231,19 @@ def main() -> None:
         "decode_bound_ms": decode_bound * 1e3,
         "decode_ratio": decode_ratio,
     }
-    host = report["host"]
-    print(f"host: {host['cpu']}, {host['torch_threads']} threads, flags {' '.join(host['flags'])}")
+    print(f"host: {host['cpu']}, {host['torch_threads']} threads, flags {' '.join(flags_seen)}")
     print(f"load average before / after: {load_before[0]:.2f} / {load_after[0]:.2f}")
     rates = ", ".join(f"{name} {rate:.0f}" for name, rate in gflops.items())
     print(f"GEMM at the model's shapes (GFLOP/s): {rates}; peak {peak_dtype}")
     print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
-    print(f"engine dtype: {engine['dtype']} ({engine['dtype_source']})")
+    print(f"engine dtype: {engine.dtype} ({engine.dtype_source})")
     print(
-        f"prefill: {engine['prefill_tok_per_s']:.0f} tok/s of a {prefill_roof:.0f} tok/s roofline "
+        f"prefill: {engine.prefill_tok_per_s:.0f} tok/s of a {prefill_roof:.0f} tok/s roofline "
         f"= {prefill_fraction:.0%} (target >= 85 %)"
     )
     print(
         f"decode step ({num_seqs} seqs, ~{mean_context:.0f} context): "
-        f"{engine['decode_step_median_s'] * 1e3:.1f} ms; bound {decode_bound * 1e3:.1f} ms "
+        f"{engine.decode_step_median_s * 1e3:.1f} ms; bound {decode_bound * 1e3:.1f} ms "
         f"(compute {decode_compute_s * 1e3:.1f}, memory {decode_memory_s * 1e3:.1f}) = "
         f"{decode_ratio:.2f}x (target <= 1.3x)"
     )
