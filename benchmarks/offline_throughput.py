@@ -1,7 +1,8 @@
 """Offline throughput: pdserve's engine against transformers ``generate()`` with static batches.
 
     python benchmarks/offline_throughput.py [--model DIR] [--num-prompts 64] [--input-len 256]
-        [--output-len 64] [--dtype bfloat16] [--hf-batch-size 16] [--device cpu] [--json OUT.json]
+        [--output-len 64] [--dtype bfloat16|float32|auto] [--hf-dtype same|default|...]
+        [--hf-batch-size 16] [--device cpu] [--json OUT.json]
 
 Both run in this process on the same random prompts (every prompt exactly ``--input-len``
 tokens, so the static baseline pads nothing) and generate exactly ``--output-len`` tokens each
@@ -34,6 +35,11 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[li
     return [[rng.randrange(16, vocab_size) for _ in range(length)] for _ in range(num)]
 
 
+def results_dtype(args: argparse.Namespace) -> str:
+    """The dtype pdserve computed in (``auto`` resolved), once its run is done."""
+    return str(getattr(args, "pdserve_dtype", args.dtype))
+
+
 def run_pdserve(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, float]:
     llm = LLM(
         args.model,
@@ -44,6 +50,7 @@ def run_pdserve(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,  # random prompts share nothing; keep the comparison plain
     )
+    args.pdserve_dtype = llm.engine.dtype_choice.dtype
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     start = time.perf_counter()
@@ -56,8 +63,13 @@ def run_pdserve(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
 def run_hf(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, local_files_only=True)
+    # "default": what transformers picks when not told (the checkpoint's dtype in 5.x).
+    hf_dtype = args.dtype if args.hf_dtype == "same" else args.hf_dtype
+    if hf_dtype == "auto":
+        hf_dtype = results_dtype(args)
+    options = {} if hf_dtype == "default" else {"dtype": getattr(torch, hf_dtype)}
+    model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True, **options)
+    args.hf_dtype_used = str(model.dtype).removeprefix("torch.")
     model.to(args.device).eval()
     gen = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
     with torch.inference_mode():
@@ -83,7 +95,13 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument(
+        "--hf-dtype",
+        default="same",
+        choices=["same", "default", "float32", "bfloat16"],
+        help="transformers' dtype: same as pdserve's, or default (what from_pretrained picks)",
+    )
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N], for both systems")
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -104,17 +122,19 @@ def main() -> None:
     results = {"config": {k: str(v) for k, v in vars(args).items()}}
     results["torch_threads"] = torch.get_num_threads()
     results["pdserve"] = run_pdserve(args, prompts)
+    results["pdserve"]["dtype"] = args.pdserve_dtype
     print(
-        f"pdserve:              {results['pdserve']['output_tok_per_s']:8.1f} output tok/s "
-        f"({results['pdserve']['seconds']:.1f} s)",
+        f"pdserve ({args.pdserve_dtype}):   {results['pdserve']['output_tok_per_s']:8.1f} "
+        f"output tok/s ({results['pdserve']['seconds']:.1f} s)",
         flush=True,
     )
     if not args.skip_hf:
         results["hf_static"] = run_hf(args, prompts)
         ratio = results["pdserve"]["output_tok_per_s"] / results["hf_static"]["output_tok_per_s"]
         results["ratio"] = ratio
+        results["hf_static"]["dtype"] = args.hf_dtype_used
         print(
-            f"transformers (bs={args.hf_batch_size}): "
+            f"transformers (bs={args.hf_batch_size}, {args.hf_dtype_used}): "
             f"{results['hf_static']['output_tok_per_s']:8.1f} output tok/s "
             f"({results['hf_static']['seconds']:.1f} s)"
         )

@@ -25,7 +25,7 @@ import yaml
 
 from services.types import Role
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_TRANSPORTS = ("auto", "shm", "cuda_ipc", "ucx", "loopback")
 _FLAG_NAME = re.compile(r"^[a-z][a-z0-9-]*$")
 _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
@@ -214,7 +214,8 @@ class Topology:
     (``/models/<name>``) under compose."""
     served_model_name: str | None = None
     """The name clients send; default: the model directory's name."""
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
+    """auto: each node measures bfloat16 against float32 on its CPU (bfloat16 on CUDA)."""
     kv_transport: str = "auto"
     """auto: every node of a topology runs on one host, so shm for host KV caches and cuda_ipc
     for GPU ones; ucx also works between processes; loopback only inside one process."""

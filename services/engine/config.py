@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class SchedulingPolicy(enum.StrEnum):
@@ -64,7 +64,8 @@ class EngineConfig:
     model_dir: Path
     """A Hugging Face model directory, a GGUF file, or a directory holding one GGUF file."""
     dtype: str = "bfloat16"
-    """float32, bfloat16, or float16 (GPU only)."""
+    """float32, bfloat16, float16 (GPU only), or auto: on CPU the faster of bfloat16 and float32
+    for this model's GEMMs, measured once per CPU (``dtype_choice.py``); bfloat16 on CUDA."""
     device: str = "cpu"
     max_model_len: int | None = None
     """Longest prompt + output; default: the model's max_position_embeddings."""

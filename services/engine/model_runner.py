@@ -46,14 +46,20 @@ class ModelRunner:
         config: EngineConfig,
         *,
         max_model_len: int,
+        dtype: str | None = None,
         structured_outputs: StructuredOutputs | None = None,
     ) -> None:
+        """``dtype``: the resolved compute dtype (default ``config.dtype``, which must then not
+        be ``auto``; ``EngineCore`` resolves it with ``dtype_choice``)."""
         keep_freed_memory_mapped()
         self.structured_outputs = structured_outputs
         """Grammar matchers of constrained requests: their rows get a token bitmask."""
         self.model_config = model_config
         self.device = torch.device(config.device)
-        self.dtype = _DTYPES[config.dtype]
+        dtype = dtype if dtype is not None else config.dtype
+        if dtype not in _DTYPES:
+            raise ValueError(f"ModelRunner needs a resolved dtype, got {dtype!r}")
+        self.dtype = _DTYPES[dtype]
         self.block_size = config.cache.block_size
         self.backend = make_attention_backend(
             config.attention_backend,

@@ -18,17 +18,26 @@ takes ~45 ms instead of ~88 ms. In float32 the greedy tokens are those of the to
 Prefill chunks stay on the torch path: their attention is matmul-shaped work that SDPA already
 does well (a native prefill kernel was not attempted).
 
-The extension is compiled on first use (``torch.utils.cpp_extension.load``, ~10 s, most of it
-``torch/library.h``), then cached under ``TORCH_EXTENSIONS_DIR`` or torch's default directory;
-concurrent first builds from several processes wait on torch's lock file. ``native_kernel_error``
-reports why the kernel is unavailable instead of raising, so ``backends.make_attention_backend(
-"auto", ...)`` can fall back to the torch path.
+The kernel comes in one variant per instruction set (``KERNEL_ISAS``: AVX512-BF16, AVX-512,
+AVX2 and a portable one), compiled from one source with per-file targets into one library with
+the baseline compiler flags, so the build does not depend on the host. Each
+``NativePagedAttention`` runs the best variant this CPU supports (``/proc/cpuinfo`` flags), or
+the one forced by its ``isa`` argument or ``PDSERVE_NATIVE_ISA``; forcing one the CPU cannot run
+raises ``UnsupportedIsaError`` naming what is missing (the op checks cpuid again: never SIGILL).
+
+The extension is compiled on first use (``torch.utils.cpp_extension.load``, ~10-20 s, most of it
+``torch/library.h``), then cached under ``TORCH_EXTENSIONS_DIR`` or torch's default directory
+under a name that hashes the sources; concurrent first builds from several processes wait on
+torch's lock file. ``native_kernel_error`` reports why the kernel is unavailable instead of
+raising, so ``backends.make_attention_backend("auto", ...)`` can fall back to the torch
+path.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
 import threading
 import time
@@ -37,11 +46,61 @@ from pathlib import Path
 import torch
 
 from services.models.attention import AttentionMetadata, TorchPagedAttention
+from services.models.cpu_features import cpu_flags
 
 logger = logging.getLogger(__name__)
 
 _EXTENSION_BASE_NAME = "pdserve_paged_attention"
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = [
+    _CSRC / f"paged_attention{suffix}.cpp"
+    for suffix in ("", "_portable", "_avx2", "_avx512", "_avx512_bf16")
+]
+_HEADERS = [_CSRC / "paged_attention_isa.h", _CSRC / "paged_attention_kernel.h"]
+
+ISA_ENV = "PDSERVE_NATIVE_ISA"
+"""Forces a kernel variant for every ``NativePagedAttention`` of the process (tests, benchmarks)."""
+KERNEL_ISAS: dict[str, frozenset[str]] = {
+    "avx512_bf16": frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
+    "avx512": frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}),
+    "avx2": frozenset({"avx2", "fma"}),
+    "portable": frozenset(),
+}
+"""Kernel variants, fastest first, each with the ``/proc/cpuinfo`` flags it needs."""
+
+
+class UnsupportedIsaError(ValueError):
+    """A kernel variant was asked for that this CPU cannot run (or that does not exist)."""
+
+
+def supported_isas(flags: frozenset[str] | None = None) -> list[str]:
+    """The variants a CPU with these flags (default: this one's) runs, fastest first. Without
+    flags to read (not Linux), only the portable one; on other architectures likewise."""
+    flags = cpu_flags() if flags is None else flags
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ["portable"]
+    return [isa for isa, needed in KERNEL_ISAS.items() if needed <= flags]
+
+
+def resolve_isa(requested: str | None = None, flags: frozenset[str] | None = None) -> str:
+    """``requested``, else ``PDSERVE_NATIVE_ISA``, else the fastest supported variant; raises
+    ``UnsupportedIsaError`` naming the missing flags when the CPU cannot run the one asked for."""
+    requested = requested or os.environ.get(ISA_ENV) or None
+    supported = supported_isas(flags)
+    if requested is None:
+        return supported[0]
+    if requested not in KERNEL_ISAS:
+        raise UnsupportedIsaError(
+            f"unknown native kernel variant {requested!r}: choose one of {', '.join(KERNEL_ISAS)}"
+        )
+    if requested not in supported:
+        missing = sorted(KERNEL_ISAS[requested] - (cpu_flags() if flags is None else flags))
+        raise UnsupportedIsaError(
+            f"this CPU cannot run the {requested} native kernel (missing "
+            f"{', '.join(missing) or 'an x86-64 CPU'}); it runs {', '.join(supported)}"
+        )
+    return requested
+
 
 _lock = threading.Lock()
 _build_attempted = False
@@ -61,26 +120,11 @@ def native_kernel_error() -> str | None:
         return _build_error
 
 
-def _cpu_tag() -> str:
-    """A short hash of this CPU's model and instruction-set flags.
-
-    The kernel is built with ``-march=native``, and torch's rebuild check looks at sources and
-    flags, not at the CPU: naming the build after the CPU keeps a build cache that is shared
-    with (or copied from) another machine from loading code with instructions this one lacks.
-    """
-    identity = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            lines = [line for line in cpuinfo if line.startswith(("model name", "flags"))]
-        identity += "".join(sorted(set(lines)))
-    except OSError:
-        identity += platform.processor()
-    return hashlib.sha256(identity.encode()).hexdigest()[:12]
-
-
 def _build_and_load() -> str | None:
     start = time.perf_counter()
-    name = f"{_EXTENSION_BASE_NAME}_{_cpu_tag()}"
+    # Named after the sources (headers included: torch's rebuild check reads only the sources).
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in _SOURCES + _HEADERS))
+    name = f"{_EXTENSION_BASE_NAME}_{digest.hexdigest()[:12]}"
     try:
         from torch.utils.cpp_extension import load
 
@@ -88,8 +132,9 @@ def _build_and_load() -> str | None:
         # pybind11, which keeps the compile short.
         load(
             name=name,
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            sources=[str(path) for path in _SOURCES],
+            # No -march: each variant sets its own target; the op runs on any x86-64 / Arm.
+            extra_cflags=["-O3", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
@@ -116,11 +161,14 @@ def _one_line(exc: BaseException, max_part: int = 200) -> str:
 class NativePagedAttention(TorchPagedAttention):
     """``TorchPagedAttention`` with decodes on the native kernel; prefill chunks unchanged."""
 
-    def __init__(self, block_size: int, scale: float) -> None:
+    def __init__(self, block_size: int, scale: float, isa: str | None = None) -> None:
         super().__init__(block_size, scale)
+        self.isa = resolve_isa(isa)
+        """The kernel variant this backend runs (see ``resolve_isa``)."""
         error = native_kernel_error()
         if error is not None:
             raise RuntimeError(f"native paged attention is unavailable: {error}")
+        logger.debug("native paged attention: %s kernel", self.isa)
 
     def _decode(
         self,
@@ -140,5 +188,6 @@ class NativePagedAttention(TorchPagedAttention):
             metadata.decode_block_tables,
             metadata.decode_seq_lens,
             self.scale,
+            self.isa,
         )
         return output

@@ -100,7 +100,13 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--role", type=Role, choices=list(Role), default=role, help="what this node runs")
     add("--model", type=Path, default=Path("models/tiny-llama"), help="HF model dir or GGUF file")
-    add("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    add(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: on CPU the faster of bfloat16 and float32 at this model's GEMM shapes, "
+        "measured once per CPU and cached; bfloat16 on CUDA",
+    )
     add("--device", default="cpu", help="cpu or cuda[:N]")
     add("--host", default="0.0.0.0", help="address the gRPC server binds")
     add(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -97,6 +98,22 @@ class NodeMetrics:
             "pdserve:kv_transport_info", "The KV transport and lanes the self-test found (1)",
             [*transfer_labels, "lanes"], registry=self.registry,
         )  # fmt: skip
+
+        self.gemm_gflops = Gauge(
+            "pdserve:gemm_gflops", "GEMM rate measured at start-up at this model's shapes, "
+            "GFLOP/s, per dtype (none when the dtype was given)",
+            [*names, "dtype"], registry=self.registry,
+        )  # fmt: skip
+        self.compute_dtype_info = Gauge(
+            "pdserve:compute_dtype_info", "The dtype the engine computes in (1), and how it "
+            "was chosen: explicit, cuda default, cached or measured",
+            [*names, "dtype", "source"], registry=self.registry,
+        )  # fmt: skip
+
+    def compute_dtype(self, dtype: str, source: str, gflops: Mapping[str, float]) -> None:
+        self.compute_dtype_info.labels(**self._labels, dtype=dtype, source=source).set(1)
+        for name, rate in gflops.items():
+            self.gemm_gflops.labels(**self._labels, dtype=name).set(rate)
 
     def request_finished(self, reason: str) -> None:
         self.requests_finished.labels(**self._labels, finished_reason=reason).inc()

@@ -92,6 +92,8 @@ async def start_node(config: NodeConfig, role: RoleFactory) -> tuple[NodeServer,
     except UnsupportedMemoryError:
         engine.shutdown()
         raise
+    choice = engine.engine.dtype_choice
+    metrics.compute_dtype(choice.dtype, choice.source, choice.gflops)
     try:
         # Both ports are opened before the server starts serving.
         server = NodeServer(

@@ -213,7 +213,7 @@ def test_rejects_bad_inputs() -> None:
             "seq_lens": lens,
         }
         args.update(changes)
-        op(*args.values(), 0.125)
+        op(*args.values(), 0.125, "portable")
 
     call()  # the unchanged arguments are fine
     with pytest.raises(RuntimeError, match="float32 and bfloat16"):

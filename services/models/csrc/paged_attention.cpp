@@ -1,506 +1,104 @@
 // Decode attention that reads K/V straight out of the paged cache (CPU, float32 / bfloat16).
 //
 //   torch.ops.pdserve.paged_decode_attention(out, query, key_cache, value_cache,
-//                                            block_tables, seq_lens, scale)
+//                                            block_tables, seq_lens, scale, isa)
 //
 // query, out:              [num_seqs, num_heads, head_dim]
 // key_cache, value_cache:  [num_blocks, block_size, num_kv_heads, head_dim]
 // block_tables:            [num_seqs, max_blocks] int64; entries past a sequence's length are
 //                          never read, so they may hold anything.
 // seq_lens:                [num_seqs] int64, context length including the new token, >= 1.
+// isa:                     the kernel variant: "avx512_bf16", "avx512", "avx2" or "portable".
+//
+// This file is the op: it checks every argument (bad metadata is an error, not a crash), checks
+// that this CPU runs the requested variant (an error, never SIGILL), cuts the work and calls the
+// variant. The kernel itself is paged_attention_kernel.h, compiled once per instruction set in
+// paged_attention_<isa>.cpp, all in one library built with the baseline flags: one build serves
+// every host, and a test can run each variant the host supports.
 //
 // A work item is one sequence and a run of its KV heads: all of them when there are at least as
 // many sequences as threads (a token's row of all heads is contiguous in the cache and streams
 // best), fewer otherwise. The items are cut into one contiguous range per thread of about equal
-// context tokens (at::parallel_for, torch's OpenMP pool). An item walks the block table in tiles
-// of kLanes tokens, widens each K/V row to fp32 once for its whole GQA group (query head h uses KV
-// head h / G, HF's repeat_interleave order), and runs two passes:
-//   1. scores = scale * q . k for every query head, into a per-thread fp32 buffer
-//      [heads, seq_len] (a tile's dot products reduced together);
-//   2. softmax in place (max-subtracted, exact-enough exp), then out = sum_t p_t * v_t / sum_t p_t.
-// Everything accumulates in fp32; nothing past seq_len (garbage table entries, the rest of the
-// last block) is read. Rows are prefetched two tiles ahead: blocks are scattered, so the hardware
-// prefetcher cannot follow.
-//
-// Vectorised with GCC/Clang vector extensions, one register wide (kLanes fp32: 16 on AVX-512, 8
-// on AVX2, 4 on SSE and NEON), rather than left to the auto-vectoriser, which keeps fp32
-// reductions (dot products, softmax max and sum) scalar without -ffast-math. head_dim 32, 64
-// and 128 get specialisations with the chunk loops unrolled; others take a generic path.
+// context tokens (at::parallel_for, torch's OpenMP pool).
 //
 // Only light headers (no pybind11, no torch/extension.h) to keep the first build short; the op
 // is registered with TORCH_LIBRARY and loaded with torch.ops.load_library.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
-#include <limits>
+#include <string>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "paged_attention_isa.h"
 
 namespace {
 
-// fp32 lanes of one vector register; also the tokens of a tile. Builds for another ISA take the
-// same code at their width (NEON and SSE: 4).
-#if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
-#elif defined(__AVX2__)
-constexpr int64_t kLanes = 8;
-#else
-constexpr int64_t kLanes = 4;
+using pdserve::DecodeArgs;
+using pdserve::RunItems;
+
+// The variant named `isa`, after checking that this CPU executes its instructions
+// (__builtin_cpu_supports reads cpuid and, for AVX and AVX-512, whether the OS saves their
+// registers).
+RunItems select_variant(const std::string& isa) {
+  if (isa == "portable") {
+    return pdserve::run_items_portable;
+  }
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  if (isa == "avx2" || isa == "avx512" || isa == "avx512_bf16") {
+    const bool ok = isa == "avx2"     ? avx2
+                    : isa == "avx512" ? avx512
+                                      : avx512 && __builtin_cpu_supports("avx512bf16");
+    TORCH_CHECK(ok, "paged_decode_attention: this CPU cannot run the ", isa,
+                " kernel (it lacks some of its instructions); use a variant it supports");
+    return isa == "avx2" ? pdserve::run_items_avx2
+           : isa == "avx512" ? pdserve::run_items_avx512
+                             : pdserve::run_items_avx512_bf16;
+  }
 #endif
-// Tiles of kLanes tokens whose rows are requested ahead of the one being read.
-constexpr int64_t kPrefetchTiles = 2;
-constexpr int64_t kMaxHeadDim = 512;
-constexpr int64_t kMaxChunks = kMaxHeadDim / kLanes;
-
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t VecI32 __attribute__((vector_size(kLanes * sizeof(int32_t))));
-typedef uint32_t VecU32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-typedef uint16_t VecU16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-
-// Lane i of the result is lane idx[i] of x (0 .. kLanes - 1) or y (kLanes .. 2 * kLanes - 1). GCC
-// has __builtin_shufflevector only from version 12.
-#if defined(__clang__)
-#define SHUFFLE(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
-#else
-#define SHUFFLE(x, y, ...) __builtin_shuffle(x, y, VecI32{__VA_ARGS__})
-#endif
-
-// ---- kLanes-wide loads and stores; `n` < kLanes variants zero-fill / skip the missing lanes. ----
-
-inline Vec load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
+  TORCH_CHECK(false, "paged_decode_attention: unknown or unavailable kernel variant '", isa,
+              "' (avx512_bf16, avx512 and avx2 on x86-64; portable everywhere)");
+  return nullptr;
 }
 
-// bf16 is the top half of an fp32. GCC lowers the portable version to ~7 instructions on x86
-// where the intrinsics take 2.
-inline Vec load(const c10::BFloat16* p) {
-#if defined(__AVX512F__)
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return reinterpret_cast<Vec>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-#elif defined(__AVX2__)
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return reinterpret_cast<Vec>(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-#else
-  VecU16 half;
-  std::memcpy(&half, p, sizeof(half));
-  return reinterpret_cast<Vec>(__builtin_convertvector(half, VecU32) << 16);
-#endif
-}
-
-template <typename T>
-inline Vec load_partial(const T* p, int64_t n) {
-  Vec v = {};
-  for (int64_t i = 0; i < n; ++i) {
-    v[i] = static_cast<float>(p[i]);
-  }
-  return v;
-}
-
-inline void store(float* p, Vec v) {
-  std::memcpy(p, &v, sizeof(v));
-}
-
-inline void store(c10::BFloat16* p, Vec v) {
-  for (int64_t i = 0; i < kLanes; ++i) {
-    p[i] = c10::BFloat16(v[i]);  // round to nearest even
-  }
-}
-
-template <typename T>
-inline void store_partial(T* p, Vec v, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    p[i] = static_cast<T>(v[i]);
-  }
-}
-
-// Once per query head and sequence: not worth shuffles.
-inline float reduce_add(Vec v) {
-  float sum = v[0];
-  for (int64_t i = 1; i < kLanes; ++i) {
-    sum += v[i];
-  }
-  return sum;
-}
-
-inline float reduce_max(Vec v) {
-  float m = v[0];
-  for (int64_t i = 1; i < kLanes; ++i) {
-    m = std::max(m, v[i]);
-  }
-  return m;
-}
-
-inline Vec vmax(Vec a, Vec b) {
-  return a > b ? a : b;
-}
-
-// exp(x) for x <= 0 (scores minus their max), Cephes' expf polynomial (~2 ulp), branch-free on
-// all lanes. Below -87, exp(x) < 2^-125 is flushed to about that: nothing next to exp(0) = 1.
-// NaN stays NaN (the comparison is false for it), so a NaN score poisons the output as in torch.
-inline Vec exp_nonpositive(Vec x) {
-  const Vec lowest = Vec{} - 87.0f;
-  x = x < lowest ? lowest : x;
-  // n = round(x / ln2): adding 1.5 * 2^23 rounds to an integer in the float's low bits.
-  const float kRound = 12582912.0f;
-  const Vec n = (x * 1.44269504088896341f + kRound) - kRound;
-  // r = x - n * ln2, with ln2 split in two for precision.
-  const Vec r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  Vec p = Vec{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  // 2^n built in the exponent bits; n >= -126 keeps it a normal float.
-  const VecI32 exponent = (__builtin_convertvector(n, VecI32) + 127) << 23;
-  return p * reinterpret_cast<Vec>(exponent);
-}
-
-inline void prefetch_line(const void* address) {
-  __builtin_prefetch(address);
-  // GCC treats a prefetch as free of side effects and deletes loops made only of prefetches; an
-  // empty volatile asm that "uses" the address keeps them.
-  __asm__ volatile("" : : "r"(address));
-}
-
-// Sums each of kLanes vectors: lane j of the result is the sum of a[j]'s lanes, in log2(kLanes)
-// rounds of pairwise shuffle-and-add (45 operations for 16 lanes) instead of kLanes separate
-// horizontal sums. A round takes lanes in runs of r from x and y: `lo` the first run of each
-// pair, `hi` the second, so lo + hi holds r partial sums each of twice as many vectors.
-#if defined(__AVX512F__)
-inline Vec transpose_reduce(const Vec* a) {
-  Vec b[8], c[4], d[2];
-  for (int k = 0; k < 8; ++k) {  // r = 8: b[k] = 8 partial sums of a[2k], then 8 of a[2k + 1]
-    const Vec x = a[2 * k], y = a[2 * k + 1];
-    const Vec lo = SHUFFLE(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-    const Vec hi = SHUFFLE(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    b[k] = lo + hi;
-  }
-  for (int k = 0; k < 4; ++k) {  // r = 4: c[k] = 4 partial sums each of a[4k] .. a[4k + 3]
-    const Vec x = b[2 * k], y = b[2 * k + 1];
-    const Vec lo = SHUFFLE(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-    const Vec hi = SHUFFLE(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    c[k] = lo + hi;
-  }
-  for (int k = 0; k < 2; ++k) {  // r = 2: d[k] = 2 partial sums each of a[8k] .. a[8k + 7]
-    const Vec x = c[2 * k], y = c[2 * k + 1];
-    const Vec lo = SHUFFLE(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
-    const Vec hi = SHUFFLE(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    d[k] = lo + hi;
-  }
-  const Vec x = d[0], y = d[1];  // r = 1
-  const Vec lo = SHUFFLE(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const Vec hi = SHUFFLE(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-  return lo + hi;
-}
-#elif defined(__AVX2__)
-inline Vec transpose_reduce(const Vec* a) {
-  Vec b[4], c[2];
-  for (int k = 0; k < 4; ++k) {  // r = 4
-    const Vec x = a[2 * k], y = a[2 * k + 1];
-    b[k] = SHUFFLE(x, y, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(x, y, 4, 5, 6, 7, 12, 13, 14, 15);
-  }
-  for (int k = 0; k < 2; ++k) {  // r = 2
-    const Vec x = b[2 * k], y = b[2 * k + 1];
-    c[k] = SHUFFLE(x, y, 0, 1, 4, 5, 8, 9, 12, 13) + SHUFFLE(x, y, 2, 3, 6, 7, 10, 11, 14, 15);
-  }
-  const Vec x = c[0], y = c[1];  // r = 1
-  return SHUFFLE(x, y, 0, 2, 4, 6, 8, 10, 12, 14) + SHUFFLE(x, y, 1, 3, 5, 7, 9, 11, 13, 15);
-}
-#else
-inline Vec transpose_reduce(const Vec* a) {
-  const Vec b0 = SHUFFLE(a[0], a[1], 0, 1, 4, 5) + SHUFFLE(a[0], a[1], 2, 3, 6, 7);  // r = 2
-  const Vec b1 = SHUFFLE(a[2], a[3], 0, 1, 4, 5) + SHUFFLE(a[2], a[3], 2, 3, 6, 7);
-  return SHUFFLE(b0, b1, 0, 2, 4, 6) + SHUFFLE(b0, b1, 1, 3, 5, 7);  // r = 1
-}
-#endif
-
-struct Shape {
-  int64_t num_seqs, num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
-};
-
-template <typename T>
-struct Problem {
-  Shape s;
-  T* out;
-  const T* query;
-  const T* key_cache;
-  const T* value_cache;
-  const int64_t* block_tables;
-  const int64_t* seq_lens;
-  float scale;
-};
-
-// Per-thread fp32 scratch for one work item of up to max_kv_heads KV heads, reused across items.
-struct Scratch {
-  std::vector<Vec> query;       // [num_q, num_chunks], pre-scaled, zero past head_dim
-  std::vector<float> scores;    // [num_q, round_up(seq_len, kLanes)], then probabilities
-  std::vector<Vec> tile;        // [num_kv, kLanes tokens, num_chunks]: K or V rows in fp32
-  std::vector<Vec> acc;         // [num_q, num_chunks]
-  std::vector<float> inv_sums;  // [num_q]
-
-  Scratch(const Shape& s, int64_t max_kv_heads, int64_t max_seq_len) {
-    const int64_t num_chunks = (s.head_dim + kLanes - 1) / kLanes;
-    const int64_t max_q = max_kv_heads * s.group;
-    query.resize(max_q * num_chunks);
-    scores.resize(max_q * ((max_seq_len + kLanes - 1) / kLanes * kLanes));
-    tile.resize(max_kv_heads * kLanes * num_chunks);
-    acc.resize(max_q * num_chunks);
-    inv_sums.resize(max_q);
-  }
-};
-
-// One row widened to fp32 chunks; lanes past head_dim are zero.
-template <typename T>
-inline void load_row(const T* row, int64_t num_full_chunks, int64_t tail, Vec* chunks) {
-  for (int64_t c = 0; c < num_full_chunks; ++c) {
-    chunks[c] = load(row + c * kLanes);
-  }
-  if (tail) {
-    chunks[num_full_chunks] = load_partial(row + num_full_chunks * kLanes, tail);
-  }
-}
-
-// The cache rows of consecutive tokens of one sequence, walked through its block table; a row
-// starts at KV head `kv_begin` (the item's heads are contiguous from there).
-template <typename T>
-class RowCursor {
- public:
-  RowCursor(const T* cache, const int64_t* table, const Shape& s, int64_t kv_begin, int64_t token)
-      : cache_(cache + kv_begin * s.head_dim),
-        table_(table),
-        block_size_(s.block_size),
-        row_stride_(s.num_kv_heads * s.head_dim),
-        block_(token / s.block_size),
-        offset_(token % s.block_size) {}
-
-  const T* row() const {
-    return cache_ + (table_[block_] * block_size_ + offset_) * row_stride_;
-  }
-
-  void next() {
-    if (++offset_ == block_size_) {
-      offset_ = 0;
-      ++block_;
-    }
-  }
-
- private:
-  const T* cache_;
-  const int64_t* table_;
-  int64_t block_size_, row_stride_, block_, offset_;
-};
-
-// Attention of sequence `seq` for KV heads [kv_begin, kv_end) and their query heads
-// [kv_begin * G, kv_end * G), which are adjacent in query and out.
-// kChunks: head_dim / kLanes when a specialisation exists (the chunk loops then unroll and a
-// tile's dot products stay in registers), else 0 and the shape is read at run time.
-template <typename T, int64_t kChunks>
-void attend(const Problem<T>& p, int64_t seq, int64_t kv_begin, int64_t kv_end, Scratch& scratch) {
-  const Shape& s = p.s;
-  const int64_t G = s.group, D = s.head_dim;
-  const int64_t num_kv = kv_end - kv_begin, num_q = num_kv * G;
-  const int64_t num_full_chunks = kChunks ? kChunks : D / kLanes;
-  const int64_t tail = kChunks ? 0 : D % kLanes;
-  const int64_t num_chunks = num_full_chunks + (tail ? 1 : 0);
-  const int64_t seq_len = p.seq_lens[seq];
-  const int64_t padded_len = (seq_len + kLanes - 1) / kLanes * kLanes;
-  const int64_t* table = p.block_tables + seq * s.max_blocks;
-
-  Vec* q = scratch.query.data();
-  float* scores = scratch.scores.data();  // scores[i * padded_len + t] for query head i
-  Vec* tile = scratch.tile.data();        // tile[(h * kLanes + j) * num_chunks + c]
-  Vec* acc = scratch.acc.data();
-  float* inv_sums = scratch.inv_sums.data();
-
-  const int64_t first_q = seq * s.num_heads + kv_begin * G;
-  for (int64_t i = 0; i < num_q; ++i) {
-    load_row(p.query + (first_q + i) * D, num_full_chunks, tail, q + i * num_chunks);
-    for (int64_t c = 0; c < num_chunks; ++c) {
-      q[i * num_chunks + c] *= p.scale;
-    }
-  }
-
-  // Widens the rows of tokens [start, start + n) into the tile, advancing `rows` past them.
-  auto load_tile = [&](RowCursor<T>& rows, int64_t n) {
-    for (int64_t j = 0; j < n; ++j, rows.next()) {
-      for (int64_t h = 0; h < num_kv; ++h) {
-        load_row(rows.row() + h * D, num_full_chunks, tail, tile + (h * kLanes + j) * num_chunks);
-      }
-    }
-  };
-
-  // Blocks are scattered, so the hardware prefetcher cannot guess the next row; without this
-  // every row is a cache miss. Reading a tile asks for the rows kPrefetchTiles tiles ahead: K's
-  // tiles, then V's (`token` counts V's tokens after K's padded ones).
-  const int64_t row_bytes = num_kv * D * static_cast<int64_t>(sizeof(T));
-  auto prefetch_tile = [&](int64_t token) {
-    const bool is_value = token >= padded_len;
-    if (is_value) {
-      token -= padded_len;
-    }
-    if (token >= seq_len) {
-      return;
-    }
-    RowCursor<T> rows(is_value ? p.value_cache : p.key_cache, table, s, kv_begin, token);
-    const int64_t n = std::min(kLanes, seq_len - token);
-    for (int64_t j = 0; j < n; ++j, rows.next()) {
-      const char* bytes = reinterpret_cast<const char*>(rows.row());
-      for (int64_t b = 0; b < row_bytes; b += 64) {
-        prefetch_line(bytes + b);
-      }
-    }
-  };
-  for (int64_t i = 0; i < kPrefetchTiles; ++i) {
-    prefetch_tile(i * kLanes);
-  }
-
-  // Pass 1, one tile of kLanes tokens at a time: widen the K rows once, then per query head
-  // kLanes dot products, reduced together into one vector of scores.
-  RowCursor<T> key_rows(p.key_cache, table, s, kv_begin, 0);
-  for (int64_t start = 0; start < seq_len; start += kLanes) {
-    prefetch_tile(start + kPrefetchTiles * kLanes);
-    const int64_t n = std::min(kLanes, seq_len - start);
-    load_tile(key_rows, n);
-    for (int64_t i = 0; i < num_q; ++i) {
-      const Vec* q_i = q + i * num_chunks;
-      const Vec* k_tile = tile + (i / G) * kLanes * num_chunks;
-      Vec dots[kLanes];
-      for (int64_t j = 0; j < kLanes; ++j) {
-        // Rows past n hold stale data; their scores land in the padding, overwritten below.
-        const Vec* k = k_tile + j * num_chunks;
-        dots[j] = q_i[0] * k[0];
-        for (int64_t c = 1; c < num_chunks; ++c) {
-          dots[j] += q_i[c] * k[c];
-        }
-      }
-      store(scores + i * padded_len + start, transpose_reduce(dots));
-    }
-  }
-
-  // Softmax per query head, in place over whole vectors: the padding past seq_len is set to
-  // -inf and comes out as ~1e-38, below an ulp of the sum (>= 1: the max contributes exp(0)),
-  // and pass 2 never reads it. 1 / sum is applied to the output.
-  for (int64_t i = 0; i < num_q; ++i) {
-    float* row_scores = scores + i * padded_len;
-    std::fill(row_scores + seq_len, row_scores + padded_len,
-              -std::numeric_limits<float>::infinity());
-    Vec max_vec = load(row_scores);
-    for (int64_t t = kLanes; t < padded_len; t += kLanes) {
-      max_vec = vmax(max_vec, load(row_scores + t));
-    }
-    const float max_score = reduce_max(max_vec);
-    Vec sum_vec = {};
-    for (int64_t t = 0; t < padded_len; t += kLanes) {
-      const Vec prob = exp_nonpositive(load(row_scores + t) - max_score);
-      store(row_scores + t, prob);
-      sum_vec += prob;
-    }
-    inv_sums[i] = 1.0f / reduce_add(sum_vec);
-  }
-
-  // Pass 2: acc = sum_t p_t * v_t, again a tile of widened rows at a time.
-  std::fill(acc, acc + num_q * num_chunks, Vec{});
-  RowCursor<T> value_rows(p.value_cache, table, s, kv_begin, 0);
-  for (int64_t start = 0; start < seq_len; start += kLanes) {
-    prefetch_tile(padded_len + start + kPrefetchTiles * kLanes);
-    const int64_t n = std::min(kLanes, seq_len - start);
-    load_tile(value_rows, n);
-    for (int64_t i = 0; i < num_q; ++i) {
-      const float* probs = scores + i * padded_len + start;
-      const Vec* v_tile = tile + (i / G) * kLanes * num_chunks;
-      Vec* acc_i = acc + i * num_chunks;
-      Vec sums[kChunks ? kChunks : kMaxChunks];
-      for (int64_t c = 0; c < num_chunks; ++c) {
-        sums[c] = acc_i[c];
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const Vec* v = v_tile + j * num_chunks;
-        for (int64_t c = 0; c < num_chunks; ++c) {
-          sums[c] += probs[j] * v[c];
-        }
-      }
-      for (int64_t c = 0; c < num_chunks; ++c) {
-        acc_i[c] = sums[c];
-      }
-    }
-  }
-
-  for (int64_t i = 0; i < num_q; ++i) {
-    T* out_i = p.out + (first_q + i) * D;
-    const Vec* acc_i = acc + i * num_chunks;
-    for (int64_t c = 0; c < num_full_chunks; ++c) {
-      store(out_i + c * kLanes, acc_i[c] * inv_sums[i]);
-    }
-    if (tail) {
-      store_partial(out_i + num_full_chunks * kLanes, acc_i[num_full_chunks] * inv_sums[i], tail);
-    }
-  }
-}
-
-template <typename T>
-void attend(const Problem<T>& p, int64_t seq, int64_t kv_begin, int64_t kv_end, Scratch& scratch) {
-  switch (p.s.head_dim) {
-    case 32:
-      return attend<T, 32 / kLanes>(p, seq, kv_begin, kv_end, scratch);
-    case 64:
-      return attend<T, 64 / kLanes>(p, seq, kv_begin, kv_end, scratch);
-    case 128:
-      return attend<T, 128 / kLanes>(p, seq, kv_begin, kv_end, scratch);
-    default:
-      return attend<T, 0>(p, seq, kv_begin, kv_end, scratch);
-  }
-}
-
-template <typename T>
-void paged_decode_impl(const Problem<T>& p, int64_t max_seq_len) {
-  const Shape& s = p.s;
+void paged_decode_impl(DecodeArgs& a, RunItems run) {
+  const pdserve::DecodeShape& s = a.s;
   const int64_t num_threads = std::max<int64_t>(1, at::get_num_threads());
   // A work item is one sequence and a run of its KV heads. Whole rows (all KV heads of a token,
   // contiguous in the cache) stream best, so a sequence's heads are split only when there are
   // fewer sequences than threads.
   const int64_t num_splits =
       std::min(s.num_kv_heads, (num_threads + s.num_seqs - 1) / s.num_seqs);
-  const int64_t heads_per_item = (s.num_kv_heads + num_splits - 1) / num_splits;
-  const int64_t items_per_seq = (s.num_kv_heads + heads_per_item - 1) / heads_per_item;
-  const int64_t num_items = s.num_seqs * items_per_seq;
+  a.heads_per_item = (s.num_kv_heads + num_splits - 1) / num_splits;
+  a.items_per_seq = (s.num_kv_heads + a.heads_per_item - 1) / a.heads_per_item;
+  const int64_t num_items = s.num_seqs * a.items_per_seq;
 
   // One contiguous range of items per thread, each with about the same number of context
   // tokens, so that a batch with its long contexts at one end does not leave a thread idle.
   const int64_t num_parts = std::min(num_threads, num_items);
   int64_t total_tokens = 0;
   for (int64_t i = 0; i < s.num_seqs; ++i) {
-    total_tokens += p.seq_lens[i] * items_per_seq;
+    total_tokens += a.seq_lens[i] * a.items_per_seq;
   }
   std::vector<int64_t> bounds(num_parts + 1, num_items);
   bounds[0] = 0;
   int64_t part = 1, tokens = 0;
   for (int64_t item = 0; item < num_items && part < num_parts; ++item) {
-    tokens += p.seq_lens[item / items_per_seq];
+    tokens += a.seq_lens[item / a.items_per_seq];
     if (tokens * num_parts >= total_tokens * part) {
       bounds[part++] = item + 1;
     }
   }
 
   at::parallel_for(0, num_parts, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch(s, heads_per_item, max_seq_len);
-    for (int64_t item = bounds[begin]; item < bounds[end]; ++item) {
-      const int64_t seq = item / items_per_seq;
-      const int64_t kv_begin = item % items_per_seq * heads_per_item;
-      attend(p, seq, kv_begin, std::min(kv_begin + heads_per_item, s.num_kv_heads), scratch);
-    }
+    run(a, bounds[begin], bounds[end]);
   });
 }
 
@@ -511,7 +109,9 @@ void paged_decode_attention(
     const at::Tensor& value_cache,
     const at::Tensor& block_tables,
     const at::Tensor& seq_lens,
-    double scale) {
+    double scale,
+    std::string isa) {
+  const RunItems run = select_variant(isa);
   const std::pair<const char*, const at::Tensor*> named[] = {
       {"out", &out},
       {"query", &query},
@@ -546,7 +146,7 @@ void paged_decode_attention(
               "block_tables and seq_lens must be int64, got ", block_tables.scalar_type(), " and ",
               seq_lens.scalar_type());
 
-  Shape s;
+  pdserve::DecodeShape s;
   s.num_seqs = query.size(0);
   s.num_heads = query.size(1);
   s.head_dim = query.size(2);
@@ -555,8 +155,9 @@ void paged_decode_attention(
   s.num_kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == s.head_dim, "key_cache head_dim ", key_cache.size(3),
               " != query head_dim ", s.head_dim);
-  TORCH_CHECK(s.head_dim >= 1 && s.head_dim <= kMaxHeadDim, "head_dim must be in [1, ",
-              kMaxHeadDim, "], got ", s.head_dim);
+  // 512: the kernel's kMaxHeadDim.
+  TORCH_CHECK(s.head_dim >= 1 && s.head_dim <= 512, "head_dim must be in [1, 512], got ",
+              s.head_dim);
   TORCH_CHECK(s.block_size >= 1, "block_size must be >= 1, got ", s.block_size);
   TORCH_CHECK(s.num_kv_heads >= 1 && s.num_heads % s.num_kv_heads == 0, "num_heads ",
               s.num_heads, " is not a multiple of num_kv_heads ", s.num_kv_heads);
@@ -588,29 +189,18 @@ void paged_decode_attention(
     }
   }
 
-  const float scale_f = static_cast<float>(scale);
-  if (dtype == at::kFloat) {
-    const Problem<float> p{s,
-                           out.data_ptr<float>(),
-                           query.const_data_ptr<float>(),
-                           key_cache.const_data_ptr<float>(),
-                           value_cache.const_data_ptr<float>(),
-                           tables,
-                           lens,
-                           scale_f};
-    paged_decode_impl(p, max_seq_len);
-  } else {
-    using BF16 = c10::BFloat16;
-    const Problem<BF16> p{s,
-                          out.data_ptr<BF16>(),
-                          query.const_data_ptr<BF16>(),
-                          key_cache.const_data_ptr<BF16>(),
-                          value_cache.const_data_ptr<BF16>(),
-                          tables,
-                          lens,
-                          scale_f};
-    paged_decode_impl(p, max_seq_len);
-  }
+  DecodeArgs args{};
+  args.s = s;
+  args.out = out.data_ptr();
+  args.query = query.const_data_ptr();
+  args.key_cache = key_cache.const_data_ptr();
+  args.value_cache = value_cache.const_data_ptr();
+  args.block_tables = tables;
+  args.seq_lens = lens;
+  args.scale = static_cast<float>(scale);
+  args.is_bf16 = dtype == at::kBFloat16;
+  args.max_seq_len = max_seq_len;
+  paged_decode_impl(args, run);
 }
 
 }  // namespace
@@ -618,7 +208,7 @@ void paged_decode_attention(
 TORCH_LIBRARY(pdserve, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
-      "Tensor value_cache, Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+      "Tensor value_cache, Tensor block_tables, Tensor seq_lens, float scale, str isa) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {

@@ -1,0 +1,256 @@
+"""How close pdserve's engine runs to this host's roofline: prefill against the GEMM peak,
+decode steps against max(compute, bytes read / memory bandwidth).
+
+    python benchmarks/roofline.py [--model DIR] [--dtype auto] [--num-prompts 64]
+        [--input-len 256] [--decode-steps 32] [--json OUT.json]
+
+What it measures, in one process:
+  host       CPU model, the instruction-set flags that matter here, torch threads, load average
+             before and after (other processes on a shared host lower every figure);
+  GEMM peak  GFLOP/s of one decoder layer's projections at 2,048 tokens in bf16 and fp32
+             (``dtype_choice.measure_gflops``, best pass); the peak is the faster dtype's;
+  bandwidth  a 512 MiB ``copy_``, best of several: (bytes read + bytes written) / s;
+  prefill    ``--num-prompts`` prompts of ``--input-len`` random tokens submitted at once, from
+             the first step until every request has its first token; tok/s = prompt tokens / s.
+             Those steps also carry the decodes of requests admitted earlier (one token each);
+  decode     the following steps, each a decode of every request (no prefill left), median.
+
+What the roofline counts:
+  prefill FLOPs  2 x (decoder linear weights) x prompt tokens. Left out: attention's own
+                 products (QK^T and PV: 4 x layers x tokens x mean context x query width, ~3 %
+                 at 256-token prompts on the small model), the lm_head (run on one row a
+                 request), norms, RoPE and the sampler;
+  decode FLOPs   2 x (decoder linear weights + lm_head) x sequences;
+  decode bytes   the decoder linear weights and the lm_head once (compute dtype), plus every
+                 sequence's K and V for its whole context (KV dtype = compute dtype); the
+                 embedding rows, activations and writes are left out;
+  decode bound   max(FLOPs / GEMM peak, bytes / bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from services.engine import LLM, SamplingParams  # noqa: E402
+from services.engine.dtype_choice import measure_gflops, model_gemm_shapes  # noqa: E402
+from services.models.config import ModelConfig  # noqa: E402
+from services.models.cpu_features import cpu_flags  # noqa: E402
+from services.models.tiny import build_tiny_model  # noqa: E402
+
+DEFAULT_MODEL = ROOT / "models" / "small-llama"
+FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def copy_bandwidth(num_bytes: int = 512 << 20, trials: int = 8) -> float:
+    """Bytes read plus bytes written per second by ``copy_`` of a large buffer, best trial."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    best = float("inf")
+    for _ in range(trials):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * num_bytes / best
+
+
+def weight_counts(llm: LLM) -> tuple[int, int]:
+    """(decoder linear weights, lm_head weights): parameters a token's matmuls touch."""
+    decoder = lm_head = 0
+    for name, param in llm.engine.runner.model.named_parameters():
+        if name.startswith("lm_head"):
+            lm_head += param.numel()
+        elif ".layers." in name and param.dim() == 2:
+            decoder += param.numel()
+    if lm_head == 0:  # tied embeddings: the lm_head reads the embedding matrix
+        cfg = llm.engine.model_config
+        lm_head = cfg.vocab_size * cfg.hidden_size
+    return decoder, lm_head
+
+
+def decode_bound_s(
+    *,
+    weights: int,
+    itemsize: int,
+    num_seqs: int,
+    kv_bytes_per_seq: float,
+    peak_flops: float,
+    bandwidth: float,
+) -> tuple[float, float]:
+    """(compute, memory) seconds of one decode step: 2 FLOPs per weight per sequence at the
+    GEMM peak; the weights once plus every sequence's K/V at the copy bandwidth."""
+    compute = 2 * weights * num_seqs / peak_flops
+    memory = (weights * itemsize + num_seqs * kv_bytes_per_seq) / bandwidth
+    return compute, memory
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    dtype: str
+    dtype_source: str
+    itemsize: int
+    prefill_seconds: float
+    prefill_tok_per_s: float
+    decode_step_seconds: list[float]
+    decode_step_median_s: float
+    decoder_weights: int
+    lm_head_weights: int
+
+
+def run_engine(args: argparse.Namespace) -> EngineRun:
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.input_len + args.decode_steps + 8,
+        max_num_seqs=args.num_prompts,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False,
+    )
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(0)
+    prompts = [
+        [rng.randrange(16, vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)
+    ]
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    params = SamplingParams(max_tokens=args.decode_steps + 1, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"roofline-{i}", prompt, params)
+    first_token: set[str] = set()
+    start = time.perf_counter()
+    while len(first_token) < len(prompts):
+        for output in engine.step():
+            if output.new_token_ids:
+                first_token.add(output.request_id)
+    prefill_s = time.perf_counter() - start
+    step_times: list[float] = []
+    while engine.has_unfinished_requests:
+        step_start = time.perf_counter()
+        engine.step()
+        step_times.append(time.perf_counter() - step_start)
+    decoder, lm_head = weight_counts(llm)
+    return EngineRun(
+        dtype=engine.dtype_choice.dtype,
+        dtype_source=engine.dtype_choice.source,
+        itemsize=engine.runner.dtype.itemsize,
+        prefill_seconds=prefill_s,
+        prefill_tok_per_s=args.num_prompts * args.input_len / prefill_s,
+        decode_step_seconds=step_times,
+        decode_step_median_s=statistics.median(step_times),
+        decoder_weights=decoder,
+        lm_head_weights=lm_head,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    if not (args.model / "config.json").is_file():
+        if args.model != DEFAULT_MODEL:
+            parser.error(f"{args.model} is not a model directory")
+        build_tiny_model(args.model, arch="llama", size="small")
+
+    flags = cpu_flags()
+    load_before = os.getloadavg()
+    cfg = ModelConfig.from_model_path(args.model)
+    gflops = measure_gflops(model_gemm_shapes(cfg, args.max_num_batched_tokens), budget_s=3.0)
+    peak_dtype = max(gflops, key=lambda name: gflops[name])
+    peak = gflops[peak_dtype] * 1e9
+    bandwidth = copy_bandwidth()
+    engine = run_engine(args)
+    load_after = os.getloadavg()
+
+    decoder, lm_head = engine.decoder_weights, engine.lm_head_weights
+    # Prefill roofline in tokens/s: 2 FLOPs per decoder linear weight per token at the peak.
+    prefill_roof = peak / (2 * decoder)
+    prefill_fraction = engine.prefill_tok_per_s / prefill_roof
+    # Decode: the mean context over the timed steps (prompt + tokens generated so far).
+    num_seqs, itemsize = args.num_prompts, engine.itemsize
+    mean_context = args.input_len + 1 + len(engine.decode_step_seconds) / 2
+    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize * mean_context
+    decode_compute_s, decode_memory_s = decode_bound_s(
+        weights=decoder + lm_head,
+        itemsize=itemsize,
+        num_seqs=num_seqs,
+        kv_bytes_per_seq=kv_bytes,
+        peak_flops=peak,
+        bandwidth=bandwidth,
+    )
+    decode_bound = max(decode_compute_s, decode_memory_s)
+    decode_ratio = engine.decode_step_median_s / decode_bound
+
+    flags_seen = [flag for flag in FLAGS_OF_INTEREST if flag in flags]
+    host = {
+        "cpu": cpu_model(),
+        "flags": flags_seen,
+        "torch_threads": torch.get_num_threads(),
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+    }
+    report = {
+        "host": host,
+        "gemm_gflops": gflops,
+        "peak_dtype": peak_dtype,
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "engine": {k: v for k, v in asdict(engine).items() if k != "decode_step_seconds"},
+        "prefill_roofline_tok_per_s": prefill_roof,
+        "prefill_fraction": prefill_fraction,
+        "decode_compute_ms": decode_compute_s * 1e3,
+        "decode_memory_ms": decode_memory_s * 1e3,
+        "decode_bound_ms": decode_bound * 1e3,
+        "decode_ratio": decode_ratio,
+    }
+    print(f"host: {host['cpu']}, {host['torch_threads']} threads, flags {' '.join(flags_seen)}")
+    print(f"load average before / after: {load_before[0]:.2f} / {load_after[0]:.2f}")
+    rates = ", ".join(f"{name} {rate:.0f}" for name, rate in gflops.items())
+    print(f"GEMM at the model's shapes (GFLOP/s): {rates}; peak {peak_dtype}")
+    print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
+    print(f"engine dtype: {engine.dtype} ({engine.dtype_source})")
+    print(
+        f"prefill: {engine.prefill_tok_per_s:.0f} tok/s of a {prefill_roof:.0f} tok/s roofline "
+        f"= {prefill_fraction:.0%} (target >= 85 %)"
+    )
+    print(
+        f"decode step ({num_seqs} seqs, ~{mean_context:.0f} context): "
+        f"{engine.decode_step_median_s * 1e3:.1f} ms; bound {decode_bound * 1e3:.1f} ms "
+        f"(compute {decode_compute_s * 1e3:.1f}, memory {decode_memory_s * 1e3:.1f}) = "
+        f"{decode_ratio:.2f}x (target <= 1.3x)"
+    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""``dtype="auto"``: compute in whichever of bfloat16 and float32 multiplies this model's
+matrices faster on this CPU, measured once per CPU and cached.
+
+Why: which is faster depends on the host, not on the model. On a 2-core AMD EPYC (AVX-512)
+bf16 GEMMs ran ~2x fp32's rate; on a 2-core Intel host without AMX exposed bf16 ran at 152-170
+GFLOP/s against fp32's 235-330 (issue 21), so a fixed default is slow on one of them.
+
+Life cycle of a choice, once per engine start:
+  1. an explicit dtype (``float32``, ``bfloat16``, ``float16``) is used as given;
+  2. ``auto`` on CUDA is ``bfloat16`` (the default before ``auto`` existed; not measured);
+  3. ``auto`` on CPU reads the cache file for this CPU (``cpu_features.cpu_tag``), keyed by the
+     GEMM shapes, torch's version and its thread count; a hit is used as it is;
+  4. a miss times the shapes in both dtypes, alternating so that load from other processes
+     falls on both, for about ``budget_s`` of GEMM time, keeps each dtype's best pass, writes
+     the rates to the cache and picks the faster.
+Steps 3-4 hold an exclusive lock on the cache file, so that nodes started together on one
+host measure once and agree (a prefill and a decode node must share a dtype: it is part of the
+KV layout's fingerprint). Nodes on different hosts may choose differently; give them an
+explicit dtype.
+
+The KV cache holds the compute dtype (no separate KV dtype yet).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from services.models.config import ModelConfig
+from services.models.cpu_features import cpu_cache_dir, cpu_tag
+
+logger = logging.getLogger(__name__)
+
+CANDIDATE_DTYPES = ("bfloat16", "float32")
+CUDA_AUTO_DTYPE = "bfloat16"
+MAX_MEASURED_TOKENS = 2048
+"""Rows of the timed GEMMs at most: a prefill chunk's rate is reached well before this."""
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """``[m, k] @ [k, n]``: m tokens through a k -> n projection."""
+
+    m: int
+    k: int
+    n: int
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.k * self.n
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: str
+    """The compute dtype to use: never ``auto``."""
+    source: str
+    """``explicit``, ``cuda default``, ``cached`` or ``measured``."""
+    gflops: Mapping[str, float] = field(default_factory=dict)
+    """GEMM rate per candidate dtype, GFLOP/s; empty when nothing was measured."""
+
+    def describe(self) -> str:
+        rates = ", ".join(f"{name} {rate:.0f} GFLOP/s" for name, rate in self.gflops.items())
+        return f"{self.dtype} ({self.source}{': ' + rates if rates else ''})"
+
+
+PassTimer = Callable[[str, Sequence[GemmShape]], float]
+"""Seconds one pass over the shapes takes in a dtype; injected by tests."""
+
+
+def model_gemm_shapes(model_config: ModelConfig, num_tokens: int) -> tuple[GemmShape, ...]:
+    """The matrix products of one decoder layer for a chunk of ``num_tokens`` tokens (capped
+    at ``MAX_MEASURED_TOKENS``): fused QKV, output, fused gate/up, and down projections."""
+    cfg = model_config
+    m = max(1, min(num_tokens, MAX_MEASURED_TOKENS))
+    q = cfg.num_heads * cfg.head_dim
+    kv = cfg.num_kv_heads * cfg.head_dim
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return (
+        GemmShape(m, h, q + 2 * kv),
+        GemmShape(m, q, h),
+        GemmShape(m, h, 2 * i),
+        GemmShape(m, i, h),
+    )
+
+
+def time_gemm_pass(dtype: str, shapes: Sequence[GemmShape]) -> float:
+    """Wall seconds of one ``torch.mm`` per shape in ``dtype`` on the CPU, operands prepared
+    outside the timed part and kept until ``measure_gflops`` ends, so passes reuse them."""
+    operands = _operands(dtype, tuple(shapes))
+    start = time.perf_counter()
+    for a, b in operands:
+        torch.mm(a, b)
+    return time.perf_counter() - start
+
+
+_operand_cache: dict[tuple[str, tuple[GemmShape, ...]], list[tuple[torch.Tensor, torch.Tensor]]]
+_operand_cache = {}
+
+
+def _operands(dtype: str, shapes: tuple[GemmShape, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    key = (dtype, shapes)
+    if key not in _operand_cache:
+        generator = torch.Generator().manual_seed(0)
+        torch_dtype = _TORCH_DTYPES[dtype]
+        _operand_cache[key] = [
+            (
+                torch.randn(s.m, s.k, generator=generator).to(torch_dtype),
+                # Weights are stored [n, k] and used transposed, as nn.Linear does.
+                torch.randn(s.n, s.k, generator=generator).to(torch_dtype).t(),
+            )
+            for s in shapes
+        ]
+    return _operand_cache[key]
+
+
+def measure_gflops(
+    shapes: Sequence[GemmShape],
+    *,
+    time_pass: PassTimer = time_gemm_pass,
+    budget_s: float = 1.0,
+    min_rounds: int = 2,
+    max_rounds: int = 50,
+) -> dict[str, float]:
+    """Best GFLOP/s per candidate dtype over alternating passes: one warm-up pass each, then
+    rounds of one pass per dtype until ``budget_s`` of timed work (at least ``min_rounds``)."""
+    flops = sum(s.flops for s in shapes)
+    best = {name: float("inf") for name in CANDIDATE_DTYPES}
+    for name in CANDIDATE_DTYPES:
+        time_pass(name, shapes)  # warm-up: allocation, oneDNN's kernel choice, caches
+    spent = 0.0
+    for round_index in range(max_rounds):
+        if round_index >= min_rounds and spent >= budget_s:
+            break
+        for name in CANDIDATE_DTYPES:
+            seconds = time_pass(name, shapes)
+            spent += seconds
+            best[name] = min(best[name], seconds)
+    _operand_cache.clear()
+    return {name: flops / max(seconds, 1e-12) / 1e9 for name, seconds in best.items()}
+
+
+def faster_dtype(gflops: Mapping[str, float]) -> str:
+    """The candidate with the highest rate; bfloat16 on a tie (half the memory)."""
+    return max(CANDIDATE_DTYPES, key=lambda name: (gflops[name], name == "bfloat16"))
+
+
+def choose_compute_dtype(
+    requested: str,
+    device: str,
+    shapes: Sequence[GemmShape],
+    *,
+    cache_dir: Path | None = None,
+    time_pass: PassTimer = time_gemm_pass,
+    budget_s: float = 1.0,
+) -> DtypeChoice:
+    """Resolve ``requested`` (``auto`` or a dtype name) for ``device``; see the module's life
+    cycle. ``cache_dir`` defaults to ``cpu_features.cpu_cache_dir()``."""
+    if requested != "auto":
+        return DtypeChoice(requested, "explicit")
+    if device != "cpu":
+        return DtypeChoice(CUDA_AUTO_DTYPE, "cuda default")
+    directory = cache_dir if cache_dir is not None else cpu_cache_dir()
+    key = _cache_key(shapes)
+    path = directory / f"pdserve_dtype_{cpu_tag()}.json"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        lock = open(directory / f"pdserve_dtype_{cpu_tag()}.lock", "a")  # noqa: SIM115
+    except OSError as exc:
+        logger.warning("dtype cache %s is unusable (%s): measuring without it", directory, exc)
+        rates = measure_gflops(shapes, time_pass=time_pass, budget_s=budget_s)
+        return DtypeChoice(faster_dtype(rates), "measured", rates)
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        entries = _read_cache(path)
+        cached = entries.get(key)
+        if cached is not None:
+            return DtypeChoice(faster_dtype(cached), "cached", cached)
+        rates = measure_gflops(shapes, time_pass=time_pass, budget_s=budget_s)
+        entries[key] = rates
+        _write_cache(path, entries)
+    return DtypeChoice(faster_dtype(rates), "measured", rates)
+
+
+def _cache_key(shapes: Sequence[GemmShape]) -> str:
+    dims = ";".join(f"{s.m}x{s.k}x{s.n}" for s in shapes)
+    return f"torch={torch.__version__} threads={torch.get_num_threads()} gemms={dims}"
+
+
+def _read_cache(path: Path) -> dict[str, dict[str, float]]:
+    """The cached rates, or none: a missing or damaged file is measured again, not an error."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    entries: dict[str, dict[str, float]] = {}
+    if isinstance(raw, dict):
+        for key, rates in raw.items():
+            if isinstance(rates, dict) and all(
+                isinstance(rates.get(name), (int, float)) for name in CANDIDATE_DTYPES
+            ):
+                entries[str(key)] = {name: float(rates[name]) for name in CANDIDATE_DTYPES}
+    return entries
+
+
+def _write_cache(path: Path, entries: Mapping[str, Mapping[str, float]]) -> None:
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        temporary.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        temporary.replace(path)  # readers see the old file or the new one, never half of one
+    except OSError as exc:
+        logger.warning("cannot write the dtype cache %s: %s", path, exc)

@@ -1,0 +1,528 @@
+// The paged decode attention kernel, compiled once per instruction set: each
+// paged_attention_<isa>.cpp defines PDSERVE_<ISA> macros, switches the compiler's target to that
+// ISA and includes this file, which keeps everything in an anonymous namespace (nothing here is
+// shared between variants) and defines run_items_<isa>. See paged_attention.cpp for the op.
+//
+// A work item walks the block table in tiles of kLanes tokens, widens each K/V row to fp32 once
+// for its whole GQA group (query head h uses KV head h / G, HF's repeat_interleave order), and
+// runs two passes:
+//   1. scores = scale * q . k for every query head, into a per-thread fp32 buffer
+//      [heads, seq_len] (a tile's dot products reduced together);
+//   2. softmax in place (max-subtracted, exact-enough exp), then out = sum_t p_t * v_t / sum_t p_t.
+// Everything accumulates in fp32; nothing past seq_len (garbage table entries, the rest of the
+// last block) is read. Rows are prefetched two tiles ahead: blocks are scattered, so the hardware
+// prefetcher cannot follow.
+//
+// Vectorised with GCC/Clang vector extensions, one register wide (kLanes fp32: 16 for AVX-512, 8
+// for AVX2, 4 portable), rather than left to the auto-vectoriser, which keeps fp32 reductions (dot
+// products, softmax max and sum) scalar without -ffast-math. head_dim 32, 64 and 128 get
+// specialisations with the chunk loops unrolled; others take a generic path. The AVX-512-BF16
+// variant differs from AVX-512 only in its fp32 -> bf16 stores of the output (vcvtneps2bf16).
+//
+// Deliberately free of torch and of standard-library templates: an inline function instantiated
+// here for AVX-512 and also elsewhere could be the copy the linker keeps for both.
+
+#ifndef PDSERVE_RUN_ITEMS
+#error "include from a paged_attention_<isa>.cpp that defines PDSERVE_RUN_ITEMS"
+#endif
+
+namespace {
+
+// bf16 as its bits: the top half of an fp32.
+struct Bf16 {
+  uint16_t bits;
+};
+
+inline int64_t min64(int64_t a, int64_t b) {
+  return a < b ? a : b;
+}
+
+// fp32 lanes of one vector register; also the tokens of a tile (portable: 4, SSE and NEON).
+#if defined(PDSERVE_AVX512)
+constexpr int64_t kLanes = 16;
+#elif defined(PDSERVE_AVX2)
+constexpr int64_t kLanes = 8;
+#else
+constexpr int64_t kLanes = 4;
+#endif
+// Tiles of kLanes tokens whose rows are requested ahead of the one being read.
+constexpr int64_t kPrefetchTiles = 2;
+constexpr int64_t kMaxHeadDim = 512;
+constexpr int64_t kMaxChunks = kMaxHeadDim / kLanes;
+
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t VecI32 __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint32_t VecU32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint16_t VecU16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+
+// Lane i of the result is lane idx[i] of x (0 .. kLanes - 1) or y (kLanes .. 2 * kLanes - 1). GCC
+// has __builtin_shufflevector only from version 12.
+#if defined(__clang__)
+#define SHUFFLE(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
+#else
+#define SHUFFLE(x, y, ...) __builtin_shuffle(x, y, VecI32{__VA_ARGS__})
+#endif
+
+// ---- kLanes-wide loads and stores; `n` < kLanes variants zero-fill / skip the missing lanes. ----
+
+inline Vec load(const float* p) {
+  Vec v;
+  memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// bf16 is the top half of an fp32. GCC lowers the portable version to ~7 instructions on x86
+// where the intrinsics take 2.
+inline Vec load(const Bf16* p) {
+#if defined(PDSERVE_AVX512)
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return reinterpret_cast<Vec>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+#elif defined(PDSERVE_AVX2)
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<Vec>(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+#else
+  VecU16 half;
+  memcpy(&half, p, sizeof(half));
+  return reinterpret_cast<Vec>(__builtin_convertvector(half, VecU32) << 16);
+#endif
+}
+
+inline float to_float(float x) {
+  return x;
+}
+
+inline float to_float(Bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline void from_float(float x, float* out) {
+  *out = x;
+}
+
+inline void from_float(float x, Bf16* out) {
+  uint32_t bits;
+  memcpy(&bits, &x, sizeof(bits));
+  out->bits = x != x ? 0x7fc0 : static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+template <typename T>
+inline Vec load_partial(const T* p, int64_t n) {
+  Vec v = {};
+  for (int64_t i = 0; i < n; ++i) {
+    v[i] = to_float(p[i]);
+  }
+  return v;
+}
+
+inline void store(float* p, Vec v) {
+  memcpy(p, &v, sizeof(v));
+}
+
+// Rounded to nearest even, NaN to a quiet NaN: c10::BFloat16's conversion.
+inline void store(Bf16* p, Vec v) {
+#if defined(PDSERVE_AVX512_BF16)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(v))));
+#else
+  VecU32 bits = reinterpret_cast<VecU32>(v);
+  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  bits = v != v ? VecU32{} + 0x7fc0u : bits;
+  const VecU16 half = __builtin_convertvector(bits, VecU16);
+  memcpy(p, &half, sizeof(half));
+#endif
+}
+
+template <typename T>
+inline void store_partial(T* p, Vec v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    from_float(v[i], p + i);
+  }
+}
+
+// Once per query head and sequence: not worth shuffles.
+inline float reduce_add(Vec v) {
+  float sum = v[0];
+  for (int64_t i = 1; i < kLanes; ++i) {
+    sum += v[i];
+  }
+  return sum;
+}
+
+inline float reduce_max(Vec v) {
+  float m = v[0];
+  for (int64_t i = 1; i < kLanes; ++i) {
+    m = v[i] > m ? v[i] : m;
+  }
+  return m;
+}
+
+inline Vec vmax(Vec a, Vec b) {
+  return a > b ? a : b;
+}
+
+// exp(x) for x <= 0 (scores minus their max), Cephes' expf polynomial (~2 ulp), branch-free on
+// all lanes. Below -87, exp(x) < 2^-125 is flushed to about that: nothing next to exp(0) = 1.
+// NaN stays NaN (the comparison is false for it), so a NaN score poisons the output as in torch.
+inline Vec exp_nonpositive(Vec x) {
+  const Vec lowest = Vec{} - 87.0f;
+  x = x < lowest ? lowest : x;
+  // n = round(x / ln2): adding 1.5 * 2^23 rounds to an integer in the float's low bits.
+  const float kRound = 12582912.0f;
+  const Vec n = (x * 1.44269504088896341f + kRound) - kRound;
+  // r = x - n * ln2, with ln2 split in two for precision.
+  const Vec r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  Vec p = Vec{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  // 2^n built in the exponent bits; n >= -126 keeps it a normal float.
+  const VecI32 exponent = (__builtin_convertvector(n, VecI32) + 127) << 23;
+  return p * reinterpret_cast<Vec>(exponent);
+}
+
+inline void prefetch_line(const void* address) {
+  __builtin_prefetch(address);
+  // GCC treats a prefetch as free of side effects and deletes loops made only of prefetches; an
+  // empty volatile asm that "uses" the address keeps them.
+  __asm__ volatile("" : : "r"(address));
+}
+
+// Sums each of kLanes vectors: lane j of the result is the sum of a[j]'s lanes, in log2(kLanes)
+// rounds of pairwise shuffle-and-add (45 operations for 16 lanes) instead of kLanes separate
+// horizontal sums. A round takes lanes in runs of r from x and y: `lo` the first run of each
+// pair, `hi` the second, so lo + hi holds r partial sums each of twice as many vectors.
+#if defined(PDSERVE_AVX512)
+inline Vec transpose_reduce(const Vec* a) {
+  Vec b[8], c[4], d[2];
+  for (int k = 0; k < 8; ++k) {  // r = 8: b[k] = 8 partial sums of a[2k], then 8 of a[2k + 1]
+    const Vec x = a[2 * k], y = a[2 * k + 1];
+    const Vec lo = SHUFFLE(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    const Vec hi = SHUFFLE(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    b[k] = lo + hi;
+  }
+  for (int k = 0; k < 4; ++k) {  // r = 4: c[k] = 4 partial sums each of a[4k] .. a[4k + 3]
+    const Vec x = b[2 * k], y = b[2 * k + 1];
+    const Vec lo = SHUFFLE(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    const Vec hi = SHUFFLE(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    c[k] = lo + hi;
+  }
+  for (int k = 0; k < 2; ++k) {  // r = 2: d[k] = 2 partial sums each of a[8k] .. a[8k + 7]
+    const Vec x = c[2 * k], y = c[2 * k + 1];
+    const Vec lo = SHUFFLE(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+    const Vec hi = SHUFFLE(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    d[k] = lo + hi;
+  }
+  const Vec x = d[0], y = d[1];  // r = 1
+  const Vec lo = SHUFFLE(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const Vec hi = SHUFFLE(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  return lo + hi;
+}
+#elif defined(PDSERVE_AVX2)
+inline Vec transpose_reduce(const Vec* a) {
+  Vec b[4], c[2];
+  for (int k = 0; k < 4; ++k) {  // r = 4
+    const Vec x = a[2 * k], y = a[2 * k + 1];
+    b[k] = SHUFFLE(x, y, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(x, y, 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+  for (int k = 0; k < 2; ++k) {  // r = 2
+    const Vec x = b[2 * k], y = b[2 * k + 1];
+    c[k] = SHUFFLE(x, y, 0, 1, 4, 5, 8, 9, 12, 13) + SHUFFLE(x, y, 2, 3, 6, 7, 10, 11, 14, 15);
+  }
+  const Vec x = c[0], y = c[1];  // r = 1
+  return SHUFFLE(x, y, 0, 2, 4, 6, 8, 10, 12, 14) + SHUFFLE(x, y, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#else
+inline Vec transpose_reduce(const Vec* a) {
+  const Vec b0 = SHUFFLE(a[0], a[1], 0, 1, 4, 5) + SHUFFLE(a[0], a[1], 2, 3, 6, 7);  // r = 2
+  const Vec b1 = SHUFFLE(a[2], a[3], 0, 1, 4, 5) + SHUFFLE(a[2], a[3], 2, 3, 6, 7);
+  return SHUFFLE(b0, b1, 0, 2, 4, 6) + SHUFFLE(b0, b1, 1, 3, 5, 7);  // r = 1
+}
+#endif
+
+using Shape = pdserve::DecodeShape;
+
+
+template <typename T>
+struct Problem {
+  Shape s;
+  T* out;
+  const T* query;
+  const T* key_cache;
+  const T* value_cache;
+  const int64_t* block_tables;
+  const int64_t* seq_lens;
+  float scale;
+};
+
+// A heap array freed with its owner; no std::vector, whose out-of-line parts (one instantiation
+// per element type, shared by every translation unit) could link this ISA's code into another's.
+template <typename E>
+class Buffer {
+ public:
+  explicit Buffer(int64_t n) : data_(new E[n]()) {}
+  ~Buffer() { delete[] data_; }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  E* data() const { return data_; }
+
+ private:
+  E* data_;
+};
+
+// Per-thread fp32 scratch for one work item of up to max_kv_heads KV heads, reused across items.
+struct Scratch {
+  Buffer<Vec> query;       // [num_q, num_chunks], pre-scaled, zero past head_dim
+  Buffer<float> scores;    // [num_q, round_up(seq_len, kLanes)], then probabilities
+  Buffer<Vec> tile;        // [num_kv, kLanes tokens, num_chunks]: K or V rows in fp32
+  Buffer<Vec> acc;         // [num_q, num_chunks]
+  Buffer<float> inv_sums;  // [num_q]
+
+  Scratch(const Shape& s, int64_t max_kv_heads, int64_t max_seq_len)
+      : query(max_kv_heads * s.group * num_chunks(s)),
+        scores(max_kv_heads * s.group * ((max_seq_len + kLanes - 1) / kLanes * kLanes)),
+        tile(max_kv_heads * kLanes * num_chunks(s)),
+        acc(max_kv_heads * s.group * num_chunks(s)),
+        inv_sums(max_kv_heads * s.group) {}
+
+  static int64_t num_chunks(const Shape& s) { return (s.head_dim + kLanes - 1) / kLanes; }
+};
+
+// One row widened to fp32 chunks; lanes past head_dim are zero.
+template <typename T>
+inline void load_row(const T* row, int64_t num_full_chunks, int64_t tail, Vec* chunks) {
+  for (int64_t c = 0; c < num_full_chunks; ++c) {
+    chunks[c] = load(row + c * kLanes);
+  }
+  if (tail) {
+    chunks[num_full_chunks] = load_partial(row + num_full_chunks * kLanes, tail);
+  }
+}
+
+// The cache rows of consecutive tokens of one sequence, walked through its block table; a row
+// starts at KV head `kv_begin` (the item's heads are contiguous from there).
+template <typename T>
+class RowCursor {
+ public:
+  RowCursor(const T* cache, const int64_t* table, const Shape& s, int64_t kv_begin, int64_t token)
+      : cache_(cache + kv_begin * s.head_dim),
+        table_(table),
+        block_size_(s.block_size),
+        row_stride_(s.num_kv_heads * s.head_dim),
+        block_(token / s.block_size),
+        offset_(token % s.block_size) {}
+
+  const T* row() const {
+    return cache_ + (table_[block_] * block_size_ + offset_) * row_stride_;
+  }
+
+  void next() {
+    if (++offset_ == block_size_) {
+      offset_ = 0;
+      ++block_;
+    }
+  }
+
+ private:
+  const T* cache_;
+  const int64_t* table_;
+  int64_t block_size_, row_stride_, block_, offset_;
+};
+
+// Attention of sequence `seq` for KV heads [kv_begin, kv_end) and their query heads
+// [kv_begin * G, kv_end * G), which are adjacent in query and out.
+// kChunks: head_dim / kLanes when a specialisation exists (the chunk loops then unroll and a
+// tile's dot products stay in registers), else 0 and the shape is read at run time.
+template <typename T, int64_t kChunks>
+void attend(const Problem<T>& p, int64_t seq, int64_t kv_begin, int64_t kv_end, Scratch& scratch) {
+  const Shape& s = p.s;
+  const int64_t G = s.group, D = s.head_dim;
+  const int64_t num_kv = kv_end - kv_begin, num_q = num_kv * G;
+  const int64_t num_full_chunks = kChunks ? kChunks : D / kLanes;
+  const int64_t tail = kChunks ? 0 : D % kLanes;
+  const int64_t num_chunks = num_full_chunks + (tail ? 1 : 0);
+  const int64_t seq_len = p.seq_lens[seq];
+  const int64_t padded_len = (seq_len + kLanes - 1) / kLanes * kLanes;
+  const int64_t* table = p.block_tables + seq * s.max_blocks;
+
+  Vec* q = scratch.query.data();
+  float* scores = scratch.scores.data();  // scores[i * padded_len + t] for query head i
+  Vec* tile = scratch.tile.data();        // tile[(h * kLanes + j) * num_chunks + c]
+  Vec* acc = scratch.acc.data();
+  float* inv_sums = scratch.inv_sums.data();
+
+  const int64_t first_q = seq * s.num_heads + kv_begin * G;
+  for (int64_t i = 0; i < num_q; ++i) {
+    load_row(p.query + (first_q + i) * D, num_full_chunks, tail, q + i * num_chunks);
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      q[i * num_chunks + c] *= p.scale;
+    }
+  }
+
+  // Widens the rows of tokens [start, start + n) into the tile, advancing `rows` past them.
+  auto load_tile = [&](RowCursor<T>& rows, int64_t n) {
+    for (int64_t j = 0; j < n; ++j, rows.next()) {
+      for (int64_t h = 0; h < num_kv; ++h) {
+        load_row(rows.row() + h * D, num_full_chunks, tail, tile + (h * kLanes + j) * num_chunks);
+      }
+    }
+  };
+
+  // Blocks are scattered, so the hardware prefetcher cannot guess the next row; without this
+  // every row is a cache miss. Reading a tile asks for the rows kPrefetchTiles tiles ahead: K's
+  // tiles, then V's (`token` counts V's tokens after K's padded ones).
+  const int64_t row_bytes = num_kv * D * static_cast<int64_t>(sizeof(T));
+  auto prefetch_tile = [&](int64_t token) {
+    const bool is_value = token >= padded_len;
+    if (is_value) {
+      token -= padded_len;
+    }
+    if (token >= seq_len) {
+      return;
+    }
+    RowCursor<T> rows(is_value ? p.value_cache : p.key_cache, table, s, kv_begin, token);
+    const int64_t n = min64(kLanes, seq_len - token);
+    for (int64_t j = 0; j < n; ++j, rows.next()) {
+      const char* bytes = reinterpret_cast<const char*>(rows.row());
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        prefetch_line(bytes + b);
+      }
+    }
+  };
+  for (int64_t i = 0; i < kPrefetchTiles; ++i) {
+    prefetch_tile(i * kLanes);
+  }
+
+  // Pass 1, one tile of kLanes tokens at a time: widen the K rows once, then per query head
+  // kLanes dot products, reduced together into one vector of scores.
+  RowCursor<T> key_rows(p.key_cache, table, s, kv_begin, 0);
+  for (int64_t start = 0; start < seq_len; start += kLanes) {
+    prefetch_tile(start + kPrefetchTiles * kLanes);
+    const int64_t n = min64(kLanes, seq_len - start);
+    load_tile(key_rows, n);
+    for (int64_t i = 0; i < num_q; ++i) {
+      const Vec* q_i = q + i * num_chunks;
+      const Vec* k_tile = tile + (i / G) * kLanes * num_chunks;
+      Vec dots[kLanes];
+      for (int64_t j = 0; j < kLanes; ++j) {
+        // Rows past n hold stale data; their scores land in the padding, overwritten below.
+        const Vec* k = k_tile + j * num_chunks;
+        dots[j] = q_i[0] * k[0];
+        for (int64_t c = 1; c < num_chunks; ++c) {
+          dots[j] += q_i[c] * k[c];
+        }
+      }
+      store(scores + i * padded_len + start, transpose_reduce(dots));
+    }
+  }
+
+  // Softmax per query head, in place over whole vectors: the padding past seq_len is set to
+  // -inf and comes out as ~1e-38, below an ulp of the sum (>= 1: the max contributes exp(0)),
+  // and pass 2 never reads it. 1 / sum is applied to the output.
+  for (int64_t i = 0; i < num_q; ++i) {
+    float* row_scores = scores + i * padded_len;
+    for (int64_t t = seq_len; t < padded_len; ++t) {
+      row_scores[t] = -__builtin_inff();
+    }
+    Vec max_vec = load(row_scores);
+    for (int64_t t = kLanes; t < padded_len; t += kLanes) {
+      max_vec = vmax(max_vec, load(row_scores + t));
+    }
+    const float max_score = reduce_max(max_vec);
+    Vec sum_vec = {};
+    for (int64_t t = 0; t < padded_len; t += kLanes) {
+      const Vec prob = exp_nonpositive(load(row_scores + t) - max_score);
+      store(row_scores + t, prob);
+      sum_vec += prob;
+    }
+    inv_sums[i] = 1.0f / reduce_add(sum_vec);
+  }
+
+  // Pass 2: acc = sum_t p_t * v_t, again a tile of widened rows at a time.
+  for (int64_t i = 0; i < num_q * num_chunks; ++i) {
+    acc[i] = Vec{};
+  }
+  RowCursor<T> value_rows(p.value_cache, table, s, kv_begin, 0);
+  for (int64_t start = 0; start < seq_len; start += kLanes) {
+    prefetch_tile(padded_len + start + kPrefetchTiles * kLanes);
+    const int64_t n = min64(kLanes, seq_len - start);
+    load_tile(value_rows, n);
+    for (int64_t i = 0; i < num_q; ++i) {
+      const float* probs = scores + i * padded_len + start;
+      const Vec* v_tile = tile + (i / G) * kLanes * num_chunks;
+      Vec* acc_i = acc + i * num_chunks;
+      Vec sums[kChunks ? kChunks : kMaxChunks];
+      for (int64_t c = 0; c < num_chunks; ++c) {
+        sums[c] = acc_i[c];
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const Vec* v = v_tile + j * num_chunks;
+        for (int64_t c = 0; c < num_chunks; ++c) {
+          sums[c] += probs[j] * v[c];
+        }
+      }
+      for (int64_t c = 0; c < num_chunks; ++c) {
+        acc_i[c] = sums[c];
+      }
+    }
+  }
+
+  for (int64_t i = 0; i < num_q; ++i) {
+    T* out_i = p.out + (first_q + i) * D;
+    const Vec* acc_i = acc + i * num_chunks;
+    for (int64_t c = 0; c < num_full_chunks; ++c) {
+      store(out_i + c * kLanes, acc_i[c] * inv_sums[i]);
+    }
+    if (tail) {
+      store_partial(out_i + num_full_chunks * kLanes, acc_i[num_full_chunks] * inv_sums[i], tail);
+    }
+  }
+}
+
+template <typename T>
+void attend(const Problem<T>& p, int64_t seq, int64_t kv_begin, int64_t kv_end, Scratch& scratch) {
+  switch (p.s.head_dim) {
+    case 32:
+      return attend<T, 32 / kLanes>(p, seq, kv_begin, kv_end, scratch);
+    case 64:
+      return attend<T, 64 / kLanes>(p, seq, kv_begin, kv_end, scratch);
+    case 128:
+      return attend<T, 128 / kLanes>(p, seq, kv_begin, kv_end, scratch);
+    default:
+      return attend<T, 0>(p, seq, kv_begin, kv_end, scratch);
+  }
+}
+
+template <typename T>
+void run_typed(const pdserve::DecodeArgs& a, int64_t begin, int64_t end) {
+  const Problem<T> p{a.s,
+                     static_cast<T*>(a.out),
+                     static_cast<const T*>(a.query),
+                     static_cast<const T*>(a.key_cache),
+                     static_cast<const T*>(a.value_cache),
+                     a.block_tables,
+                     a.seq_lens,
+                     a.scale};
+  Scratch scratch(a.s, a.heads_per_item, a.max_seq_len);
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t seq = item / a.items_per_seq;
+    const int64_t kv_begin = item % a.items_per_seq * a.heads_per_item;
+    const int64_t kv_end = min64(kv_begin + a.heads_per_item, a.s.num_kv_heads);
+    attend(p, seq, kv_begin, kv_end, scratch);
+  }
+}
+
+}  // namespace
+
+void pdserve::PDSERVE_RUN_ITEMS(const DecodeArgs& args, int64_t begin, int64_t end) {
+  if (args.is_bf16) {
+    run_typed<Bf16>(args, begin, end);
+  } else {
+    run_typed<float>(args, begin, end);
+  }
+}

@@ -1,0 +1,33 @@
+"""The roofline report's arithmetic: which weights count, and the decode step's bound."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from roofline import decode_bound_s, weight_counts  # noqa: E402
+
+from services.engine import LLM  # noqa: E402
+
+
+def test_decode_bound_is_compute_or_memory_whichever_is_slower() -> None:
+    # 100M weights in bf16, 64 sequences each reading 10 MB of K/V: 200 MB + 640 MB at 10 GB/s
+    # is 84 ms; 12.8 GFLOP at 1 TFLOP/s is 12.8 ms.
+    compute, memory = decode_bound_s(
+        weights=100_000_000, itemsize=2, num_seqs=64, kv_bytes_per_seq=10e6,
+        peak_flops=1e12, bandwidth=10e9,
+    )  # fmt: skip
+    assert compute == pytest.approx(0.0128) and memory == pytest.approx(0.084)
+
+
+def test_weight_counts_are_the_decoder_projections_and_the_lm_head(tiny_llama_dir: Path) -> None:
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=1 << 24, max_model_len=64)
+    cfg = llm.engine.model_config
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
+    assert weight_counts(llm) == (cfg.num_layers * per_layer, cfg.vocab_size * h)

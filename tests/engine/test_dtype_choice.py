@@ -1,0 +1,152 @@
+"""``dtype="auto"``: the faster dtype by (injected) timing, the per-CPU cache read back, an
+explicit dtype winning, and an engine that computes and lays out its KV in the chosen dtype."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.engine import EngineConfig, SchedulerConfig
+from services.engine import dtype_choice as dc
+from services.engine.dtype_choice import (
+    DtypeChoice,
+    GemmShape,
+    choose_compute_dtype,
+    measure_gflops,
+    model_gemm_shapes,
+)
+from services.engine.engine_core import EngineCore
+from services.models.config import ModelConfig
+
+SHAPES = (GemmShape(64, 32, 96), GemmShape(64, 96, 32))
+FLOPS = sum(s.flops for s in SHAPES)
+
+
+class FakeTimer:
+    """Seconds per pass by dtype; counts the passes it was asked for."""
+
+    def __init__(self, seconds: dict[str, float]) -> None:
+        self.seconds = seconds
+        self.calls: list[str] = []
+
+    def __call__(self, dtype: str, shapes: Sequence[GemmShape]) -> float:
+        assert tuple(shapes) == SHAPES
+        self.calls.append(dtype)
+        return self.seconds[dtype]
+
+
+def never_timed(dtype: str, shapes: Sequence[GemmShape]) -> float:
+    raise AssertionError("nothing should have been measured")
+
+
+@pytest.mark.parametrize(
+    ("seconds", "expected"),
+    [
+        ({"bfloat16": 0.2, "float32": 0.1}, "float32"),  # issue 21's Intel host
+        ({"bfloat16": 0.1, "float32": 0.2}, "bfloat16"),  # the AMD host
+    ],
+)
+def test_auto_picks_the_faster_dtype(tmp_path: Path, seconds, expected) -> None:
+    timer = FakeTimer(seconds)
+    choice = choose_compute_dtype("auto", "cpu", SHAPES, cache_dir=tmp_path, time_pass=timer)
+    assert choice.dtype == expected and choice.source == "measured"
+    assert choice.gflops == pytest.approx({name: FLOPS / s / 1e9 for name, s in seconds.items()})
+
+
+def test_rate_is_each_dtypes_best_pass_and_the_budget_bounds_the_rounds() -> None:
+    # bf16 has one slow outlier pass (another process took the core): its best pass counts.
+    passes = iter([9.0, 1.0, 5.0, 1.0, 0.5, 1.0, 0.5, 1.0] + [0.5, 1.0] * 100)
+
+    def timer(dtype: str, shapes: Sequence[GemmShape]) -> float:
+        return next(passes)
+
+    rates = measure_gflops(SHAPES, time_pass=timer, budget_s=4.0)
+    assert rates["bfloat16"] == pytest.approx(FLOPS / 0.5 / 1e9)
+    assert rates["float32"] == pytest.approx(FLOPS / 1.0 / 1e9)
+    # A warm-up pass each (not counted), then rounds of one pass each until 4 s of timed work:
+    # 5 + 1 + 0.5 + 1 = 7.5 s after the minimum of two rounds, so 6 passes in all.
+    assert next(passes) == 0.5  # the 7th was never taken
+
+
+def test_the_measurement_is_cached_per_cpu_and_read_back(tmp_path: Path) -> None:
+    timer = FakeTimer({"bfloat16": 0.2, "float32": 0.1})
+    first = choose_compute_dtype("auto", "cpu", SHAPES, cache_dir=tmp_path, time_pass=timer)
+    (cache_file,) = tmp_path.glob("pdserve_dtype_*.json")
+    second = choose_compute_dtype("auto", "cpu", SHAPES, cache_dir=tmp_path, time_pass=never_timed)
+    assert second == DtypeChoice("float32", "cached", first.gflops)
+    # Other shapes (another model, another chunk size) are measured on their own; both kept.
+    other = (GemmShape(8, 8, 8),)
+    choose_compute_dtype("auto", "cpu", other, cache_dir=tmp_path, time_pass=lambda d, s: 1.0)
+    assert len(json.loads(cache_file.read_text())) == 2
+
+
+def test_a_damaged_cache_is_measured_again(tmp_path: Path) -> None:
+    timer = FakeTimer({"bfloat16": 0.1, "float32": 0.2})
+    choose_compute_dtype("auto", "cpu", SHAPES, cache_dir=tmp_path, time_pass=timer)
+    (cache_file,) = tmp_path.glob("pdserve_dtype_*.json")
+    cache_file.write_text("{not json")
+    timer.calls.clear()
+    choice = choose_compute_dtype("auto", "cpu", SHAPES, cache_dir=tmp_path, time_pass=timer)
+    assert choice.source == "measured" and choice.dtype == "bfloat16" and timer.calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_an_explicit_dtype_always_wins(tmp_path: Path, dtype: str) -> None:
+    choice = choose_compute_dtype(dtype, "cpu", SHAPES, cache_dir=tmp_path, time_pass=never_timed)
+    assert choice == DtypeChoice(dtype, "explicit")
+    assert not list(tmp_path.iterdir())
+
+
+def test_auto_on_cuda_is_bfloat16_unmeasured(tmp_path: Path) -> None:
+    choice = choose_compute_dtype(
+        "auto", "cuda:0", SHAPES, cache_dir=tmp_path, time_pass=never_timed
+    )
+    assert choice == DtypeChoice("bfloat16", "cuda default")
+
+
+def test_the_real_timer_measures_both_dtypes() -> None:
+    rates = measure_gflops((GemmShape(16, 32, 32),), budget_s=0.0)
+    assert set(rates) == {"bfloat16", "float32"} and all(rate > 0 for rate in rates.values())
+
+
+def test_shapes_are_one_layers_projections_at_the_chunk_size(tiny_llama_dir: Path) -> None:
+    cfg = ModelConfig.from_model_dir(tiny_llama_dir)
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    assert model_gemm_shapes(cfg, 300) == (
+        GemmShape(300, h, q + 2 * kv),
+        GemmShape(300, q, h),
+        GemmShape(300, h, 2 * i),
+        GemmShape(300, i, h),
+    )
+    assert model_gemm_shapes(cfg, 10**6)[0].m == dc.MAX_MEASURED_TOKENS
+
+
+def test_an_auto_engine_computes_and_lays_out_its_kv_in_the_cached_choice(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = EngineConfig(
+        model_dir=tiny_llama_dir,
+        dtype="auto",
+        attention_backend="torch",
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
+    )
+    shapes = model_gemm_shapes(ModelConfig.from_model_dir(tiny_llama_dir), 64)
+    # Seed this CPU's cache with float32 the faster (this host's real rates may say otherwise).
+    choose_compute_dtype(
+        "auto",
+        "cpu",
+        shapes,
+        cache_dir=tmp_path,
+        time_pass=lambda dtype, s: {"bfloat16": 0.3, "float32": 0.1}[dtype],
+    )
+    monkeypatch.setattr(dc, "cpu_cache_dir", lambda: tmp_path)
+    engine = EngineCore(config)
+    assert engine.dtype_choice.dtype == "float32" and engine.dtype_choice.source == "cached"
+    assert engine.runner.dtype == torch.float32
+    assert all(cache.dtype == torch.float32 for cache in engine.kv_caches)
+    assert engine.kv_layout.dtype == "float32"

@@ -1,0 +1,63 @@
+"""``auto`` as a dtype end to end through the configuration: ``make run DTYPE=auto`` to the
+launcher, the topology, each node's command line and its engine config; the node default; and
+the metric a node exports of its choice."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from deploy.commands import local_processes
+from deploy.launch import build_parser, topology_from_args
+from deploy.topology import Topology, topology_from_dict
+from services.node.config import parse_node_config
+from services.node.metrics import NodeMetrics
+from services.types import Role
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make not installed")
+def test_make_run_dtype_auto_reaches_every_nodes_engine_config() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    result = subprocess.run(
+        ["make", "--no-print-directory", "-n", "run", "MODEL=/m/x", "DTYPE=auto"],
+        cwd=REPO, capture_output=True, text=True, timeout=60, check=True, env=env,
+    )  # fmt: skip
+    (launch,) = [line for line in result.stdout.splitlines() if "-m deploy.launch" in line]
+    launcher_argv = launch.split()[3:]
+    assert launcher_argv[launcher_argv.index("--dtype") + 1] == "auto"
+    topology = topology_from_args(build_parser().parse_args(launcher_argv))
+    assert topology.dtype == "auto"
+    nodes = [p for p in local_processes(topology, python="py") if "_node" in p.argv[2]]
+    assert len(nodes) == 2
+    for process in nodes:
+        role = Role.PREFILL if process.argv[2] == "prefill_node" else Role.DECODE
+        config = parse_node_config(list(process.argv[3:]), {}, role=role)
+        assert config.engine.dtype == "auto"
+
+
+def test_auto_is_the_node_and_topology_default_and_an_explicit_dtype_wins() -> None:
+    assert parse_node_config([], {}, role=Role.DECODE).engine.dtype == "auto"
+    assert Topology().dtype == "auto"
+    assert topology_from_dict({"dtype": "auto"}).dtype == "auto"
+    env = {"PDSERVE_DTYPE": "auto"}
+    assert parse_node_config([], env, role=Role.PREFILL).engine.dtype == "auto"
+    explicit = parse_node_config(["--dtype", "float32"], env, role=Role.PREFILL)
+    assert explicit.engine.dtype == "float32"
+
+
+def test_a_node_exports_its_dtype_choice_and_the_measured_rates() -> None:
+    metrics = NodeMetrics("decode", "d0")
+    metrics.compute_dtype("float32", "measured", {"bfloat16": 160.0, "float32": 300.0})
+    labels = {"role": "decode", "node": "d0"}
+    sample = metrics.registry.get_sample_value
+    assert sample("pdserve:gemm_gflops", {**labels, "dtype": "float32"}) == 300.0
+    assert sample("pdserve:gemm_gflops", {**labels, "dtype": "bfloat16"}) == 160.0
+    info = {**labels, "dtype": "float32", "source": "measured"}
+    assert sample("pdserve:compute_dtype_info", info) == 1.0
+    assert sample("pdserve:compute_dtype_info", {**info, "dtype": "bfloat16"}) is None
