@@ -91,12 +91,15 @@ class ShmTransport(KvTransport):
         pause_before_last_s: float = 0.0,
         stall: bool = False,
         copy_threads: int = DEFAULT_COPY_THREADS,
+        native_copy: bool = True,
     ) -> None:
         """``pause_before_last_s`` and ``stall`` are fault injection for tests: each write holds
-        its last message back that long, or never finishes (cancel, deadline and close end it)."""
+        its last message back that long, or never finishes (cancel, deadline and close end it).
+        ``native_copy=False`` keeps the writer on the numpy copy (the benchmark's comparison)."""
         super().__init__()
         self.pause_before_last_s = pause_before_last_s
         self.stall = stall
+        self.native_copy = native_copy
         self._control = shared_memory.allocate(CONTROL_BYTES, name="pdserve-kv-control")
         self.inbound: ShmTable = ShmTable(self._control, owner=True)
         self._peers: dict[tuple[int, int], _Peer] = {}
@@ -161,7 +164,7 @@ class ShmTransport(KvTransport):
 
     def info(self) -> TransportInfo:
         # The copy path is the lane: a build that failed shows here, not only in a debug log.
-        error = native_copy_error()
+        error = native_copy_error() if self.native_copy else "native copy off"
         lane = "memfd/native-copy" if error is None else f"memfd/numpy-copy ({error})"
         return TransportInfo(self.name, [lane], f"linux {os.uname().release}")
 
@@ -247,7 +250,8 @@ class ShmTransport(KvTransport):
     def _prepare_copy(self) -> None:
         """Runs once per transfer before its slot is claimed: builds or loads the native copy on
         first use, so no build ever happens while a slot mutex is held."""
-        native_copy_error()
+        if self.native_copy:
+            native_copy_error()
 
     def _copy_batch(
         self,
@@ -259,7 +263,10 @@ class ShmTransport(KvTransport):
     ) -> None:
         """Copies `runs` and returns once every byte has landed (bases and lengths: int64
         [num_regions] of each side)."""
-        copy_runs(runs, src_bases, dst_bases, src_lengths, dst_lengths)
+        if self.native_copy:
+            copy_runs(runs, src_bases, dst_bases, src_lengths, dst_lengths)
+        else:
+            copy_runs_numpy(runs, src_bases, dst_bases)
 
     # Copy threads.
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kv_transfer import PageTable, shared_memory
+from kv_transfer import PageTable, make_transport, shared_memory
 from kv_transfer.native_copy import native_copy_error
+from kv_transfer.self_test import run_self_test
 from kv_transfer.shm import BOUNCE_PAGES, copy_runs, copy_runs_numpy
 from kv_transfer.transfer_plan import make_plan
 
@@ -43,3 +44,16 @@ def test_copy_runs_lands_every_page(layout: str, path: str) -> None:
     for s, d, length in pages.table[:, [1, 3, 4]].tolist():
         expected[d : d + length] = src[s : s + length]
     assert np.array_equal(dst, expected)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_self_test_names_the_copy_path_and_lands_every_page(native: bool) -> None:
+    if native and native_copy_error() is not None:
+        pytest.skip(f"native copy unavailable: {native_copy_error()}")
+    transport = make_transport("shm", native_copy=native)
+    try:
+        report = run_self_test(transport, num_probe_bytes=1 << 20)
+    finally:
+        transport.close()
+    assert report.is_ok, report.error
+    assert report.lanes[0].startswith("memfd/native-copy" if native else "memfd/numpy-copy")
