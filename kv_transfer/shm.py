@@ -313,8 +313,7 @@ class ShmTransport(KvTransport):
             finally:
                 table.end_copy(slot, num_bytes)
             handle.add_bytes(num_bytes)
-        table.finish_claim(slot, generation, TransferStatus.DONE)
-        if table.status(handle.transfer_id) is TransferStatus.DONE:
+        if table.finish_claim(slot, generation, TransferStatus.DONE) is TransferStatus.DONE:
             handle.finish(TransferStatus.DONE)
         else:
             handle.finish(TransferStatus.FAILED, "fenced by the receiver")
