@@ -142,3 +142,23 @@ def test_malformed_arrays_are_refused_naming_the_shape() -> None:
         copy_runs_native(
             np.zeros((1, 5), np.int64), np.array([src.ctypes.data]), np.array([-1]), *bases([dst])
         )
+
+
+def test_every_native_source_ships_in_the_package() -> None:
+    """An installed package (the node images) must carry the C++ it compiles on first use."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    package_data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]
+    shipped = {
+        path
+        for package, patterns in package_data.items()
+        for pattern in patterns
+        for path in (root / package.replace(".", "/")).glob(pattern)
+    }
+    packages = [d for d in root.iterdir() if (d / "__init__.py").exists()]
+    sources = {p for d in packages for p in d.glob("**/csrc/*.cpp")}
+    assert sources and sources <= shipped, sorted(str(p) for p in sources - shipped)
