@@ -226,9 +226,8 @@ class Topology:
     """The name clients send; default: the model directory's name."""
     dtype: str = "bfloat16"
     kv_transport: str = "auto"
-    """auto: every node of a topology runs on one host, so shm for host KV caches (ucx where
-    the host's shared memory gets no huge pages) and cuda_ipc for GPU ones; ucx also works
-    between processes; loopback only inside one process."""
+    """auto: every node of a topology runs on one host, so shm for host KV caches and cuda_ipc
+    for GPU ones; ucx also works between processes; loopback only inside one process."""
     host: str = "127.0.0.1"
     """Where the launcher binds every server and where it connects to them."""
     image: str = "pdserve"

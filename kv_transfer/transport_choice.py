@@ -5,13 +5,13 @@ caches in host memory. Peers on other hosts need a network: ucx. Both ends of a 
 the same rule, so a prefill and a decode node of one deployment agree (the huge-page check below
 reads the host kernel's settings, the same for every process of the host, containers included).
 
-One exception, measured: with shm the KV cache lives in memfd shared memory, which gets
+A trade-off the log states: with shm the KV cache lives in memfd shared memory, which gets
 transparent huge pages only where the kernel's `shmem_enabled` allows, while the private cache
 the engine allocates otherwise gets them through `madvise`. Where shared memory would lose them,
 a decode step's attention over a cache of 4 KiB pages took 1.13-1.19x as long as over the
-private one (`benchmarks/kv_cache_memory.py`, docs/benchmarks.md), every step, against a few
-milliseconds saved once per request by the shm push. There auto picks ucx and says why;
-`--kv-transport shm` still gets shm.
+private one (`benchmarks/kv_cache_memory.py`), but a serving burst did not show it (ucx costs
+the decode node too: docs/benchmarks.md). So auto keeps shm and says so at start-up, naming
+the setting and `--kv-transport ucx`.
 """
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ def choose_transport(
         return "ucx", f"auto: peers may run on other hosts (kv scope cluster); KV cache in {where}"
     if memory is MemoryKind.CUDA:
         return "cuda_ipc", "auto: KV cache in device memory and every peer on this host"
+    why = "auto: KV cache in host memory and every peer on this host"
     loss = shared_memory_huge_page_loss(thp_root or THP_ROOT)
     if loss is not None:
-        return "ucx", (
-            f"auto: KV cache in host memory and every peer on this host, but {loss}: a decode "
-            "step reads a cache of 4 KiB pages more slowly, so ucx keeps the cache private "
-            "(--kv-transport shm to share it anyway)"
+        why += (
+            f"; note: {loss}, so decode attention over the shared cache was measured up to 1.19x "
+            "slower (docs/benchmarks.md); --kv-transport ucx keeps the cache private"
         )
-    return "shm", "auto: KV cache in host memory and every peer on this host"
+    return "shm", why
 
 
 def shared_memory_huge_page_loss(root: Path = THP_ROOT) -> str | None:

@@ -67,18 +67,18 @@ def test_auto_picks_shm_where_shared_memory_keeps_huge_pages(tmp_path: Path) -> 
     assert (name, why) == ("shm", "auto: KV cache in host memory and every peer on this host")
 
 
-def test_auto_picks_ucx_where_shared_memory_would_lose_them_and_says_why(
+def test_auto_keeps_shm_where_shared_memory_would_lose_them_and_says_so(
     tmp_path: Path,
 ) -> None:
     root = fake_thp(tmp_path, "madvise", "never")
     name, why = choose_transport("auto", MemoryKind.HOST, "host", root)
-    assert name == "ucx"
-    assert f"{root / 'shmem_enabled'}: never" in why and "--kv-transport shm" in why
+    assert name == "shm"
+    assert f"{root / 'shmem_enabled'}: never" in why and "--kv-transport ucx" in why
 
 
 def test_the_huge_page_check_never_overrides_other_choices(tmp_path: Path) -> None:
     root = fake_thp(tmp_path, "madvise", "never")
-    assert choose_transport("shm", MemoryKind.HOST, "host", root)[0] == "shm"
+    assert choose_transport("ucx", MemoryKind.HOST, "host", root)[0] == "ucx"
     assert choose_transport("auto", MemoryKind.CUDA, "host", root)[0] == "cuda_ipc"
     assert choose_transport("auto", MemoryKind.HOST, "cluster", root)[0] == "ucx"
     with pytest.raises(ValueError, match="kv scope must be one of"):
