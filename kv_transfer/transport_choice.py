@@ -9,7 +9,7 @@ A trade-off the log states: with shm the KV cache lives in memfd shared memory, 
 transparent huge pages only where the kernel's `shmem_enabled` allows, while the private cache
 the engine allocates otherwise gets them through `madvise`. Where shared memory would lose them,
 a decode step's attention over a cache of 4 KiB pages took 1.13-1.19x as long as over the
-private one (`benchmarks/kv_cache_memory.py`), but a serving burst did not show it (ucx costs
+private one (`benchmarks/kv_cache_memory.py`), but a serving burst did not show it (ucx may cost
 the decode node too: docs/benchmarks.md). So auto keeps shm and says so at start-up, naming
 the setting and `--kv-transport ucx`.
 """
