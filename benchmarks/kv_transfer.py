@@ -1,6 +1,6 @@
 """KV transfer bandwidth and per-transfer latency between two processes on this host.
 
-    python benchmarks/kv_transfer.py [--transports ucx shm] [--sizes-mib 1 4 16 64 256]
+    python benchmarks/kv_transfer.py [--transports ucx shm] [--sizes-mib 1 4 16 64 256] [--rounds 3]
 
 A receiver process registers zeroed KV memory; this process pushes pages of one block of one
 layer of the `small` model (16 tokens x 4 KV heads x 64 x 2 bytes = 8 KiB) into it, laid out three
@@ -10,9 +10,14 @@ ways: `contiguous` (blocks allocated in order on both sides, so pages coalesce i
 `write()` to its handle reading DONE, which needs the receiver's acknowledgement that every byte
 landed. Then it runs UCX's own `ucx_perftest -t tag_bw` between two processes at the same sizes,
 the ceiling to compare with, and times a plain contiguous memcpy (numpy `copyto`) of each size in
-this process: every transport's rate is also given as a share of that. With several transports
-the cases are interleaved (each size and layout runs on every transport in turn), so a shared
-machine's load changes hit them alike.
+this process right before each transfer: every transport's rate is also given as a share of that,
+the median over the (memcpy, transfer) pairs, so a load change mid-case hits both sides of a
+ratio. With several transports the cases are interleaved (each size and layout runs on every
+transport in turn), so a shared machine's load changes hit them alike; `--rounds` repeats the
+whole sweep, and each row also gives its fastest transfer, which a loaded host disturbs least,
+and that as a share of the fastest memcpy (`best/best`).
+`--transports shm-numpy` is the shm transport with its writer on the numpy copy. The `small 2k
+tok` case (24 MiB) always runs; `--sizes-mib` with no sizes runs only it.
 """
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ PAGE = 16 * 4 * 64 * 2  # bytes of one block of one layer of the small model
 SMALL_2K_BYTES = 12 * 2 * 2048 * 4 * 64 * 2  # the small model's KV for 2048 tokens (24 MiB)
 
 
+# `--transports shm-numpy`: the shm transport with its writer on the numpy copy, not the native one.
+VARIANTS = {"shm-numpy": ("shm", {"native_copy": False})}
+
+
 def receiver_main(transport_name: str, num_bytes: int, conn: Connection) -> None:
     transport = make_transport(transport_name)
     # Memory the transport receives into (shared memory for shm).
@@ -64,9 +73,17 @@ def make_pages(num_bytes: int, num_slots: int, layout: str, seed: int) -> PageTa
     return PageTable.from_blocks("src", src, "dst", dst, PAGE)
 
 
-def time_transfers(transport, peer: PeerAddress, pages: PageTable, iters: int) -> list[float]:
-    seconds = []
+def time_transfers(
+    transport, peer: PeerAddress, pages: PageTable, iters: int, memcpy_buffers: tuple
+) -> tuple[list[float], list[float]]:
+    """(transfer seconds, memcpy seconds) of `iters` pairs: a contiguous memcpy of the same size
+    between `memcpy_buffers` right before each transfer."""
+    seconds, memcpy_seconds = [], []
+    memcpy_src, memcpy_dst = memcpy_buffers
     for i in range(iters + 1):  # the first one warms up
+        start = time.perf_counter()
+        np.copyto(memcpy_dst, memcpy_src)
+        memcpy_elapsed = time.perf_counter() - start
         start = time.perf_counter()
         handle = transport.write(
             peer, pages, transfer_id=f"bench-{time.time_ns()}-{i}", deadline=time.monotonic() + 30
@@ -77,7 +94,8 @@ def time_transfers(transport, peer: PeerAddress, pages: PageTable, iters: int) -
             raise RuntimeError(f"transfer ended {status.name}: {handle.error}")
         if i:
             seconds.append(elapsed)
-    return seconds
+            memcpy_seconds.append(memcpy_elapsed)
+    return seconds, memcpy_seconds
 
 
 def run_perftest(num_bytes: int, iters: int) -> float | None:
@@ -108,52 +126,49 @@ def run_perftest(num_bytes: int, iters: int) -> float | None:
     return float(match.group(2)) * 2**20 / 1e9 if match else None
 
 
-def time_memcpy(num_bytes: int, iters: int) -> float:
-    """Median seconds of a contiguous memcpy of `num_bytes` between two fresh host buffers."""
+def memcpy_buffers(num_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two host buffers of `num_bytes` for the memcpy ceiling, their pages faulted in."""
     src = np.ones(num_bytes, np.uint8)
     dst = np.zeros(num_bytes, np.uint8)
-    np.copyto(dst, src)  # fault the pages in
-    seconds = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+    np.copyto(dst, src)
+    return src, dst
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--transports", nargs="+", default=["ucx"])
     parser.add_argument("--transport", help="one transport (the same as --transports NAME)")
-    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    parser.add_argument("--sizes-mib", type=int, nargs="*", default=[1, 4, 16, 64, 256])
     parser.add_argument(
         "--layouts", nargs="+", default=["contiguous", "dst-scattered", "scattered"]
     )
     parser.add_argument("--no-perftest", action="store_true")
+    parser.add_argument("--rounds", type=int, default=1, help="times to run the whole sweep")
     args = parser.parse_args()
     names = [args.transport] if args.transport else args.transports
     if "loopback" in names:
         parser.error("loopback moves bytes within one process; this benchmark needs two")
 
-    max_bytes = max(max(args.sizes_mib) << 20, SMALL_2K_BYTES)
+    max_bytes = max(max(args.sizes_mib, default=0) << 20, SMALL_2K_BYTES)
     ctx = mp.get_context("spawn")
     src = np.random.default_rng(0).integers(0, 256, max_bytes, np.uint8)
     pairs = {}  # name -> (writer, peer, pipe, receiver process)
     for name in names:
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=receiver_main, args=(name, max_bytes, child))
+        transport, options = VARIANTS.get(name, (name, {}))
+        proc = ctx.Process(target=receiver_main, args=(transport, max_bytes, child))
         proc.start()
         peer = PeerAddress.from_bytes(parent.recv())
-        writer = make_transport(name)
+        writer = make_transport(transport, **options)
         writer.register("src", src)
         writer.connect(peer)
         pairs[name] = (writer, peer, parent, proc)
         print(f"transport: {writer.info()}")
     print(f"page: {PAGE} B; time = write() until DONE (receiver acknowledged every byte)")
     header = (
-        f"{'size':>12} {'layout':>13} {'transport':>9} {'pages':>6} {'median ms':>10} "
-        f"{'p90 ms':>8} {'GB/s':>6} {'memcpy GB/s':>12} {'/memcpy':>8} {'perftest GB/s':>14} "
-        f"{'/perftest':>9}"
+        f"{'round':>5} {'size':>12} {'layout':>13} {'transport':>9} {'pages':>6} "
+        f"{'median ms':>10} {'p90 ms':>8} {'min ms':>7} {'GB/s':>6} {'memcpy GB/s':>12} "
+        f"{'/memcpy':>8} {'best/best':>9} {'perftest GB/s':>14} {'/perftest':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -161,15 +176,25 @@ def main() -> None:
     cases.append((SMALL_2K_BYTES, "small 2k tok"))
     perftest: dict[int, float | None] = {}
     try:
-        for num_bytes, label in cases:
+        for round_index, (num_bytes, label) in (
+            (r, case) for r in range(1, args.rounds + 1) for case in cases
+        ):
             iters = 5 if num_bytes >= 128 << 20 else 20
             if not args.no_perftest and "ucx" in names and num_bytes not in perftest:
                 perftest[num_bytes] = run_perftest(num_bytes, iters)
+            buffers = memcpy_buffers(num_bytes)
             for layout in args.layouts:
                 pages = make_pages(num_bytes, max_bytes // PAGE, layout, seed=num_bytes)
                 for name, (writer, peer, _, _) in pairs.items():
-                    memcpy = num_bytes / time_memcpy(num_bytes, iters) / 1e9
-                    seconds = time_transfers(writer, peer, pages, iters)
+                    seconds, memcpy_seconds = time_transfers(writer, peer, pages, iters, buffers)
+                    memcpy = num_bytes / statistics.median(memcpy_seconds) / 1e9
+                    # Bandwidth share = memcpy time / transfer time, pair by pair.
+                    share = statistics.median(
+                        m / t for m, t in zip(memcpy_seconds, seconds, strict=True)
+                    )
+                    # The fastest transfer against the fastest memcpy: what a quiet moment of a
+                    # shared host allows each.
+                    best_share = min(memcpy_seconds) / min(seconds)
                     median = statistics.median(seconds)
                     p90 = sorted(seconds)[int(0.9 * (len(seconds) - 1))]
                     gbps = num_bytes / median / 1e9
@@ -177,9 +202,10 @@ def main() -> None:
                     ref_text = f"{ref:14.2f}" if ref else f"{'n/a':>14}"
                     ratio = f"{gbps / ref:9.0%}" if ref else f"{'':>9}"
                     print(
-                        f"{label:>12} {layout:>13} {name:>9} {len(pages):>6} "
-                        f"{median * 1e3:10.2f} {p90 * 1e3:8.2f} {gbps:6.2f} {memcpy:12.2f} "
-                        f"{gbps / memcpy:8.0%} {ref_text} {ratio}",
+                        f"{round_index:>5} {label:>12} {layout:>13} {name:>9} {len(pages):>6} "
+                        f"{median * 1e3:10.2f} {p90 * 1e3:8.2f} {min(seconds) * 1e3:7.2f} "
+                        f"{gbps:6.2f} {memcpy:12.2f} {share:8.0%} {best_share:9.0%} "
+                        f"{ref_text} {ratio}",
                         flush=True,
                     )
     finally:

@@ -166,7 +166,17 @@ class CudaIpcTransport(ShmTransport):
                 start, done = i + 1, int(ends[i])
         return batches
 
-    def _copy_batch(self, runs: np.ndarray, src_bases: np.ndarray, dst_bases: np.ndarray) -> None:
+    def _prepare_copy(self) -> None:
+        pass  # copies run on the GPU (the RawKernel of __init__): no host copy to build
+
+    def _copy_batch(
+        self,
+        runs: np.ndarray,
+        src_bases: np.ndarray,
+        dst_bases: np.ndarray,
+        src_lengths: np.ndarray,
+        dst_lengths: np.ndarray,
+    ) -> None:
         cp = self._cp
         device = self._device or 0
         cp.cuda.runtime.setDevice(device)  # this copy thread's current device

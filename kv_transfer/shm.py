@@ -4,11 +4,12 @@ The receiver (decode node) keeps its KV cache in memfd shared memory (`kv_transf
 registered as HOST_SHM regions) next to a control region holding its transfer records
 (`shm_table.ShmTable`). Its address carries the handles of both: owner pid, fd and inode. The
 writer (prefill node) maps them once per peer, through /proc/<pid>/fd, and copies each page from
-its own block into the reserved block: no staging buffer in memory (pages scattered on both
-sides pass through a 256 KiB bounce buffer that stays in the CPU cache, so DRAM still sees one
-copy), no socket, no agent thread on either side. The fence is the table's: each copy holds the
-transfer's slot mutex and first checks the slot's generation and fence flag, and the receiver's
-`fence()` waits until it holds that mutex itself (see shm_table.py and design §3).
+its own block into the reserved block: no staging buffer, no socket, no agent thread on either
+side. A batch of runs is one call of the compiled scatter-gather copy (`native_copy`), or, where
+it cannot be built, numpy through a 256 KiB bounce buffer that stays in the CPU cache. The
+fence is the table's: each copy holds the transfer's slot mutex and first checks the slot's
+generation and fence flag, and the receiver's `fence()` waits until it holds that mutex itself
+(see shm_table.py and design §3).
 
 A transfer's life on the writer: write() plans it and maps the peer (PENDING); a copy thread
 claims a slot in the peer's table (IN_PROGRESS on both sides) and copies message by message,
@@ -39,6 +40,7 @@ import numpy as np
 
 from kv_transfer import shared_memory
 from kv_transfer.memory import MemoryKind
+from kv_transfer.native_copy import copy_runs_native, native_copy_error
 from kv_transfer.page_copy import PageCopy
 from kv_transfer.page_table import PageTable
 from kv_transfer.peer_address import PeerAddress
@@ -73,8 +75,10 @@ class _Job:
     handle: TransferHandle
     plan: TransferPlan
     peer: _Peer
-    # Address of each destination region's first byte in this process: int64 [num_dst_regions].
+    # Address of each destination region's first byte in this process, and its bytes:
+    # int64 [num_dst_regions] each.
     dst_bases: np.ndarray
+    dst_lengths: np.ndarray
 
 
 class ShmTransport(KvTransport):
@@ -88,12 +92,15 @@ class ShmTransport(KvTransport):
         pause_before_last_s: float = 0.0,
         stall: bool = False,
         copy_threads: int = DEFAULT_COPY_THREADS,
+        native_copy: bool = True,
     ) -> None:
         """``pause_before_last_s`` and ``stall`` are fault injection for tests: each write holds
-        its last message back that long, or never finishes (cancel, deadline and close end it)."""
+        its last message back that long, or never finishes (cancel, deadline and close end it).
+        ``native_copy=False`` keeps the writer on the numpy copy (the benchmark's comparison)."""
         super().__init__()
         self.pause_before_last_s = pause_before_last_s
         self.stall = stall
+        self.native_copy = native_copy
         self._control = shared_memory.allocate(CONTROL_BYTES, name="pdserve-kv-control")
         self.inbound: ShmTable = ShmTable(self._control, owner=True)
         self._peers: dict[tuple[int, int], _Peer] = {}
@@ -147,16 +154,20 @@ class ShmTransport(KvTransport):
             dst_bases = np.array(
                 [self._dst_base(mapped, peer, name) for name in plan.dst_regions], dtype=np.int64
             )
+            dst_lengths = np.array([peer.regions[n] for n in plan.dst_regions], dtype=np.int64)
         except ConnectionError as exc:
             handle.finish(TransferStatus.FAILED, str(exc))
             return handle
         with self._lock:
             self._active.add(handle)
-        self._pool.submit(self._run, _Job(handle, plan, mapped, dst_bases))
+        self._pool.submit(self._run, _Job(handle, plan, mapped, dst_bases, dst_lengths))
         return handle
 
     def info(self) -> TransportInfo:
-        return TransportInfo(self.name, ["memfd/memcpy"], f"linux {os.uname().release}")
+        # The copy path is the lane: a build that failed shows here, not only in a debug log.
+        error = native_copy_error() if self.native_copy else "native copy off"
+        lane = "memfd/native-copy" if error is None else f"memfd/numpy-copy ({error})"
+        return TransportInfo(self.name, [lane], f"linux {os.uname().release}")
 
     def close(self) -> None:
         if self._is_closed:
@@ -237,9 +248,26 @@ class ShmTransport(KvTransport):
         MAX_STAGED_BYTES of small pages, or one long run), so a fence waits for one at most."""
         return [(plan.runs[m.run_start : m.run_end], m.num_bytes) for m in plan.messages]
 
-    def _copy_batch(self, runs: np.ndarray, src_bases: np.ndarray, dst_bases: np.ndarray) -> None:
-        """Copies `runs` and returns once every byte has landed."""
-        copy_runs(runs, src_bases, dst_bases)
+    def _prepare_copy(self) -> None:
+        """Runs once per transfer before its slot is claimed: builds or loads the native copy on
+        first use, so no build ever happens while a slot mutex is held."""
+        if self.native_copy:
+            native_copy_error()
+
+    def _copy_batch(
+        self,
+        runs: np.ndarray,
+        src_bases: np.ndarray,
+        dst_bases: np.ndarray,
+        src_lengths: np.ndarray,
+        dst_lengths: np.ndarray,
+    ) -> None:
+        """Copies `runs` and returns once every byte has landed (bases and lengths: int64
+        [num_regions] of each side)."""
+        if self.native_copy:
+            copy_runs(runs, src_bases, dst_bases, src_lengths, dst_lengths)
+        else:
+            copy_runs_numpy(runs, src_bases, dst_bases)
 
     # Copy threads.
 
@@ -257,6 +285,7 @@ class ShmTransport(KvTransport):
         handle, plan, table = job.handle, job.plan, job.peer.table
         if handle.status.is_terminal or self._peer_gone(job):
             return
+        self._prepare_copy()
         claim = table.claim(handle.transfer_id)
         if isinstance(claim, str):
             handle.finish(TransferStatus.FAILED, claim)
@@ -264,6 +293,7 @@ class ShmTransport(KvTransport):
         slot, generation = claim
         handle.start()
         src_bases = np.array([self._regions[n].address for n in plan.src_regions], dtype=np.int64)
+        src_lengths = np.array([self._regions[n].length for n in plan.src_regions], dtype=np.int64)
         batches = self._batches(plan)
         last = len(batches) - 1
         for index, (runs, num_bytes) in enumerate(batches):
@@ -280,12 +310,11 @@ class ShmTransport(KvTransport):
                 self._end(job, slot, generation, TransferStatus.FAILED, "fenced by the receiver")
                 return
             try:
-                self._copy_batch(runs, src_bases, job.dst_bases)
+                self._copy_batch(runs, src_bases, job.dst_bases, src_lengths, job.dst_lengths)
             finally:
                 table.end_copy(slot, num_bytes)
             handle.add_bytes(num_bytes)
-        table.finish_claim(slot, generation, TransferStatus.DONE)
-        if table.status(handle.transfer_id) is TransferStatus.DONE:
+        if table.finish_claim(slot, generation, TransferStatus.DONE) is TransferStatus.DONE:
             handle.finish(TransferStatus.DONE)
         else:
             handle.finish(TransferStatus.FAILED, "fenced by the receiver")
@@ -326,16 +355,31 @@ class ShmTransport(KvTransport):
 
 
 _memmove = ctypes.memmove
-# KV pages scattered on both sides go through a bounce buffer this many pages long, small enough
-# to stay in the core's L2 cache: DRAM sees one read and one write per byte, as with a direct
-# copy, and numpy moves 32 pages per call instead of Python making one call per page.
+# Without the native copy, KV pages scattered on both sides go through a bounce buffer this many
+# pages long, small enough to stay in the core's L2 cache: DRAM sees one read and one write per
+# byte, and numpy moves 32 pages per call instead of Python making one call per page.
 BOUNCE_PAGES = 32
 
 
-def copy_runs(runs: np.ndarray, src_bases: np.ndarray, dst_bases: np.ndarray) -> None:
+def copy_runs(
+    runs: np.ndarray,
+    src_bases: np.ndarray,
+    dst_bases: np.ndarray,
+    src_lengths: np.ndarray,
+    dst_lengths: np.ndarray,
+) -> None:
     """Copies each run from its source to its destination address and returns when every byte
-    is in place. runs: int64 [num_runs, 5] as in TransferPlan; bases: int64 addresses of each
-    side's regions in this process."""
+    is in place. runs: int64 [num_runs, 5] as in TransferPlan; bases and lengths: int64
+    [num_regions], each side's regions in this process. The native copy checks every run against
+    the lengths (ValueError before any byte moves); the numpy fallback relies on make_plan's."""
+    if native_copy_error() is None:
+        copy_runs_native(runs, src_bases, src_lengths, dst_bases, dst_lengths)
+        return
+    copy_runs_numpy(runs, src_bases, dst_bases)
+
+
+def copy_runs_numpy(runs: np.ndarray, src_bases: np.ndarray, dst_bases: np.ndarray) -> None:
+    """The fallback copy: numpy for uniform KV pages, one memmove per run otherwise."""
     if len(runs) > 1 and _copy_uniform_pages(runs, src_bases, dst_bases):
         return
     src = (src_bases[runs[:, SRC]] + runs[:, SRC_OFF]).tolist()

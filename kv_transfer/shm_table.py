@@ -202,11 +202,17 @@ class ShmTable(InboundTransfers):
 
     def finish_claim(
         self, slot: int, generation: int, status: TransferStatus, error: str | None = None
-    ) -> None:
-        """Ends the writer's own transfer, if its slot still holds it."""
+    ) -> TransferStatus | None:
+        """Ends the writer's own transfer, if its slot still holds it, and returns the slot's
+        status then, read under the same lock (None: forgotten since). A fence that won the race
+        shows as CANCELLED; the decode may commit and forget the transfer right after, so the
+        writer must not look it up again by id to learn whether it landed."""
         with self._table():
-            if int(self._slots[slot, _S_GEN]) == generation and not self._status(slot).is_terminal:
+            if int(self._slots[slot, _S_GEN]) != generation:
+                return None
+            if not self._status(slot).is_terminal:
                 self._end(slot, status, error)
+            return self._status(slot)
 
     # Receiver side.
 

@@ -80,3 +80,16 @@ def test_a_closed_receiver_refuses_and_fails_running_transfers(tables) -> None:
     receiver.close()
     assert receiver.status("running") is TransferStatus.FAILED
     assert writer.claim("new") == "the peer closed"
+
+
+def test_finish_claim_reports_what_the_slot_says_under_its_lock(tables) -> None:
+    receiver, writer = tables
+    slot, generation = writer.claim("landed")
+    assert writer.finish_claim(slot, generation, TransferStatus.DONE) is TransferStatus.DONE
+    # The decode commits and forgets it at once: the claim is void, never reported as fenced.
+    assert receiver.forget("landed")
+    assert writer.finish_claim(slot, generation, TransferStatus.DONE) is None
+    slot, generation = writer.claim("fenced late")
+    assert receiver.fence("fenced late", timeout=1)  # after the last copy, before DONE
+    assert writer.finish_claim(slot, generation, TransferStatus.DONE) is TransferStatus.CANCELLED
+    assert receiver.status("fenced late") is TransferStatus.CANCELLED

@@ -12,6 +12,7 @@ from kv_transfer.transfer_plan import (
     gather,
     make_plan,
     scatter,
+    split_messages,
 )
 
 LENGTHS = {"a": 1 << 22, "b": 1 << 22}
@@ -134,3 +135,39 @@ def test_contiguous_span_of_one_side() -> None:
     plan = make_plan(PageTable.from_blocks("a", [0, 1, 2], "b", [7, 3, 5], 100), LENGTHS, LENGTHS)
     assert contiguous_span(plan.runs, SRC, SRC_OFF) == (0, 0, 300)
     assert contiguous_span(plan.runs, DST, DST_OFF) is None
+
+
+def greedy_messages(lengths: list[int]) -> list[tuple[int, int, int, bool]]:
+    """The grouping rule one run at a time: a large run alone, small ones added to the open
+    message while it stays within MAX_STAGED_BYTES."""
+    out, start, staged = [], 0, 0
+    for i, length in enumerate(lengths):
+        if length >= MIN_DIRECT_BYTES:
+            if staged:
+                out.append((start, i, staged, True))
+            out.append((i, i + 1, length, False))
+            start, staged = i + 1, 0
+            continue
+        if staged + length > MAX_STAGED_BYTES and staged:
+            out.append((start, i, staged, True))
+            start, staged = i, 0
+        staged += length
+    if staged:
+        out.append((start, len(lengths), staged, True))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_messages_match_the_greedy_rule_on_random_runs(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    num_runs = 1500 if seed == 0 else int(rng.integers(1, 400))
+    small = rng.integers(1, MIN_DIRECT_BYTES, num_runs)
+    large = rng.integers(MIN_DIRECT_BYTES, 3 * MAX_STAGED_BYTES, num_runs)
+    # Mostly small runs, some large, and at seed 0 exact-fit 8 KiB pages (512 to a message).
+    lengths = np.where(rng.random(num_runs) < 0.1, large, small)
+    if seed == 0:
+        lengths[:] = 8192
+    runs = np.zeros((num_runs, 5), np.int64)
+    runs[:, 4] = lengths
+    got = [(m.run_start, m.run_end, m.num_bytes, m.is_staged) for m in split_messages(runs)]
+    assert got == greedy_messages(lengths.tolist())

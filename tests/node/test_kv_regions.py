@@ -7,6 +7,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -113,11 +114,18 @@ def test_the_node_exits_with_one_line_not_a_traceback(tmp_path) -> None:
     assert "Traceback" not in proc.stderr
 
 
-def test_auto_choice_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+def test_auto_choice_is_logged(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from kv_transfer import transport_choice
     from services.node.config import parse_node_config
     from services.node.runtime import resolve_kv_transport
 
     caplog.set_level(logging.INFO)
+    # A host whose shared memory gets huge pages as private memory does (shmem_enabled advise).
+    (tmp_path / "enabled").write_text("always [madvise] never\n")
+    (tmp_path / "shmem_enabled").write_text("always within_size [advise] never deny force\n")
+    monkeypatch.setattr(transport_choice, "THP_ROOT", tmp_path)
     host = resolve_kv_transport(parse_node_config(["--role", "decode"], environ={}))
     assert host.kv_transport == "shm"
     cuda = parse_node_config(["--role", "prefill", "--device", "cuda:1"], environ={})
@@ -127,5 +135,13 @@ def test_auto_choice_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     asked = parse_node_config(["--role", "decode", "--kv-transport", "loopback"], environ={})
     assert resolve_kv_transport(asked).kv_transport == "loopback"
     assert "KV transport shm: auto: KV cache in host memory and every peer on this host" in (
+        caplog.text
+    )
+    # One whose shared memory would not get them (this CI host's shmem_enabled never): still
+    # shm, and the log says what that costs.
+    (tmp_path / "shmem_enabled").write_text("always within_size advise [never] deny force\n")
+    no_huge = resolve_kv_transport(parse_node_config(["--role", "decode"], environ={}))
+    assert no_huge.kv_transport == "shm"
+    assert "every peer on this host; note: shared memory gets no transparent huge pages" in (
         caplog.text
     )
