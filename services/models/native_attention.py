@@ -122,10 +122,12 @@ def native_kernel_error() -> str | None:
 
 def _build_and_load() -> str | None:
     start = time.perf_counter()
-    # Named after the sources (headers included: torch's rebuild check reads only the sources).
-    digest = hashlib.sha256(b"".join(path.read_bytes() for path in _SOURCES + _HEADERS))
-    name = f"{_EXTENSION_BASE_NAME}_{digest.hexdigest()[:12]}"
+    name = _EXTENSION_BASE_NAME
     try:
+        # Named after the sources (headers included: torch's rebuild check reads only the
+        # sources). A source missing from an installed package is a reason, like a failed build.
+        digest = hashlib.sha256(b"".join(path.read_bytes() for path in _SOURCES + _HEADERS))
+        name = f"{_EXTENSION_BASE_NAME}_{digest.hexdigest()[:12]}"
         from torch.utils.cpp_extension import load
 
         # is_python_module=False: the .so registers torch.ops.pdserve.* (TORCH_LIBRARY), no

@@ -160,5 +160,7 @@ def test_every_native_source_ships_in_the_package() -> None:
         for path in (root / package.replace(".", "/")).glob(pattern)
     }
     packages = [d for d in root.iterdir() if (d / "__init__.py").exists()]
-    sources = {p for d in packages for p in d.glob("**/csrc/*.cpp")}
+    sources = {
+        p for d in packages for pattern in ("**/csrc/*.cpp", "**/csrc/*.h") for p in d.glob(pattern)
+    }
     assert sources and sources <= shipped, sorted(str(p) for p in sources - shipped)

@@ -102,3 +102,16 @@ def test_the_argument_wins_over_the_environment_which_wins_over_the_cpu(
     monkeypatch.setenv(ISA_ENV, "avx512_bf16")
     with pytest.raises(UnsupportedIsaError):
         resolve_isa(flags=AVX2_ONLY)
+
+
+def test_a_source_missing_from_the_install_is_a_reason_not_a_crash(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An installed package without one of the headers (a packaging slip) must leave the node on
+    the torch path with the reason, not kill it at start-up."""
+    from services.models import native_attention
+
+    missing = tmp_path / "paged_attention_isa.h"
+    monkeypatch.setattr(native_attention, "_HEADERS", [missing])
+    reason = native_attention._build_and_load()
+    assert reason is not None and "paged_attention_isa.h" in reason
