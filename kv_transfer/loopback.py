@@ -25,7 +25,7 @@ from kv_transfer.page_copy import PageCopy
 from kv_transfer.page_table import PageTable
 from kv_transfer.peer_address import PeerAddress
 from kv_transfer.transfer_handle import TransferHandle
-from kv_transfer.transfer_plan import MAX_STAGED_BYTES, TransferPlan, gather, make_plan, scatter
+from kv_transfer.transfer_plan import MAX_STAGED_BYTES, TransferPlan, gather, scatter
 from kv_transfer.transfer_status import TransferStatus
 from kv_transfer.transport import KvTransport, TransportInfo, register_transport
 
@@ -93,10 +93,7 @@ class LoopbackTransport(KvTransport):
         transfer_id: str,
         deadline: float,
     ) -> TransferHandle:
-        if self._is_closed:
-            raise RuntimeError("the transport is closed")
-        src_lengths = self.region_lengths()
-        plan = make_plan(pages, src_lengths, peer.regions)
+        plan = self._plan_write(peer, pages, is_closed=self._is_closed)
         handle = TransferHandle(transfer_id, plan.num_bytes, deadline)
         receiver = _ENDPOINTS.get(peer.endpoint)
         if receiver is None or receiver._is_closed:

@@ -48,7 +48,7 @@ from kv_transfer.region import RegionHandle
 from kv_transfer.shared_memory import SharedHandle
 from kv_transfer.shm_table import CONTROL_BYTES, ShmTable
 from kv_transfer.transfer_handle import TransferHandle
-from kv_transfer.transfer_plan import DST, DST_OFF, LEN, SRC, SRC_OFF, TransferPlan, make_plan
+from kv_transfer.transfer_plan import DST, DST_OFF, LEN, SRC, SRC_OFF, TransferPlan
 from kv_transfer.transfer_status import TransferStatus
 from kv_transfer.transport import KvTransport, TransportInfo, register_transport
 
@@ -143,11 +143,7 @@ class ShmTransport(KvTransport):
         transfer_id: str,
         deadline: float,
     ) -> TransferHandle:
-        if self._is_closed:
-            raise RuntimeError("the transport is closed")
-        if peer.transport != self.name:
-            raise ValueError(f"a {peer.transport} address cannot be reached over {self.name}")
-        plan = make_plan(pages, self.region_lengths(), peer.regions)
+        plan = self._plan_write(peer, pages, is_closed=self._is_closed)
         handle = TransferHandle(transfer_id, plan.num_bytes, deadline)
         try:
             mapped = self._peer(peer)

@@ -25,6 +25,7 @@ from kv_transfer.page_table import PageTable
 from kv_transfer.peer_address import PeerAddress
 from kv_transfer.region import RegionHandle, make_region
 from kv_transfer.transfer_handle import TransferHandle
+from kv_transfer.transfer_plan import TransferPlan, make_plan
 from kv_transfer.transfer_status import TransferStatus
 
 
@@ -99,6 +100,17 @@ class KvTransport(abc.ABC):
     ) -> TransferHandle:
         """Pushes `pages` into `peer`'s regions. Bad pages raise ValueError before any byte
         moves; everything after is reported by the handle. `deadline` is a time.monotonic()."""
+
+    def _plan_write(
+        self, peer: PeerAddress, pages: Sequence[PageCopy] | PageTable, *, is_closed: bool
+    ) -> TransferPlan:
+        """What every ``write`` checks before any byte moves: the transport is open, the peer is
+        reached over this transport, every page lies inside its regions on both sides."""
+        if is_closed:
+            raise RuntimeError("the transport is closed")
+        if peer.transport != self.name:
+            raise ValueError(f"a {peer.transport} address cannot be reached over {self.name}")
+        return make_plan(pages, self.region_lengths(), peer.regions)
 
     def inbound_status(self, transfer_id: str) -> TransferStatus | None:
         """Receiver side: the status of a transfer writing into this transport (None: unseen)."""

@@ -60,7 +60,6 @@ from kv_transfer.transfer_plan import (
     SRC_OFF,
     TransferPlan,
     contiguous_span,
-    make_plan,
 )
 from kv_transfer.transfer_status import TransferStatus
 from kv_transfer.transport import KvTransport, TransportInfo, register_transport
@@ -195,11 +194,7 @@ class UcxTransport(KvTransport):
         transfer_id: str,
         deadline: float,
     ) -> TransferHandle:
-        if self._is_closed:
-            raise RuntimeError("the transport is closed")
-        if peer.transport != self.name:
-            raise ValueError(f"a {peer.transport} address cannot be reached over ucx")
-        plan = make_plan(pages, self.region_lengths(), peer.regions)
+        plan = self._plan_write(peer, pages, is_closed=self._is_closed)
         if len(plan.messages) > MAX_MESSAGES:
             raise ValueError(f"{len(plan.messages)} messages in one transfer; max {MAX_MESSAGES}")
         seq = next(self._seqs) % MAX_SEQ
