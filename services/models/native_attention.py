@@ -85,18 +85,21 @@ def supported_isas(flags: frozenset[str] | None = None) -> list[str]:
 def resolve_isa(requested: str | None = None, flags: frozenset[str] | None = None) -> str:
     """``requested``, else ``PDSERVE_NATIVE_ISA``, else the fastest supported variant; raises
     ``UnsupportedIsaError`` naming the missing flags when the CPU cannot run the one asked for."""
+    # Named in the errors: a node that refuses to start must say which setting to change.
+    source = "isa argument" if requested else ISA_ENV
     requested = requested or os.environ.get(ISA_ENV) or None
     supported = supported_isas(flags)
     if requested is None:
         return supported[0]
     if requested not in KERNEL_ISAS:
         raise UnsupportedIsaError(
-            f"unknown native kernel variant {requested!r}: choose one of {', '.join(KERNEL_ISAS)}"
+            f"{source}: unknown native kernel variant {requested!r}: choose one of "
+            f"{', '.join(KERNEL_ISAS)}"
         )
     if requested not in supported:
         missing = sorted(KERNEL_ISAS[requested] - (cpu_flags() if flags is None else flags))
         raise UnsupportedIsaError(
-            f"this CPU cannot run the {requested} native kernel (missing "
+            f"{source}: this CPU cannot run the {requested} native kernel (missing "
             f"{', '.join(missing) or 'an x86-64 CPU'}); it runs {', '.join(supported)}"
         )
     return requested

@@ -23,6 +23,7 @@ from services.async_engine import AsyncEngine, EngineDeadError
 from services.convert import load_report_to_proto
 from services.engine import EngineCore
 from services.listen import ListenError
+from services.models.native_attention import UnsupportedIsaError
 from services.node.config import NodeConfig, Role
 from services.node.grpc_server import NodeServer, Registrar
 from services.node.metrics import NodeMetrics
@@ -143,6 +144,7 @@ def run(config: NodeConfig, role: RoleFactory) -> None:
     )
     try:
         asyncio.run(serve(config, role))
-    except (ListenError, UnsupportedMemoryError) as exc:
+    # Start-up refusals a user can act on: one line, exit 1, no traceback.
+    except (ListenError, UnsupportedMemoryError, UnsupportedIsaError) as exc:
         logger.error("%s", exc)
         raise SystemExit(1) from None
