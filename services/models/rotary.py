@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -49,12 +50,26 @@ class RotaryEmbedding(nn.Module):
     def to_device(self, device: torch.device) -> None:
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)
 
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [num_tokens]; query: [num_tokens, num_heads, head_dim]; key likewise."""
-        cos = self.cos[positions].to(query.dtype)[:, None, :]
-        sin = self.sin[positions].to(query.dtype)[:, None, :]
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """The cos and sin rows of a step's positions in the activations' dtype, looked up once
+        per step and shared by every layer (a gather and two casts a layer otherwise)."""
+        return RopeTables(
+            cos=self.cos[positions].to(dtype)[:, None, :],
+            sin=self.sin[positions].to(dtype)[:, None, :],
+        )
+
+
+@dataclass(frozen=True)
+class RopeTables:
+    """cos, sin: [num_tokens, 1, head_dim] in the activations' dtype, broadcast over heads."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def apply(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """query: [num_tokens, num_heads, head_dim]; key: [num_tokens, num_kv_heads, head_dim].
+        The same ops in the same dtype as transformers' apply_rotary_pos_emb (same bits)."""
+        cos, sin = self.cos, self.sin
         return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
 
 
