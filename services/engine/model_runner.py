@@ -24,6 +24,7 @@ from services.models.attention import AttentionMetadata, PrefillSpan
 from services.models.backends import make_attention_backend
 from services.models.config import ModelConfig
 from services.models.loader import load_model
+from services.models.packed_linear import pack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class ModelRunner:
             max_positions=max_model_len,
             backend=self.backend,
         )
+        # CPU bf16: weights in oneDNN's blocked layout, reordered once instead of every call.
+        pack_linears(self.model, self.device, self.dtype)
         self.sampler = Sampler(model_config.eos_token_ids)
         self.kv_caches: list[torch.Tensor] = []
         self.max_model_len = max_model_len

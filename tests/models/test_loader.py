@@ -180,7 +180,7 @@ def test_bfloat16_loads_and_generates(tiny_model_factory) -> None:
         max_model_len=MAX_POSITIONS,
         kv_cache_memory=KV_CACHE_MEMORY,
     )
-    assert llm.engine.runner.model.lm_head.weight.dtype is torch.bfloat16
+    assert llm.engine.runner.model.model.embed_tokens.weight.dtype is torch.bfloat16
 
     [output] = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=5, ignore_eos=True))
 
