@@ -49,6 +49,7 @@ from services.engine import LLM, SamplingParams  # noqa: E402
 from services.engine.dtype_choice import measure_gflops, model_gemm_shapes  # noqa: E402
 from services.models.config import ModelConfig  # noqa: E402
 from services.models.cpu_features import cpu_flags  # noqa: E402
+from services.models.packed_linear import PackedLinear  # noqa: E402
 from services.models.tiny import build_tiny_model  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "small-llama"
@@ -79,16 +80,17 @@ def copy_bandwidth(num_bytes: int = 512 << 20, trials: int = 8) -> float:
 
 
 def weight_counts(llm: LLM) -> tuple[int, int]:
-    """(decoder linear weights, lm_head weights): parameters a token's matmuls touch."""
+    """(decoder linear weights, lm_head weights): parameters a token's matmuls touch. Counted
+    from the modules' shapes: packed linears (``packed_linear.py``) hold no parameters."""
     decoder = lm_head = 0
-    for name, param in llm.engine.runner.model.named_parameters():
+    for name, module in llm.engine.runner.model.named_modules():
+        if not isinstance(module, (torch.nn.Linear, PackedLinear)):
+            continue
+        weights = module.in_features * module.out_features
         if name.startswith("lm_head"):
-            lm_head += param.numel()
-        elif ".layers." in name and param.dim() == 2:
-            decoder += param.numel()
-    if lm_head == 0:  # tied embeddings: the lm_head reads the embedding matrix
-        cfg = llm.engine.model_config
-        lm_head = cfg.vocab_size * cfg.hidden_size
+            lm_head += weights
+        elif ".layers." in name:
+            decoder += weights
     return decoder, lm_head
 
 
