@@ -21,7 +21,7 @@ from gateway.tool_parsers import (
     ParsedCall,
     parser_for,
 )
-from tests.gateway.test_openai_app import MODEL, Served, output_script, start
+from support.openai_app import MODEL, Served, output_script, start
 
 WEATHER = {
     "type": "function",

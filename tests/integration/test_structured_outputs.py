@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.v1 import common_pb2
-from tests.integration.test_gateway import Stack, run_stack
+from support.inprocess_stack import Stack, run_stack
 
 WEATHER = {
     "type": "function",
