@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from decode_node.role import decode_services
-from services.node.config import Role, parse_node_config
+from services.node.config import parse_node_config
 from services.node.runtime import run
+from services.types import Role
 
 
 def main() -> None:

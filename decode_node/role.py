@@ -6,10 +6,11 @@ from decode_node.servicer import DecodeServicer
 from decode_node.transfers import TransferManager
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 from services.async_engine import AsyncEngine
-from services.node.config import NodeConfig, Role
+from services.node.config import NodeConfig
 from services.node.kv_regions import open_kv_transport
 from services.node.metrics import NodeMetrics
 from services.node.runtime import NodeServerRef, NodeServices
+from services.types import Role
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
 

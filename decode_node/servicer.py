@@ -25,6 +25,8 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TypeAlias, cast
 
 import grpc
 from google.protobuf import timestamp_pb2
@@ -63,6 +65,11 @@ _UNCOMMITTED = (TransferState.RESERVED, TransferState.RECEIVING, TransferState.C
 DEFAULT_LEASE_MS = 10_000
 MAX_LEASE_MS = 600_000
 
+# A string: grpc.aio.ServicerContext is generic in its stubs only, not at run time.
+_GenerateContext: TypeAlias = (
+    "grpc.aio.ServicerContext[decode_pb2.GenerateRequest, decode_pb2.GenerateResponse]"
+)
+
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     def __init__(
@@ -81,8 +88,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.transfers = transfers
 
     async def Generate(
-        self, request: decode_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ):
+        self, request: decode_pb2.GenerateRequest, context: _GenerateContext
+    ) -> AsyncIterator[decode_pb2.GenerateResponse]:
         async with self.server.get().admit(context):
             if request.kv_source and self.transfers is None:
                 await context.abort(
@@ -109,16 +116,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         request_id: str,
         prompt: list[int],
         params: SamplingParams,
-        context: grpc.aio.ServicerContext,
-    ):
+        context: _GenerateContext,
+    ) -> AsyncGenerator[decode_pb2.GenerateResponse, None]:
         """Compute the prompt on this node and stream every token (the colocated role, or a
         decode node recomputing after a failed handoff)."""
         clock = DecodeClock(started=time.monotonic(), from_peer=False)
         num_generated = 0
         last: EngineCoreOutput | None = None
         # aclosing: a stream closed at a yield aborts the request now, not when the suspended
-        # engine stream is garbage-collected.
-        outputs = self.engine.generate(request_id, prompt, params)
+        # engine stream is garbage-collected. The cast: AsyncEngine.generate is an async
+        # generator (so it has aclose) although its annotation says AsyncIterator.
+        outputs = cast(
+            AsyncGenerator[EngineCoreOutput, None],
+            self.engine.generate(request_id, prompt, params),
+        )
         try:
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
@@ -146,8 +157,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         request_id: str,
         prompt: list[int],
         params: SamplingParams,
-        context: grpc.aio.ServicerContext,
-    ):
+        context: _GenerateContext,
+    ) -> AsyncGenerator[decode_pb2.GenerateResponse, None]:
         assert self.transfers is not None
         if request.lease_ms > MAX_LEASE_MS:
             await context.abort(
@@ -250,7 +261,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.metrics.request_finished(last.finish_reason.value)
         return decode_pb2.GenerateResponse(
             finished=decode_pb2.Finished(
-                finish_reason=finish_reason_to_proto(last.finish_reason),
+                # The cast: convert returns a plain int, the .pyi wants the enum's own type.
+                finish_reason=cast(
+                    "common_pb2.FinishReason", finish_reason_to_proto(last.finish_reason)
+                ),
                 usage=common_pb2.Usage(
                     prompt_tokens=num_prompt_tokens,
                     completion_tokens=num_generated,
@@ -278,7 +292,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             lease_deadline=deadline,
         )
 
-    async def CommitKv(self, request: kv_pb2.KvCommit, context: grpc.aio.ServicerContext):
+    async def CommitKv(
+        self,
+        request: kv_pb2.KvCommit,
+        context: grpc.aio.ServicerContext[kv_pb2.KvCommit, kv_pb2.KvCommitAck],
+    ) -> kv_pb2.KvCommitAck:
         if self.transfers is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "a colocated node holds no KV reservations"
@@ -314,7 +332,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return kv_pb2.KvCommitAck()
 
-    async def RenewKv(self, request: kv_pb2.KvRenew, context: grpc.aio.ServicerContext):
+    async def RenewKv(
+        self,
+        request: kv_pb2.KvRenew,
+        context: grpc.aio.ServicerContext[kv_pb2.KvRenew, kv_pb2.KvRenewAck],
+    ) -> kv_pb2.KvRenewAck:
         if self.transfers is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "a colocated node holds no KV reservations"
@@ -325,7 +347,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return kv_pb2.KvRenewAck(lease_ms=max(1, round(transfer.lease_s * 1000)))
 
-    async def Abort(self, request: decode_pb2.AbortRequest, context: grpc.aio.ServicerContext):
+    async def Abort(
+        self,
+        request: decode_pb2.AbortRequest,
+        context: grpc.aio.ServicerContext[decode_pb2.AbortRequest, decode_pb2.AbortResponse],
+    ) -> decode_pb2.AbortResponse:
         # A reserved request is aborted through its transfer, which fences before freeing;
         # anything else through AsyncEngine.abort, which also ends the request's open stream.
         try:
@@ -338,7 +364,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return decode_pb2.AbortResponse(found=found)
 
-    async def GetLoad(self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
+    async def GetLoad(
+        self,
+        request: common_pb2.GetLoadRequest,
+        context: grpc.aio.ServicerContext[common_pb2.GetLoadRequest, common_pb2.LoadReport],
+    ) -> common_pb2.LoadReport:
         return await load_report(self.config, self.engine, self.server, context)
 
 

@@ -62,7 +62,10 @@ def grpc_serving(
     with sync_channel(address, tls, options) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
-            response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+            # The health stubs (types-grpcio-health-checking) declare no methods on HealthStub.
+            response: health_pb2.HealthCheckResponse = stub.Check(  # type: ignore[attr-defined]
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
         except grpc.RpcError:
             return False
     return response.status == health_pb2.HealthCheckResponse.SERVING
@@ -77,6 +80,7 @@ def http_ok(url: str, timeout_s: float = 2.0, ca: Path | None = None) -> bool:
         )
     try:
         with opener.open(url, timeout=timeout_s) as response:
-            return response.status == 200
+            status: int = response.status  # open() is typed Any
+            return status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False

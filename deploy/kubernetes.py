@@ -181,7 +181,9 @@ def grpc_probe(port: int, period_s: int, failures: int, tls: bool = False) -> di
     }
 
 
-def tls_parts(topology: Topology, component: str) -> tuple[list, list, list]:
+def tls_parts(
+    topology: Topology, component: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """(env, volume mounts, volumes) for the pod's certificate, when the topology asks."""
     if not topology.kubernetes.tls:
         return [], [], []

@@ -27,6 +27,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from deploy.certs import write_deployment
 from deploy.commands import ProcessSpec, connect_host, local_processes
@@ -96,11 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def topology_from_args(args: argparse.Namespace) -> Topology:
     topology = load_topology(args.topology) if args.topology else Topology()
-    top: dict[str, object] = {}
+    # Any: each key is a different field of Topology (or GatewaySpec below).
+    top: dict[str, Any] = {}
     for key in ("model", "served_model_name", "dtype", "host", "kv_transport"):
         if getattr(args, key) is not None:
             top[key] = getattr(args, key)
-    gateway: dict[str, object] = {}
+    gateway: dict[str, Any] = {}
     for key in ("http_port", "grpc_port"):
         if getattr(args, key) is not None:
             gateway[key] = getattr(args, key)

@@ -40,7 +40,7 @@ class RestartBook:
         if len(recent) >= self.policy.budget:
             self._restarts[name] = recent
             return None
-        delay = min(self.policy.initial_backoff_s * 2 ** len(recent), self.policy.max_backoff_s)
+        delay = min(self.policy.initial_backoff_s * 2.0 ** len(recent), self.policy.max_backoff_s)
         self._restarts[name] = [*recent, now + delay]
         return delay
 

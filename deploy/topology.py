@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from services.types import Role
+from services.types import Role as Role  # re-exported: deploy takes Role from here
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_TRANSPORTS = ("auto", "shm", "cuda_ipc", "ucx", "loopback")
@@ -306,7 +306,7 @@ class Topology:
         self, *, prefill: int | None = None, decode: int | None = None, colocated: int | None = None
     ) -> Topology:
         """Another node count per role; GPU pins are dropped where the count changes."""
-        changed: dict[str, NodeGroup] = {}
+        changed: dict[str, Any] = {}  # Any: mypy matches ** against every field of replace()
         for role, count in (
             (Role.PREFILL, prefill),
             (Role.DECODE, decode),

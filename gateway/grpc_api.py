@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
+from typing import Any, TypeAlias, cast
 
 import grpc
 
@@ -33,14 +35,23 @@ from services.types import SamplingParamError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Strings: grpc.aio.ServicerContext is generic in its stubs only, not at run time.
+_GenerateContext: TypeAlias = (
+    "grpc.aio.ServicerContext["
+    "gateway_pb2.GatewayGenerateRequest, gateway_pb2.GatewayGenerateResponse]"
+)
+_ListModelsContext: TypeAlias = (
+    "grpc.aio.ServicerContext[gateway_pb2.ListModelsRequest, gateway_pb2.ListModelsResponse]"
+)
+
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
 
     async def Generate(
-        self, request: gateway_pb2.GatewayGenerateRequest, context: grpc.aio.ServicerContext
-    ):
+        self, request: gateway_pb2.GatewayGenerateRequest, context: _GenerateContext
+    ) -> AsyncIterator[gateway_pb2.GatewayGenerateResponse]:
         arrival = time.monotonic()
         frontend = self.frontend
         lease = None
@@ -72,7 +83,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                         else:
                             yield gateway_pb2.GatewayGenerateResponse(
                                 finished=gateway_pb2.GatewayFinished(
-                                    finish_reason=finish_reason_to_proto(item.finish_reason),
+                                    # The cast: convert returns a plain int, the .pyi
+                                    # wants the enum's own type.
+                                    finish_reason=cast(
+                                        "common_pb2.FinishReason",
+                                        finish_reason_to_proto(item.finish_reason),
+                                    ),
                                     usage=usage_to_proto(item.usage),
                                     timings=stage_timings_to_proto(item.timings),
                                     error=item.error or "",
@@ -93,7 +109,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 lease.release()
 
     async def ListModels(
-        self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+        self, request: gateway_pb2.ListModelsRequest, context: _ListModelsContext
     ) -> gateway_pb2.ListModelsResponse:
         try:
             self._authenticate(context)
@@ -108,9 +124,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             ]
         )
 
-    def _authenticate(self, context: grpc.aio.ServicerContext) -> ApiKey | None:
+    def _authenticate(self, context: grpc.aio.ServicerContext[Any, Any]) -> ApiKey | None:
         metadata = dict(context.invocation_metadata() or ())
-        return self.frontend.api_keys.check(metadata.get("authorization"))
+        # A bytes value comes only for "-bin" keys, which "authorization" is not.
+        authorization = metadata.get("authorization")
+        return self.frontend.api_keys.check(
+            authorization if isinstance(authorization, str) else None
+        )
 
     def _check(self, request: gateway_pb2.GatewayGenerateRequest) -> SamplingParams:
         """What needs no tokenizer, before admission: model, input kind, sampling, stop."""

@@ -80,7 +80,7 @@ class GatewayServer:
         self.grpc_port = 0
         self._grpc: grpc.aio.Server | None = None
         self._http: _EmbeddedUvicorn | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         config = self.config
@@ -111,6 +111,7 @@ class GatewayServer:
         sock = bind_tcp(config.host, config.http_port, "the HTTP API")
         self.http_port = sock.getsockname()[1]
         await self._grpc.start()
+        ssl_certfile, ssl_keyfile = self._http_tls()
         self._http = _EmbeddedUvicorn(
             uvicorn.Config(
                 build_openai_app(self.frontend),
@@ -119,7 +120,8 @@ class GatewayServer:
                 # SSE streams idle between tokens of a slow model; keep-alive must outlast that.
                 timeout_keep_alive=30,
                 timeout_graceful_shutdown=30,
-                **self._http_tls(),
+                ssl_certfile=ssl_certfile,
+                ssl_keyfile=ssl_keyfile,
             )
         )
         self._tasks.append(asyncio.create_task(self._http.serve(sockets=[sock]), name="http"))
@@ -134,11 +136,12 @@ class GatewayServer:
             "on" if config.tls else "off",
         )  # fmt: skip
 
-    def _http_tls(self) -> dict[str, str]:
+    def _http_tls(self) -> tuple[str | None, str | None]:
+        """uvicorn's ``ssl_certfile`` and ``ssl_keyfile`` (None: plain HTTP)."""
         tls = self.config.public_tls
         if tls is None:
-            return {}
-        return {"ssl_certfile": str(tls.cert), "ssl_keyfile": str(tls.key)}
+            return None, None
+        return str(tls.cert), str(tls.key)
 
     async def _watch_health(self) -> None:
         """Polls the nodes and mirrors readiness into grpc.health.v1 and the healthy-node gauges.
@@ -169,7 +172,8 @@ class GatewayServer:
     async def stop(self, grace_s: float = 30.0) -> None:
         await self.health.enter_graceful_shutdown()
         if self._http is not None:
-            self._http.config.timeout_graceful_shutdown = grace_s
+            # uvicorn annotates it int but only hands it to asyncio.wait_for, which takes a float.
+            self._http.config.timeout_graceful_shutdown = grace_s  # type: ignore[assignment]
             self._http.should_exit = True
         if self._grpc is not None:
             await self._grpc.stop(grace_s)

@@ -24,6 +24,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from typing import TypeAlias, cast
 
 import grpc
 
@@ -55,6 +56,11 @@ PUSH_MIN_BYTES_PER_S = 16 * 2**20
 FIRST_RENEW_INTERVAL_S = 1.0
 """Until the decode node's first ack says how long its lease is."""
 
+# A string: grpc.aio.ServicerContext is generic in its stubs only, not at run time.
+_PrefillContext: TypeAlias = (
+    "grpc.aio.ServicerContext[prefill_pb2.PrefillRequest, prefill_pb2.PrefillResult]"
+)
+
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(
@@ -74,7 +80,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self._decode_channels: dict[str, grpc.aio.Channel] = {}
         self._releases: set[asyncio.Future[None]] = set()  # held until done (no GC mid-way)
 
-    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+    async def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: _PrefillContext
+    ) -> prefill_pb2.PrefillResult:
         async with self.server.get().admit(context):
             try:
                 params = sampling_params_from_proto(request.sampling)
@@ -127,7 +135,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         first: EngineCoreOutput,
         started: float,
         pushing: asyncio.Event,
-        context: grpc.aio.ServicerContext,
+        context: _PrefillContext,
     ) -> prefill_pb2.PrefillResult:
         """Push and commit (with a destination), release the held blocks, and the result."""
         first_token_at = time.monotonic()
@@ -140,6 +148,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         try:
             pushed = 0
             if destination is not None:
+                assert peer is not None  # checked with the destination
                 pushing.set()  # one last renew: the push and commit must fit in one lease
                 pushed, push_s = await self._push(request_id, destination, peer, context)
                 timings = dataclasses.replace(timings, kv_transfer_s=push_s)
@@ -164,10 +173,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             )
         # The first token may already end the request (EOS, max_tokens=1).
         if first.finish_reason is not None and _stops_for_good(first, params.max_tokens):
-            result.finish_reason = finish_reason_to_proto(first.finish_reason)
+            # The cast: convert returns a plain int, the .pyi wants the enum's own type.
+            result.finish_reason = cast(
+                "common_pb2.FinishReason", finish_reason_to_proto(first.finish_reason)
+            )
         return result
 
-    async def GetLoad(self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
+    async def GetLoad(
+        self,
+        request: common_pb2.GetLoadRequest,
+        context: grpc.aio.ServicerContext[common_pb2.GetLoadRequest, common_pb2.LoadReport],
+    ) -> common_pb2.LoadReport:
         return await load_report(self.config, self.engine, self.server, context)
 
     def _decode_stub(self, target: str) -> decode_pb2_grpc.DecodeServiceStub:
@@ -182,7 +198,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         request: prefill_pb2.PrefillRequest,
         started_computing: asyncio.Event,
         pushing: asyncio.Event,
-        owner: asyncio.Task | None,
+        owner: asyncio.Task[object] | None,
     ) -> None:
         """Renew the reservation's lease while the request queues and computes here, once more
         as its push begins, then stop: a push that stalls is caught by the lease as before."""
@@ -229,7 +245,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self,
         request: prefill_pb2.PrefillRequest,
         prompt: list[int],
-        context: grpc.aio.ServicerContext,
+        context: _PrefillContext,
     ) -> PeerAddress:
         """Everything about the destination is checked before any compute or byte moves."""
         destination = request.destination
@@ -279,7 +295,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         first_params: SamplingParams,
         *,
         hold_kv: bool,
-        context: grpc.aio.ServicerContext,
+        context: _PrefillContext,
         on_started: Callable[[], None] | None = None,
     ) -> EngineCoreOutput:
         try:
@@ -300,7 +316,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         request_id: str,
         destination: kv_pb2.KvReservation,
         peer: PeerAddress,
-        context: grpc.aio.ServicerContext,
+        context: _PrefillContext,
     ) -> tuple[int, float]:
         dst_layout = dataclasses.replace(self.layout, num_blocks=destination.num_blocks_total)
         src_blocks = await self.engine.call(lambda engine: engine.kv_block_ids(request_id))
@@ -348,7 +364,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         destination: kv_pb2.KvReservation,
         first: EngineCoreOutput,
         timings: StageTimings,
-        context: grpc.aio.ServicerContext,
+        context: _PrefillContext,
     ) -> None:
         commit = kv_pb2.KvCommit(
             transfer_id=destination.transfer_id,

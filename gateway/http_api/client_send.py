@@ -47,8 +47,9 @@ async def send_json(
     body: BaseModel | dict[str, object],
     headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
-    content = body.model_dump_json().encode() if isinstance(body, BaseModel) else None
-    if content is None:
+    if isinstance(body, BaseModel):
+        content: bytes | memoryview = body.model_dump_json().encode()
+    else:
         content = JSONResponse(body).body
     await send(
         {

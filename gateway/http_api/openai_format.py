@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from pydantic import BaseModel
 
@@ -22,6 +23,7 @@ from gateway.http_api.openai_protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    FinishReasonName,
     TokenLogprobInfo,
     TopLogprob,
     UsageInfo,
@@ -231,14 +233,15 @@ class ChatFormat(OpenAIFormat):
             ]
         )
 
-    def _finish_reason(self, state: ChoiceState, tools: ToolCallStream | None) -> str:
+    def _finish_reason(self, state: ChoiceState, tools: ToolCallStream | None) -> FinishReasonName:
         """``tool_calls`` when the model stopped after calling tools (OpenAI keeps ``stop`` for
         a named function)."""
         assert state.finished is not None
         reason = state.finished.finish_reason.value
         if reason == "stop" and tools is not None and tools.calls and not tools.is_named:
             return "tool_calls"
-        return reason
+        # Each FinishReason value is a FinishReasonName (tests/gateway/test_openai_protocol.py).
+        return cast(FinishReasonName, reason)
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
         chunk = self._chunk([])

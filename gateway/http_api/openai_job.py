@@ -14,6 +14,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 
@@ -121,7 +122,7 @@ def chat_job(body: ChatCompletionRequest, request: Request, frontend: Frontend) 
     plan = tool_plan(body)
     guided = guided_from_request(body)
     forced = None if plan is None else plan.guided()
-    if forced is not None:
+    if plan is not None and forced is not None:
         if guided is not None:
             raise invalid(
                 f"tool_choice {plan.mode} forces the output; {guided[1]} cannot be added",
@@ -225,11 +226,11 @@ def prompt_token_ids(job: OpenAIJob, tokenizer: Tokenizer) -> list[tuple[int, ..
         if isinstance(prompt, str):
             prompts = [tokenizer.encode(prompt)]
         elif isinstance(prompt[0], str):
-            prompts = [tokenizer.encode(text) for text in prompt]  # type: ignore[arg-type]
+            prompts = [tokenizer.encode(text) for text in prompt]
         elif isinstance(prompt[0], int):
-            prompts = [list(prompt)]  # type: ignore[arg-type]
+            prompts = [list(prompt)]
         else:
-            prompts = [list(ids) for ids in prompt]  # type: ignore[union-attr]
+            prompts = [list(ids) for ids in prompt]
     vocab_size = tokenizer.vocab_size
     for index, ids in enumerate(prompts):
         where = param if len(prompts) == 1 else f"{param}[{index}]"
@@ -290,7 +291,7 @@ def sampling_params(
         # seed + choice: the n choices differ, and each stays reproducible; wrapped into int64.
         seed = (body.seed + choice + _INT64) % (2 * _INT64) - _INT64
     # A field the client left out (or sent as null) takes the engine's default.
-    given = {
+    given: dict[str, Any] = {
         "temperature": body.temperature,
         "top_k": -1 if body.top_k == 0 else body.top_k,
         "top_p": body.top_p,

@@ -38,8 +38,9 @@ TokenId = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
-def _null_means(default: object, kind: object) -> BeforeValidator:
-    """``null`` is the default, as OpenAI takes it for optional parameters (clients send it)."""
+def _null_means(default: object, kind: Any) -> BeforeValidator:
+    """``null`` is the default, as OpenAI takes it for optional parameters (clients send it).
+    ``kind`` is a type or a typing form (``Annotated[...]``): Any, as no annotation spans both."""
     return BeforeValidator(
         lambda value: default if value is None else value, json_schema_input_type=kind | None
     )
@@ -298,7 +299,9 @@ class ChatDelta(_Response):
     role: Literal["assistant"] | None = None
     """Sent once, in a choice's first chunk, together with its first content."""
     content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=lambda value: value is None)
+    tool_calls: list[ToolCallDelta] | None = Field(
+        default=None, exclude_if=lambda value: value is None
+    )
 
 
 class ChatChunkChoice(_Response):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from types import TracebackType
+from typing import cast
 
 import grpc
 
@@ -112,7 +113,9 @@ class GrpcDecodeLeg(DecodeLeg):
         self.timeout = timeout
         self.metrics = metrics
         self.streamed = False
-        self._stream: grpc.aio.UnaryStreamCall | None = None
+        self._stream: (
+            grpc.aio.UnaryStreamCall[decode_pb2.GenerateRequest, decode_pb2.GenerateResponse] | None
+        ) = None
         self._counted = False
 
     async def __aenter__(self) -> GrpcDecodeLeg:
@@ -143,7 +146,10 @@ class GrpcDecodeLeg(DecodeLeg):
             raise StreamEnded(
                 FinishReason.ERROR, f"decode node {self.node.address}: {exc.details()}"
             ) from None
-        return None if event is grpc.aio.EOF else event
+        if event is grpc.aio.EOF:
+            return None
+        # The stubs type read() as `object | response` (EOF has no type of its own there).
+        return cast(decode_pb2.GenerateResponse, event)
 
     async def reservation(self) -> object:
         first = await self._read()
@@ -187,7 +193,9 @@ class GrpcPrefillLeg(PrefillLeg):
         self.node = node
         self.message = message
         self.timeout = timeout
-        self._call: grpc.aio.UnaryUnaryCall | None = None
+        self._call: (
+            grpc.aio.UnaryUnaryCall[prefill_pb2.PrefillRequest, prefill_pb2.PrefillResult] | None
+        ) = None
         self._counted = False
 
     async def __aenter__(self) -> GrpcPrefillLeg:

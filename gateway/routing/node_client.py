@@ -40,7 +40,10 @@ class NodeClient:
     async def poll(self, timeout_s: float) -> tuple[NodeLoad | None, str | None]:
         """The node's load and, when it is not SERVING or did not answer, why (else None)."""
         try:
-            status = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            # The health stubs (types-grpcio-health-checking) declare no methods on HealthStub.
+            status = await self._health.Check(  # type: ignore[attr-defined]
+                health_pb2.HealthCheckRequest(), timeout=timeout_s
+            )
             stub = self.prefill if self.role is Role.PREFILL else self.decode
             report = await stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:

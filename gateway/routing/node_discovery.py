@@ -85,4 +85,4 @@ class DnsResolver:
             raise ResolveError(f"{host}: {exc}") from None
         except TimeoutError:
             raise ResolveError(f"{host}: no answer in {self.timeout_s:g} s") from None
-        return sorted({format_address(info[4][0], port) for info in infos})
+        return sorted({format_address(str(info[4][0]), port) for info in infos})

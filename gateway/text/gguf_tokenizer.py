@@ -11,6 +11,7 @@ files) are refused by name.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
@@ -50,7 +51,7 @@ def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
 
 
 # tokenizer.ggml.pre → how text is split before BPE.
-_PRE_TOKENIZERS = {
+_PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
     "default": _byte_level,
     "gpt-2": _byte_level,
     "gpt2": _byte_level,

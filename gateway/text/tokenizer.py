@@ -158,8 +158,10 @@ def _token_content(value: object) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or a serialized AddedToken."""
     if isinstance(value, str):
         return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
+    if isinstance(value, dict):
+        content = value.get("content")
+        if isinstance(content, str):
+            return content
     return None
 
 
