@@ -46,7 +46,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 
-# mypy --strict on services/engine and kv_transfer (the files and flags are [tool.mypy] in
+# mypy --strict on the packages listed in [tool.mypy] (files and flags are [tool.mypy] in
 # pyproject.toml); .mypy_cache keeps a rerun to seconds.
 typecheck: setup
 	$(VENV)/bin/mypy
