@@ -71,6 +71,7 @@ def node_service(topology: Topology, group: NodeGroup, node: NodeInstance) -> di
         "PDSERVE_ROLE": str(node.role),
         "PDSERVE_MODEL": topology.model,
         "PDSERVE_DTYPE": topology.dtype,
+        "PDSERVE_KV_CACHE_DTYPE": topology.kv_cache_dtype,
         "PDSERVE_DEVICE": "cpu" if node.gpu_id is None else "cuda",
         "PDSERVE_KV_TRANSPORT": topology.kv_transport,
         "PDSERVE_GRPC_PORT": str(node.grpc_port),

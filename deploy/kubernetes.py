@@ -125,6 +125,7 @@ def node_config(topology: Topology, group: NodeGroup) -> dict[str, str]:
             "PDSERVE_ROLE": str(group.role),
             "PDSERVE_MODEL": topology.model,
             "PDSERVE_DTYPE": topology.dtype,
+            "PDSERVE_KV_CACHE_DTYPE": topology.kv_cache_dtype,
             "PDSERVE_DEVICE": "cuda" if group.gpu_ids else "cpu",
             "PDSERVE_KV_TRANSPORT": topology.kv_transport,
             # Pods of a pair may land on different hosts: auto must pick ucx, never shm or

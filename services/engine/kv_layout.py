@@ -21,6 +21,8 @@ class KvLayout:
     model_id: str
     """Architecture and a hash of config.json: both nodes must run the same model."""
     dtype: str
+    """The dtype the cache holds (``kv_cache_dtype``, resolved), which may differ from the
+    compute dtype: two nodes exchange pages iff they agree on it."""
     block_size: int
     num_layers: int
     num_kv_heads: int

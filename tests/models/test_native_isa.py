@@ -77,7 +77,11 @@ def test_each_variant_reads_a_cache_of_another_dtype_like_torch(
 
     out = decode(native, query, kv_cache, metadata)
 
-    expected = decode(TorchPagedAttention(16, scale), query.float(), kv_cache.float(), metadata)
+    torch_path = TorchPagedAttention(16, scale)
+    if query_dtype == torch.float32:  # the torch path widens the bf16 cache itself
+        expected = decode(torch_path, query, kv_cache, metadata)
+    else:  # (it would round an fp32 cache to the bf16 query's dtype: widen both instead)
+        expected = decode(torch_path, query.float(), kv_cache.float(), metadata)
     assert out.dtype == query_dtype and not out.isnan().any()
     if query_dtype == torch.float32:  # the only rounding is the cache's, shared by both sides
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
