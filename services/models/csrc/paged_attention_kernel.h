@@ -9,6 +9,8 @@
 //   1. scores = scale * q . k for every query head, into a per-thread fp32 buffer
 //      [heads, seq_len] (a tile's dot products reduced together);
 //   2. softmax in place (max-subtracted, exact-enough exp), then out = sum_t p_t * v_t / sum_t p_t.
+// The query (and output) and the caches each hold fp32 or bf16 independently (Problem<Q, KV>):
+// a bf16 cache under an fp32 query is widened like any bf16 one, at half an fp32 cache's bytes.
 // Everything accumulates in fp32; nothing past seq_len (garbage table entries, the rest of the
 // last block) is read. Rows are prefetched two tiles ahead: blocks are scattered, so the hardware
 // prefetcher cannot follow.
