@@ -67,14 +67,16 @@ $(MODEL_DIR)/config.json:
 	$(PY) -m services.models.tiny $(MODEL_DIR).tmp --arch llama --size tiny
 	rm -rf $(MODEL_DIR) && mv $(MODEL_DIR).tmp $(MODEL_DIR)
 
-# make run [MODEL=dir|gguf] [DTYPE=auto|float32|bfloat16] [KV_TRANSPORT=auto|shm|ucx|cuda_ipc] [PREFILL=1]
+# make run [MODEL=dir|gguf] [DTYPE=auto|float32|bfloat16] [KV_CACHE_DTYPE=auto|float32|bfloat16]
+#          [KV_TRANSPORT=auto|shm|ucx|cuda_ipc] [PREFILL=1]
 #          [DECODE=1] [COLOCATED=0] [HOST=127.0.0.1]
 #          [HTTP_PORT=8000] [GRPC_PORT=50051] [PREFILL_PORT=50061] [DECODE_PORT=50071]
 #          [COLOCATED_PORT=50081] [TOPOLOGY=deploy/topology.example.yaml] [TLS=1]
 # Variables given override the topology file; without MODEL or TOPOLOGY, SmolLM2 is served.
 RUN_ARGS = $(if $(TOPOLOGY),--topology $(TOPOLOGY)) \
 	$(if $(MODEL),--model $(MODEL),$(if $(TOPOLOGY),,--model $(DEFAULT_MODEL))) \
-	$(if $(DTYPE),--dtype $(DTYPE)) $(if $(KV_TRANSPORT),--kv-transport $(KV_TRANSPORT)) \
+	$(if $(DTYPE),--dtype $(DTYPE)) $(if $(KV_CACHE_DTYPE),--kv-cache-dtype $(KV_CACHE_DTYPE)) \
+	$(if $(KV_TRANSPORT),--kv-transport $(KV_TRANSPORT)) \
 	$(if $(PREFILL),--prefill $(PREFILL)) \
 	$(if $(DECODE),--decode $(DECODE)) $(if $(COLOCATED),--colocated $(COLOCATED)) \
 	$(if $(HOST),--host $(HOST)) $(if $(HTTP_PORT),--http-port $(HTTP_PORT)) \

@@ -1,7 +1,8 @@
 """How close pdserve's engine runs to this host's roofline: prefill against the GEMM peak,
 decode steps against max(compute, bytes read / memory bandwidth).
 
-    python benchmarks/roofline.py [--model DIR] [--dtype auto] [--num-prompts 64]
+    python benchmarks/roofline.py [--model DIR] [--dtype auto] [--kv-cache-dtype auto]
+        [--num-prompts 64]
         [--input-len 256] [--decode-steps 32] [--json OUT.json]
 
 What it measures, in one process:
@@ -22,8 +23,9 @@ What the roofline counts:
                  request), norms, RoPE and the sampler;
   decode FLOPs   2 x (decoder linear weights + lm_head) x sequences;
   decode bytes   the decoder linear weights and the lm_head once (compute dtype), plus every
-                 sequence's K and V for its whole context (KV dtype = compute dtype); the
-                 embedding rows, activations and writes are left out;
+                 sequence's K and V for its whole context (in the KV cache dtype, which
+                 ``--kv-cache-dtype auto`` makes bfloat16 on CPU); the embedding rows,
+                 activations and writes are left out;
   decode bound   max(FLOPs / GEMM peak, bytes / bandwidth).
 """
 
@@ -115,6 +117,8 @@ class EngineRun:
     dtype: str
     dtype_source: str
     itemsize: int
+    kv_cache_dtype: str
+    kv_itemsize: int
     prefill_seconds: float
     prefill_tok_per_s: float
     decode_step_seconds: list[float]
@@ -127,6 +131,7 @@ def run_engine(args: argparse.Namespace) -> EngineRun:
     llm = LLM(
         args.model,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=args.input_len + args.decode_steps + 8,
         max_num_seqs=args.num_prompts,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -159,6 +164,8 @@ def run_engine(args: argparse.Namespace) -> EngineRun:
         dtype=engine.dtype_choice.dtype,
         dtype_source=engine.dtype_choice.source,
         itemsize=engine.runner.dtype.itemsize,
+        kv_cache_dtype=engine.kv_dtype_choice.dtype,
+        kv_itemsize=engine.runner.kv_cache_dtype.itemsize,
         prefill_seconds=prefill_s,
         prefill_tok_per_s=args.num_prompts * args.input_len / prefill_s,
         decode_step_seconds=step_times,
@@ -172,6 +179,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--decode-steps", type=int, default=32)
@@ -200,7 +208,9 @@ def main() -> None:
     # Decode: the mean context over the timed steps (prompt + tokens generated so far).
     num_seqs, itemsize = args.num_prompts, engine.itemsize
     mean_context = args.input_len + 1 + len(engine.decode_step_seconds) / 2
-    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize * mean_context
+    kv_bytes = (
+        2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.kv_itemsize * mean_context
+    )
     decode_compute_s, decode_memory_s = decode_bound_s(
         weights=decoder + lm_head,
         itemsize=itemsize,
@@ -238,7 +248,7 @@ def main() -> None:
     rates = ", ".join(f"{name} {rate:.0f}" for name, rate in gflops.items())
     print(f"GEMM at the model's shapes (GFLOP/s): {rates}; peak {peak_dtype}")
     print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
-    print(f"engine dtype: {engine.dtype} ({engine.dtype_source})")
+    print(f"engine dtype: {engine.dtype} ({engine.dtype_source}), KV cache {engine.kv_cache_dtype}")
     print(
         f"prefill: {engine.prefill_tok_per_s:.0f} tok/s of a {prefill_roof:.0f} tok/s roofline "
         f"= {prefill_fraction:.0%} (target >= 85 %)"

@@ -62,6 +62,7 @@ def node_process(
         "--role", str(node.role),
         "--model", topology.model,
         "--dtype", topology.dtype,
+        "--kv-cache-dtype", topology.kv_cache_dtype,
         "--device", device,
         "--host", topology.host,
         "--grpc-port", str(node.grpc_port),

@@ -50,6 +50,13 @@ def flag_env(args: FlagArgs) -> dict[str, str]:
     return {f"PDSERVE_{flag.upper().replace('-', '_')}": value or "true" for flag, value in args}
 
 
+def kv_cache_dtype_env(topology: Topology) -> dict[str, str]:
+    """``PDSERVE_KV_CACHE_DTYPE`` when the topology sets one; nodes default to auto."""
+    if topology.kv_cache_dtype == "auto":
+        return {}
+    return {"PDSERVE_KV_CACHE_DTYPE": topology.kv_cache_dtype}
+
+
 def healthcheck(test: list[str], start_period_s: int) -> dict[str, Any]:
     return {
         "test": ["CMD", *test],
@@ -71,6 +78,8 @@ def node_service(topology: Topology, group: NodeGroup, node: NodeInstance) -> di
         "PDSERVE_ROLE": str(node.role),
         "PDSERVE_MODEL": topology.model,
         "PDSERVE_DTYPE": topology.dtype,
+        # Only when set: the committed files stay those of the default (auto).
+        **kv_cache_dtype_env(topology),
         "PDSERVE_DEVICE": "cpu" if node.gpu_id is None else "cuda",
         "PDSERVE_KV_TRANSPORT": topology.kv_transport,
         "PDSERVE_GRPC_PORT": str(node.grpc_port),

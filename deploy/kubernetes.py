@@ -37,7 +37,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from deploy.compose import ENV_FILES, flag_env
+from deploy.compose import ENV_FILES, flag_env, kv_cache_dtype_env
 from deploy.envoy.config import envoy_bootstrap
 from deploy.topology import NodeGroup, Role, Topology
 
@@ -125,6 +125,8 @@ def node_config(topology: Topology, group: NodeGroup) -> dict[str, str]:
             "PDSERVE_ROLE": str(group.role),
             "PDSERVE_MODEL": topology.model,
             "PDSERVE_DTYPE": topology.dtype,
+            # Only when set: the committed files stay those of the default (auto).
+            **kv_cache_dtype_env(topology),
             "PDSERVE_DEVICE": "cuda" if group.gpu_ids else "cpu",
             "PDSERVE_KV_TRANSPORT": topology.kv_transport,
             # Pods of a pair may land on different hosts: auto must pick ucx, never shm or

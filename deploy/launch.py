@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", help="Hugging Face model directory (default: models/tiny-llama)")
     add("--served-model-name", help="name clients send (default: the directory's name)")
     add("--dtype", choices=DTYPES)
+    add("--kv-cache-dtype", choices=DTYPES, help="dtype of every node's KV cache (default auto)")
     add("--kv-transport", choices=KV_TRANSPORTS, help="KV transport between nodes (default auto)")
     add("--prefill", type=int, metavar="N", help="number of prefill nodes")
     add("--decode", type=int, metavar="N", help="number of decode nodes")
@@ -99,7 +100,7 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
     topology = load_topology(args.topology) if args.topology else Topology()
     # Any: each key is a different field of Topology (or GatewaySpec below).
     top: dict[str, Any] = {}
-    for key in ("model", "served_model_name", "dtype", "host", "kv_transport"):
+    for key in ("model", "served_model_name", "dtype", "kv_cache_dtype", "host", "kv_transport"):
         if getattr(args, key) is not None:
             top[key] = getattr(args, key)
     gateway: dict[str, Any] = {}

@@ -216,6 +216,9 @@ class Topology:
     """The name clients send; default: the model directory's name."""
     dtype: str = "auto"
     """auto: each node measures bfloat16 against float32 on its CPU (bfloat16 on CUDA)."""
+    kv_cache_dtype: str = "auto"
+    """The dtype every node's KV cache holds (prefill and decode must agree); auto: bfloat16 on
+    CPU whatever the compute dtype, the compute dtype on CUDA."""
     kv_transport: str = "auto"
     """auto: every node of a topology runs on one host, so shm for host KV caches and cuda_ipc
     for GPU ones; ucx also works between processes; loopback only inside one process."""
@@ -245,6 +248,8 @@ class Topology:
             raise ValueError("model must name a model directory")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(
                 f"kv_transport must be one of {KV_TRANSPORTS}, got {self.kv_transport!r}"

@@ -66,6 +66,10 @@ class EngineConfig:
     dtype: str = "bfloat16"
     """float32, bfloat16, float16 (GPU only), or auto: on CPU the faster of bfloat16 and float32
     for this model's GEMMs, measured once per CPU (``dtype_choice.py``); bfloat16 on CUDA."""
+    kv_cache_dtype: str = "auto"
+    """float32, bfloat16, float16 (GPU only), or auto: bfloat16 on CPU whatever the compute
+    dtype (decode is memory-bound, and bf16 halves its K/V reads), the compute dtype on CUDA
+    (the Triton kernels read the cache in the query's dtype). See ``dtype_choice.py``."""
     device: str = "cpu"
     max_model_len: int | None = None
     """Longest prompt + output; default: the model's max_position_embeddings."""
@@ -89,6 +93,25 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype == "float16" and self.device == "cpu":
             raise ValueError("dtype float16 is supported on GPU only; use bfloat16 or float32")
+        if self.kv_cache_dtype not in _DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_dtype == "float16" and self.device == "cpu":
+            raise ValueError(
+                "kv_cache_dtype float16 is supported on GPU only; use bfloat16 or float32"
+            )
+        if (
+            (self.device.startswith("cuda") or self.attention_backend == "triton")
+            and self.dtype != "auto"
+            and self.kv_cache_dtype not in ("auto", self.dtype)
+        ):
+            # dtype auto is resolved at start-up; dtype_choice.choose_kv_cache_dtype checks it.
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype} differs from dtype {self.dtype}: the "
+                "Triton attention kernels (CUDA) read the cache in the compute dtype; use "
+                "kv_cache_dtype auto"
+            )
         if self.attention_backend not in ("auto", "torch", "native", "triton"):
             raise ValueError(
                 "attention_backend must be auto, torch, native or triton, "

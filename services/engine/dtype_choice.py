@@ -14,11 +14,20 @@ Life cycle of a choice, once per engine start:
      falls on both, for about ``budget_s`` of GEMM time, keeps each dtype's best pass, writes
      the rates to the cache and picks the faster.
 Steps 3-4 hold an exclusive lock on the cache file, so that nodes started together on one
-host measure once and agree (a prefill and a decode node must share a dtype: it is part of the
-KV layout's fingerprint). Nodes on different hosts may choose differently; give them an
-explicit dtype.
+host measure once and agree. Nodes on different hosts may choose different compute dtypes;
+that is harmless for disaggregation as long as their KV dtypes agree (below).
 
-The KV cache holds the compute dtype (no separate KV dtype yet).
+The KV cache dtype is chosen on its own (``choose_kv_cache_dtype``), after the compute dtype:
+  1. an explicit ``kv_cache_dtype`` is used as given (with the Triton kernels, i.e. on CUDA,
+     it must equal the compute dtype);
+  2. ``auto`` on CPU is ``bfloat16`` whatever the compute dtype: decode is memory-bound (every
+     step reads each context's whole K/V), so bf16 halves its traffic and the cache holds twice
+     the tokens, while bf16 keeps fp32's exponent range (no overflow, unlike float16). Attention
+     widens K/V to the query's dtype when it reads them and accumulates in fp32;
+  3. ``auto`` on CUDA (or with the Triton backend) is the compute dtype: the Triton kernels
+     read the cache in the query's dtype.
+The KV dtype is part of the KV layout's fingerprint: a prefill and a decode node must agree on
+it, and with ``auto`` two CPU nodes always do.
 """
 
 from __future__ import annotations
@@ -71,6 +80,50 @@ class DtypeChoice:
     def describe(self) -> str:
         rates = ", ".join(f"{name} {rate:.0f} GFLOP/s" for name, rate in self.gflops.items())
         return f"{self.dtype} ({self.source}{': ' + rates if rates else ''})"
+
+
+@dataclass(frozen=True)
+class KvDtypeChoice:
+    dtype: str
+    """The dtype the KV cache holds: never ``auto``."""
+    reason: str
+    """Why, for the log and the ``pdserve:kv_cache_dtype_info`` metric's ``source`` label:
+    ``explicit``, ``cpu default`` or ``compute dtype``."""
+
+    def describe(self) -> str:
+        return f"{self.dtype} ({self.reason})"
+
+
+CPU_AUTO_KV_DTYPE = "bfloat16"
+
+
+def choose_kv_cache_dtype(
+    requested: str, compute_dtype: str, device: str, attention_backend: str = "auto"
+) -> KvDtypeChoice:
+    """Resolve ``requested`` (``auto`` or a dtype name) given the resolved compute dtype; see
+    the module docstring. A cache dtype other than the compute dtype needs the torch or native
+    attention on the CPU; elsewhere ``auto`` is the compute dtype and anything else raises
+    ``ValueError`` naming ``kv_cache_dtype``."""
+    if compute_dtype == "auto":
+        raise ValueError("choose_kv_cache_dtype needs the resolved compute dtype, got 'auto'")
+    # The Triton kernels (CUDA, or the CPU interpreter in tests) read K/V in the query's dtype.
+    mixed_ok = device == "cpu" and attention_backend != "triton"
+    if requested == "auto":
+        if mixed_ok:
+            return KvDtypeChoice(CPU_AUTO_KV_DTYPE, "cpu default")
+        return KvDtypeChoice(compute_dtype, "compute dtype")
+    if requested not in ("float32", "bfloat16", "float16"):
+        raise ValueError(
+            f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {requested!r}"
+        )
+    if device == "cpu" and requested == "float16":
+        raise ValueError("kv_cache_dtype float16 is supported on GPU only; use bfloat16 or float32")
+    if not mixed_ok and requested != compute_dtype:
+        raise ValueError(
+            f"kv_cache_dtype {requested} differs from the compute dtype {compute_dtype}: the "
+            "Triton attention kernels read the cache in the compute dtype; use kv_cache_dtype auto"
+        )
+    return KvDtypeChoice(requested, "explicit")
 
 
 PassTimer = Callable[[str, Sequence[GemmShape]], float]

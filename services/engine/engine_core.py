@@ -24,7 +24,11 @@ from pathlib import Path
 import torch
 
 from services.engine.config import EngineConfig
-from services.engine.dtype_choice import choose_compute_dtype, model_gemm_shapes
+from services.engine.dtype_choice import (
+    choose_compute_dtype,
+    choose_kv_cache_dtype,
+    model_gemm_shapes,
+)
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.kv_layout import KvLayout
 from services.engine.model_runner import ModelRunner
@@ -55,12 +59,19 @@ class EngineCore:
             config.device,
             model_gemm_shapes(self.model_config, config.scheduler.max_num_batched_tokens),
         )
-        """The compute (and KV cache) dtype: ``config.dtype`` unless that is ``auto``."""
+        """The compute dtype: ``config.dtype`` unless that is ``auto``."""
         logger.info("compute dtype %s", self.dtype_choice.describe())
+        self.kv_dtype_choice = choose_kv_cache_dtype(
+            config.kv_cache_dtype, self.dtype_choice.dtype, config.device, config.attention_backend
+        )
+        """The KV cache dtype: ``config.kv_cache_dtype`` unless that is ``auto`` (bfloat16 on
+        CPU: decode reads half the bytes; the compute dtype on CUDA)."""
+        logger.info("KV cache dtype %s", self.kv_dtype_choice.describe())
         self.runner = ModelRunner(
             self.model_config,
             config,
             dtype=self.dtype_choice.dtype,
+            kv_cache_dtype=self.kv_dtype_choice.dtype,
             max_model_len=self.max_model_len,
             structured_outputs=self.structured_outputs,
         )
@@ -87,7 +98,7 @@ class EngineCore:
         config_hash = hashlib.sha256(_config_bytes(config.model_dir)).hexdigest()
         self.kv_layout = KvLayout(
             model_id=f"{self.model_config.architecture}:{config_hash[:16]}",
-            dtype=self.dtype_choice.dtype,
+            dtype=self.kv_dtype_choice.dtype,
             block_size=config.cache.block_size,
             num_layers=self.model_config.num_layers,
             num_kv_heads=self.model_config.num_kv_heads,

@@ -21,6 +21,8 @@ class KvLayout:
     model_id: str
     """Architecture and a hash of config.json: both nodes must run the same model."""
     dtype: str
+    """The dtype the cache holds (``kv_cache_dtype``, resolved), which may differ from the
+    compute dtype: two nodes exchange pages iff they agree on it."""
     block_size: int
     num_layers: int
     num_kv_heads: int
@@ -62,6 +64,18 @@ class KvLayout:
         return (self.num_blocks + block_id) * self.block_bytes
 
 
+def layout_difference(a: KvLayout, b: KvLayout) -> str:
+    """The fingerprinted fields on which two layouts disagree, e.g. ``dtype float32 vs
+    bfloat16`` (a KV dtype mismatch is the likely one: set ``kv_cache_dtype`` alike)."""
+    names = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+    parts = [
+        f"{name} {getattr(a, name)} vs {getattr(b, name)}"
+        for name in names
+        if getattr(a, name) != getattr(b, name)
+    ]
+    return ", ".join(parts) or "layout version"
+
+
 @dataclass(frozen=True)
 class LayerCopy:
     """``length`` bytes from ``src_offset`` in the source's layer region to ``dst_offset`` in the
@@ -79,7 +93,10 @@ def layer_copies(
     """The copies that move ``src_block_ids`` into ``dst_block_ids`` (pairwise), keys and values
     of every layer, with runs of consecutive blocks on both sides merged into one copy."""
     if src.fingerprint != dst.fingerprint:
-        raise ValueError(f"KV layouts differ: {src.fingerprint} vs {dst.fingerprint}")
+        difference = layout_difference(src, dst)
+        raise ValueError(
+            f"KV layouts differ: {src.fingerprint} vs {dst.fingerprint} ({difference})"
+        )
     if len(src_block_ids) != len(dst_block_ids):
         raise ValueError(
             f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destinations"

@@ -23,6 +23,7 @@ class LLM:
         model_dir: str | Path,
         *,
         dtype: str = "bfloat16",
+        kv_cache_dtype: str = "auto",
         device: str = "cpu",
         block_size: int = 16,
         max_num_seqs: int = 256,
@@ -39,6 +40,7 @@ class LLM:
         config = EngineConfig(
             model_dir=Path(model_dir),
             dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
             device=device,
             max_model_len=max_model_len,
             seed=seed,

@@ -13,6 +13,7 @@ import math
 import torch
 
 from services.engine.config import CacheConfig, EngineConfig
+from services.engine.dtype_choice import choose_kv_cache_dtype
 from services.engine.gpu_memory import CudaMemoryReader, MemoryReader, kv_cache_budget
 from services.engine.request import Request
 from services.engine.sampler import Sampler, SamplingMetadata
@@ -48,10 +49,13 @@ class ModelRunner:
         *,
         max_model_len: int,
         dtype: str | None = None,
+        kv_cache_dtype: str | None = None,
         structured_outputs: StructuredOutputs | None = None,
     ) -> None:
         """``dtype``: the resolved compute dtype (default ``config.dtype``, which must then not
-        be ``auto``; ``EngineCore`` resolves it with ``dtype_choice``)."""
+        be ``auto``; ``EngineCore`` resolves it with ``dtype_choice``). ``kv_cache_dtype``: the
+        resolved dtype the KV cache holds (default ``config.kv_cache_dtype``, resolved with
+        ``dtype_choice.choose_kv_cache_dtype`` when ``auto``)."""
         keep_freed_memory_mapped()
         self.structured_outputs = structured_outputs
         """Grammar matchers of constrained requests: their rows get a token bitmask."""
@@ -61,6 +65,14 @@ class ModelRunner:
         if dtype not in _DTYPES:
             raise ValueError(f"ModelRunner needs a resolved dtype, got {dtype!r}")
         self.dtype = _DTYPES[dtype]
+        if kv_cache_dtype is None:
+            kv_cache_dtype = choose_kv_cache_dtype(
+                config.kv_cache_dtype, dtype, config.device, config.attention_backend
+            ).dtype
+        if kv_cache_dtype not in _DTYPES:
+            raise ValueError(f"ModelRunner needs a resolved kv_cache_dtype, got {kv_cache_dtype!r}")
+        self.kv_cache_dtype = _DTYPES[kv_cache_dtype]
+        """The dtype of every layer's cache; attention casts K/V to and from the compute dtype."""
         self.block_size = config.cache.block_size
         self.backend = make_attention_backend(
             config.attention_backend,
@@ -98,7 +110,7 @@ class ModelRunner:
         """Bytes of one KV block across all layers (keys and values)."""
         cfg = self.model_config
         per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-        return per_token * self.block_size * self.dtype.itemsize
+        return per_token * self.block_size * self.kv_cache_dtype.itemsize
 
     def num_blocks_for(self, cache: CacheConfig, reader: MemoryReader | None = None) -> int:
         """KV blocks to allocate: ``kv_cache_memory`` if set; on CUDA what a profiling step
@@ -148,7 +160,8 @@ class ModelRunner:
         )
         shape = (2, num_blocks, size, cfg.num_kv_heads, cfg.head_dim)
         scratch = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            for _ in range(cfg.num_layers)
         ]
         metadata = AttentionMetadata(
             slot_mapping=slot_mapping,
@@ -174,7 +187,7 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = []
         for _ in range(cfg.num_layers):
-            cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
             if self.device.type == "cpu":
                 advise_huge_pages(cache.data_ptr(), cache.nbytes)
             # Zeroed so that padding slots read by masked attention hold no NaN bit patterns.

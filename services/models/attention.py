@@ -175,6 +175,10 @@ class TorchPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
         key_cache, value_cache = kv_cache[0], kv_cache[1]
+        # The cache may hold a narrower dtype than the compute one (bf16 under fp32): K/V are
+        # rounded to it once, and a fresh chunk attends to the rounded values too, so that a
+        # token's output does not depend on whether its K/V came from the cache.
+        key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
         # Write first: a chunk attends to its own new tokens through the cache.
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
@@ -221,7 +225,8 @@ class TorchPagedAttention(AttentionBackend):
         values = value_cache.index_select(0, flat_ids).view(
             num_decodes, max_len, num_kv_heads, head_dim
         )
-        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        # Widened to the query's dtype (a no-op when the cache holds it): SDPA takes one dtype.
+        keys, values = keys.transpose(1, 2).to(query.dtype), values.transpose(1, 2).to(query.dtype)
         # mask: [num_decodes, 1, 1, max_len], True where a real context token sits.
         positions = torch.arange(max_len, device=query.device)
         mask = (positions[None, :] < metadata.decode_seq_lens[:, None])[:, None, None, :]
@@ -249,6 +254,7 @@ class TorchPagedAttention(AttentionBackend):
         # chunk's own new tokens were written there first).
         keys = key_cache.index_select(0, flat_ids).view(chunks, context, num_kv_heads, head_dim)
         values = value_cache.index_select(0, flat_ids).view(chunks, context, num_kv_heads, head_dim)
+        keys, values = keys.to(query.dtype), values.to(query.dtype)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             keys.transpose(1, 2),
@@ -275,8 +281,8 @@ class TorchPagedAttention(AttentionBackend):
             # Nothing cached before the chunk: attend to the fresh K/V with a causal mask.
             out = F.scaled_dot_product_attention(
                 q,
-                key.transpose(0, 1),
-                value.transpose(0, 1),
+                key.transpose(0, 1).to(q.dtype),
+                value.transpose(0, 1).to(q.dtype),
                 is_causal=True,
                 scale=self.scale,
                 enable_gqa=True,
@@ -287,7 +293,7 @@ class TorchPagedAttention(AttentionBackend):
         # keys, values: [num_kv_heads, context_len, head_dim]
         keys = key_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)
         values = value_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)
-        keys, values = keys[:context_len], values[:context_len]
+        keys, values = keys[:context_len].to(query.dtype), values[:context_len].to(query.dtype)
         # mask: [num_tokens, context_len]; query i sits at position start_position + i.
         query_positions = torch.arange(span.num_tokens, device=q.device) + span.start_position
         mask = torch.arange(context_len, device=q.device)[None, :] <= query_positions[:, None]

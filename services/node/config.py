@@ -107,6 +107,13 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
         help="auto: on CPU the faster of bfloat16 and float32 at this model's GEMM shapes, "
         "measured once per CPU and cached; bfloat16 on CUDA",
     )
+    add(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the dtype the KV cache holds; auto: bfloat16 on CPU whatever --dtype (decode reads "
+        "half the bytes), the compute dtype on CUDA. Prefill and decode nodes must agree",
+    )
     add("--device", default="cpu", help="cpu or cuda[:N]")
     add("--host", default="0.0.0.0", help="address the gRPC server binds")
     add(
@@ -211,6 +218,7 @@ def parse_node_config(
         engine = EngineConfig(
             model_dir=args.model,
             dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
             device=args.device,
             max_model_len=args.max_model_len,
             seed=args.seed,

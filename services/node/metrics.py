@@ -109,6 +109,14 @@ class NodeMetrics:
             "was chosen: explicit, cuda default, cached or measured",
             [*names, "dtype", "source"], registry=self.registry,
         )  # fmt: skip
+        self.kv_cache_dtype_info = Gauge(
+            "pdserve:kv_cache_dtype_info", "The dtype the KV cache holds (1), and how it was "
+            "chosen: explicit, cpu default (bfloat16) or compute dtype",
+            [*names, "dtype", "source"], registry=self.registry,
+        )  # fmt: skip
+
+    def kv_cache_dtype(self, dtype: str, source: str) -> None:
+        self.kv_cache_dtype_info.labels(**self._labels, dtype=dtype, source=source).set(1)
 
     def compute_dtype(self, dtype: str, source: str, gflops: Mapping[str, float]) -> None:
         self.compute_dtype_info.labels(**self._labels, dtype=dtype, source=source).set(1)

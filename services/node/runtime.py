@@ -95,6 +95,8 @@ async def start_node(config: NodeConfig, role: RoleFactory) -> tuple[NodeServer,
         raise
     choice = engine.engine.dtype_choice
     metrics.compute_dtype(choice.dtype, choice.source, choice.gflops)
+    kv_choice = engine.engine.kv_dtype_choice
+    metrics.kv_cache_dtype(kv_choice.dtype, kv_choice.reason)
     try:
         # Both ports are opened before the server starts serving.
         server = NodeServer(

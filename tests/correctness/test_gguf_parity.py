@@ -22,7 +22,14 @@ NUM_TOKENS = 32
 @pytest.mark.timeout(1800)
 def test_smollm2_gguf_greedy_ids_equal_transformers(smollm2_gguf: Path, smollm2_reference) -> None:
     prompts, expected = smollm2_reference
-    llm = LLM(smollm2_gguf, dtype="float32", max_model_len=256, kv_cache_memory=64 << 20)
+    # transformers keeps fp32 K/V: compare like with like.
+    llm = LLM(
+        smollm2_gguf,
+        dtype="float32",
+        kv_cache_dtype="float32",
+        max_model_len=256,
+        kv_cache_memory=64 << 20,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     # The first answer is the quickstart's: the model names Paris.

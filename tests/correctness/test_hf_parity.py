@@ -102,6 +102,7 @@ def make_llm(model_dir: Path, backend: str, **kwargs) -> LLM:
     return LLM(
         model_dir,
         dtype="float32",
+        kv_cache_dtype="float32",  # transformers keeps fp32 K/V: compare like with like
         block_size=BLOCK_SIZE,
         max_model_len=MAX_MODEL_LEN,
         attention_backend=backend,

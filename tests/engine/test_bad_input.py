@@ -13,8 +13,8 @@ from services.types import FinishReason
 
 VOCAB_SIZE = 4096
 MAX_MODEL_LEN = 64
-# float32 KV of the tiny model: 4 layers x 2 KV heads x 32 dims x K and V x 4 bytes = 2 KiB a
-# token, so 1 MiB holds 512 tokens.
+# bfloat16 KV of the tiny model (kv_cache_dtype auto on CPU): 4 layers x 2 KV heads x 32 dims
+# x K and V x 2 bytes = 1 KiB a token, so 1 MiB holds 1024 tokens.
 KV_CACHE_MEMORY = 1 << 20
 PROMPT = [0, 11, 222, 3333]
 
@@ -173,7 +173,7 @@ def test_engine_core_refuses_bad_requests(llm: LLM) -> None:
 
 
 def test_kv_cache_smaller_than_max_model_len_is_refused(tiny_llama_dir: Path) -> None:
-    # 16 KiB is 8 tokens of KV: half a block short of one max_model_len sequence.
+    # 16 KiB is 16 tokens of bf16 KV: a quarter of one max_model_len sequence.
     with pytest.raises(ValueError, match="max_model_len=64"):
         LLM(
             tiny_llama_dir,

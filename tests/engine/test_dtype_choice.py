@@ -126,7 +126,7 @@ def test_shapes_are_one_layers_projections_at_the_chunk_size(tiny_llama_dir: Pat
     assert model_gemm_shapes(cfg, 10**6)[0].m == dc.MAX_MEASURED_TOKENS
 
 
-def test_an_auto_engine_computes_and_lays_out_its_kv_in_the_cached_choice(
+def test_an_auto_engine_computes_in_the_cached_choice_over_a_bf16_kv_cache(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = EngineConfig(
@@ -148,5 +148,7 @@ def test_an_auto_engine_computes_and_lays_out_its_kv_in_the_cached_choice(
     engine = EngineCore(config)
     assert engine.dtype_choice.dtype == "float32" and engine.dtype_choice.source == "cached"
     assert engine.runner.dtype == torch.float32
-    assert all(cache.dtype == torch.float32 for cache in engine.kv_caches)
-    assert engine.kv_layout.dtype == "float32"
+    # The KV cache dtype is chosen on its own: bfloat16 on CPU under an fp32 compute dtype.
+    assert engine.kv_dtype_choice.dtype == "bfloat16"
+    assert all(cache.dtype == torch.bfloat16 for cache in engine.kv_caches)
+    assert engine.kv_layout.dtype == "bfloat16"

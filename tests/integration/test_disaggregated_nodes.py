@@ -132,13 +132,16 @@ def run_cluster(
     metrics_ports: tuple[int, int] | None = None,
     prefill_flags: tuple[str, ...] = (),
     kv_memory: tuple[str, str] = ("3MiB", "5MiB"),
+    node_flags: tuple[str, ...] = (),
 ) -> None:
+    """``prefill_flags`` go to the prefill node only, ``node_flags`` to both."""
     prefill_extra, decode_extra = (
         (("--metrics-port", str(metrics_ports[0])), ("--metrics-port", str(metrics_ports[1])))
         if metrics_ports
         else ((), ())
     )
-    prefill_extra = (*prefill_extra, *prefill_flags)
+    prefill_extra = (*prefill_extra, *prefill_flags, *node_flags)
+    decode_extra = (*decode_extra, *node_flags)
 
     async def main() -> None:
         prefill = await start_node(
@@ -193,6 +196,22 @@ def test_fingerprint_mismatch_is_refused_before_any_byte_moves(tiny_llama_dir: P
         await cluster.wait_all_free()  # the cancelled decode stream freed its reservation
 
     run_cluster(tiny_llama_dir, body)
+
+
+def test_nodes_with_different_kv_cache_dtypes_refuse_each_other(tiny_llama_dir: Path) -> None:
+    """A float32 KV cache on the prefill node, the default (bfloat16 on CPU) on the decode node:
+    their layouts differ, so the push is refused before any byte moves."""
+
+    async def body(cluster: Cluster) -> None:
+        assert cluster.prefill_engine.engine.kv_layout.dtype == "float32"
+        assert cluster.decode_engine.engine.kv_layout.dtype == "bfloat16"
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await cluster.generate("kv-dtypes", list(range(10, 40)))
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "layout_fingerprint" in error.value.details()
+        await cluster.wait_all_free()
+
+    run_cluster(tiny_llama_dir, body, prefill_flags=("--kv-cache-dtype", "float32"))
 
 
 def test_a_reservation_whose_commit_never_comes_expires(tiny_llama_dir: Path) -> None:
@@ -592,5 +611,11 @@ def test_smollm2_gguf_through_both_nodes_equals_transformers(
         assert [tokens for tokens, _ in results] == expected
         await cluster.wait_all_free()
 
-    # fp32 KV of SmolLM2 is 45 KiB a token: room for all 8 requests (~70 tokens each) at once.
-    run_cluster(smollm2_gguf.parent, body, kv_memory=("32MiB", "32MiB"))
+    # fp32 KV (as transformers keeps it) of SmolLM2 is 45 KiB a token: room for all 8 requests
+    # (~70 tokens each) at once.
+    run_cluster(
+        smollm2_gguf.parent,
+        body,
+        kv_memory=("32MiB", "32MiB"),
+        node_flags=("--kv-cache-dtype", "float32"),
+    )

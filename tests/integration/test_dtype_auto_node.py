@@ -1,5 +1,6 @@
 """A colocated node started with ``--dtype auto``: it computes in the dtype the per-CPU cache
-names, serves in it, and exports the choice and the measured rates on /metrics."""
+names, serves in it, and exports the choice and the measured rates on /metrics, and its KV
+cache dtype (``--kv-cache-dtype auto``: bfloat16 on CPU) too."""
 
 from __future__ import annotations
 
@@ -67,7 +68,13 @@ def test_an_auto_node_serves_in_the_chosen_dtype_and_exports_it(
 
     tokens, layout_dtype, cache_dtype, metrics = asyncio.run(main())
     assert len(tokens) == 4
-    assert layout_dtype == "float32" and cache_dtype == torch.float32
+    # fp32 compute, and the KV cache in bf16 (kv_cache_dtype auto on CPU).
+    assert layout_dtype == "bfloat16" and cache_dtype == torch.bfloat16
+    kv_info = [
+        line for line in metrics.splitlines() if line.startswith("pdserve:kv_cache_dtype_info{")
+    ]
+    assert len(kv_info) == 1 and 'dtype="bfloat16"' in kv_info[0]
+    assert 'source="cpu default"' in kv_info[0] and kv_info[0].endswith(" 1.0")
     info = [line for line in metrics.splitlines() if line.startswith("pdserve:compute_dtype_info{")]
     assert len(info) == 1 and 'dtype="float32"' in info[0] and 'source="cached"' in info[0]
     assert info[0].endswith(" 1.0")

@@ -111,9 +111,9 @@ def test_a_full_decode_node_is_retried_on_another(tiny_llama_dir: Path, expected
         assert retries == 1
         await stack.wait_all_free()
 
-    # 600 KiB of fp32 KV is 18 blocks of 16 tiny-model tokens (2 KiB per token): the 250-token
-    # reservation leaves 2, and the 150-token prompt needs 10.
-    run_stack(tiny_llama_dir, body, decode_kv=("600KiB", "5MiB"))
+    # 300 KiB of bf16 KV (the CPU default) is 18 blocks of 16 tiny-model tokens (1 KiB per
+    # token): the 250-token reservation leaves 2, and the 150-token prompt needs 10.
+    run_stack(tiny_llama_dir, body, decode_kv=("300KiB", "5MiB"))
 
 
 def test_a_dead_decode_node_is_retried_before_the_first_token(tiny_llama_dir, expected) -> None:

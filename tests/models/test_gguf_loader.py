@@ -83,7 +83,13 @@ def test_gguf_greedy_ids_equal_hugging_face_on_the_same_weights(
     reference_dir = round_trip_dir(gguf_source(gguf_path), qtype, tmp_path / "ref")
     expected = hf_greedy(reference_dir, PROMPTS)
 
-    llm = LLM(gguf_path, dtype="float32", max_model_len=64, kv_cache_memory=1 << 20)
+    llm = LLM(
+        gguf_path,
+        dtype="float32",
+        kv_cache_dtype="float32",  # transformers keeps fp32 K/V: compare like with like
+        max_model_len=64,
+        kv_cache_memory=1 << 20,
+    )
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
 
 

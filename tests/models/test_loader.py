@@ -130,6 +130,7 @@ def test_greedy_generation_matches_hugging_face(tiny_model_factory, hf_model, ar
     llm = LLM(
         model_dir,
         dtype="float32",
+        kv_cache_dtype="float32",  # transformers keeps fp32 K/V: compare like with like
         block_size=BLOCK_SIZE,
         max_num_batched_tokens=8,
         max_model_len=MAX_POSITIONS,

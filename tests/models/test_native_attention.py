@@ -216,10 +216,16 @@ def test_rejects_bad_inputs() -> None:
         op(*args.values(), 0.125, "portable")
 
     call()  # the unchanged arguments are fine
-    with pytest.raises(RuntimeError, match="float32 and bfloat16"):
+    with pytest.raises(RuntimeError, match="query must be float32 or bfloat16"):
         call(out=out.half(), query=query.half())
-    with pytest.raises(RuntimeError, match="share one dtype"):
+    with pytest.raises(RuntimeError, match="out must have query's dtype"):
+        call(out=out.bfloat16())
+    with pytest.raises(RuntimeError, match="key_cache must be float32 or bfloat16"):
+        call(key_cache=kv_cache[0].half(), value_cache=kv_cache[1].half())
+    with pytest.raises(RuntimeError, match="value_cache must have key_cache's dtype"):
         call(key_cache=kv_cache[0].bfloat16())
+    # A cache of its own dtype (bf16 under an fp32 query) is a supported combination.
+    call(key_cache=kv_cache[0].bfloat16(), value_cache=kv_cache[1].bfloat16())
     with pytest.raises(RuntimeError, match="query must be contiguous"):
         call(query=query.transpose(0, 1).contiguous().transpose(0, 1))
     with pytest.raises(RuntimeError, match="not a multiple of num_kv_heads"):

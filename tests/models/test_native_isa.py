@@ -55,6 +55,41 @@ def test_each_variant_this_cpu_runs_matches_torch(isa: str, head_dim: int, dtype
 
 
 @pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("isa", list(KERNEL_ISAS))
+@pytest.mark.parametrize("head_dim", [64, 40])
+@pytest.mark.parametrize(
+    ("query_dtype", "cache_dtype"),
+    [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)],
+)
+def test_each_variant_reads_a_cache_of_another_dtype_like_torch(
+    isa: str, head_dim: int, query_dtype: torch.dtype, cache_dtype: torch.dtype
+) -> None:
+    """The kernel widens K/V from the cache's dtype, whatever the query's: the torch path on
+    the same values (the cache's, widened to fp32) is the reference."""
+    if isa not in HOST_ISAS:
+        pytest.skip(f"this CPU cannot run the {isa} kernel")
+    query, kv_cache, metadata = make_decode_batch(
+        SEQ_LENS, group=2, head_dim=head_dim, block_size=16, dtype=torch.float32
+    )
+    query, kv_cache = query.to(query_dtype), kv_cache.to(cache_dtype)
+    scale = head_dim**-0.5
+    native = NativePagedAttention(16, scale, isa=isa)
+
+    out = decode(native, query, kv_cache, metadata)
+
+    torch_path = TorchPagedAttention(16, scale)
+    if query_dtype == torch.float32:  # the torch path widens the bf16 cache itself
+        expected = decode(torch_path, query, kv_cache, metadata)
+    else:  # (it would round an fp32 cache to the bf16 query's dtype: widen both instead)
+        expected = decode(torch_path, query.float(), kv_cache.float(), metadata)
+    assert out.dtype == query_dtype and not out.isnan().any()
+    if query_dtype == torch.float32:  # the only rounding is the cache's, shared by both sides
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    else:  # fp32 accumulation, then one rounding to bf16
+        torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1.6e-2)
+
+
+@pytest.mark.usefixtures("kernel")
 def test_variants_agree_with_each_other_in_bfloat16() -> None:
     # Same maths at different widths: only the fp32 summation order differs before rounding.
     query, kv_cache, metadata = make_decode_batch(SEQ_LENS, head_dim=128, dtype=torch.bfloat16)

@@ -256,11 +256,12 @@ def stack(tiny_llama_dir: Path, tmp_path_factory) -> Iterator[Stack]:
 
 
 def kv_bytes(model_dir: Path, num_tokens: int) -> int:
-    """K and V of every layer for ``num_tokens`` tokens in float32."""
+    """K and V of every layer for ``num_tokens`` tokens in bfloat16, the nodes' KV cache dtype
+    (``--kv-cache-dtype auto`` on CPU, under their float32 compute)."""
     config = json.loads((model_dir / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", config["num_attention_heads"])
-    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * 4 * num_tokens
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * 2 * num_tokens
 
 
 def complete(stack: Stack, prompt: list[int], max_tokens: int = 10) -> httpx.Response:

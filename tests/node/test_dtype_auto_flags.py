@@ -61,3 +61,50 @@ def test_a_node_exports_its_dtype_choice_and_the_measured_rates() -> None:
     info = {**labels, "dtype": "float32", "source": "measured"}
     assert sample("pdserve:compute_dtype_info", info) == 1.0
     assert sample("pdserve:compute_dtype_info", {**info, "dtype": "bfloat16"}) is None
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make not installed")
+def test_make_run_kv_cache_dtype_reaches_every_nodes_engine_config() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    result = subprocess.run(
+        ["make", "--no-print-directory", "-n", "run", "MODEL=/m/x", "KV_CACHE_DTYPE=float32"],
+        cwd=REPO, capture_output=True, text=True, timeout=60, check=True, env=env,
+    )  # fmt: skip
+    (launch,) = [line for line in result.stdout.splitlines() if "-m deploy.launch" in line]
+    launcher_argv = launch.split()[3:]
+    assert launcher_argv[launcher_argv.index("--kv-cache-dtype") + 1] == "float32"
+    topology = topology_from_args(build_parser().parse_args(launcher_argv))
+    assert topology.kv_cache_dtype == "float32" and topology.dtype == "auto"
+    nodes = [p for p in local_processes(topology, python="py") if "_node" in p.argv[2]]
+    assert len(nodes) == 2
+    for process in nodes:
+        role = Role.PREFILL if process.argv[2] == "prefill_node" else Role.DECODE
+        config = parse_node_config(list(process.argv[3:]), {}, role=role)
+        assert config.engine.kv_cache_dtype == "float32"
+
+
+def test_kv_cache_dtype_defaults_to_auto_and_a_bad_one_is_refused_naming_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert parse_node_config([], {}, role=Role.DECODE).engine.kv_cache_dtype == "auto"
+    assert Topology().kv_cache_dtype == "auto"
+    env = {"PDSERVE_KV_CACHE_DTYPE": "bfloat16"}
+    assert parse_node_config([], env, role=Role.PREFILL).engine.kv_cache_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        topology_from_dict({"kv_cache_dtype": "fp8"})
+    with pytest.raises(SystemExit) as exit_info:
+        parse_node_config(["--kv-cache-dtype", "fp8"], {}, role=Role.DECODE)
+    assert exit_info.value.code == 2 and "--kv-cache-dtype" in capsys.readouterr().err
+    # float16 is GPU only: the engine config's error, reported by the parser.
+    with pytest.raises(SystemExit):
+        parse_node_config(["--kv-cache-dtype", "float16"], {}, role=Role.DECODE)
+    assert "kv_cache_dtype float16 is supported on GPU only" in capsys.readouterr().err
+
+
+def test_a_node_exports_its_kv_cache_dtype() -> None:
+    metrics = NodeMetrics("prefill", "p0")
+    metrics.kv_cache_dtype("bfloat16", "cpu default")
+    info = {"role": "prefill", "node": "p0", "dtype": "bfloat16", "source": "cpu default"}
+    sample = metrics.registry.get_sample_value
+    assert sample("pdserve:kv_cache_dtype_info", info) == 1.0
+    assert sample("pdserve:kv_cache_dtype_info", {**info, "dtype": "float32"}) is None

@@ -3,8 +3,9 @@
 //   torch.ops.pdserve.paged_decode_attention(out, query, key_cache, value_cache,
 //                                            block_tables, seq_lens, scale, isa)
 //
-// query, out:              [num_seqs, num_heads, head_dim]
-// key_cache, value_cache:  [num_blocks, block_size, num_kv_heads, head_dim]
+// query, out:              [num_seqs, num_heads, head_dim], float32 or bfloat16
+// key_cache, value_cache:  [num_blocks, block_size, num_kv_heads, head_dim], float32 or
+//                          bfloat16, independently of query (e.g. a bf16 cache, fp32 query)
 // block_tables:            [num_seqs, max_blocks] int64; entries past a sequence's length are
 //                          never read, so they may hold anything.
 // seq_lens:                [num_seqs] int64, context length including the new token, >= 1.
@@ -134,14 +135,19 @@ void paged_decode_attention(
               key_cache.sizes());
   TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "value_cache must have key_cache's shape ",
               key_cache.sizes(), ", got ", value_cache.sizes());
+  // query and out share one dtype, the caches another (a bf16 cache under fp32 compute halves
+  // the bytes decode reads); each is float32 or bfloat16.
   const auto dtype = query.scalar_type();
+  const auto cache_dtype = key_cache.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
-              "paged_decode_attention supports float32 and bfloat16, got ", dtype);
-  TORCH_CHECK(out.scalar_type() == dtype && key_cache.scalar_type() == dtype &&
-                  value_cache.scalar_type() == dtype,
-              "out, query, key_cache and value_cache must share one dtype, got ",
-              out.scalar_type(), ", ", dtype, ", ", key_cache.scalar_type(), ", ",
-              value_cache.scalar_type());
+              "paged_decode_attention: query must be float32 or bfloat16, got ", dtype);
+  TORCH_CHECK(out.scalar_type() == dtype, "paged_decode_attention: out must have query's dtype ",
+              dtype, ", got ", out.scalar_type());
+  TORCH_CHECK(cache_dtype == at::kFloat || cache_dtype == at::kBFloat16,
+              "paged_decode_attention: key_cache must be float32 or bfloat16, got ", cache_dtype);
+  TORCH_CHECK(value_cache.scalar_type() == cache_dtype,
+              "paged_decode_attention: value_cache must have key_cache's dtype ", cache_dtype,
+              ", got ", value_cache.scalar_type());
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "block_tables and seq_lens must be int64, got ", block_tables.scalar_type(), " and ",
               seq_lens.scalar_type());
@@ -198,7 +204,8 @@ void paged_decode_attention(
   args.block_tables = tables;
   args.seq_lens = lens;
   args.scale = static_cast<float>(scale);
-  args.is_bf16 = dtype == at::kBFloat16;
+  args.query_is_bf16 = dtype == at::kBFloat16;
+  args.cache_is_bf16 = cache_dtype == at::kBFloat16;
   args.max_seq_len = max_seq_len;
   paged_decode_impl(args, run);
 }

@@ -17,12 +17,13 @@ struct DecodeArgs {
   DecodeShape s;
   void* out;                    // [num_seqs, num_heads, head_dim], float or bf16 bits
   const void* query;            // like out
-  const void* key_cache;        // [num_blocks, block_size, num_kv_heads, head_dim], like out
+  const void* key_cache;        // [num_blocks, block_size, num_kv_heads, head_dim], float or bf16
   const void* value_cache;      // like key_cache
   const int64_t* block_tables;  // [num_seqs, max_blocks]
   const int64_t* seq_lens;      // [num_seqs], each in [1, max_blocks * block_size], checked
   float scale;
-  bool is_bf16;                 // element type of out, query and the caches: bf16 or float
+  bool query_is_bf16;           // element type of out and query: bf16, else float
+  bool cache_is_bf16;           // element type of key_cache and value_cache: bf16, else float
   int64_t heads_per_item;       // a work item: one sequence and this many of its KV heads
   int64_t items_per_seq;
   int64_t max_seq_len;          // the longest seq_lens entry (sizes the scratch)

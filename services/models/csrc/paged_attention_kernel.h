@@ -9,6 +9,8 @@
 //   1. scores = scale * q . k for every query head, into a per-thread fp32 buffer
 //      [heads, seq_len] (a tile's dot products reduced together);
 //   2. softmax in place (max-subtracted, exact-enough exp), then out = sum_t p_t * v_t / sum_t p_t.
+// The query (and output) and the caches each hold fp32 or bf16 independently (Problem<Q, KV>):
+// a bf16 cache under an fp32 query is widened like any bf16 one, at half an fp32 cache's bytes.
 // Everything accumulates in fp32; nothing past seq_len (garbage table entries, the rest of the
 // last block) is read. Rows are prefetched two tiles ahead: blocks are scattered, so the hardware
 // prefetcher cannot follow.
@@ -248,13 +250,15 @@ inline Vec transpose_reduce(const Vec* a) {
 using Shape = pdserve::DecodeShape;
 
 
-template <typename T>
+// Q: the element type of query and out; KV: that of the caches (bf16 under an fp32 query when
+// the cache is kept narrower than the compute dtype). Both are widened to fp32 on load.
+template <typename Q, typename KV>
 struct Problem {
   Shape s;
-  T* out;
-  const T* query;
-  const T* key_cache;
-  const T* value_cache;
+  Q* out;
+  const Q* query;
+  const KV* key_cache;
+  const KV* value_cache;
   const int64_t* block_tables;
   const int64_t* seq_lens;
   float scale;
@@ -338,8 +342,9 @@ class RowCursor {
 // [kv_begin * G, kv_end * G), which are adjacent in query and out.
 // kChunks: head_dim / kLanes when a specialisation exists (the chunk loops then unroll and a
 // tile's dot products stay in registers), else 0 and the shape is read at run time.
-template <typename T, int64_t kChunks>
-void attend(const Problem<T>& p, int64_t seq, int64_t kv_begin, int64_t kv_end, Scratch& scratch) {
+template <typename Q, typename KV, int64_t kChunks>
+void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_end,
+            Scratch& scratch) {
   const Shape& s = p.s;
   const int64_t G = s.group, D = s.head_dim;
   const int64_t num_kv = kv_end - kv_begin, num_q = num_kv * G;
@@ -365,7 +370,7 @@ void attend(const Problem<T>& p, int64_t seq, int64_t kv_begin, int64_t kv_end, 
   }
 
   // Widens the rows of tokens [start, start + n) into the tile, advancing `rows` past them.
-  auto load_tile = [&](RowCursor<T>& rows, int64_t n) {
+  auto load_tile = [&](RowCursor<KV>& rows, int64_t n) {
     for (int64_t j = 0; j < n; ++j, rows.next()) {
       for (int64_t h = 0; h < num_kv; ++h) {
         load_row(rows.row() + h * D, num_full_chunks, tail, tile + (h * kLanes + j) * num_chunks);
@@ -376,7 +381,7 @@ void attend(const Problem<T>& p, int64_t seq, int64_t kv_begin, int64_t kv_end, 
   // Blocks are scattered, so the hardware prefetcher cannot guess the next row; without this
   // every row is a cache miss. Reading a tile asks for the rows kPrefetchTiles tiles ahead: K's
   // tiles, then V's (`token` counts V's tokens after K's padded ones).
-  const int64_t row_bytes = num_kv * D * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = num_kv * D * static_cast<int64_t>(sizeof(KV));
   auto prefetch_tile = [&](int64_t token) {
     const bool is_value = token >= padded_len;
     if (is_value) {
@@ -385,7 +390,7 @@ void attend(const Problem<T>& p, int64_t seq, int64_t kv_begin, int64_t kv_end, 
     if (token >= seq_len) {
       return;
     }
-    RowCursor<T> rows(is_value ? p.value_cache : p.key_cache, table, s, kv_begin, token);
+    RowCursor<KV> rows(is_value ? p.value_cache : p.key_cache, table, s, kv_begin, token);
     const int64_t n = min64(kLanes, seq_len - token);
     for (int64_t j = 0; j < n; ++j, rows.next()) {
       const char* bytes = reinterpret_cast<const char*>(rows.row());
@@ -400,7 +405,7 @@ void attend(const Problem<T>& p, int64_t seq, int64_t kv_begin, int64_t kv_end, 
 
   // Pass 1, one tile of kLanes tokens at a time: widen the K rows once, then per query head
   // kLanes dot products, reduced together into one vector of scores.
-  RowCursor<T> key_rows(p.key_cache, table, s, kv_begin, 0);
+  RowCursor<KV> key_rows(p.key_cache, table, s, kv_begin, 0);
   for (int64_t start = 0; start < seq_len; start += kLanes) {
     prefetch_tile(start + kPrefetchTiles * kLanes);
     const int64_t n = min64(kLanes, seq_len - start);
@@ -447,7 +452,7 @@ void attend(const Problem<T>& p, int64_t seq, int64_t kv_begin, int64_t kv_end, 
   for (int64_t i = 0; i < num_q * num_chunks; ++i) {
     acc[i] = Vec{};
   }
-  RowCursor<T> value_rows(p.value_cache, table, s, kv_begin, 0);
+  RowCursor<KV> value_rows(p.value_cache, table, s, kv_begin, 0);
   for (int64_t start = 0; start < seq_len; start += kLanes) {
     prefetch_tile(padded_len + start + kPrefetchTiles * kLanes);
     const int64_t n = min64(kLanes, seq_len - start);
@@ -473,7 +478,7 @@ void attend(const Problem<T>& p, int64_t seq, int64_t kv_begin, int64_t kv_end, 
   }
 
   for (int64_t i = 0; i < num_q; ++i) {
-    T* out_i = p.out + (first_q + i) * D;
+    Q* out_i = p.out + (first_q + i) * D;
     const Vec* acc_i = acc + i * num_chunks;
     for (int64_t c = 0; c < num_full_chunks; ++c) {
       store(out_i + c * kLanes, acc_i[c] * inv_sums[i]);
@@ -484,30 +489,31 @@ void attend(const Problem<T>& p, int64_t seq, int64_t kv_begin, int64_t kv_end, 
   }
 }
 
-template <typename T>
-void attend(const Problem<T>& p, int64_t seq, int64_t kv_begin, int64_t kv_end, Scratch& scratch) {
+template <typename Q, typename KV>
+void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_end,
+            Scratch& scratch) {
   switch (p.s.head_dim) {
     case 32:
-      return attend<T, 32 / kLanes>(p, seq, kv_begin, kv_end, scratch);
+      return attend<Q, KV, 32 / kLanes>(p, seq, kv_begin, kv_end, scratch);
     case 64:
-      return attend<T, 64 / kLanes>(p, seq, kv_begin, kv_end, scratch);
+      return attend<Q, KV, 64 / kLanes>(p, seq, kv_begin, kv_end, scratch);
     case 128:
-      return attend<T, 128 / kLanes>(p, seq, kv_begin, kv_end, scratch);
+      return attend<Q, KV, 128 / kLanes>(p, seq, kv_begin, kv_end, scratch);
     default:
-      return attend<T, 0>(p, seq, kv_begin, kv_end, scratch);
+      return attend<Q, KV, 0>(p, seq, kv_begin, kv_end, scratch);
   }
 }
 
-template <typename T>
+template <typename Q, typename KV>
 void run_typed(const pdserve::DecodeArgs& a, int64_t begin, int64_t end) {
-  const Problem<T> p{a.s,
-                     static_cast<T*>(a.out),
-                     static_cast<const T*>(a.query),
-                     static_cast<const T*>(a.key_cache),
-                     static_cast<const T*>(a.value_cache),
-                     a.block_tables,
-                     a.seq_lens,
-                     a.scale};
+  const Problem<Q, KV> p{a.s,
+                         static_cast<Q*>(a.out),
+                         static_cast<const Q*>(a.query),
+                         static_cast<const KV*>(a.key_cache),
+                         static_cast<const KV*>(a.value_cache),
+                         a.block_tables,
+                         a.seq_lens,
+                         a.scale};
   Scratch scratch(a.s, a.heads_per_item, a.max_seq_len);
   for (int64_t item = begin; item < end; ++item) {
     const int64_t seq = item / a.items_per_seq;
@@ -520,9 +526,16 @@ void run_typed(const pdserve::DecodeArgs& a, int64_t begin, int64_t end) {
 }  // namespace
 
 void pdserve::PDSERVE_RUN_ITEMS(const DecodeArgs& args, int64_t begin, int64_t end) {
-  if (args.is_bf16) {
-    run_typed<Bf16>(args, begin, end);
+  // Every pairing of the two element types: the op checks that each is float32 or bf16.
+  if (args.query_is_bf16) {
+    if (args.cache_is_bf16) {
+      run_typed<Bf16, Bf16>(args, begin, end);
+    } else {
+      run_typed<Bf16, float>(args, begin, end);
+    }
+  } else if (args.cache_is_bf16) {
+    run_typed<float, Bf16>(args, begin, end);
   } else {
-    run_typed<float>(args, begin, end);
+    run_typed<float, float>(args, begin, end);
   }
 }
