@@ -26,10 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.models.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
-from services.models.native_attention import (  # noqa: E402
-    NativePagedAttention,
-    native_kernel_error,
-)
+from services.models.native_attention import NativePagedAttention  # noqa: E402
+from services.models.native_build import native_kernel_error  # noqa: E402
 
 CASES = [(1, 256), (16, 512), (64, 320), (64, 1024)]
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 4, 64, 16

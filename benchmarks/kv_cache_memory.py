@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT))
 from kv_transfer import shared_memory  # noqa: E402
 from services.host_memory import advise_huge_pages  # noqa: E402
 from services.models.attention import AttentionMetadata  # noqa: E402
-from services.models.native_attention import NativePagedAttention, native_kernel_error  # noqa: E402
+from services.models.native_attention import NativePagedAttention  # noqa: E402
+from services.models.native_build import native_kernel_error  # noqa: E402
 
 NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 12, 4, 64, 16
 # Bytes of one block of one layer, K and V: [2, block, kv_heads, dim] bf16.

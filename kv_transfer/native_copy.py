@@ -7,7 +7,7 @@ reached 22 % of this host's memcpy bandwidth for a 24 MiB push; the loop in
 writes each page with streaming stores (the decode process reads it next, not this core), all
 in one call that releases the GIL (``docs/benchmarks.md``, issue 15).
 
-Built the way the native attention kernel is (``services/models/native_attention.py``):
+Built the way the native attention kernel is (``services/models/native_build.py``):
 ``torch.utils.cpp_extension.load`` on first use, cached under ``TORCH_EXTENSIONS_DIR`` or torch's
 default directory, with ``-march=native`` and the build named after a hash of this CPU's model
 and flags, so a cache shared with another machine never loads instructions this one lacks. The

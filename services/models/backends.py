@@ -12,8 +12,20 @@ import logging
 import torch
 
 from services.models.attention import AttentionBackend, TorchPagedAttention
+from services.models.layer_ops import LayerOps
 
 logger = logging.getLogger(__name__)
+
+
+def make_layer_ops(backend: AttentionBackend) -> LayerOps:
+    """The fused native kernels beside the native attention backend (one library, one variant
+    of the CPU); torch's ops with any other backend."""
+    from services.models.native_attention import NativePagedAttention
+    from services.models.native_layer_ops import NativeLayerOps
+
+    if isinstance(backend, NativePagedAttention):
+        return NativeLayerOps(backend.isa)
+    return LayerOps()
 
 
 def make_attention_backend(
@@ -41,7 +53,8 @@ def make_attention_backend(
     if name == "torch" or (name == "auto" and device.type != "cpu"):
         return TorchPagedAttention(block_size, scale)
     try:
-        from services.models.native_attention import NativePagedAttention, native_kernel_error
+        from services.models.native_attention import NativePagedAttention
+        from services.models.native_build import native_kernel_error
     except ImportError as exc:
         error: str | None = f"cannot import the native backend: {exc}"
     else:

@@ -2,18 +2,22 @@
 
 Inputs are flat: a step's tokens from every request are concatenated, ``[num_tokens]``, and
 attention finds each request's context through ``AttentionMetadata``. Q/K/V and gate/up
-projections are fused into one matmul each (the loader splits the checkpoint's weights in).
+projections are fused into one matmul each (the loader splits the checkpoint's weights in). The
+elementwise steps (norms with the residual add, rotary, SiLU-and-mul) go through ``LayerOps``:
+torch ops, or fused native kernels on the CPU (``native_layer_ops.py``).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from services.models.attention import AttentionBackend, AttentionMetadata
 from services.models.config import ModelConfig
+from services.models.layer_ops import LayerOps
 from services.models.rotary import RopeTables, RotaryEmbedding
+
+_TORCH_OPS = LayerOps()
 
 
 class RMSNorm(nn.Module):
@@ -23,16 +27,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, round to the input dtype, then scale: the order transformers
-        # uses. torch's rms_norm computes a bf16 input in float32 and rounds once, so it gives
-        # the bits of rms_norm(x.float()).to(x.dtype) without the two casts (a 2048 x 768 bf16
-        # prefill chunk: 1.5 ms against 1.9 ms on 2 CPU cores; tests/models/test_llama_ops.py).
-        # Without the weight: scaling before the rounding would change the bits.
-        return self.weight * F.rms_norm(x, self.weight.shape, eps=self.eps)
+        """x: [..., size]. The torch path (Qwen3's per-head q/k norms, the final norm of the
+        rows sampled); a layer's own norms go through ``LayerOps.rms_norm``."""
+        return _TORCH_OPS.rms_norm(x, None, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps):
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -46,6 +47,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.backend = backend
+        self.ops = ops
 
     def forward(
         self,
@@ -62,60 +64,77 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, k)
+        q, k = self.ops.rotary(q, k, rope)
         out = self.backend.forward(q, k, v, kv_cache, metadata)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: LayerOps) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        # In place: one [num_tokens, intermediate] temporary fewer.
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps):
         super().__init__()
-        self.self_attn = Attention(config, backend)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, backend, ops)
+        self.mlp = MLP(config, ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ops = ops
 
     def forward(
         self,
         rope: RopeTables,
         hidden: torch.Tensor,
+        pending: torch.Tensor | None,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        """hidden: [num_tokens, hidden_size], the residual stream, updated in place; pending:
+        the previous layer's MLP output not yet added to it (None before the first layer).
+        Returns this layer's MLP output, pending in turn (``layer_ops``' residual stream)."""
+        norm = self.input_layernorm
+        normed = self.ops.rms_norm(hidden, pending, norm.weight, norm.eps)
+        attn = self.self_attn(rope, normed, kv_cache, metadata)
+        norm = self.post_attention_layernorm
+        return self.mlp(self.ops.rms_norm(hidden, attn, norm.weight, norm.eps))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, backend: AttentionBackend):
+    def __init__(
+        self, config: ModelConfig, max_positions: int, backend: AttentionBackend, ops: LayerOps
+    ):
         super().__init__()
         # One rotary table shared by every layer.
         self.rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling
         )
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, ops) for _ in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, backend: AttentionBackend):
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        backend: AttentionBackend,
+        ops: LayerOps | None = None,
+    ):
+        """``ops``: the elementwise steps' implementation (default: torch's)."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, max_positions, backend)
+        self.model = LlamaModel(config, max_positions, backend, ops or _TORCH_OPS)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -131,8 +150,11 @@ class LlamaForCausalLM(nn.Module):
         before the final norm (the caller keeps only the rows it samples from)."""
         hidden = self.model.embed_tokens(input_ids)
         rope = self.model.rotary.tables(positions, hidden.dtype)
+        pending = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(rope, hidden, kv_cache, metadata)
+            pending = layer(rope, hidden, pending, kv_cache, metadata)
+        if pending is not None:
+            hidden.add_(pending)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from services.models.attention import AttentionBackend
 from services.models.config import ModelConfig
 from services.models.gguf_file import find_gguf, open_gguf
 from services.models.gguf_loader import gguf_weights
+from services.models.layer_ops import LayerOps
 from services.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -55,9 +56,11 @@ def load_model(
     device: torch.device,
     max_positions: int,
     backend: AttentionBackend,
+    ops: LayerOps | None = None,
 ) -> LlamaForCausalLM:
+    """``ops``: the decoder's elementwise steps (default: torch's; ``layer_ops.py``)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions, backend).to(dtype)
+        model = LlamaForCausalLM(config, max_positions, backend, ops).to(dtype)
     model = model.to_empty(device=device)
     if device.type == "cpu":
         for param in model.parameters():

@@ -22,149 +22,20 @@ takes ~45 ms instead of ~88 ms. In float32 the greedy tokens are those of the to
 Prefill chunks stay on the torch path: their attention is matmul-shaped work that SDPA already
 does well (a native prefill kernel was not attempted).
 
-The kernel comes in one variant per instruction set (``KERNEL_ISAS``: AVX512-BF16, AVX-512,
-AVX2 and a portable one), compiled from one source with per-file targets into one library with
-the baseline compiler flags, so the build does not depend on the host. Each
-``NativePagedAttention`` runs the best variant this CPU supports (``/proc/cpuinfo`` flags), or
-the one forced by its ``isa`` argument or ``PDSERVE_NATIVE_ISA``; forcing one the CPU cannot run
-raises ``UnsupportedIsaError`` naming what is missing (the op checks cpuid again: never SIGILL).
-
-The extension is compiled on first use (``torch.utils.cpp_extension.load``, ~10-20 s, most of it
-``torch/library.h``), then cached under ``TORCH_EXTENSIONS_DIR`` or torch's default directory
-under a name that hashes the sources; concurrent first builds from several processes wait on
-torch's lock file. ``native_kernel_error`` reports why the kernel is unavailable instead of
-raising, so ``backends.make_attention_backend("auto", ...)`` can fall back to the torch
-path.
+The kernel is one of the native CPU kernels (``native_build.py``: built on first use, one
+variant per instruction set, chosen by the CPU's flags or ``PDSERVE_NATIVE_ISA``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import platform
-import threading
-import time
-from pathlib import Path
 
 import torch
 
 from services.models.attention import AttentionMetadata, TorchPagedAttention
-from services.models.cpu_features import cpu_flags
+from services.models.native_build import native_kernel_error, resolve_isa
 
 logger = logging.getLogger(__name__)
-
-_EXTENSION_BASE_NAME = "pdserve_paged_attention"
-_CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = [
-    _CSRC / f"paged_attention{suffix}.cpp"
-    for suffix in ("", "_portable", "_avx2", "_avx512", "_avx512_bf16")
-]
-_HEADERS = [_CSRC / "paged_attention_isa.h", _CSRC / "paged_attention_kernel.h"]
-
-ISA_ENV = "PDSERVE_NATIVE_ISA"
-"""Forces a kernel variant for every ``NativePagedAttention`` of the process (tests, benchmarks)."""
-KERNEL_ISAS: dict[str, frozenset[str]] = {
-    "avx512_bf16": frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
-    "avx512": frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}),
-    "avx2": frozenset({"avx2", "fma"}),
-    "portable": frozenset(),
-}
-"""Kernel variants, fastest first, each with the ``/proc/cpuinfo`` flags it needs."""
-
-
-class UnsupportedIsaError(ValueError):
-    """A kernel variant was asked for that this CPU cannot run (or that does not exist)."""
-
-
-def supported_isas(flags: frozenset[str] | None = None) -> list[str]:
-    """The variants a CPU with these flags (default: this one's) runs, fastest first. Without
-    flags to read (not Linux), only the portable one; on other architectures likewise."""
-    flags = cpu_flags() if flags is None else flags
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return ["portable"]
-    return [isa for isa, needed in KERNEL_ISAS.items() if needed <= flags]
-
-
-def resolve_isa(requested: str | None = None, flags: frozenset[str] | None = None) -> str:
-    """``requested``, else ``PDSERVE_NATIVE_ISA``, else the fastest supported variant; raises
-    ``UnsupportedIsaError`` naming the missing flags when the CPU cannot run the one asked for."""
-    # Named in the errors: a node that refuses to start must say which setting to change.
-    source = "isa argument" if requested else ISA_ENV
-    requested = requested or os.environ.get(ISA_ENV) or None
-    supported = supported_isas(flags)
-    if requested is None:
-        return supported[0]
-    if requested not in KERNEL_ISAS:
-        raise UnsupportedIsaError(
-            f"{source}: unknown native kernel variant {requested!r}: choose one of "
-            f"{', '.join(KERNEL_ISAS)}"
-        )
-    if requested not in supported:
-        missing = sorted(KERNEL_ISAS[requested] - (cpu_flags() if flags is None else flags))
-        raise UnsupportedIsaError(
-            f"{source}: this CPU cannot run the {requested} native kernel (missing "
-            f"{', '.join(missing) or 'an x86-64 CPU'}); it runs {', '.join(supported)}"
-        )
-    return requested
-
-
-_lock = threading.Lock()
-_build_attempted = False
-_build_error: str | None = None
-
-
-def native_kernel_error() -> str | None:
-    """Builds and loads the kernel once per process; None if it is usable, else a one-line reason.
-
-    Never raises: a missing compiler or a failed build is a reason, not an exception.
-    """
-    global _build_attempted, _build_error
-    with _lock:
-        if not _build_attempted:
-            _build_error = _build_and_load()
-            _build_attempted = True
-        return _build_error
-
-
-def _build_and_load() -> str | None:
-    start = time.perf_counter()
-    name = _EXTENSION_BASE_NAME
-    try:
-        # Named after the sources (headers included: torch's rebuild check reads only the
-        # sources). A source missing from an installed package is a reason, like a failed build.
-        digest = hashlib.sha256(b"".join(path.read_bytes() for path in _SOURCES + _HEADERS))
-        name = f"{_EXTENSION_BASE_NAME}_{digest.hexdigest()[:12]}"
-        from torch.utils.cpp_extension import load
-
-        # is_python_module=False: the .so registers torch.ops.pdserve.* (TORCH_LIBRARY), no
-        # pybind11, which keeps the compile short.
-        load(
-            name=name,
-            sources=[str(path) for path in _SOURCES],
-            # No -march: each variant sets its own target; the op runs on any x86-64 / Arm.
-            extra_cflags=["-O3", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:  # compiler missing, build error, load error: all mean "fall back"
-        logger.debug("building %s failed", name, exc_info=True)
-        return _one_line(exc)
-    elapsed = time.perf_counter() - start
-    logger.info("native paged attention built or loaded in %.1f s", elapsed)
-    return None
-
-
-def _one_line(exc: BaseException, max_part: int = 200) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    # A failed build's message is "Error building extension 'name': <the whole ninja log>"; keep
-    # its head and the log's first line that names the cause.
-    head = lines[0].split(": [", 1)[0] if lines else "no message"
-    parts = [f"{type(exc).__name__}: {head}"]
-    causes = ("error:", "not found", "No such file")
-    parts += [line for line in lines[1:] if any(cause in line for cause in causes)][:1]
-    return " | ".join(part if len(part) <= max_part else part[:max_part] + "..." for part in parts)
 
 
 class NativePagedAttention(TorchPagedAttention):

@@ -23,7 +23,7 @@ from services.async_engine import AsyncEngine, EngineDeadError
 from services.convert import load_report_to_proto
 from services.engine import EngineCore
 from services.listen import ListenError
-from services.models.native_attention import UnsupportedIsaError
+from services.models.native_build import UnsupportedIsaError
 from services.node.config import NodeConfig, Role
 from services.node.grpc_server import NodeServer, Registrar
 from services.node.metrics import NodeMetrics

@@ -165,7 +165,7 @@ def test_fp32_compute_over_a_bf16_cache_keeps_the_fp32_greedy_tokens(
     tiny_llama_dir: Path, backend: str
 ) -> None:
     if backend == "native":
-        from services.models.native_attention import native_kernel_error
+        from services.models.native_build import native_kernel_error
 
         if (error := native_kernel_error()) is not None:
             pytest.skip(f"native attention kernel unavailable: {error}")

@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from services.models.attention import TorchPagedAttention
-from services.models.native_attention import (
+from services.models.native_attention import NativePagedAttention
+from services.models.native_build import (
     ISA_ENV,
     KERNEL_ISAS,
-    NativePagedAttention,
     UnsupportedIsaError,
     native_kernel_error,
     resolve_isa,
     supported_isas,
 )
-from tests.models.test_native_attention import SEQ_LENS, decode, make_decode_batch
+from support.decode_batch import SEQ_LENS, decode, make_decode_batch
 
 HOST_ISAS = supported_isas()
 AVX2_ONLY = frozenset({"sse2", "avx", "avx2", "fma"})
@@ -144,9 +144,9 @@ def test_a_source_missing_from_the_install_is_a_reason_not_a_crash(
 ) -> None:
     """An installed package without one of the headers (a packaging slip) must leave the node on
     the torch path with the reason, not kill it at start-up."""
-    from services.models import native_attention
+    from services.models import native_build
 
     missing = tmp_path / "paged_attention_isa.h"
-    monkeypatch.setattr(native_attention, "_HEADERS", [missing])
-    reason = native_attention._build_and_load()
+    monkeypatch.setattr(native_build, "_HEADERS", [missing])
+    reason = native_build._build_and_load()
     assert reason is not None and "paged_attention_isa.h" in reason

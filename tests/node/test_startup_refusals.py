@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from deploy.local_ports import free_ports
-from services.models.native_attention import native_kernel_error
+from services.models.native_build import native_kernel_error
 
 
 def test_a_native_kernel_variant_the_node_cannot_run_is_named_with_its_setting(

@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_isa.h"
 #include "paged_attention_isa.h"
 
 namespace {
@@ -41,32 +42,19 @@ namespace {
 using pdserve::DecodeArgs;
 using pdserve::RunItems;
 
-// The variant named `isa`, after checking that this CPU executes its instructions
-// (__builtin_cpu_supports reads cpuid and, for AVX and AVX-512, whether the OS saves their
-// registers).
+// The variant named `isa`, after checking that this CPU executes its instructions (cpu_isa.h).
 RunItems select_variant(const std::string& isa) {
+  pdserve::check_cpu_runs(isa, "paged_decode_attention");
   if (isa == "portable") {
     return pdserve::run_items_portable;
   }
 #if defined(__x86_64__)
-  __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
-                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-  if (isa == "avx2" || isa == "avx512" || isa == "avx512_bf16") {
-    const bool ok = isa == "avx2"     ? avx2
-                    : isa == "avx512" ? avx512
-                                      : avx512 && __builtin_cpu_supports("avx512bf16");
-    TORCH_CHECK(ok, "paged_decode_attention: this CPU cannot run the ", isa,
-                " kernel (it lacks some of its instructions); use a variant it supports");
-    return isa == "avx2" ? pdserve::run_items_avx2
-           : isa == "avx512" ? pdserve::run_items_avx512
-                             : pdserve::run_items_avx512_bf16;
-  }
+  return isa == "avx2"     ? pdserve::run_items_avx2
+         : isa == "avx512" ? pdserve::run_items_avx512
+                           : pdserve::run_items_avx512_bf16;
+#else
+  return nullptr;  // check_cpu_runs raised
 #endif
-  TORCH_CHECK(false, "paged_decode_attention: unknown or unavailable kernel variant '", isa,
-              "' (avx512_bf16, avx512 and avx2 on x86-64; portable everywhere)");
-  return nullptr;
 }
 
 void paged_decode_impl(DecodeArgs& a, RunItems run) {

@@ -1,0 +1,166 @@
+// Fused elementwise ops of a decoder layer on the CPU (float32 / bfloat16):
+//
+//   torch.ops.pdserve.rms_norm(hidden, addend, weight, eps, out, isa)
+//       hidden += addend (if given, in place), out = weight * normalise(hidden)
+//   torch.ops.pdserve.rotary_(query, key, cos, sin, isa)
+//       query, key rotated in place (rotate_half), by cos / sin [num_rows, head_dim]
+//   torch.ops.pdserve.silu_and_mul(out, gate_up, isa)
+//       out = silu(gate) * up, gate and up the halves of each gate_up row
+//
+// fused_ops_isa.h says exactly what each computes. This file is the ops: it checks every
+// argument (a wrong shape is an error, not a stray write), checks that this CPU runs the requested
+// variant (cpu_isa.h: an error, never SIGILL), and splits the rows over torch's OpenMP threads.
+// The kernels are fused_ops_kernel.h, compiled once per instruction set in fused_ops_<isa>.cpp.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "cpu_isa.h"
+#include "fused_ops_isa.h"
+
+namespace {
+
+pdserve::FusedOps select_ops(const std::string& isa, const char* op) {
+  pdserve::check_cpu_runs(isa, op);
+  if (isa == "portable") {
+    return pdserve::fused_ops_portable();
+  }
+#if defined(__x86_64__)
+  if (isa == "avx2") {
+    return pdserve::fused_ops_avx2();
+  }
+  if (isa == "avx512") {
+    return pdserve::fused_ops_avx512();
+  }
+  return pdserve::fused_ops_avx512_bf16();
+#else
+  TORCH_CHECK(false, op, ": unknown kernel variant '", isa, "'");
+#endif
+}
+
+bool check_dtype(const at::Tensor& t, const char* op, const char* name) {
+  const auto dtype = t.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": ", name,
+              " must be float32 or bfloat16, got ", dtype);
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be on the CPU, got ", t.device());
+  return dtype == at::kBFloat16;
+}
+
+void check_like(const at::Tensor& t, const at::Tensor& like, const char* op, const char* name) {
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), op, ": ", name, " must be ",
+              like.scalar_type(), ", got ", t.scalar_type());
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be on the CPU, got ", t.device());
+}
+
+// Rows per task: enough elements that a task outweighs its scheduling.
+int64_t grain(int64_t elements_per_row) {
+  return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, elements_per_row));
+}
+
+void rms_norm(at::Tensor& hidden, const std::optional<at::Tensor>& addend, const at::Tensor& weight,
+              double eps, at::Tensor& out, std::string isa) {
+  const char* op = "rms_norm";
+  const pdserve::FusedOps ops = select_ops(isa, op);
+  const bool is_bf16 = check_dtype(hidden, op, "hidden");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(),
+              "rms_norm: hidden must be a contiguous [num_rows, width], got shape ", hidden.sizes(),
+              " strides ", hidden.strides());
+  const int64_t rows = hidden.size(0), width = hidden.size(1);
+  check_like(weight, hidden, op, "weight");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == width && weight.is_contiguous(),
+              "rms_norm: weight must be a contiguous [", width, "], got shape ", weight.sizes());
+  check_like(out, hidden, op, "out");
+  TORCH_CHECK(out.sizes() == hidden.sizes() && out.is_contiguous(),
+              "rms_norm: out must be a contiguous ", hidden.sizes(), ", got ", out.sizes());
+  if (addend.has_value()) {
+    check_like(*addend, hidden, op, "addend");
+    TORCH_CHECK(addend->sizes() == hidden.sizes() && addend->is_contiguous(),
+                "rms_norm: addend must be a contiguous ", hidden.sizes(), ", got ",
+                addend->sizes());
+  }
+  TORCH_CHECK(width >= 1, "rms_norm: width must be >= 1");
+  pdserve::NormArgs args{hidden.data_ptr(),
+                         addend.has_value() ? addend->const_data_ptr() : nullptr,
+                         weight.const_data_ptr(),
+                         out.data_ptr(),
+                         width,
+                         static_cast<float>(eps),
+                         is_bf16};
+  at::parallel_for(0, rows, grain(width),
+                   [&](int64_t begin, int64_t end) { ops.rms_norm(args, begin, end); });
+}
+
+// [num_rows, heads, head_dim] with head_dim and heads contiguous; rows may be strided (a view of
+// the fused QKV output).
+void check_heads(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2),
+              "rotary_: ", name, " must be [num_rows, heads, head_dim] with contiguous heads, "
+              "got shape ", t.sizes(), " strides ", t.strides());
+}
+
+void rotary(at::Tensor& query, at::Tensor& key, const at::Tensor& cos, const at::Tensor& sin,
+            std::string isa) {
+  const char* op = "rotary_";
+  const pdserve::FusedOps ops = select_ops(isa, op);
+  const bool is_bf16 = check_dtype(query, op, "query");
+  check_like(key, query, op, "key");
+  check_like(cos, query, op, "cos");
+  check_like(sin, query, op, "sin");
+  check_heads(query, "query");
+  check_heads(key, "key");
+  const int64_t rows = query.size(0), dim = query.size(2);
+  TORCH_CHECK(key.size(0) == rows && key.size(2) == dim, "rotary_: key must be [", rows,
+              ", num_kv_heads, ", dim, "], got shape ", key.sizes());
+  TORCH_CHECK(dim % 2 == 0, "rotary_: head_dim must be even, got ", dim);
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->is_contiguous() && t->numel() == rows * dim && t->size(0) == rows,
+                "rotary_: cos and sin must be contiguous [", rows, ", (1,) ", dim,
+                "], got shape ", t->sizes());
+  }
+  pdserve::RotaryArgs args{query.data_ptr(),  key.data_ptr(),   cos.const_data_ptr(),
+                           sin.const_data_ptr(), query.stride(0), key.stride(0),
+                           query.size(1),     key.size(1),      dim,
+                           is_bf16};
+  const int64_t per_row = (query.size(1) + key.size(1)) * dim;
+  at::parallel_for(0, rows, grain(per_row),
+                   [&](int64_t begin, int64_t end) { ops.rotary(args, begin, end); });
+}
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up, std::string isa) {
+  const char* op = "silu_and_mul";
+  const pdserve::FusedOps ops = select_ops(isa, op);
+  const bool is_bf16 = check_dtype(gate_up, op, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "silu_and_mul: gate_up must be a contiguous [num_rows, 2 * width], got shape ",
+              gate_up.sizes());
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
+  check_like(out, gate_up, op, "out");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == width && out.is_contiguous(),
+              "silu_and_mul: out must be a contiguous [", rows, ", ", width, "], got shape ",
+              out.sizes());
+  pdserve::SiluMulArgs args{gate_up.const_data_ptr(), out.data_ptr(), width, is_bf16};
+  at::parallel_for(0, rows, grain(2 * width),
+                   [&](int64_t begin, int64_t end) { ops.silu_and_mul(args, begin, end); });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def(
+      "rms_norm(Tensor(a!) hidden, Tensor? addend, Tensor weight, float eps, Tensor(b!) out, "
+      "str isa) -> ()");
+  m.def("rotary_(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin, str isa) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up, str isa) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary_", &rotary);
+  m.impl("silu_and_mul", &silu_and_mul);
+}

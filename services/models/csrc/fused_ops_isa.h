@@ -1,0 +1,60 @@
+// The interface between the fused elementwise ops (fused_ops.cpp, built for the baseline ISA) and
+// their kernel variants (fused_ops_<isa>.cpp, each built for its own instruction set), on the
+// same terms as paged_attention_isa.h: plain structs and function pointers, no vector types.
+#pragma once
+
+#include <cstdint>
+
+namespace pdserve {
+
+// hidden = round(hidden + addend) when addend is given (the residual stream, in place), then
+// out = round(weight * round(hidden * rsqrt(mean(hidden^2) + eps))): transformers' LlamaRMSNorm
+// order, rounding to the element type where torch's bf16 ops round.
+struct NormArgs {
+  void* hidden;         // [num_rows, width]
+  const void* addend;   // [num_rows, width] or nullptr
+  const void* weight;   // [width]
+  void* out;            // [num_rows, width]
+  int64_t width;
+  float eps;
+  bool is_bf16;         // element type of every tensor: bf16 or float
+};
+
+// In place, rotating halves (transformers' rotate_half): for i < head_dim / 2,
+//   x[i]     = round(round(x[i] * cos[i]) + round(-x[i + h] * sin[i]))
+//   x[i + h] = round(round(x[i + h] * cos[i + h]) + round(x[i] * sin[i + h]))
+// of every head of the query and the key rows: the bits of q * cos + rotate_half(q) * sin.
+struct RotaryArgs {
+  void* query;               // rows of num_heads x head_dim, row i at query + i * query_stride
+  void* key;                 // rows of num_kv_heads x head_dim
+  const void* cos;           // [num_rows, head_dim]
+  const void* sin;           // [num_rows, head_dim]
+  int64_t query_stride, key_stride;  // elements between rows (the fused QKV output's width)
+  int64_t num_heads, num_kv_heads, head_dim;
+  bool is_bf16;
+};
+
+// out = round(round(silu(gate)) * up), gate and up the halves of each gate_up row.
+struct SiluMulArgs {
+  const void* gate_up;  // [num_rows, 2 * width]
+  void* out;            // [num_rows, width]
+  int64_t width;
+  bool is_bf16;
+};
+
+// Rows [begin, end) on the calling thread.
+struct FusedOps {
+  void (*rms_norm)(const NormArgs& args, int64_t begin, int64_t end);
+  void (*rotary)(const RotaryArgs& args, int64_t begin, int64_t end);
+  void (*silu_and_mul)(const SiluMulArgs& args, int64_t begin, int64_t end);
+};
+
+// One per kernel variant; the AVX ones exist only in x86-64 builds.
+FusedOps fused_ops_portable();
+#if defined(__x86_64__)
+FusedOps fused_ops_avx2();
+FusedOps fused_ops_avx512();
+FusedOps fused_ops_avx512_bf16();
+#endif
+
+}  // namespace pdserve
