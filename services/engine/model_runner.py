@@ -21,11 +21,12 @@ from services.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOut
 from services.engine.static_decode import StaticDecode
 from services.engine.structured_output import StructuredOutputs
 from services.host_memory import advise_huge_pages, keep_freed_memory_mapped
-from services.models.attention import AttentionMetadata, PrefillSpan
-from services.models.backends import make_attention_backend
+from services.models.attention import AttentionMetadata, PrefillSpan, TorchPagedAttention
+from services.models.backends import make_attention_backend, make_layer_ops
 from services.models.config import ModelConfig
 from services.models.loader import load_model
 from services.models.packed_linear import pack_linears
+from services.models.prefill_kernel_choice import choose_padded_kernel, padded_kernel_timer
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class ModelRunner:
             device=self.device,
             max_positions=max_model_len,
             backend=self.backend,
+            ops=make_layer_ops(self.backend),
         )
         # CPU bf16: weights in oneDNN's blocked layout, reordered once instead of every call.
         pack_linears(self.model, self.device, self.dtype)
@@ -95,6 +97,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
+        if isinstance(self.backend, TorchPagedAttention):
+            self._choose_padded_kernel(self.backend)
         # Default: graphs on CUDA where the backend does not pay for the fixed table width.
         self.use_static_decode = (
             config.cuda_graphs
@@ -104,6 +108,22 @@ class ModelRunner:
         self.static_decode: StaticDecode | None = None
         self._shared_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._generators: dict[str, torch.Generator] = {}
+
+    def _choose_padded_kernel(self, backend: TorchPagedAttention) -> None:
+        """Times the padded prefill kernels on this CPU at this model's heads (a step's budget
+        as 8 chunks of up to 256 tokens) and keeps the faster; see prefill_kernel_choice.py."""
+        cfg = self.model_config
+        timer = padded_kernel_timer(
+            backend,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=self.dtype,
+            cache_dtype=self.kv_cache_dtype,
+            chunk_tokens=min(256, max(16, self.max_num_batched_tokens // 8)),
+        )
+        choice = choose_padded_kernel(backend, self.device, timer)
+        logger.info("padded prefill attention: %s", choice.describe())
 
     @property
     def block_bytes(self) -> int:

@@ -54,18 +54,22 @@ class AttentionMetadata:
 # Padding more than doubles the work past this (the batched call is about as fast as one call per
 # chunk on its real work, so that is where it stops paying).
 _MAX_PADDING_WASTE = 2.0
+# The matmul kernel materialises [chunks, heads, tokens, context] float32 scores: above this it
+# gives way to SDPA, which never does.
+_MAX_PADDED_SCORE_BYTES = 64 << 20
+
+PADDED_KERNELS = ("sdpa", "matmul")
+"""How a step's padded prefill chunks are attended (``TorchPagedAttention.padded_kernel``):
+``sdpa``, one masked ``scaled_dot_product_attention`` call (torch's flash kernel on the CPU), or
+``matmul``, two batched matmuls around a float32 softmax. Which is faster depends on the host
+(``prefill_kernel_choice.py`` times both); the results agree to rounding."""
 
 
 @dataclass(frozen=True)
 class PaddedPrefill:
     """Every prefill chunk of a step padded to ``max_tokens`` queries and ``max_context`` keys,
-    attended in one ``scaled_dot_product_attention`` call with a boolean mask.
-
-    The mask keeps the call on torch's fused (flash) CPU kernel, which never materialises the
-    scores: eight 256-token chunks of the ``small`` model (12 heads / 4 KV heads, bf16, 2 cores
-    with AMX) took 3.1 ms a layer this way against 20.4 ms as explicit matmuls and a float32
-    softmax over [chunks, heads, tokens, context], and 3.1 ms as one call per chunk.
-    """
+    attended in one batch (``PADDED_KERNELS``) instead of one call per chunk: about twice as fast
+    on the AMD host of the first measurements (8 x 256-token chunks, 19 → 10 ms a layer)."""
 
     token_index: torch.Tensor
     """[num_chunks * max_tokens] int64: row of the flat batch for each padded query (padding
@@ -161,6 +165,8 @@ class TorchPagedAttention(AttentionBackend):
     def __init__(self, block_size: int, scale: float) -> None:
         super().__init__(block_size, scale)
         self._padded: PaddedPrefill | None = None
+        self.padded_kernel = "sdpa"
+        """One of ``PADDED_KERNELS``; ``prefill_kernel_choice`` sets the faster on a CPU."""
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         self._padded = PaddedPrefill.build(metadata.prefills, self.block_size)
@@ -190,7 +196,7 @@ class TorchPagedAttention(AttentionBackend):
         padded = self._padded
         if padded is not None:
             rows = padded.token_index[padded.is_real]
-            out = self._prefill_padded(query, key_cache, value_cache, padded)
+            out = self.attend_padded(query, key_cache, value_cache, padded)
             output.index_copy_(0, rows, out[padded.is_real])
             return output
         for span in metadata.prefills:
@@ -235,36 +241,63 @@ class TorchPagedAttention(AttentionBackend):
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
         return out.reshape(num_decodes, num_heads, head_dim)
 
-    def _prefill_padded(
+    def attend_padded(
         self,
         query: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         padded: PaddedPrefill,
+        kernel: str | None = None,
     ) -> torch.Tensor:
-        """All prefill chunks in one masked call; returns [chunks * max_tokens, heads, dim]."""
+        """All prefill chunks in one batch with ``kernel`` (default ``padded_kernel``); returns
+        [chunks * max_tokens, heads, head_dim]. query: [num_tokens, heads, head_dim]."""
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = key_cache.shape[2]
         chunks, tokens = padded.num_chunks, padded.max_tokens
         context = padded.mask.shape[-1]
-        # q: [chunks, heads, tokens, head_dim]
+        # q: [chunks, tokens, heads, head_dim]
         q = query.index_select(0, padded.token_index).view(chunks, tokens, num_heads, head_dim)
         flat_ids = padded.block_tables.view(-1)
-        # keys, values: [chunks, kv_heads, context, head_dim], read back from the cache (the
-        # chunk's own new tokens were written there first).
+        # keys, values: [chunks, context, kv_heads, head_dim], read back from the cache (the
+        # chunk's own new tokens were written there first), widened to the query's dtype.
         keys = key_cache.index_select(0, flat_ids).view(chunks, context, num_kv_heads, head_dim)
         values = value_cache.index_select(0, flat_ids).view(chunks, context, num_kv_heads, head_dim)
         keys, values = keys.to(query.dtype), values.to(query.dtype)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=padded.mask,
-            scale=self.scale,
-            enable_gqa=True,
-        )
+        kernel = kernel or self.padded_kernel
+        score_bytes = chunks * num_heads * tokens * context * 4
+        if kernel == "matmul" and score_bytes <= _MAX_PADDED_SCORE_BYTES:
+            out = self._padded_matmul(q, keys, values, padded.mask)
+        else:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=padded.mask,
+                scale=self.scale,
+                enable_gqa=True,
+            )
         # out: [chunks, heads, tokens, head_dim]
         return out.transpose(1, 2).reshape(chunks * tokens, num_heads, head_dim)
+
+    def _padded_matmul(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """q: [chunks, tokens, heads, dim]; keys, values: [chunks, context, kv_heads, dim];
+        mask: [chunks, 1, tokens, context]. Returns [chunks, heads, tokens, dim]."""
+        chunks, tokens, num_heads, head_dim = q.shape
+        context, num_kv_heads = keys.shape[1], keys.shape[2]
+        group = num_heads // num_kv_heads
+        # q: [chunks, kv_heads, group * tokens, head_dim] (the GQA group folded into queries)
+        q = q.view(chunks, tokens, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        q = q.reshape(chunks, num_kv_heads, group * tokens, head_dim)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        # scores: [chunks, kv_heads, group, tokens, context] in float32
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float()
+        scores = scores.view(chunks, num_kv_heads, group, tokens, context).mul_(self.scale)
+        scores.masked_fill_(~mask[:, :, None], float("-inf"))
+        probs = scores.softmax(dim=-1).to(q.dtype).view(chunks, num_kv_heads, -1, context)
+        out = torch.matmul(probs, values).view(chunks, num_kv_heads, group, tokens, head_dim)
+        return out.reshape(chunks, num_heads, tokens, head_dim)
 
     def _prefill(
         self,

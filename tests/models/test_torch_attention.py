@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from services.models.attention import (
+    PADDED_KERNELS,
     AttentionMetadata,
     PaddedPrefill,
     PrefillSpan,
@@ -75,11 +76,15 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("kernel", PADDED_KERNELS)
 @pytest.mark.parametrize("chunks", list(CASES.values()), ids=list(CASES))
-def test_padded_prefill_equals_per_chunk_and_dense(chunks: list[tuple[int, int]]) -> None:
+def test_padded_prefill_equals_per_chunk_and_dense(
+    chunks: list[tuple[int, int]], kernel: str
+) -> None:
     query, key, value, kv_cache, metadata, full_kv = build_step(chunks)
     assert PaddedPrefill.build(metadata.prefills, BLOCK_SIZE) is not None, "case must batch"
     backend = TorchPagedAttention(BLOCK_SIZE, scale=1 / math.sqrt(HEAD_DIM))
+    backend.padded_kernel = kernel
 
     backend.prepare(metadata)
     padded = backend.forward(query, key, value, kv_cache.clone(), metadata)
