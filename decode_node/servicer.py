@@ -261,10 +261,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.metrics.request_finished(last.finish_reason.value)
         return decode_pb2.GenerateResponse(
             finished=decode_pb2.Finished(
-                # The cast: convert returns a plain int, the .pyi wants the enum's own type.
-                finish_reason=cast(
-                    "common_pb2.FinishReason", finish_reason_to_proto(last.finish_reason)
-                ),
+                finish_reason=finish_reason_to_proto(last.finish_reason),
                 usage=common_pb2.Usage(
                     prompt_tokens=num_prompt_tokens,
                     completion_tokens=num_generated,

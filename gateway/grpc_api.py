@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, TypeAlias, cast
+from typing import Any, TypeAlias
 
 import grpc
 
@@ -83,12 +83,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                         else:
                             yield gateway_pb2.GatewayGenerateResponse(
                                 finished=gateway_pb2.GatewayFinished(
-                                    # The cast: convert returns a plain int, the .pyi
-                                    # wants the enum's own type.
-                                    finish_reason=cast(
-                                        "common_pb2.FinishReason",
-                                        finish_reason_to_proto(item.finish_reason),
-                                    ),
+                                    finish_reason=finish_reason_to_proto(item.finish_reason),
                                     usage=usage_to_proto(item.usage),
                                     timings=stage_timings_to_proto(item.timings),
                                     error=item.error or "",

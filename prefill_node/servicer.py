@@ -24,7 +24,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import TypeAlias, cast
+from typing import TypeAlias
 
 import grpc
 
@@ -173,10 +173,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             )
         # The first token may already end the request (EOS, max_tokens=1).
         if first.finish_reason is not None and _stops_for_good(first, params.max_tokens):
-            # The cast: convert returns a plain int, the .pyi wants the enum's own type.
-            result.finish_reason = cast(
-                "common_pb2.FinishReason", finish_reason_to_proto(first.finish_reason)
-            )
+            result.finish_reason = finish_reason_to_proto(first.finish_reason)
         return result
 
     async def GetLoad(

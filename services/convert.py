@@ -24,7 +24,7 @@ from services.types import (
     Usage,
 )
 
-_FINISH_TO_PROTO: dict[FinishReason, int] = {
+_FINISH_TO_PROTO: dict[FinishReason, common_pb2.FinishReason] = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
@@ -121,7 +121,7 @@ def prompt_from_proto(token_ids: Sequence[int]) -> list[int]:
     return list(token_ids)
 
 
-def finish_reason_to_proto(reason: FinishReason | None) -> int:
+def finish_reason_to_proto(reason: FinishReason | None) -> common_pb2.FinishReason:
     if reason is None:
         return common_pb2.FINISH_REASON_UNSPECIFIED
     return _FINISH_TO_PROTO[reason]

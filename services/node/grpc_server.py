@@ -20,6 +20,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -86,7 +87,7 @@ class NodeServer:
         logger.info("serving %s on port %d", ", ".join(self.service_names), self.port)
 
     @contextlib.asynccontextmanager
-    async def admit(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    async def admit(self, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[None]:
         """Count a request in flight for as long as the block runs; refuse it while draining."""
         if self._draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "node is draining (shutting down)")

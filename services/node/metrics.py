@@ -32,7 +32,9 @@ class NodeMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(f"pdserve:{name}", doc, names, registry=self.registry).labels(**labels)
 
-        def histogram(name: str, doc: str, buckets=_LATENCY_BUCKETS) -> Histogram:
+        def histogram(
+            name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS
+        ) -> Histogram:
             metric = Histogram(
                 f"pdserve:{name}", doc, names, registry=self.registry, buckets=buckets
             )

@@ -24,9 +24,10 @@ from services.convert import load_report_to_proto
 from services.engine import EngineCore
 from services.listen import ListenError
 from services.models.native_build import UnsupportedIsaError
-from services.node.config import NodeConfig, Role
+from services.node.config import NodeConfig
 from services.node.grpc_server import NodeServer, Registrar
 from services.node.metrics import NodeMetrics
+from services.types import Role
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ async def load_report(
     config: NodeConfig,
     engine: AsyncEngine,
     server: NodeServerRef,
-    context: grpc.aio.ServicerContext,
+    context: grpc.aio.ServicerContext[common_pb2.GetLoadRequest, common_pb2.LoadReport],
 ) -> common_pb2.LoadReport:
     """GetLoad for every role: the engine's stats as the router reads them — the last step's
     snapshot, never waiting for the step in progress (the gateway's poll has a deadline)."""
