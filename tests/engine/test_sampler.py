@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from services.engine.sampler import Sampler, SamplingMetadata, process_logits
+from services.engine.sampler import Sampler, SamplingMetadata, greedy_argmax, process_logits
 from services.types import SamplingParams
 
 EOS_TOKEN_ID = 2
@@ -81,6 +81,18 @@ def test_greedy_is_argmax_and_input_is_untouched() -> None:
     assert all(type(token_id) is int for token_id in result.token_ids)
     assert result.logprobs == [None] * 8
     assert torch.equal(logits, original)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_argmax_is_torchs_argmax_on_ties_nan_and_inf(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 4, (40, 500), generator=generator).to(dtype)  # ties everywhere
+    logits[3, 17] = float("nan")
+    logits[4, [9, 300]] = float("nan")  # the first NaN wins
+    logits[5] = float("-inf")
+    logits[6, 7:] = float("inf")
+    assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
+    assert greedy_argmax(logits)[4] == 9 and greedy_argmax(logits)[5] == 0
 
 
 def test_top_k_one_at_temperature_one_is_greedy() -> None:
