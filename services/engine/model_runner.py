@@ -81,6 +81,8 @@ class ModelRunner:
             block_size=config.cache.block_size,
             scale=1.0 / math.sqrt(model_config.head_dim),
         )
+        ops = make_layer_ops(self.backend)
+        logger.info("decoder elementwise steps: %s", ops.describe())
         self.model = load_model(
             config.model_dir,
             model_config,
@@ -88,7 +90,7 @@ class ModelRunner:
             device=self.device,
             max_positions=max_model_len,
             backend=self.backend,
-            ops=make_layer_ops(self.backend),
+            ops=ops,
         )
         # CPU bf16: weights in oneDNN's blocked layout, reordered once instead of every call.
         pack_linears(self.model, self.device, self.dtype)

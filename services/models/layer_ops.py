@@ -22,7 +22,9 @@ from services.models.rotary import RopeTables
 class LayerOps:
     """The torch implementation (any device, any dtype)."""
 
-    name = "torch"
+    def describe(self) -> str:
+        """For the start-up log."""
+        return "torch"
 
     def rms_norm(
         self, hidden: torch.Tensor, pending: torch.Tensor | None, weight: torch.Tensor, eps: float

@@ -19,14 +19,15 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 class NativeLayerOps(LayerOps):
-    name = "native"
-
     def __init__(self, isa: str | None = None) -> None:
         self.isa = resolve_isa(isa)
         """The kernel variant these ops run (see ``native_build.resolve_isa``)."""
         error = native_kernel_error()
         if error is not None:
             raise RuntimeError(f"native CPU kernels are unavailable: {error}")
+
+    def describe(self) -> str:
+        return f"native fused kernels ({self.isa})"
 
     @staticmethod
     def _takes(*tensors: torch.Tensor) -> bool:
