@@ -39,16 +39,6 @@ inline Vec round_to(Vec v, const Bf16*) {
   return reinterpret_cast<Vec>(bits);
 }
 
-inline float round_to(float x, const float*) {
-  return x;
-}
-
-inline float round_to(float x, const Bf16*) {
-  Bf16 rounded;
-  from_float(x, &rounded);
-  return to_float(rounded);
-}
-
 // kLanes elements from p, or the n < kLanes left at the end of a row (zero-filled).
 template <typename T>
 inline Vec load_n(const T* p, int64_t n) {
