@@ -22,23 +22,38 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make not installed")
-def test_make_run_dtype_auto_reaches_every_nodes_engine_config() -> None:
+@pytest.mark.parametrize(
+    ("make_var", "flag", "expected"),
+    [
+        ("DTYPE=auto", "--dtype", {"dtype": "auto"}),
+        (
+            "KV_CACHE_DTYPE=float32",
+            "--kv-cache-dtype",
+            {"kv_cache_dtype": "float32", "dtype": "auto"},
+        ),
+    ],
+)
+def test_make_run_reaches_every_nodes_engine_config(
+    make_var: str, flag: str, expected: dict[str, str]
+) -> None:
+    """``make run DTYPE=`` / ``KV_CACHE_DTYPE=``: the launcher's flag, its topology and the
+    engine config of both nodes it would start."""
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
     result = subprocess.run(
-        ["make", "--no-print-directory", "-n", "run", "MODEL=/m/x", "DTYPE=auto"],
+        ["make", "--no-print-directory", "-n", "run", "MODEL=/m/x", make_var],
         cwd=REPO, capture_output=True, text=True, timeout=60, check=True, env=env,
     )  # fmt: skip
     (launch,) = [line for line in result.stdout.splitlines() if "-m deploy.launch" in line]
     launcher_argv = launch.split()[3:]
-    assert launcher_argv[launcher_argv.index("--dtype") + 1] == "auto"
+    assert launcher_argv[launcher_argv.index(flag) + 1] == make_var.split("=")[1]
     topology = topology_from_args(build_parser().parse_args(launcher_argv))
-    assert topology.dtype == "auto"
+    assert {field: getattr(topology, field) for field in expected} == expected
     nodes = [p for p in local_processes(topology, python="py") if "_node" in p.argv[2]]
     assert len(nodes) == 2
     for process in nodes:
         role = Role.PREFILL if process.argv[2] == "prefill_node" else Role.DECODE
         config = parse_node_config(list(process.argv[3:]), {}, role=role)
-        assert config.engine.dtype == "auto"
+        assert {field: getattr(config.engine, field) for field in expected} == expected
 
 
 def test_auto_is_the_node_and_topology_default_and_an_explicit_dtype_wins() -> None:
@@ -61,26 +76,6 @@ def test_a_node_exports_its_dtype_choice_and_the_measured_rates() -> None:
     info = {**labels, "dtype": "float32", "source": "measured"}
     assert sample("pdserve:compute_dtype_info", info) == 1.0
     assert sample("pdserve:compute_dtype_info", {**info, "dtype": "bfloat16"}) is None
-
-
-@pytest.mark.skipif(shutil.which("make") is None, reason="make not installed")
-def test_make_run_kv_cache_dtype_reaches_every_nodes_engine_config() -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
-    result = subprocess.run(
-        ["make", "--no-print-directory", "-n", "run", "MODEL=/m/x", "KV_CACHE_DTYPE=float32"],
-        cwd=REPO, capture_output=True, text=True, timeout=60, check=True, env=env,
-    )  # fmt: skip
-    (launch,) = [line for line in result.stdout.splitlines() if "-m deploy.launch" in line]
-    launcher_argv = launch.split()[3:]
-    assert launcher_argv[launcher_argv.index("--kv-cache-dtype") + 1] == "float32"
-    topology = topology_from_args(build_parser().parse_args(launcher_argv))
-    assert topology.kv_cache_dtype == "float32" and topology.dtype == "auto"
-    nodes = [p for p in local_processes(topology, python="py") if "_node" in p.argv[2]]
-    assert len(nodes) == 2
-    for process in nodes:
-        role = Role.PREFILL if process.argv[2] == "prefill_node" else Role.DECODE
-        config = parse_node_config(list(process.argv[3:]), {}, role=role)
-        assert config.engine.kv_cache_dtype == "float32"
 
 
 def test_kv_cache_dtype_defaults_to_auto_and_a_bad_one_is_refused_naming_it(
