@@ -82,7 +82,10 @@ def test_padded_prefill_equals_per_chunk_and_dense(
     chunks: list[tuple[int, int]], kernel: str
 ) -> None:
     query, key, value, kv_cache, metadata, full_kv = build_step(chunks)
-    assert PaddedPrefill.build(metadata.prefills, BLOCK_SIZE) is not None, "case must batch"
+    padded_step = PaddedPrefill.build(metadata.prefills, BLOCK_SIZE)
+    assert padded_step is not None, "case must batch"
+    # Fresh chunks take SDPA's own causal mask, the others the boolean one.
+    assert padded_step.all_fresh == all(start == 0 for start, _ in chunks)
     backend = TorchPagedAttention(BLOCK_SIZE, scale=1 / math.sqrt(HEAD_DIM))
     backend.padded_kernel = kernel
 
