@@ -99,7 +99,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
-        if isinstance(self.backend, TorchPagedAttention):
+        if isinstance(self.backend, TorchPagedAttention) and self.device.type == "cpu":
             self._choose_padded_kernel(self.backend)
         # Default: graphs on CUDA where the backend does not pay for the fixed table width.
         self.use_static_decode = (
