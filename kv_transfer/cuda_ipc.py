@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -157,14 +158,18 @@ class CudaIpcTransport(ShmTransport):
         return int(base) + int(doc["offset"])
 
     def _batches(self, plan: TransferPlan) -> list[tuple[np.ndarray, int]]:
+        """(runs, bytes) copied under one hold of the slot mutex: the plan's runs cut after the
+        run that reaches each multiple of BATCH_BYTES (one kernel launch and one event wait
+        each). Found with one searchsorted: a 64 MiB push is 8,192 pages."""
         runs = plan.runs
-        ends = np.cumsum(runs[:, LEN])
-        batches, start, done = [], 0, 0
-        for i in range(len(runs)):
-            if int(ends[i]) - done >= BATCH_BYTES or i == len(runs) - 1:
-                batches.append((runs[start : i + 1], int(ends[i]) - done))
-                start, done = i + 1, int(ends[i])
-        return batches
+        if not len(runs):
+            return []
+        # offsets[i]: bytes before run i; offsets[-1]: the whole transfer.
+        offsets = np.concatenate(([0], np.cumsum(runs[:, LEN])))
+        multiples = np.arange(BATCH_BYTES, int(offsets[-1]), BATCH_BYTES)
+        cuts = np.unique(np.searchsorted(offsets[1:], multiples) + 1).tolist()
+        bounds = [0, *(c for c in cuts if c < len(runs)), len(runs)]
+        return [(runs[a:b], int(offsets[b] - offsets[a])) for a, b in pairwise(bounds)]
 
     def _prepare_copy(self) -> None:
         pass  # copies run on the GPU (the RawKernel of __init__): no host copy to build

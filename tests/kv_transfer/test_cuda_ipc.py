@@ -8,13 +8,14 @@ import subprocess
 import sys
 import textwrap
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from kv_transfer import PageTable, PeerAddress, TransferStatus, make_transport
 from kv_transfer.cuda_ipc import BATCH_BYTES, CudaIpcTransport
-from kv_transfer.transfer_plan import LEN, make_plan
+from kv_transfer.transfer_plan import DST_OFF, LEN, SRC_OFF, make_plan
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,6 +58,23 @@ def test_batches_cover_every_run_in_order_and_bound_the_fence_wait() -> None:
     assert np.array_equal(np.concatenate([runs for runs, _ in batches]), plan.runs)
     assert [n for _, n in batches] == [int(r[:, LEN].sum()) for r, _ in batches]
     assert all(n <= BATCH_BYTES for _, n in batches) and len(batches) == 3
+
+
+def test_batches_of_uneven_runs_cut_near_each_multiple_of_the_batch_size() -> None:
+    # A long run (two batches' worth), then many small pages of two sizes.
+    lengths = [2 * BATCH_BYTES + 3, *([PAGE, 3 * PAGE] * (BATCH_BYTES // PAGE // 2))]
+    offsets = np.concatenate(([0], np.cumsum(lengths)))
+    runs = np.zeros((len(lengths), 5), dtype=np.int64)
+    runs[:, LEN] = lengths
+    runs[:, SRC_OFF] = runs[:, DST_OFF] = offsets[:-1]  # back to back
+    plan = SimpleNamespace(runs=runs)
+    batches = CudaIpcTransport._batches(None, plan)  # type: ignore[arg-type]
+    assert np.array_equal(np.concatenate([r for r, _ in batches]), runs)
+    assert [n for _, n in batches] == [int(r[:, LEN].sum()) for r, _ in batches]
+    # The long run is a batch of its own; the rest stop within one run past a multiple.
+    assert batches[0][1] == lengths[0]
+    assert all(n < BATCH_BYTES + 3 * PAGE for _, n in batches[1:])
+    assert CudaIpcTransport._batches(None, SimpleNamespace(runs=runs[:0])) == []  # type: ignore[arg-type]
 
 
 def has_cuda() -> bool:
