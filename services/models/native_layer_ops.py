@@ -30,14 +30,15 @@ class NativeLayerOps(LayerOps):
         return f"native fused kernels ({self.isa})"
 
     @staticmethod
-    def _takes(*tensors: torch.Tensor) -> bool:
-        return all(t.device.type == "cpu" and t.dtype in _DTYPES for t in tensors)
+    def _takes(t: torch.Tensor) -> bool:
+        """The model's activations decide: its weights and tables share their dtype and device
+        (the ops check every argument and raise if not)."""
+        return t.device.type == "cpu" and t.dtype in _DTYPES
 
     def rms_norm(
         self, hidden: torch.Tensor, pending: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
-        rows = (hidden, weight) if pending is None else (hidden, weight, pending)
-        if not (self._takes(*rows) and hidden.dim() == 2 and hidden.is_contiguous()):
+        if not (self._takes(hidden) and hidden.dim() == 2 and hidden.is_contiguous()):
             return super().rms_norm(hidden, pending, weight, eps)
         if pending is not None:
             pending = pending.contiguous()
@@ -48,10 +49,10 @@ class NativeLayerOps(LayerOps):
     def rotary(
         self, query: torch.Tensor, key: torch.Tensor, rope: RopeTables
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        heads_contiguous = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (query, key))
-        if not (self._takes(query, key, rope.cos) and heads_contiguous):
+        if not self._takes(query):
             return super().rotary(query, key, rope)
-        # In place: query and key are views of the fused QKV output, rows strided.
+        # In place: query and key are views of the fused QKV output, rows strided, heads
+        # contiguous (or Qwen3's normed copies); the op refuses any other layout.
         torch.ops.pdserve.rotary_(query, key, rope.cos, rope.sin, self.isa)
         return query, key
 
