@@ -53,7 +53,7 @@ from services.engine import LLM, SamplingParams  # noqa: E402
 from services.engine.dtype_choice import measure_gflops, model_gemm_shapes  # noqa: E402
 from services.models.config import ModelConfig  # noqa: E402
 from services.models.cpu_features import cpu_flags  # noqa: E402
-from services.models.packed_linear import PackedLinear  # noqa: E402
+from services.models.packed_linear import PackedLinear, PackedSiluGateUp  # noqa: E402
 from services.models.tiny import build_tiny_model  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "small-llama"
@@ -88,9 +88,12 @@ def weight_counts(llm: LLM) -> tuple[int, int]:
     from the modules' shapes: packed linears (``packed_linear.py``) hold no parameters."""
     decoder = lm_head = 0
     for name, module in llm.engine.runner.model.named_modules():
-        if not isinstance(module, (torch.nn.Linear, PackedLinear)):
+        if isinstance(module, (PackedLinear, PackedSiluGateUp)):
+            weights = module.num_weights
+        elif isinstance(module, torch.nn.Linear):
+            weights = module.in_features * module.out_features
+        else:
             continue
-        weights = module.in_features * module.out_features
         if name.startswith("lm_head"):
             lm_head += weights
         elif ".layers." in name:

@@ -6,8 +6,15 @@ Why: ``F.linear`` hands oneDNN a plain ``[out, in]`` weight, which it reorders i
 every step; the products are the same bits (``tests/models/test_packed_linear.py``). It matters
 most where a step is small: a 64-sequence decode step multiplies 64 rows by every weight.
 
+A module's fused ``gate_up_proj`` (the ``[gate; up]`` projection of a SwiGLU MLP, whose output
+only ever goes through SiLU-and-mul) becomes a ``PackedSiluGateUp``, which runs SiLU-and-mul in
+oneDNN's GEMM epilogues: the ``[rows, 2 x intermediate]`` product is never written out and read
+back (a 2,048-token prefill step of the small model: 6.0 against 7.1 ms a layer, measured with
+``torch.nn.functional.silu``; the native ``silu_and_mul`` pass took 1.75 ms of it).
+
 Life cycle: ``pack_linears`` runs once, after the checkpoint is loaded and before the first step,
-and replaces the decoder's projections and the lm_head with ``PackedLinear`` modules. The plain
+and replaces the decoder's projections and the lm_head with ``PackedLinear`` modules (and
+``PackedSiluGateUp`` for each ``gate_up_proj``). The plain
 weight of a projection is dropped (no second copy in memory); a tied lm_head packs a copy and the
 embedding keeps the plain matrix. Nothing reads or changes the weights afterwards.
 
@@ -37,11 +44,51 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
+    @property
+    def num_weights(self) -> int:
+        """Parameters of the plain weight (the packed tensor's size includes its padding)."""
+        return self.in_features * self.out_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+class PackedSiluGateUp(nn.Module):
+    """A SwiGLU MLP's fused ``[gate; up]`` projection followed by SiLU-and-mul, as two packed
+    GEMMs: ``silu(x @ gate.T) * (x @ up.T)``, input ``[num_rows, in_features]``, output
+    ``[num_rows, intermediate]``. The first GEMM applies SiLU ("swish") to its fp32 accumulators
+    before rounding; the second multiplies its accumulators by the first's output ("mul" binary
+    post-op) before rounding. Against ``silu_and_mul`` of the rounded product, this rounds twice
+    instead of three times: within a bf16 rounding or two of it (tested)."""
+
+    def __init__(self, gate_up: nn.Linear) -> None:
+        super().__init__()
+        if gate_up.out_features % 2:
+            raise ValueError(f"gate_up_proj has an odd out_features ({gate_up.out_features})")
+        self.in_features = gate_up.in_features
+        self.out_features = gate_up.out_features // 2
+        gate, up = gate_up.weight.detach().chunk(2, dim=0)
+        self.gate = torch.ops.mkldnn._reorder_linear_weight(gate.contiguous(), 64)
+        self.up = torch.ops.mkldnn._reorder_linear_weight(up.contiguous(), 64)
+        gate_bias, up_bias = (
+            (None, None) if gate_up.bias is None else gate_up.bias.detach().chunk(2, dim=0)
+        )
+        self.gate_bias, self.up_bias = gate_bias, up_bias
+
+    @property
+    def num_weights(self) -> int:
+        """Parameters of the plain gate and up weights together."""
+        return 2 * self.in_features * self.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.ops.mkldnn._linear_pointwise(x, self.gate, self.gate_bias, "swish", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up, self.up_bias, "mul")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed, silu"
 
 
 def packing_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -58,8 +105,9 @@ def packing_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str 
 
 
 def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    """Replaces every ``nn.Linear`` of ``model`` with a ``PackedLinear`` when this device and
-    dtype pack (see the module docstring); returns how many were packed."""
+    """Replaces every ``nn.Linear`` of ``model`` with a ``PackedLinear`` (a ``gate_up_proj`` with
+    a ``PackedSiluGateUp``) when this device and dtype pack (see the module docstring); returns
+    how many were packed."""
     reason = packing_unavailable_reason(device, dtype)
     if reason is not None:
         logger.info("linear weights stay in the plain layout: %s", reason)
@@ -72,6 +120,7 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     ]
     with torch.no_grad():
         for parent, name, child in targets:
-            setattr(parent, name, PackedLinear(child))
+            packed = PackedSiluGateUp(child) if name == "gate_up_proj" else PackedLinear(child)
+            setattr(parent, name, packed)
     logger.info("packed %d linear weights into oneDNN's blocked layout", len(targets))
     return len(targets)
