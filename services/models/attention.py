@@ -76,6 +76,15 @@ class PaddedPrefill:
     repeats the chunk's first row)."""
     is_real: torch.Tensor
     """[num_chunks * max_tokens] bool: False for padding queries."""
+    real_slots: torch.Tensor
+    """[real tokens] int64: where the real queries sit in the padded batch (``is_real``'s
+    indices), computed once per step rather than once per layer."""
+    real_rows: torch.Tensor
+    """[real tokens] int64: the flat batch's row of each of ``real_slots``."""
+    contiguous_start: int | None
+    """When the padded batch is exactly the flat rows ``[contiguous_start, contiguous_start +
+    num_chunks * max_tokens)`` (every chunk full length, one after the other: the usual long
+    prefill), queries and outputs are views of those rows, with no gather and no scatter."""
     block_tables: torch.Tensor
     """[num_chunks, max_blocks] int64, padded with block 0."""
     mask: torch.Tensor
@@ -113,6 +122,12 @@ class PaddedPrefill:
         positions = torch.tensor([s.start_position for s in spans], device=device)
         is_real = offsets[None, :] < lengths[:, None]  # [num_chunks, max_tokens]
         token_index = starts[:, None] + torch.where(is_real, offsets[None, :], 0)
+        first = spans[0].token_start
+        adjacent = all(
+            s.num_tokens == max_tokens and s.token_start == first + i * max_tokens
+            for i, s in enumerate(spans)
+        )
+        real_slots = is_real.reshape(-1).nonzero().squeeze(1)
         tables = torch.zeros(len(spans), max_blocks, dtype=torch.int64, device=device)
         for row, span in enumerate(spans):
             tables[row, : span.block_ids.numel()] = span.block_ids
@@ -124,6 +139,9 @@ class PaddedPrefill:
         return PaddedPrefill(
             token_index=token_index.reshape(-1),
             is_real=is_real.reshape(-1),
+            real_slots=real_slots,
+            real_rows=token_index.reshape(-1)[real_slots],
+            contiguous_start=first if adjacent else None,
             block_tables=tables,
             mask=allowed[:, None],
             all_fresh=all(s.start_position == 0 for s in spans),
@@ -201,9 +219,11 @@ class TorchPagedAttention(AttentionBackend):
             output[:num] = self._decode(query[:num], key_cache, value_cache, metadata)
         padded = self._padded
         if padded is not None:
-            rows = padded.token_index[padded.is_real]
             out = self.attend_padded(query, key_cache, value_cache, padded)
-            output.index_copy_(0, rows, out[padded.is_real])
+            if padded.contiguous_start is not None:
+                output[padded.contiguous_start : padded.contiguous_start + out.shape[0]] = out
+            else:
+                output.index_copy_(0, padded.real_rows, out.index_select(0, padded.real_slots))
             return output
         for span in metadata.prefills:
             end = span.token_start + span.num_tokens
@@ -262,7 +282,11 @@ class TorchPagedAttention(AttentionBackend):
         chunks, tokens = padded.num_chunks, padded.max_tokens
         context = padded.mask.shape[-1]
         # q: [chunks, tokens, heads, head_dim]
-        q = query.index_select(0, padded.token_index).view(chunks, tokens, num_heads, head_dim)
+        if padded.contiguous_start is not None:
+            q = query.narrow(0, padded.contiguous_start, chunks * tokens)
+        else:
+            q = query.index_select(0, padded.token_index)
+        q = q.view(chunks, tokens, num_heads, head_dim)
         flat_ids = padded.block_tables.view(-1)
         # keys, values: [chunks, context, kv_heads, head_dim], read back from the cache (the
         # chunk's own new tokens were written there first), widened to the query's dtype.

@@ -70,6 +70,7 @@ def build_step(chunks: list[tuple[int, int]], seed: int = 0):
 
 CASES = {
     "fresh, equal lengths": [(0, 8), (0, 8), (0, 8)],
+    "cached prefixes, equal lengths": [(8, 6), (0, 6), (4, 6)],
     "fresh, mixed lengths": [(0, 7), (0, 5), (0, 6)],
     "cached prefixes": [(8, 6), (4, 7), (12, 5)],
     "prefix and fresh mixed": [(0, 9), (9, 8), (5, 9)],
@@ -86,6 +87,9 @@ def test_padded_prefill_equals_per_chunk_and_dense(
     assert padded_step is not None, "case must batch"
     # Fresh chunks take SDPA's own causal mask, the others the boolean one.
     assert padded_step.all_fresh == all(start == 0 for start, _ in chunks)
+    # Equal lengths, one after the other: queries and outputs are views, not gathers.
+    equal = len({length for _, length in chunks}) == 1
+    assert (padded_step.contiguous_start == 0) if equal else padded_step.contiguous_start is None
     backend = TorchPagedAttention(BLOCK_SIZE, scale=1 / math.sqrt(HEAD_DIM))
     backend.padded_kernel = kernel
 
@@ -99,6 +103,21 @@ def test_padded_prefill_equals_per_chunk_and_dense(
         rows = slice(span.token_start, span.token_start + span.num_tokens)
         expected = dense_reference(query[rows], k_all, v_all, span.start_position)
         torch.testing.assert_close(padded[rows], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_padded_rows_follow_the_chunks_past_the_decodes() -> None:
+    blocks = torch.arange(1)  # one block of BLOCK_SIZE (4) covers each chunk
+    # Five decode rows first, then three 4-token chunks: rows 5..16.
+    equal = [PrefillSpan(5 + 4 * i, 4, 0, blocks) for i in range(3)]
+    padded = PaddedPrefill.build(equal, BLOCK_SIZE)
+    assert padded is not None and padded.contiguous_start == 5
+    assert padded.real_rows.tolist() == list(range(5, 17))
+
+    mixed = [PrefillSpan(5, 4, 0, blocks), PrefillSpan(9, 3, 0, blocks)]
+    padded = PaddedPrefill.build(mixed, BLOCK_SIZE)
+    assert padded is not None and padded.contiguous_start is None
+    assert padded.real_slots.tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert padded.real_rows.tolist() == [5, 6, 7, 8, 9, 10, 11]
 
 
 def test_padding_that_wastes_too_much_work_is_not_batched() -> None:
