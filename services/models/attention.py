@@ -219,7 +219,7 @@ class TorchPagedAttention(AttentionBackend):
             output[:num] = self._decode(query[:num], key_cache, value_cache, metadata)
         padded = self._padded
         if padded is not None:
-            out = self.attend_padded(query, key_cache, value_cache, padded)
+            out = self.attend_padded(query, key_cache, value_cache, padded, fresh_kv=(key, value))
             if padded.contiguous_start is not None:
                 output[padded.contiguous_start : padded.contiguous_start + out.shape[0]] = out
             else:
@@ -274,29 +274,41 @@ class TorchPagedAttention(AttentionBackend):
         value_cache: torch.Tensor,
         padded: PaddedPrefill,
         kernel: str | None = None,
+        fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """All prefill chunks in one batch with ``kernel`` (default ``padded_kernel``); returns
-        [chunks * max_tokens, heads, head_dim]. query: [num_tokens, heads, head_dim]."""
+        [chunks * max_tokens, heads, head_dim]. query: [num_tokens, heads, head_dim];
+        ``fresh_kv``: the step's new keys and values [num_tokens, kv_heads, head_dim], as written
+        to the cache, read in place of the cache when every chunk is fresh and they are views of
+        the flat batch (``contiguous_start``): the same values, without gathering blocks."""
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = key_cache.shape[2]
         chunks, tokens = padded.num_chunks, padded.max_tokens
-        context = padded.mask.shape[-1]
+        start = padded.contiguous_start
         # q: [chunks, tokens, heads, head_dim]
-        if padded.contiguous_start is not None:
-            q = query.narrow(0, padded.contiguous_start, chunks * tokens)
+        if start is not None:
+            q = query.narrow(0, start, chunks * tokens)
         else:
             q = query.index_select(0, padded.token_index)
         q = q.view(chunks, tokens, num_heads, head_dim)
-        flat_ids = padded.block_tables.view(-1)
-        # keys, values: [chunks, context, kv_heads, head_dim], read back from the cache (the
-        # chunk's own new tokens were written there first), widened to the query's dtype.
-        keys = key_cache.index_select(0, flat_ids).view(chunks, context, num_kv_heads, head_dim)
-        values = value_cache.index_select(0, flat_ids).view(chunks, context, num_kv_heads, head_dim)
-        keys, values = keys.to(query.dtype), values.to(query.dtype)
+        # keys, values: [chunks, context, kv_heads, head_dim], widened to the query's dtype.
+        if fresh_kv is not None and padded.all_fresh and start is not None:
+            # Each chunk's context is its own tokens.
+            keys, values = (t.narrow(0, start, chunks * tokens) for t in fresh_kv)
+            context = tokens
+        else:
+            # Read back from the cache (the chunks' own new tokens were written there first).
+            context = padded.mask.shape[-1]
+            flat_ids = padded.block_tables.view(-1)
+            keys = key_cache.index_select(0, flat_ids)
+            values = value_cache.index_select(0, flat_ids)
+        keys = keys.view(chunks, context, num_kv_heads, head_dim).to(query.dtype)
+        values = values.view(chunks, context, num_kv_heads, head_dim).to(query.dtype)
         kernel = kernel or self.padded_kernel
         score_bytes = chunks * num_heads * tokens * context * 4
         if kernel == "matmul" and score_bytes <= _MAX_PADDED_SCORE_BYTES:
-            out = self._padded_matmul(q, keys, values, padded.mask)
+            mask = padded.mask[..., :context]
+            out = self._padded_matmul(q, keys, values, mask)
         else:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2),
