@@ -189,11 +189,15 @@ class TorchPagedAttention(AttentionBackend):
     def __init__(self, block_size: int, scale: float) -> None:
         super().__init__(block_size, scale)
         self._padded: PaddedPrefill | None = None
+        self._padded_metadata: AttentionMetadata | None = None
+        """The step ``_padded`` was built for: a step whose ``prepare`` did not run (a caller
+        driving the model directly) attends chunk by chunk, never with a stale batch."""
         self.padded_kernel = "sdpa"
         """One of ``PADDED_KERNELS``; ``prefill_kernel_choice`` sets the faster on a CPU."""
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         self._padded = PaddedPrefill.build(metadata.prefills, self.block_size)
+        self._padded_metadata = metadata
 
     def forward(
         self,
@@ -217,7 +221,7 @@ class TorchPagedAttention(AttentionBackend):
         if metadata.num_decodes:
             num = metadata.num_decodes
             output[:num] = self._decode(query[:num], key_cache, value_cache, metadata)
-        padded = self._padded
+        padded = self._padded if self._padded_metadata is metadata else None
         if padded is not None:
             out = self.attend_padded(query, key_cache, value_cache, padded, fresh_kv=(key, value))
             if padded.contiguous_start is not None:

@@ -120,6 +120,20 @@ def test_padded_rows_follow_the_chunks_past_the_decodes() -> None:
     assert padded.real_rows.tolist() == [5, 6, 7, 8, 9, 10, 11]
 
 
+def test_a_step_without_prepare_never_uses_the_last_steps_batch() -> None:
+    backend = TorchPagedAttention(BLOCK_SIZE, scale=1 / math.sqrt(HEAD_DIM))
+    _, _, _, _, earlier, _ = build_step([(0, 8), (0, 8)], seed=1)
+    backend.prepare(earlier)
+    query, key, value, kv_cache, metadata, full_kv = build_step([(4, 5), (0, 6)])
+
+    output = backend.forward(query, key, value, kv_cache, metadata)  # no prepare for this step
+
+    for span, (k_all, v_all) in zip(metadata.prefills, full_kv, strict=True):
+        rows = slice(span.token_start, span.token_start + span.num_tokens)
+        expected = dense_reference(query[rows], k_all, v_all, span.start_position)
+        torch.testing.assert_close(output[rows], expected, atol=1e-5, rtol=1e-5)
+
+
 def test_padding_that_wastes_too_much_work_is_not_batched() -> None:
     _, _, _, _, metadata, _ = build_step([(0, 40), (0, 2), (0, 2)])
     assert PaddedPrefill.build(metadata.prefills, BLOCK_SIZE) is None
