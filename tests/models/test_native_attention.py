@@ -35,7 +35,7 @@ def backends(head_dim: int, block_size: int) -> tuple[TorchPagedAttention, Nativ
 @pytest.mark.usefixtures("kernel")
 @pytest.mark.parametrize("block_size", [16, 4])
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 40, 80])
-@pytest.mark.parametrize("group", [1, 2, 3, 4])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8])
 def test_float32_matches_torch(group: int, head_dim: int, block_size: int) -> None:
     # head_dim 40 and 80 take the generic path (80 without, 40 with a partial vector).
     query, kv_cache, metadata = make_decode_batch(
@@ -54,7 +54,7 @@ def test_float32_matches_torch(group: int, head_dim: int, block_size: int) -> No
 @pytest.mark.usefixtures("kernel")
 @pytest.mark.parametrize("block_size", [16, 4])
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 40])
-@pytest.mark.parametrize("group", [1, 2, 3, 4])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8])
 def test_bfloat16_matches_torch(group: int, head_dim: int, block_size: int) -> None:
     query, kv_cache, metadata = make_decode_batch(
         SEQ_LENS, group=group, head_dim=head_dim, block_size=block_size, dtype=torch.bfloat16

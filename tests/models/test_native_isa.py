@@ -34,11 +34,15 @@ def kernel() -> None:
 @pytest.mark.parametrize("isa", list(KERNEL_ISAS))
 @pytest.mark.parametrize("head_dim", [64, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_variant_this_cpu_runs_matches_torch(isa: str, head_dim: int, dtype) -> None:
+@pytest.mark.parametrize("group", [2, 5])
+def test_each_variant_this_cpu_runs_matches_torch(
+    isa: str, head_dim: int, dtype, group: int
+) -> None:
+    # group 5: more query heads per KV head than one register tile of pass 2 holds (4).
     if isa not in HOST_ISAS:
         pytest.skip(f"this CPU cannot run the {isa} kernel")
     query, kv_cache, metadata = make_decode_batch(
-        SEQ_LENS, group=2, head_dim=head_dim, block_size=16, dtype=dtype
+        SEQ_LENS, group=group, head_dim=head_dim, block_size=16, dtype=dtype
     )
     scale = head_dim**-0.5
     native = NativePagedAttention(16, scale, isa=isa)

@@ -3,12 +3,16 @@
 // ISA and includes this file, which keeps everything in an anonymous namespace (nothing here is
 // shared between variants) and defines run_items_<isa>. See paged_attention.cpp for the op.
 //
-// A work item walks the block table in tiles of kLanes tokens, widens each K/V row to fp32 once
-// for its whole GQA group (query head h uses KV head h / G, HF's repeat_interleave order), and
-// runs two passes:
+// A work item walks the block table in tiles of kLanes tokens, reads each K/V row once for its
+// whole GQA group (query head h uses KV head h / G, HF's repeat_interleave order), and runs two
+// passes:
 //   1. scores = scale * q . k for every query head, into a per-thread fp32 buffer
-//      [heads, seq_len] (a tile's dot products reduced together);
-//   2. softmax in place (max-subtracted, exact-enough exp), then out = sum_t p_t * v_t / sum_t p_t.
+//      [heads, seq_len] (a tile's dot products reduced together). K rows are widened to fp32 into
+//      a tile, or, with bf16 query and cache on AVX512-BF16, multiplied as bf16 pairs
+//      (vdpbf16ps) straight from the cache;
+//   2. softmax in place (max-subtracted, exact-enough exp), then out = sum_t p_t * v_t / sum_t p_t,
+//      each V row widened once in registers into the sums of up to kGroupTile query heads, also
+//      in registers (through a widened tile where they would not fit: AVX2 at head_dim 64).
 // The query (and output) and the caches each hold fp32 or bf16 independently (Problem<Q, KV>):
 // a bf16 cache under an fp32 query is widened like any bf16 one, at half an fp32 cache's bytes.
 // Everything accumulates in fp32; nothing past seq_len (garbage table entries, the rest of the
@@ -19,7 +23,8 @@
 // for AVX2, 4 portable), rather than left to the auto-vectoriser, which keeps fp32 reductions (dot
 // products, softmax max and sum) scalar without -ffast-math. head_dim 32, 64 and 128 get
 // specialisations with the chunk loops unrolled; others take a generic path. The AVX-512-BF16
-// variant differs from AVX-512 only in its fp32 -> bf16 stores of the output (vcvtneps2bf16).
+// variant differs from AVX-512 in its bf16 dot products and its fp32 -> bf16 stores of the output
+// (vcvtneps2bf16).
 //
 // Deliberately free of torch and of standard-library templates: an inline function instantiated
 // here for AVX-512 and also elsewhere could be the copy the linker keeps for both.
@@ -90,6 +95,17 @@ inline Vec transpose_reduce(const Vec* a) {
 #endif
 
 using Shape = pdserve::DecodeShape;
+
+template <typename A, typename B>
+constexpr bool kSameType = false;
+template <typename A>
+constexpr bool kSameType<A, A> = true;
+
+// Pass 1 multiplies bf16 pairs (vdpbf16ps) when query and cache are both bf16 and head_dim is
+// a specialised multiple of 32 (a 512-bit vector of bf16).
+template <typename Q, typename KV, int64_t kChunks>
+constexpr bool kDotsInBf16 = kSameType<Q, Bf16> && kSameType<KV, Bf16> && kChunks > 0 &&
+                             kChunks * kLanes % 32 == 0;
 
 
 // Q: the element type of query and out; KV: that of the caches (bf16 under an fp32 query when
@@ -180,6 +196,76 @@ class RowCursor {
   int64_t block_size_, row_stride_, block_, offset_;
 };
 
+// acc[g] += sum_j probs[g][j] * v_j for kGroup query heads sharing one KV head: the rows' slices
+// at `head` are widened once each and the kGroup x kChunks sums stay in registers. probs[g][j] is
+// probs[g * probs_stride + j]; acc[g * kChunks + c] is chunk c of query head g.
+template <typename KV, int64_t kChunks, int64_t kGroup>
+inline void accumulate_values_of(const KV* const* rows, int64_t n, int64_t head, const float* probs,
+                                 int64_t probs_stride, Vec* acc) {
+  Vec sums[kGroup][kChunks];
+  for (int64_t g = 0; g < kGroup; ++g) {
+    for (int64_t c = 0; c < kChunks; ++c) {
+      sums[g][c] = acc[g * kChunks + c];
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    Vec v[kChunks];
+    for (int64_t c = 0; c < kChunks; ++c) {
+      v[c] = load(rows[j] + head + c * kLanes);
+    }
+    for (int64_t g = 0; g < kGroup; ++g) {
+      const float prob = probs[g * probs_stride + j];
+      for (int64_t c = 0; c < kChunks; ++c) {
+        sums[g][c] += prob * v[c];
+      }
+    }
+  }
+  for (int64_t g = 0; g < kGroup; ++g) {
+    for (int64_t c = 0; c < kChunks; ++c) {
+      acc[g * kChunks + c] = sums[g][c];
+    }
+  }
+}
+
+// Vector registers of the ISA (SSE and NEON builds take the portable path with 16 or more).
+#if defined(PDSERVE_AVX512)
+constexpr int64_t kVectorRegisters = 32;
+#else
+constexpr int64_t kVectorRegisters = 16;
+#endif
+
+// Query heads one pass-2 accumulation holds in registers at once: (tile + 1) x kChunks vectors
+// (the sums and one widened row) within the registers, leaving 4 spare; at most 4. AVX-512 with
+// head_dim 64: 4 (20 of 32 registers). Where not even one fits (AVX2 with head_dim 64: 16
+// vectors), spilled sums cost more than the tile saves, and pass 2 keeps the tile.
+template <int64_t kChunks>
+constexpr int64_t kGroupTile = kChunks == 0 ? 0
+                               : (kVectorRegisters - 4) / kChunks - 1 > 4
+                                   ? 4
+                                   : (kVectorRegisters - 4) / kChunks - 1;
+
+template <typename KV, int64_t kChunks>
+inline void accumulate_values(int64_t group, const KV* const* rows, int64_t n, int64_t head,
+                              const float* probs, int64_t probs_stride, Vec* acc) {
+  constexpr int64_t kTile = kGroupTile<kChunks>;
+  if constexpr (kTile > 1) {
+    if (group == 1) {
+      return accumulate_values_of<KV, kChunks, 1>(rows, n, head, probs, probs_stride, acc);
+    }
+  }
+  if constexpr (kTile > 2) {
+    if (group == 2) {
+      return accumulate_values_of<KV, kChunks, 2>(rows, n, head, probs, probs_stride, acc);
+    }
+  }
+  if constexpr (kTile > 3) {
+    if (group == 3) {
+      return accumulate_values_of<KV, kChunks, 3>(rows, n, head, probs, probs_stride, acc);
+    }
+  }
+  accumulate_values_of<KV, kChunks, kTile>(rows, n, head, probs, probs_stride, acc);
+}
+
 // Attention of sequence `seq` for KV heads [kv_begin, kv_end) and their query heads
 // [kv_begin * G, kv_end * G), which are adjacent in query and out.
 // kChunks: head_dim / kLanes when a specialisation exists (the chunk loops then unroll and a
@@ -245,26 +331,65 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
     prefetch_tile(i * kLanes);
   }
 
-  // Pass 1, one tile of kLanes tokens at a time: widen the K rows once, then per query head
-  // kLanes dot products, reduced together into one vector of scores.
+  // Pass 1, one tile of kLanes tokens at a time: kLanes dot products per query head, reduced
+  // together into one vector of scores.
   RowCursor<KV> key_rows(p.key_cache, table, s, kv_begin, 0);
-  for (int64_t start = 0; start < seq_len; start += kLanes) {
-    prefetch_tile(start + kPrefetchTiles * kLanes);
-    const int64_t n = min64(kLanes, seq_len - start);
-    load_tile(key_rows, n);
-    for (int64_t i = 0; i < num_q; ++i) {
-      const Vec* q_i = q + i * num_chunks;
-      const Vec* k_tile = tile + (i / G) * kLanes * num_chunks;
-      Vec dots[kLanes];
-      for (int64_t j = 0; j < kLanes; ++j) {
-        // Rows past n hold stale data; their scores land in the padding, overwritten below.
-        const Vec* k = k_tile + j * num_chunks;
-        dots[j] = q_i[0] * k[0];
-        for (int64_t c = 1; c < num_chunks; ++c) {
-          dots[j] += q_i[c] * k[c];
-        }
+#if defined(PDSERVE_AVX512_BF16)
+  if constexpr (kDotsInBf16<Q, KV, kChunks>) {
+    // bf16 query and cache: vdpbf16ps multiplies the raw bf16 rows in pairs into fp32 sums, so
+    // K is neither widened nor copied to the tile (half the multiply instructions). Products of
+    // two bf16 are exact in fp32; only the order of the fp32 sums differs from the widened path.
+    constexpr int64_t kPairs = kChunks * kLanes / 32;  // 512-bit vectors of 32 bf16 in a row
+    for (int64_t start = 0; start < seq_len; start += kLanes) {
+      prefetch_tile(start + kPrefetchTiles * kLanes);
+      const int64_t n = min64(kLanes, seq_len - start);
+      const KV* rows[kLanes];
+      for (int64_t j = 0; j < n; ++j, key_rows.next()) {
+        rows[j] = key_rows.row();
       }
-      store(scores + i * padded_len + start, transpose_reduce(dots));
+      for (int64_t j = n; j < kLanes; ++j) {
+        rows[j] = rows[0];  // past n: scores land in the padding, overwritten below
+      }
+      for (int64_t i = 0; i < num_q; ++i) {
+        const Q* q_i = p.query + (first_q + i) * D;
+        const int64_t head = (i / G) * D;
+        __m512bh q_pairs[kPairs];
+        for (int64_t c = 0; c < kPairs; ++c) {
+          q_pairs[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q_i + 32 * c));
+        }
+        Vec dots[kLanes];
+        for (int64_t j = 0; j < kLanes; ++j) {
+          __m512 sum = _mm512_setzero_ps();
+          for (int64_t c = 0; c < kPairs; ++c) {
+            const __m512i k = _mm512_loadu_si512(rows[j] + head + 32 * c);
+            sum = _mm512_dpbf16_ps(sum, q_pairs[c], reinterpret_cast<__m512bh>(k));
+          }
+          dots[j] = reinterpret_cast<Vec>(sum);
+        }
+        store(scores + i * padded_len + start, transpose_reduce(dots) * p.scale);
+      }
+    }
+  } else
+#endif
+  {
+    for (int64_t start = 0; start < seq_len; start += kLanes) {
+      prefetch_tile(start + kPrefetchTiles * kLanes);
+      const int64_t n = min64(kLanes, seq_len - start);
+      load_tile(key_rows, n);
+      for (int64_t i = 0; i < num_q; ++i) {
+        const Vec* q_i = q + i * num_chunks;
+        const Vec* k_tile = tile + (i / G) * kLanes * num_chunks;
+        Vec dots[kLanes];
+        for (int64_t j = 0; j < kLanes; ++j) {
+          // Rows past n hold stale data; their scores land in the padding, overwritten below.
+          const Vec* k = k_tile + j * num_chunks;
+          dots[j] = q_i[0] * k[0];
+          for (int64_t c = 1; c < num_chunks; ++c) {
+            dots[j] += q_i[c] * k[c];
+          }
+        }
+        store(scores + i * padded_len + start, transpose_reduce(dots));
+      }
     }
   }
 
@@ -290,7 +415,7 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
     inv_sums[i] = 1.0f / reduce_add(sum_vec);
   }
 
-  // Pass 2: acc = sum_t p_t * v_t, again a tile of widened rows at a time.
+  // Pass 2: acc = sum_t p_t * v_t, a tile of kLanes tokens at a time.
   for (int64_t i = 0; i < num_q * num_chunks; ++i) {
     acc[i] = Vec{};
   }
@@ -298,6 +423,24 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
   for (int64_t start = 0; start < seq_len; start += kLanes) {
     prefetch_tile(padded_len + start + kPrefetchTiles * kLanes);
     const int64_t n = min64(kLanes, seq_len - start);
+    if constexpr (kGroupTile<kChunks> > 0) {
+      // Each KV head's slice of a row is widened once, in registers, and multiplied into the
+      // accumulators of its query heads (up to kGroupTile at a time, also in registers): no tile
+      // is written and read back.
+      const KV* rows[kLanes];
+      for (int64_t j = 0; j < n; ++j, value_rows.next()) {
+        rows[j] = value_rows.row();
+      }
+      for (int64_t h = 0; h < num_kv; ++h) {
+        for (int64_t g = 0; g < G; g += kGroupTile<kChunks>) {
+          const int64_t i = h * G + g;
+          accumulate_values<KV, kChunks>(min64(kGroupTile<kChunks>, G - g), rows, n, h * D,
+                                         scores + i * padded_len + start, padded_len,
+                                         acc + i * kChunks);
+        }
+      }
+      continue;
+    }
     load_tile(value_rows, n);
     for (int64_t i = 0; i < num_q; ++i) {
       const float* probs = scores + i * padded_len + start;
