@@ -76,6 +76,18 @@ def test_packed_silu_gate_up_refuses_an_odd_width() -> None:
         PackedSiluGateUp(nn.Linear(8, 9, bias=False))
 
 
+@pytest.mark.parametrize("num_rows", [1, 64, 300])
+def test_float32_packing_agrees_with_mkl_to_summation_order(num_rows: int) -> None:
+    torch.manual_seed(num_rows)
+    linear, gate_up = nn.Linear(96, 160), nn.Linear(96, 2 * 80, bias=False)
+    x = torch.randn(num_rows, 96)
+    with torch.no_grad():
+        torch.testing.assert_close(PackedLinear(linear)(x), linear(x), rtol=1e-5, atol=1e-5)
+        gate, up = gate_up(x).chunk(2, -1)
+        fused = PackedSiluGateUp(gate_up)(x)
+        torch.testing.assert_close(fused, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
 class _Mlp(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -126,7 +138,7 @@ def test_pack_linears_replaces_every_linear_and_keeps_a_tied_embedding() -> None
 
 @pytest.mark.parametrize(
     ("device", "dtype", "reason"),
-    [("cpu", torch.float32, "bfloat16 only"), ("meta", torch.bfloat16, "for the CPU")],
+    [("cpu", torch.float16, "bfloat16 and float32 only"), ("meta", torch.bfloat16, "for the CPU")],
 )
 def test_pack_linears_leaves_other_devices_and_dtypes_alone(
     device: str, dtype: torch.dtype, reason: str
