@@ -7,7 +7,6 @@ process and stops it with SIGTERM.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import re
 import signal
@@ -22,6 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from decode_node.role import decode_services
+from deploy.local_ports import free_ports
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.engine import LLM, SamplingParams
 from services.node.config import Role, parse_node_config
@@ -198,7 +198,7 @@ def test_kv_source_is_refused_by_a_colocated_node(tiny_llama_dir: Path) -> None:
 
 
 def test_the_process_serves_and_exits_0_on_sigterm(tiny_llama_dir: Path) -> None:
-    port = 50000 + os.getpid() % 10000
+    port = free_ports(1)[0]  # outside the ephemeral range (deploy/local_ports.py)
     argv = [a if a != "0" else str(port) for a in colocated_argv(tiny_llama_dir)]
     process = subprocess.Popen(
         [sys.executable, "-m", "decode_node", *argv],
