@@ -107,7 +107,6 @@ template <typename Q, typename KV, int64_t kChunks>
 constexpr bool kDotsInBf16 = kSameType<Q, Bf16> && kSameType<KV, Bf16> && kChunks > 0 &&
                              kChunks * kLanes % 32 == 0;
 
-
 // Q: the element type of query and out; KV: that of the caches (bf16 under an fp32 query when
 // the cache is kept narrower than the compute dtype). Both are widened to fp32 on load.
 template <typename Q, typename KV>
