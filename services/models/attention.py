@@ -90,11 +90,17 @@ class PaddedPrefill:
     mask: torch.Tensor
     """[num_chunks, 1, max_tokens, max_blocks * block_size] bool: True where a query may attend
     (causal within the chunk, all of the cached context before it)."""
+    aligned: bool
+    """Slot i of every chunk holds the query at position i: a chunk's real queries sit at slots
+    ``start_position .. context_len - 1`` and the slots of its cached part are padding. Query
+    slot i then sees exactly keys 0..i, SDPA's own top-left causal mask, which lets its flash
+    kernel skip the blocks above the diagonal (8 x 256 tokens, bf16: 3.65 against 4.52 ms a
+    layer with the boolean mask). Keys past a chunk's end lie above the diagonal of every real
+    query. Chosen when no chunk's context is longer than the longest chunk, so that it costs no
+    more slots than packing each chunk's queries from slot 0: every fresh batch, and the usual
+    step of a prompt queue (the rest of a prompt begun last step beside fresh chunks)."""
     all_fresh: bool
-    """Every chunk starts at position 0 (nothing cached before it): then query i of a chunk sees
-    exactly keys 0..i, SDPA's own top-left causal mask, which lets its flash kernel skip the
-    blocks above the diagonal (8 x 256 tokens, bf16: 3.65 against 4.52 ms a layer with the
-    boolean mask). Keys past a chunk's end lie above the diagonal of every real query."""
+    """Every chunk starts at position 0 (nothing cached before it); such a batch is aligned."""
 
     @property
     def num_chunks(self) -> int:
@@ -116,12 +122,17 @@ class PaddedPrefill:
         real_work = sum(s.num_tokens * s.context_len for s in spans)
         if len(spans) * max_tokens * max_context > _MAX_PADDING_WASTE * real_work:
             return None
+        aligned = max(s.context_len for s in spans) <= max_tokens
         offsets = torch.arange(max_tokens, device=device)
         starts = torch.tensor([s.token_start for s in spans], device=device)
         lengths = torch.tensor([s.num_tokens for s in spans], device=device)
         positions = torch.tensor([s.start_position for s in spans], device=device)
-        is_real = offsets[None, :] < lengths[:, None]  # [num_chunks, max_tokens]
-        token_index = starts[:, None] + torch.where(is_real, offsets[None, :], 0)
+        # first_slot[c]: the slot of chunk c's first real query; rank: each slot's index among the
+        # chunk's real queries.
+        first_slot = positions if aligned else torch.zeros_like(positions)
+        rank = offsets[None, :] - first_slot[:, None]  # [num_chunks, max_tokens]
+        is_real = (rank >= 0) & (rank < lengths[:, None])
+        token_index = starts[:, None] + torch.where(is_real, rank, 0)
         first = spans[0].token_start
         adjacent = all(
             s.num_tokens == max_tokens and s.token_start == first + i * max_tokens
@@ -131,9 +142,13 @@ class PaddedPrefill:
         tables = torch.zeros(len(spans), max_blocks, dtype=torch.int64, device=device)
         for row, span in enumerate(spans):
             tables[row, : span.block_ids.numel()] = span.block_ids
-        # Query i of a chunk sits at position start_position + i and sees keys 0..that position;
-        # a padding query sees key 0 only, so its softmax stays finite.
-        query_positions = torch.where(is_real, positions[:, None] + offsets[None, :], 0)
+        # The real query of rank i sits at position start_position + i and sees keys 0..that
+        # position. Aligned, that is its slot, and every slot sees keys 0..slot (the
+        # causal mask); else a padding query sees key 0 only, so its softmax stays finite.
+        if aligned:
+            query_positions = offsets[None, :].expand(len(spans), max_tokens)
+        else:
+            query_positions = torch.where(is_real, positions[:, None] + offsets[None, :], 0)
         keys = torch.arange(max_context, device=device)
         allowed = keys[None, None, :] <= query_positions[:, :, None]  # [chunks, tokens, context]
         return PaddedPrefill(
@@ -144,6 +159,7 @@ class PaddedPrefill:
             contiguous_start=first if adjacent else None,
             block_tables=tables,
             mask=allowed[:, None],
+            aligned=aligned,
             all_fresh=all(s.start_position == 0 for s in spans),
         )
 
@@ -318,8 +334,8 @@ class TorchPagedAttention(AttentionBackend):
                 q.transpose(1, 2),
                 keys.transpose(1, 2),
                 values.transpose(1, 2),
-                attn_mask=None if padded.all_fresh else padded.mask,
-                is_causal=padded.all_fresh,
+                attn_mask=None if padded.aligned else padded.mask,
+                is_causal=padded.aligned,
                 scale=self.scale,
                 enable_gqa=True,
             )

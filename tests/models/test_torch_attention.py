@@ -71,6 +71,7 @@ def build_step(chunks: list[tuple[int, int]], seed: int = 0):
 CASES = {
     "fresh, equal lengths": [(0, 8), (0, 8), (0, 8)],
     "cached prefixes, equal lengths": [(8, 6), (0, 6), (4, 6)],
+    "the rest of a prompt beside fresh chunks": [(4, 4), (0, 8), (0, 8), (0, 5)],
     "fresh, mixed lengths": [(0, 7), (0, 5), (0, 6)],
     "cached prefixes": [(8, 6), (4, 7), (12, 5)],
     "prefix and fresh mixed": [(0, 9), (9, 8), (5, 9)],
@@ -87,6 +88,9 @@ def test_padded_prefill_equals_per_chunk_and_dense(
     assert padded_step is not None, "case must batch"
     # Fresh chunks take SDPA's own causal mask, the others the boolean one.
     assert padded_step.all_fresh == all(start == 0 for start, _ in chunks)
+    # Slots are positions (no mask) when no context outgrows the longest chunk.
+    longest = max(length for _, length in chunks)
+    assert padded_step.aligned == all(start + length <= longest for start, length in chunks)
     # Equal lengths, one after the other: queries and outputs are views, not gathers.
     equal = len({length for _, length in chunks}) == 1
     assert (padded_step.contiguous_start == 0) if equal else padded_step.contiguous_start is None
