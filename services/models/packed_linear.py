@@ -22,9 +22,11 @@ back (a 2,048-token prefill step of the small model: 6.0 against 7.1 ms a layer,
 
 Life cycle: ``pack_linears`` runs once, after the checkpoint is loaded and before the first step,
 and replaces the decoder's projections and the lm_head with ``PackedLinear`` modules (and
-``PackedSiluGateUp`` for each ``gate_up_proj``). The plain
-weight of a projection is dropped (no second copy in memory); a tied lm_head packs a copy and the
-embedding keeps the plain matrix. Nothing reads or changes the weights afterwards.
+``PackedSiluGateUp`` for each ``gate_up_proj``). The plain weight of a projection is dropped (no
+second copy in memory). A lm_head tied to the embedding packs a copy in bf16 (the embedding keeps
+the plain matrix); in fp32 it stays plain, sharing the embedding's weight, because MKL has no
+per-call reorder to save and a copy would cost the vocabulary's fp32 matrix again (113 MB for
+SmolLM2-135M). Nothing reads or changes the weights afterwards.
 
 Only on the CPU, in float32, or in bfloat16 with oneDNN's bf16 support
 (``torch.ops.mkldnn._is_mkldnn_bf16_supported``): elsewhere ``pack_linears`` leaves the model as
@@ -121,11 +123,15 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     if reason is not None:
         logger.info("linear weights stay in the plain layout: %s", reason)
         return 0
+    embedding_weights = {
+        id(module.weight) for module in model.modules() if isinstance(module, nn.Embedding)
+    }
     targets = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
         if type(child) is nn.Linear
+        and not (dtype == torch.float32 and id(child.weight) in embedding_weights)
     ]
     with torch.no_grad():
         for parent, name, child in targets:

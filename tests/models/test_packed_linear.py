@@ -136,6 +136,19 @@ def test_pack_linears_replaces_every_linear_and_keeps_a_tied_embedding() -> None
         assert torch.equal(model.head(model.proj(model.embed(ids))), expected)
 
 
+def test_a_tied_lm_head_stays_plain_in_float32() -> None:
+    model = _Tied()
+    ids = torch.tensor([3, 7, 49])
+    with torch.no_grad():
+        expected = model.head(model.proj(model.embed(ids)))
+
+        assert pack_linears(model, torch.device("cpu"), torch.float32) == 1
+
+        assert isinstance(model.proj, PackedLinear) and type(model.head) is nn.Linear
+        assert model.head.weight is model.embed.weight  # still shared: no second copy
+        torch.testing.assert_close(model.head(model.proj(model.embed(ids))), expected)
+
+
 @pytest.mark.parametrize(
     ("device", "dtype", "reason"),
     [("cpu", torch.float16, "bfloat16 and float32 only"), ("meta", torch.bfloat16, "for the CPU")],
