@@ -13,9 +13,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kv_transfer import PageTable, PeerAddress, TransferStatus, make_transport
+from kv_transfer import PageTable, TransferStatus, make_transport
 from kv_transfer.cuda_ipc import BATCH_BYTES, CudaIpcTransport
 from kv_transfer.transfer_plan import DST_OFF, LEN, SRC_OFF, make_plan
+from support.receiver_process import inbound_report, read_address
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -103,8 +104,7 @@ def push_scattered(receiver_device: int, writer_device: int) -> None:
         text=True,
     )
     try:
-        assert proc.stdin is not None and proc.stdout is not None
-        peer = PeerAddress.from_bytes(bytes.fromhex(proc.stdout.readline().strip()))
+        peer = read_address(proc)
         with cupy.cuda.Device(writer_device):
             writer = make_transport("cuda_ipc")
             host = np.random.default_rng(0).integers(0, 256, DST_BYTES, np.uint8)
@@ -121,11 +121,7 @@ def push_scattered(receiver_device: int, writer_device: int) -> None:
             assert handle.wait(40) is TransferStatus.DONE, handle
             expected = np.zeros((num_slots, PAGE), np.uint8)
             expected[d] = host.reshape(-1, PAGE)[s]
-            proc.stdin.write("wait g1\n")
-            proc.stdin.flush()
-            status, digest = proc.stdout.readline().split()
-            assert status == "DONE"
-            assert digest == hashlib.sha256(expected).hexdigest()
+            assert inbound_report(proc, "g1") == ("DONE", hashlib.sha256(expected).hexdigest())
         finally:
             writer.close()
     finally:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import hashlib
 import os
 import signal
 import subprocess
@@ -16,34 +15,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kv_transfer import PageCopy, PeerAddress, TransferStatus, make_transport
+from kv_transfer import PageCopy, TransferStatus, make_transport
 from kv_transfer.shared_memory import MEMFD_NAME
+from support.receiver_process import (
+    DST_BYTES,
+    PAGE,
+    push_scattered_pages_and_check,
+    read_address,
+    receiver_script,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
-PAGE = 8192
-DST_BYTES = 8 << 20
-
-# The receiver: KV memory in shared memory, its address on stdout, then it answers
-# "wait <transfer id>" with the inbound status and a digest of its memory.
-RECEIVER = textwrap.dedent(
-    f"""
-    import hashlib, sys
-    from kv_transfer import make_transport
-    transport = make_transport("shm")
-    dst = transport.allocate({DST_BYTES})
-    transport.register("dst", dst)
-    print(transport.address().to_bytes().hex(), flush=True)
-    for line in sys.stdin:
-        command, _, arg = line.strip().partition(" ")
-        if command == "wait":
-            status = transport.wait_inbound(arg, 10)
-            print(status.name if status else "NONE", hashlib.sha256(dst).hexdigest(), flush=True)
-        else:
-            break
-    transport.close()
-    """
-)
+# The receiver keeps its KV memory in shared memory (``allocate``).
+RECEIVER = receiver_script('make_transport("shm")', "transport.allocate(size)")
 
 # A writer that pushes 12 MiB (three 4 MiB messages) into the peer given on stdin, holding the
 # last message back for a minute: it is killed while the receiver holds part of the transfer.
@@ -102,11 +87,6 @@ def receiver_process() -> Iterator[subprocess.Popen[str]]:
     proc.wait(timeout=10)
 
 
-def read_address(proc: subprocess.Popen[str]) -> PeerAddress:
-    assert proc.stdout is not None
-    return PeerAddress.from_bytes(bytes.fromhex(proc.stdout.readline().strip()))
-
-
 def memfd_mappings(pid: int | str = "self") -> list[str]:
     """Lines of /proc/<pid>/maps that map a pdserve shared-memory allocation."""
     return [
@@ -115,32 +95,7 @@ def memfd_mappings(pid: int | str = "self") -> list[str]:
 
 
 def test_scattered_pages_cross_processes(receiver_process: subprocess.Popen[str]) -> None:
-    peer = read_address(receiver_process)
-    writer = make_transport("shm")
-    try:
-        src = np.random.default_rng(0).integers(0, 256, DST_BYTES, np.uint8)
-        writer.register("src", src)
-        writer.connect(peer)
-        num_slots = DST_BYTES // PAGE
-        order = np.random.default_rng(1).permutation(num_slots)[: num_slots // 2]
-        pages = [
-            PageCopy("src", int(s) * PAGE, "dst", int(d) * PAGE, PAGE)
-            for s, d in zip(order, order[::-1], strict=True)
-        ]
-        handle = writer.write(peer, pages, transfer_id="x1", deadline=time.monotonic() + 10)
-        assert handle.wait(15) is TransferStatus.DONE, handle
-
-        expected = np.zeros(DST_BYTES, np.uint8)
-        for p in pages:
-            expected[p.dst_offset : p.dst_offset + PAGE] = src[p.src_offset : p.src_offset + PAGE]
-        assert receiver_process.stdin is not None and receiver_process.stdout is not None
-        receiver_process.stdin.write("wait x1\n")
-        receiver_process.stdin.flush()
-        status, digest = receiver_process.stdout.readline().split()
-        assert status == "DONE"
-        assert digest == hashlib.sha256(expected).hexdigest()
-    finally:
-        writer.close()
+    push_scattered_pages_and_check(make_transport("shm"), receiver_process)
 
 
 def test_sigkill_of_the_owner_leaves_no_shared_memory(
