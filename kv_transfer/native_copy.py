@@ -19,15 +19,15 @@ the shm transport then keeps its numpy path.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import platform
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+from kv_transfer.build_support import build_error_summary, cpu_tag
 
 logger = logging.getLogger(__name__)
 
@@ -110,23 +110,10 @@ def _region_arrays(
     return bases, lengths
 
 
-def _cpu_tag() -> str:
-    """A short hash of this CPU's model and instruction-set flags (as for the attention kernel:
-    kv_transfer imports nothing from the rest of the project, so the few lines are repeated)."""
-    identity = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            lines = [line for line in cpuinfo if line.startswith(("model name", "flags"))]
-        identity += "".join(sorted(set(lines)))
-    except OSError:
-        identity += platform.processor()
-    return hashlib.sha256(identity.encode()).hexdigest()[:12]
-
-
 def _build_and_load() -> str | None:
     global _copy_runs
     start = time.perf_counter()
-    name = f"{_EXTENSION_BASE_NAME}_{_cpu_tag()}"
+    name = f"{_EXTENSION_BASE_NAME}_{cpu_tag()}"
     try:
         from torch.utils.cpp_extension import load
 
@@ -141,7 +128,7 @@ def _build_and_load() -> str | None:
         function = ctypes.CDLL(str(path)).pdserve_copy_runs
     except Exception as exc:  # no torch, no compiler, build or load error: all mean "fall back"
         logger.debug("building %s failed", name, exc_info=True)
-        return _one_line(exc)
+        return build_error_summary(exc)
     function.restype = ctypes.c_int64
     function.argtypes = [
         ctypes.c_void_p,
@@ -156,12 +143,3 @@ def _build_and_load() -> str | None:
     _copy_runs = function
     logger.info("native KV copy built or loaded in %.1f s", time.perf_counter() - start)
     return None
-
-
-def _one_line(exc: BaseException, max_part: int = 200) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    head = lines[0].split(": [", 1)[0] if lines else "no message"
-    parts = [f"{type(exc).__name__}: {head}"]
-    causes = ("error:", "not found", "No such file")
-    parts += [line for line in lines[1:] if any(cause in line for cause in causes)][:1]
-    return " | ".join(part if len(part) <= max_part else part[:max_part] + "..." for part in parts)

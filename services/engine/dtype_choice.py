@@ -8,8 +8,9 @@ GFLOP/s against fp32's 235-330 (issue 21), so a fixed default is slow on one of 
 Life cycle of a choice, once per engine start:
   1. an explicit dtype (``float32``, ``bfloat16``, ``float16``) is used as given;
   2. ``auto`` on CUDA is ``bfloat16`` (the default before ``auto`` existed; not measured);
-  3. ``auto`` on CPU reads the cache file for this CPU (``cpu_features.cpu_tag``), keyed by the
-     GEMM shapes, torch's version and its thread count; a hit is used as it is;
+  3. ``auto`` on CPU reads the cache file for this CPU (named by
+     ``kv_transfer.build_support.cpu_tag``), keyed by the GEMM shapes, torch's version and its
+     thread count; a hit is used as it is;
   4. a miss times the shapes in both dtypes, alternating so that load from other processes
      falls on both, for about ``budget_s`` of GEMM time, keeps each dtype's best pass, writes
      the rates to the cache and picks the faster.
@@ -43,8 +44,9 @@ from pathlib import Path
 
 import torch
 
+from kv_transfer.build_support import cpu_tag
 from services.models.config import ModelConfig
-from services.models.cpu_features import cpu_cache_dir, cpu_tag
+from services.models.cpu_features import cpu_cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,6 @@
 """What this CPU can run, read from ``/proc/cpuinfo``: its instruction-set flags (which native
-kernel variants it runs) and a short hash of its identity that names per-CPU caches (the
-measured compute dtype). The hash once named the native kernel's ``-march=native`` build; that
-build now serves every host.
+kernel variants it runs), and where per-CPU caches live. The short hash of the CPU's identity
+that names those caches is ``kv_transfer.build_support.cpu_tag``, shared with the KV copy's build.
 
 Torch-free: only the standard library, so any process may ask.
 """
@@ -9,10 +8,8 @@ Torch-free: only the standard library, so any process may ask.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
-import platform
 import sys
 from pathlib import Path
 
@@ -33,23 +30,6 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
-
-
-@functools.cache
-def cpu_tag() -> str:
-    """A short hash of this CPU's model and instruction-set flags.
-
-    Caches that depend on the CPU are named after it, so that a cache shared with (or copied
-    from) another machine is never read as this one's: a measured GEMM rate belongs to one CPU.
-    """
-    identity = platform.machine()
-    try:
-        with _CPUINFO.open() as cpuinfo:
-            lines = [line for line in cpuinfo if line.startswith(("model name", "flags"))]
-        identity += "".join(sorted(set(lines)))
-    except OSError:
-        identity += platform.processor()
-    return hashlib.sha256(identity.encode()).hexdigest()[:12]
 
 
 def cpu_cache_dir() -> Path:

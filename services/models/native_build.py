@@ -29,6 +29,7 @@ import threading
 import time
 from pathlib import Path
 
+from kv_transfer.build_support import build_error_summary
 from services.models.cpu_features import cpu_flags
 
 logger = logging.getLogger(__name__)
@@ -141,18 +142,7 @@ def _build_and_load() -> str | None:
         )
     except Exception as exc:  # compiler missing, build error, load error: all mean "fall back"
         logger.debug("building %s failed", name, exc_info=True)
-        return _one_line(exc)
+        return build_error_summary(exc)
     elapsed = time.perf_counter() - start
     logger.info("native CPU kernels built or loaded in %.1f s", elapsed)
     return None
-
-
-def _one_line(exc: BaseException, max_part: int = 200) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    # A failed build's message is "Error building extension 'name': <the whole ninja log>"; keep
-    # its head and the log's first line that names the cause.
-    head = lines[0].split(": [", 1)[0] if lines else "no message"
-    parts = [f"{type(exc).__name__}: {head}"]
-    causes = ("error:", "not found", "No such file")
-    parts += [line for line in lines[1:] if any(cause in line for cause in causes)][:1]
-    return " | ".join(part if len(part) <= max_part else part[:max_part] + "..." for part in parts)
