@@ -26,7 +26,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TypeAlias, cast
+from typing import TypeAlias
 
 import grpc
 from google.protobuf import timestamp_pb2
@@ -124,12 +124,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         num_generated = 0
         last: EngineCoreOutput | None = None
         # aclosing: a stream closed at a yield aborts the request now, not when the suspended
-        # engine stream is garbage-collected. The cast: AsyncEngine.generate is an async
-        # generator (so it has aclose) although its annotation says AsyncIterator.
-        outputs = cast(
-            AsyncGenerator[EngineCoreOutput, None],
-            self.engine.generate(request_id, prompt, params),
-        )
+        # engine stream is garbage-collected.
+        outputs = self.engine.generate(request_id, prompt, params)
         try:
             async with contextlib.aclosing(outputs):
                 async for out in outputs:

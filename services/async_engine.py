@@ -47,7 +47,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -167,8 +167,9 @@ class AsyncEngine:
         *,
         hold_kv: bool = False,
         on_started: Callable[[], None] | None = None,
-    ) -> AsyncIterator[EngineCoreOutput]:
-        """Each step's output for the request, ending with the one that has a finish reason."""
+    ) -> AsyncGenerator[EngineCoreOutput, None]:
+        """Each step's output for the request, ending with the one that has a finish reason. An
+        async generator: closing it (``contextlib.aclosing``) aborts the request at once."""
         stream = _Stream(asyncio.get_running_loop(), on_started=on_started)
 
         def add(engine: EngineCore) -> None:

@@ -92,7 +92,7 @@ class ModelRunner:
             backend=self.backend,
             ops=ops,
         )
-        # CPU bf16: weights in oneDNN's blocked layout, reordered once instead of every call.
+        # CPU bf16 and fp32: weights in oneDNN's blocked layout, packed once (packed_linear.py).
         pack_linears(self.model, self.device, self.dtype)
         self.sampler = Sampler(model_config.eos_token_ids)
         self.kv_caches: list[torch.Tensor] = []
