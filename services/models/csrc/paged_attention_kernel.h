@@ -288,11 +288,18 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
   Vec* acc = scratch.acc.data();
   float* inv_sums = scratch.inv_sums.data();
 
+#if defined(PDSERVE_AVX512_BF16)
+  constexpr bool kBf16Dots = kDotsInBf16<Q, KV, kChunks>;
+#else
+  constexpr bool kBf16Dots = false;
+#endif
   const int64_t first_q = seq * s.num_heads + kv_begin * G;
-  for (int64_t i = 0; i < num_q; ++i) {
-    load_row(p.query + (first_q + i) * D, num_full_chunks, tail, q + i * num_chunks);
-    for (int64_t c = 0; c < num_chunks; ++c) {
-      q[i * num_chunks + c] *= p.scale;
+  if constexpr (!kBf16Dots) {  // the bf16 dots read the raw query rows and scale the scores
+    for (int64_t i = 0; i < num_q; ++i) {
+      load_row(p.query + (first_q + i) * D, num_full_chunks, tail, q + i * num_chunks);
+      for (int64_t c = 0; c < num_chunks; ++c) {
+        q[i * num_chunks + c] *= p.scale;
+      }
     }
   }
 
@@ -334,7 +341,7 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
   // together into one vector of scores.
   RowCursor<KV> key_rows(p.key_cache, table, s, kv_begin, 0);
 #if defined(PDSERVE_AVX512_BF16)
-  if constexpr (kDotsInBf16<Q, KV, kChunks>) {
+  if constexpr (kBf16Dots) {
     // bf16 query and cache: vdpbf16ps multiplies the raw bf16 rows in pairs into fp32 sums, so
     // K is neither widened nor copied to the tile (half the multiply instructions). Products of
     // two bf16 are exact in fp32; only the order of the fp32 sums differs from the widened path.
