@@ -1,5 +1,6 @@
-"""What pdserve's native builds share: the tag that names a per-CPU build or cache, and a one-line
-summary of a failed build for the fallback's log line and error.
+"""What pdserve's native builds share: the tag that names a per-CPU build or cache, a one-line
+summary of a failed build for the fallback's log line and error, and the once-per-process guard
+around a build.
 
 It lives in ``kv_transfer`` because that package imports nothing from the rest of pdserve: its
 own native copy (``native_copy.py``) and the engine's CPU kernels and per-CPU caches
@@ -12,6 +13,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import platform
+import threading
+from collections.abc import Callable
 
 _CPUINFO = "/proc/cpuinfo"
 
@@ -45,3 +48,22 @@ def build_error_summary(exc: BaseException, max_part: int = 200) -> str:
     causes = ("error:", "not found", "No such file")
     parts += [line for line in lines[1:] if any(cause in line for cause in causes)][:1]
     return " | ".join(part if len(part) <= max_part else part[:max_part] + "..." for part in parts)
+
+
+class BuildOnce:
+    """Runs ``build`` at most once per process, the first time ``error`` is asked, under a lock
+    so that threads asking together wait for the one build. ``build`` returns None when the
+    result is usable, else a one-line reason; it must not raise."""
+
+    def __init__(self, build: Callable[[], str | None]) -> None:
+        self._build = build
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: str | None = None
+
+    def error(self) -> str | None:
+        with self._lock:
+            if not self._done:
+                self._error = self._build()
+                self._done = True
+            return self._error

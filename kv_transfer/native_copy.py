@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from kv_transfer.build_support import build_error_summary, cpu_tag
+from kv_transfer.build_support import BuildOnce, build_error_summary, cpu_tag
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +34,6 @@ _EXTENSION_BASE_NAME = "pdserve_kv_copy_runs"
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "copy_runs.cpp"
 _RUN_COLUMNS = 5  # (src region, src offset, dst region, dst offset, length)
 
-_lock = threading.Lock()
-_build_attempted = False
-_build_error: str | None = None
 _copy_runs: Callable[..., int] | None = None
 
 
@@ -46,12 +42,7 @@ def native_copy_error() -> str | None:
 
     Never raises: a missing compiler or torch, or a failed build, is a reason, not an exception.
     """
-    global _build_attempted, _build_error
-    with _lock:
-        if not _build_attempted:
-            _build_error = _build_and_load()
-            _build_attempted = True
-        return _build_error
+    return _BUILD.error()
 
 
 def copy_runs_native(
@@ -143,3 +134,6 @@ def _build_and_load() -> str | None:
     _copy_runs = function
     logger.info("native KV copy built or loaded in %.1f s", time.perf_counter() - start)
     return None
+
+
+_BUILD = BuildOnce(_build_and_load)

@@ -25,11 +25,10 @@ import hashlib
 import logging
 import os
 import platform
-import threading
 import time
 from pathlib import Path
 
-from kv_transfer.build_support import build_error_summary
+from kv_transfer.build_support import BuildOnce, build_error_summary
 from services.models.cpu_features import cpu_flags
 
 logger = logging.getLogger(__name__)
@@ -101,22 +100,12 @@ def resolve_isa(requested: str | None = None, flags: frozenset[str] | None = Non
     return requested
 
 
-_lock = threading.Lock()
-_build_attempted = False
-_build_error: str | None = None
-
-
 def native_kernel_error() -> str | None:
     """Builds and loads the kernel once per process; None if it is usable, else a one-line reason.
 
     Never raises: a missing compiler or a failed build is a reason, not an exception.
     """
-    global _build_attempted, _build_error
-    with _lock:
-        if not _build_attempted:
-            _build_error = _build_and_load()
-            _build_attempted = True
-        return _build_error
+    return _BUILD.error()
 
 
 def _build_and_load() -> str | None:
@@ -146,3 +135,6 @@ def _build_and_load() -> str | None:
     elapsed = time.perf_counter() - start
     logger.info("native CPU kernels built or loaded in %.1f s", elapsed)
     return None
+
+
+_BUILD = BuildOnce(_build_and_load)

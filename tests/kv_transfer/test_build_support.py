@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
+import threading
 
-from kv_transfer.build_support import build_error_summary, cpu_tag
+from kv_transfer.build_support import BuildOnce, build_error_summary, cpu_tag
 
 
 def test_the_cpu_tag_is_a_short_stable_hash() -> None:
@@ -32,3 +33,26 @@ def test_long_parts_are_cut_and_an_empty_message_is_named() -> None:
     # "OSError: " is 9 characters, so a 20-character part keeps 11 of the message.
     assert build_error_summary(OSError("x" * 500), max_part=20) == "OSError: " + "x" * 11 + "..."
     assert build_error_summary(ValueError()) == "ValueError: no message"
+
+
+def test_a_build_runs_once_for_threads_asking_together() -> None:
+    calls: list[int] = []
+    started = threading.Event()
+
+    def build() -> str | None:
+        calls.append(1)
+        started.wait(1)  # hold the build while the other threads ask
+        return "no compiler"
+
+    once = BuildOnce(build)
+    errors: list[str | None] = []
+    threads = [threading.Thread(target=lambda: errors.append(once.error())) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    started.set()
+    for thread in threads:
+        thread.join(5)
+
+    assert calls == [1]
+    assert errors == ["no compiler"] * 4
+    assert once.error() == "no compiler" and calls == [1]
