@@ -20,6 +20,10 @@ oneDNN's GEMM epilogues: the ``[rows, 2 x intermediate]`` product is never writt
 back (a 2,048-token prefill step of the small model: 6.0 against 7.1 ms a layer, measured with
 ``torch.nn.functional.silu``; the native ``silu_and_mul`` pass took 1.75 ms of it).
 
+On a CPU with AMX, a bf16 batch of up to ``amx_linear.MAX_ROWS`` rows (a decode step) runs our
+own AMX kernel over the same packed buffer instead (``amx_linear.py``: oneDNN's kernel streams
+the weights at about half the memory's rate there); larger batches stay on oneDNN's.
+
 Life cycle: ``pack_linears`` runs once, after the checkpoint is loaded and before the first step,
 and replaces the decoder's projections and the lm_head with ``PackedLinear`` modules (and
 ``PackedSiluGateUp`` for each ``gate_up_proj``). The plain weight of a projection is dropped (no
@@ -40,6 +44,8 @@ import logging
 import torch
 from torch import nn
 
+from services.models.amx_linear import MAX_ROWS, FewRowWeight
+
 logger = logging.getLogger(__name__)
 
 
@@ -54,6 +60,9 @@ class PackedLinear(nn.Module):
         # The batch-size hint only picks the blocking; any number of rows works (tested).
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.few_rows = FewRowWeight.of(weight, self.packed)
+        """The AMX kernel's view of ``packed`` for batches of up to ``MAX_ROWS`` rows, or None
+        (``amx_linear.py``)."""
 
     @property
     def num_weights(self) -> int:
@@ -61,10 +70,13 @@ class PackedLinear(nn.Module):
         return self.in_features * self.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.few_rows is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
+            return self.few_rows.linear(x, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+        amx = ", amx" if self.few_rows is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed{amx}"
 
 
 class PackedSiluGateUp(nn.Module):
@@ -88,6 +100,10 @@ class PackedSiluGateUp(nn.Module):
             (None, None) if gate_up.bias is None else gate_up.bias.detach().chunk(2, dim=0)
         )
         self.gate_bias, self.up_bias = gate_bias, up_bias
+        few_gate, few_up = FewRowWeight.of(gate, self.gate), FewRowWeight.of(up, self.up)
+        self.few_rows = None if few_gate is None or few_up is None else (few_gate, few_up)
+        """The AMX kernel's views of ``gate`` and ``up`` for batches of up to ``MAX_ROWS``
+        rows, with the same epilogues, or None (``amx_linear.py``)."""
 
     @property
     def num_weights(self) -> int:
@@ -95,11 +111,18 @@ class PackedSiluGateUp(nn.Module):
         return 2 * self.in_features * self.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.few_rows is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
+            few_gate, few_up = self.few_rows
+            gate = few_gate.linear(x, self.gate_bias, "silu")
+            return few_up.linear(x, self.up_bias, "mul", gate)
         gate = torch.ops.mkldnn._linear_pointwise(x, self.gate, self.gate_bias, "swish", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up, self.up_bias, "mul")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed, silu"
+        amx = ", amx" if self.few_rows is not None else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, packed, silu{amx}"
+        )
 
 
 def packing_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:

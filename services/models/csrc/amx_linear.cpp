@@ -1,0 +1,122 @@
+// bf16 linears of few rows on AMX tiles, over a weight that oneDNN packed:
+//
+//   torch.ops.pdserve.amx_linear(x, weight_address, in_features, out_features, bias, epilogue,
+//                                other) -> out
+//       out = epilogue(x @ weight^T + bias), x [num_rows, in_features] bf16, out [num_rows,
+//       out_features] bf16; epilogue "none", "silu" or "mul" (times other [num_rows,
+//       out_features]).
+//   torch.ops.pdserve.amx_linear_unavailable_reason() -> str ("" when this process can run it)
+//
+// weight_address is the data of a oneDNN-packed weight (torch.ops.mkldnn.data_ptr of
+// mkldnn._reorder_linear_weight's result) in the AB16b32a2b layout amx_linear_isa.h describes.
+// The op cannot check that address: its only caller (services/models/amx_linear.py) verified the
+// packed bytes against the plain weight once, and holds the packed tensor while it calls. This
+// file checks everything else (a wrong shape is an error, not a stray write), pads x to a
+// multiple of 32 rows, and splits the output's 32-column blocks over torch's OpenMP threads.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "amx_linear_isa.h"
+
+namespace {
+
+void check_bf16(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, "amx_linear: ", name, " must be bfloat16, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.device().is_cpu(), "amx_linear: ", name, " must be on the CPU, got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), "amx_linear: ", name, " must be contiguous");
+}
+
+pdserve::AmxEpilogue parse_epilogue(const std::string& epilogue) {
+  if (epilogue == "none") {
+    return pdserve::AmxEpilogue::kNone;
+  }
+  if (epilogue == "silu") {
+    return pdserve::AmxEpilogue::kSilu;
+  }
+  TORCH_CHECK(epilogue == "mul", "amx_linear: epilogue must be none, silu or mul, got '",
+              epilogue, "'");
+  return pdserve::AmxEpilogue::kMul;
+}
+
+at::Tensor amx_linear(const at::Tensor& x, int64_t weight_address, int64_t in_features,
+                      int64_t out_features, const std::optional<at::Tensor>& bias,
+                      std::string epilogue, const std::optional<at::Tensor>& other) {
+  const std::string reason = pdserve::amx_unavailable_reason();
+  TORCH_CHECK(reason.empty(), "amx_linear: ", reason);
+  check_bf16(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "amx_linear: x must be [num_rows, ",
+              in_features, "], got ", x.sizes());
+  const int64_t num_rows = x.size(0);
+  TORCH_CHECK(in_features > 0 && in_features % 32 == 0 && out_features > 0 &&
+                  out_features % 32 == 0,
+              "amx_linear: in_features and out_features must be positive multiples of 32, got ",
+              in_features, " and ", out_features);
+  TORCH_CHECK(weight_address != 0, "amx_linear: weight_address is null");
+  const pdserve::AmxEpilogue kind = parse_epilogue(epilogue);
+  if (bias) {
+    check_bf16(*bias, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "amx_linear: bias must be [",
+                out_features, "], got ", bias->sizes());
+  }
+  TORCH_CHECK(other.has_value() == (kind == pdserve::AmxEpilogue::kMul),
+              "amx_linear: other is given exactly when the epilogue is mul");
+  if (other) {
+    check_bf16(*other, "other");
+    TORCH_CHECK(other->dim() == 2 && other->size(0) == num_rows &&
+                    other->size(1) == out_features,
+                "amx_linear: other must be [", num_rows, ", ", out_features, "], got ",
+                other->sizes());
+  }
+  at::Tensor out = at::empty({num_rows, out_features}, x.options());
+  if (num_rows == 0) {
+    return out;
+  }
+  // The kernel takes rows 32 at a time; the rows past num_rows are zeros and never written out.
+  const int64_t padded_rows = (num_rows + 31) / 32 * 32;
+  at::Tensor rows = x;
+  if (padded_rows != num_rows) {
+    rows = at::zeros({padded_rows, in_features}, x.options());
+    rows.narrow(0, 0, num_rows).copy_(x);
+  }
+  pdserve::AmxLinearArgs args{};
+  args.x = rows.data_ptr();
+  args.weight = reinterpret_cast<const void*>(static_cast<uintptr_t>(weight_address));
+  args.bias = bias ? bias->data_ptr() : nullptr;
+  args.other = other ? other->data_ptr() : nullptr;
+  args.out = out.data_ptr();
+  args.num_rows = num_rows;
+  args.padded_rows = padded_rows;
+  args.in_features = in_features;
+  args.out_features = out_features;
+  args.epilogue = kind;
+  at::parallel_for(0, out_features / 32, 1, [&](int64_t begin, int64_t end) {
+    pdserve::amx_linear_blocks(args, begin, end);
+  });
+  return out;
+}
+
+std::string amx_linear_unavailable_reason() {
+  return pdserve::amx_unavailable_reason();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def(
+      "amx_linear(Tensor x, int weight_address, int in_features, int out_features, Tensor? bias, "
+      "str epilogue, Tensor? other) -> Tensor");
+  m.def("amx_linear_unavailable_reason() -> str", &amx_linear_unavailable_reason);
+}
+
+TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
+  m.impl("amx_linear", &amx_linear);
+}

@@ -1,0 +1,40 @@
+// The interface between the AMX linear op (amx_linear.cpp, built for the baseline ISA) and its
+// kernel (amx_linear_amx.cpp, built for AMX), on the same terms as paged_attention_isa.h: plain
+// structs and function pointers, no vector or tile types.
+#pragma once
+
+#include <cstdint>
+
+namespace pdserve {
+
+// What the kernel applies to each fp32 accumulator (bias added first) before rounding to bf16.
+enum class AmxEpilogue : int32_t {
+  kNone = 0,
+  kSilu = 1,  // x / (1 + exp(-x)): oneDNN's "swish" post-op
+  kMul = 2,   // x * other[row, col]: oneDNN's "mul" binary post-op
+};
+
+// out = epilogue(x @ weight^T + bias), every tensor bf16, accumulated in fp32.
+struct AmxLinearArgs {
+  // [padded_rows, in_features], padded_rows a multiple of 32; rows past num_rows are zeros.
+  const void* x;
+  // oneDNN's AB16b32a2b layout of the [out_features, in_features] weight, which is the AMX
+  // B-tile layout: [out/32][in/32][16 pairs of inputs][32 outputs][2 inputs of the pair].
+  const void* weight;
+  const void* bias;   // [out_features] or nullptr
+  const void* other;  // [num_rows, out_features] (kMul) or nullptr
+  void* out;          // [num_rows, out_features]
+  int64_t num_rows, padded_rows, in_features, out_features;
+  AmxEpilogue epilogue;
+};
+
+// Why this process cannot run the kernel ("" when it can): the CPU lacks AMX-BF16 / AMX-TILE /
+// AVX512-BF16, the build is not x86-64, or the kernel refused the tile-data permission. Asks for
+// that permission (once per process; Linux requires it before the first tile instruction).
+const char* amx_unavailable_reason();
+
+// The output columns [32 * block_begin, 32 * block_end) of every row, on the calling thread.
+// Only after amx_unavailable_reason() returned "".
+void amx_linear_blocks(const AmxLinearArgs& args, int64_t block_begin, int64_t block_end);
+
+}  // namespace pdserve

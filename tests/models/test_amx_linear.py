@@ -1,0 +1,170 @@
+"""The AMX few-row linear reads oneDNN's packed weight and computes what oneDNN computes, to a
+bf16 rounding; it refuses a weight packed any other way, and a bad argument is an error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.models import amx_linear
+from services.models.amx_linear import MAX_ROWS, SWITCH_ENV, FewRowWeight, amx_unavailable_reason
+from services.models.native_build import native_kernel_error
+from services.models.packed_linear import PackedLinear, PackedSiluGateUp
+
+
+@pytest.fixture
+def amx() -> None:
+    reason = amx_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"no AMX kernel here: {reason}")
+
+
+def _packed(out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out_features, in_features, generator=generator) / 8).to(torch.bfloat16)
+    return weight, torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+
+
+def _rows(num_rows: int, in_features: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(num_rows, in_features, generator=generator).to(torch.bfloat16)
+
+
+def _relative_error(actual: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((actual.double() - exact).norm() / exact.norm())
+
+
+@pytest.mark.usefixtures("amx")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("num_rows", [1, 7, 32, 33, 100, MAX_ROWS])
+@pytest.mark.parametrize("shape", [(160, 96), (1280, 768)])
+def test_amx_linear_computes_what_onednn_computes(
+    shape: tuple[int, int], num_rows: int, bias: bool
+) -> None:
+    out_features, in_features = shape
+    weight, packed = _packed(out_features, in_features, seed=num_rows)
+    bias_vector = _rows(1, out_features, seed=7)[0] if bias else None
+    x = _rows(num_rows, in_features, seed=num_rows + 1)
+    few_rows = FewRowWeight.of(weight, packed)
+    assert few_rows is not None
+
+    actual = few_rows.linear(x, bias_vector)
+    onednn = torch.ops.mkldnn._linear_pointwise(x, packed, bias_vector, "none", [], "")
+    exact_bias = None if bias_vector is None else bias_vector.double()
+    exact = F.linear(x.double(), weight.double(), exact_bias)
+
+    assert actual.shape == (num_rows, out_features) and actual.dtype == torch.bfloat16
+    # Both accumulate in fp32 and round once; they may sum in another order, so an element may
+    # differ by a bf16 rounding, never more. A wrong block, row or pair order is off by O(1).
+    assert _relative_error(actual, exact) <= 2**-8
+    assert _relative_error(actual, exact) <= 1.25 * _relative_error(onednn, exact)
+    ulp = torch.finfo(torch.bfloat16).eps * onednn.double().abs()
+    assert bool(((actual.double() - onednn.double()).abs() <= ulp + 1e-6).all())
+
+
+@pytest.mark.usefixtures("amx")
+@pytest.mark.parametrize("num_rows", [3, 64])
+def test_amx_epilogues_are_onednns_swish_and_mul(num_rows: int) -> None:
+    weight, packed = _packed(192, 128, seed=1)
+    other = _rows(num_rows, 192, seed=2)
+    x = 3 * _rows(num_rows, 128, seed=3)
+    few_rows = FewRowWeight.of(weight, packed)
+    assert few_rows is not None
+
+    silu = few_rows.linear(x, None, "silu")
+    onednn_silu = torch.ops.mkldnn._linear_pointwise(x, packed, None, "swish", [], "")
+    product = few_rows.linear(x, None, "mul", other)
+    onednn_product = torch.ops.mkldnn._linear_pointwise.binary(x, other, packed, None, "mul")
+
+    exact = F.linear(x.double(), weight.double())
+    assert _relative_error(silu, F.silu(exact)) <= 2**-7
+    assert _relative_error(product, exact * other.double()) <= 2**-7
+    torch.testing.assert_close(silu, onednn_silu, rtol=2**-7, atol=2**-7)
+    torch.testing.assert_close(product, onednn_product, rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.usefixtures("amx")
+def test_a_weight_packed_another_way_stays_on_onednn() -> None:
+    weight, packed = _packed(160, 96, seed=4)
+    assert FewRowWeight.of(weight, packed) is not None
+    changed = weight.clone()
+    changed[37, 50] += 1  # one element that is not where the layout says: refused
+    assert FewRowWeight.of(changed, packed) is None
+    # Not a multiple of 32: oneDNN pads its blocks, which the kernel does not read.
+    odd_weight, odd_packed = _packed(100, 96, seed=5)
+    assert FewRowWeight.of(odd_weight, odd_packed) is None
+    # float32 weights are not AMX's.
+    assert FewRowWeight.of(weight.float(), packed) is None
+
+
+@pytest.mark.usefixtures("amx")
+def test_bad_arguments_name_the_argument() -> None:
+    weight, packed = _packed(160, 96, seed=6)
+    few_rows = FewRowWeight.of(weight, packed)
+    assert few_rows is not None
+    x = _rows(4, 96, seed=7)
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        few_rows.linear(x.float())
+    with pytest.raises(RuntimeError, match=r"x must be \[num_rows, 96\]"):
+        few_rows.linear(_rows(4, 64, seed=8))
+    with pytest.raises(RuntimeError, match="epilogue must be none, silu or mul"):
+        few_rows.linear(x, None, "relu")  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="other is given exactly when the epilogue is mul"):
+        few_rows.linear(x, None, "mul")
+    with pytest.raises(RuntimeError, match=r"other must be \[4, 160\]"):
+        few_rows.linear(x, None, "mul", _rows(4, 96, seed=9))
+    with pytest.raises(RuntimeError, match=r"bias must be \[160\]"):
+        few_rows.linear(x, _rows(1, 96, seed=10)[0])
+    assert few_rows.linear(x[:0]).shape == (0, 160)
+
+
+@pytest.mark.usefixtures("amx")
+def test_packed_linears_take_the_amx_kernel_up_to_max_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160, bias=False).to(torch.bfloat16)
+    gate_up = nn.Linear(96, 2 * 64, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        packed, fused = PackedLinear(linear), PackedSiluGateUp(gate_up)
+    assert packed.few_rows is not None and fused.few_rows is not None
+    assert "amx" in repr(packed) and "amx" in repr(fused)
+
+    calls: list[int] = []
+    real_linear = FewRowWeight.linear
+
+    def counting(self: FewRowWeight, x: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real_linear(self, x, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(FewRowWeight, "linear", counting)
+    with torch.no_grad():
+        for num_rows in (1, MAX_ROWS, MAX_ROWS + 1):
+            x = _rows(num_rows, 96, seed=num_rows)
+            torch.testing.assert_close(packed(x), linear(x), rtol=2**-7, atol=2**-7)
+            gate, up = gate_up(x).chunk(2, -1)
+            expected = (F.silu(gate.float()) * up.float()).to(torch.bfloat16)
+            torch.testing.assert_close(fused(x), expected, rtol=2**-6, atol=2**-6)
+    # One call for the linear and two (gate, up) for the MLP, at 1 and MAX_ROWS rows only.
+    assert calls == [1, 1, 1, MAX_ROWS, MAX_ROWS, MAX_ROWS]
+
+
+def test_the_switch_keeps_every_linear_on_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SWITCH_ENV, "0")
+    assert amx_unavailable_reason() == f"{SWITCH_ENV}=0"
+    weight = torch.zeros(64, 64, dtype=torch.bfloat16)
+    assert FewRowWeight.of(weight, weight) is None  # decided before the layout is looked at
+
+
+def test_without_amx_the_op_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    if native_kernel_error() is not None:
+        pytest.skip(f"native CPU kernels are unavailable: {native_kernel_error()}")
+    reason = torch.ops.pdserve.amx_linear_unavailable_reason()
+    if not reason:
+        pytest.skip("this CPU runs the AMX kernel (the tests above cover it)")
+    assert amx_linear.amx_unavailable_reason() == reason
+    x = torch.zeros(2, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="amx_linear: "):
+        torch.ops.pdserve.amx_linear(x, 1, 32, 32, None, "none", None)
