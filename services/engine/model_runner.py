@@ -267,7 +267,7 @@ class ModelRunner:
                 rows.append(span.token_start + span.num_tokens - 1)
         if not rows:
             return {}
-        # logits: [num_sampled, vocab_size] float32
+        # logits: [num_sampled, vocab_size], the model's dtype
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         requests = [chunk.request for chunk in sampled_chunks]
         structured = self.structured_outputs

@@ -28,8 +28,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., size]. The torch path (Qwen3's per-head q/k norms, the final norm of the
-        rows sampled); a layer's own norms go through ``LayerOps.rms_norm``."""
+        """x: [..., size]. The torch path (Qwen3's per-head q/k norms); a layer's own norms and
+        the final norm of the rows sampled go through ``LayerOps.rms_norm``."""
         return _TORCH_OPS.rms_norm(x, None, self.weight, self.eps)
 
 
@@ -138,7 +138,8 @@ class LlamaForCausalLM(nn.Module):
         """``ops``: the elementwise steps' implementation (default: torch's)."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, max_positions, backend, ops or _TORCH_OPS)
+        self.ops = ops or _TORCH_OPS
+        self.model = LlamaModel(config, max_positions, backend, self.ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -162,5 +163,7 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [num_rows, hidden_size] → logits [num_rows, vocab_size] in float32."""
-        return self.lm_head(self.model.norm(hidden)).float()
+        """hidden: [num_rows, hidden_size] → logits [num_rows, vocab_size] in the model's dtype
+        (the sampler computes on a float32 copy; widening here first would copy them twice)."""
+        norm = self.model.norm
+        return self.lm_head(self.ops.rms_norm(hidden, None, norm.weight, norm.eps))
