@@ -38,7 +38,7 @@ def _relative_error(actual: torch.Tensor, exact: torch.Tensor) -> float:
 
 @pytest.mark.usefixtures("amx")
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("num_rows", [1, 7, 32, 33, 100, MAX_ROWS])
+@pytest.mark.parametrize("num_rows", [1, 7, 16, 17, 32, 33, 100, MAX_ROWS])
 @pytest.mark.parametrize("shape", [(160, 96), (1280, 768)])
 def test_amx_linear_computes_what_onednn_computes(
     shape: tuple[int, int], num_rows: int, bias: bool

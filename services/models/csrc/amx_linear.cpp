@@ -80,8 +80,9 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t weight_address, int64_t in_fe
   if (num_rows == 0) {
     return out;
   }
-  // The kernel takes rows 32 at a time; the rows past num_rows are zeros and never written out.
-  const int64_t padded_rows = (num_rows + 31) / 32 * 32;
+  // The kernel takes 16 rows, or rows 32 at a time; the rows past num_rows are zeros and never
+  // written out.
+  const int64_t padded_rows = num_rows <= 16 ? 16 : (num_rows + 31) / 32 * 32;
   at::Tensor rows = x;
   if (padded_rows != num_rows) {
     rows = at::zeros({padded_rows, in_features}, x.options());

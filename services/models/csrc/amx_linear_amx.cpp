@@ -109,6 +109,23 @@ void amx_linear_blocks(const AmxLinearArgs& a, int64_t block_begin, int64_t bloc
   for (int64_t block = block_begin; block < block_end; ++block) {
     // One block: k_blocks slices of 16 pairs x 32 outputs x 2 bf16 = 2 KiB, 128 bytes a row.
     const char* w = static_cast<const char*>(a.weight) + block * k_blocks * 2048;
+    if (a.padded_rows == 16) {
+      // One row tile: two products per slice, not four of which two would be on zero rows.
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t kb = 0; kb < k_blocks; ++kb) {
+        _tile_loadd(4, x + kb * 64, x_stride);
+        _tile_loadd(6, w + kb * 2048, 128);
+        _tile_loadd(7, w + kb * 2048 + 64, 128);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      _tile_stored(0, tiles[0], 64);
+      _tile_stored(1, tiles[1], 64);
+      finish_tile(a, tiles[0], 0, block * 32);
+      finish_tile(a, tiles[1], 0, block * 32 + 16);
+      continue;
+    }
     for (int64_t row0 = 0; row0 < a.padded_rows; row0 += 32) {
       const char* x0 = x + row0 * x_stride;
       const char* x1 = x0 + 16 * x_stride;

@@ -16,7 +16,8 @@ enum class AmxEpilogue : int32_t {
 
 // out = epilogue(x @ weight^T + bias), every tensor bf16, accumulated in fp32.
 struct AmxLinearArgs {
-  // [padded_rows, in_features], padded_rows a multiple of 32; rows past num_rows are zeros.
+  // [padded_rows, in_features], padded_rows 16 or a multiple of 32; rows past num_rows are
+  // zeros.
   const void* x;
   // oneDNN's AB16b32a2b layout of the [out_features, in_features] weight, which is the AMX
   // B-tile layout: [out/32][in/32][16 pairs of inputs][32 outputs][2 inputs of the pair].
