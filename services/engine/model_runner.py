@@ -94,7 +94,7 @@ class ModelRunner:
         )
         # CPU bf16 and fp32: weights in oneDNN's blocked layout, packed once (packed_linear.py).
         pack_linears(self.model, self.device, self.dtype)
-        self.sampler = Sampler(model_config.eos_token_ids)
+        self.sampler = Sampler(model_config.eos_token_ids, ops.greedy_argmax)
         self.kv_caches: list[torch.Tensor] = []
         self.max_model_len = max_model_len
         self.max_num_seqs = config.scheduler.max_num_seqs

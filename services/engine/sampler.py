@@ -18,11 +18,12 @@ Each step is skipped when no row of the batch needs it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from services.models.layer_ops import LayerOps
 from services.types import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -61,17 +62,19 @@ class SampleResult:
     token and of the ``params.logprobs`` most likely tokens."""
 
 
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim, [num_rows, vocab] → [num_rows] int64: the first index of the
-    maximum, NaN counting as the maximum, as ``argmax``. Through ``max(dim)``, which returns the
-    same index: on the CPU ``argmax`` took 1.7 ms of a 40 ms decode step for 64 x 32,000 fp32
-    logits and ``max`` ~0.2 ms (tests/engine/test_sampler.py checks ties, NaN and -inf rows)."""
-    return logits.max(dim=-1).indices
+GreedyArgmax = Callable[[torch.Tensor], torch.Tensor]
+"""[num_rows, vocab] logits → [num_rows] int64: the first index of each row's maximum, NaN
+counting as the maximum (``LayerOps.greedy_argmax``)."""
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self, eos_token_ids: Sequence[int], greedy_argmax: GreedyArgmax | None = None
+    ) -> None:
+        """``greedy_argmax``: the model's layer ops' (the native kernel on the CPU); torch's
+        ``max(dim)`` by default."""
         self.eos_token_ids = tuple(eos_token_ids)
+        self.greedy_argmax = greedy_argmax or LayerOps().greedy_argmax
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SampleResult:
         """Sample one token per row of ``logits: [num_rows, vocab_size]`` (any float dtype)."""
@@ -92,7 +95,7 @@ class Sampler:
         if len(random_rows) == num_rows:
             token_ids = _sample_random(processed, params, metadata.generators)
         else:
-            token_ids = greedy_argmax(processed)  # [num_rows]
+            token_ids = self.greedy_argmax(processed)  # [num_rows]
             if random_rows:
                 token_ids[random_rows] = _sample_random(
                     processed[random_rows],

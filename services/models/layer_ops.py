@@ -1,5 +1,6 @@
 """The elementwise steps of a decoder layer: RMSNorm with the residual add, rotary embeddings and
-SiLU-and-mul, as torch ops (any device) or as fused native CPU kernels.
+SiLU-and-mul, as torch ops (any device) or as fused native CPU kernels; with them the greedy
+argmax over a step's logits (the sampler's, a row-wise pass of the same kind).
 
 The decoder (``llama.py``) calls these instead of torch directly, so the fused kernels
 (``native_layer_ops.py``, ``csrc/fused_ops*.cpp``) replace them on the CPU without a second
@@ -52,3 +53,11 @@ class LayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         # In place: one [num_tokens, intermediate] temporary fewer.
         return F.silu(gate).mul_(up)
+
+    def greedy_argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """argmax over the last dim, [num_rows, vocab] → [num_rows] int64: the first index of the
+        maximum, NaN counting as the maximum, as ``argmax``. Through ``max(dim)``, which returns
+        the same index: on the CPU ``argmax`` took 1.7 ms of a 40 ms decode step for 64 x 32,000
+        fp32 logits and ``max`` ~0.2-0.6 ms (tests/engine/test_sampler.py checks ties, NaN and
+        -inf rows)."""
+        return logits.max(dim=-1).indices

@@ -2,9 +2,11 @@
 
 One pass over memory per step instead of torch's 3-8 elementwise ops, each widening bf16 to fp32
 and rounding back: RMSNorm with its residual add, rotary in place on the fused QKV output, and
-SiLU-and-mul. The same variant rules as the attention kernel (``native_build.py``). A tensor the
-kernels do not take (another dtype or device, a strided hidden state: Qwen3's per-head norms
-take the torch module, not this) goes to the torch implementation.
+SiLU-and-mul. The greedy argmax is one vectorised pass per row where torch's ``max(dim)`` took
+0.57 ms for 64 x 32,000 fp32 logits and 2.7 ms for 64 x 151,936 (Qwen's vocabulary). The same
+variant rules as the attention kernel (``native_build.py``). A tensor the kernels do not take
+(another dtype or device, a strided hidden state: Qwen3's per-head norms take the torch module,
+not this) goes to the torch implementation.
 """
 
 from __future__ import annotations
@@ -62,3 +64,8 @@ class NativeLayerOps(LayerOps):
         out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
         torch.ops.pdserve.silu_and_mul(out, gate_up, self.isa)
         return out
+
+    def greedy_argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if not (self._takes(logits) and logits.dim() == 2 and logits.shape[1] > 0):
+            return super().greedy_argmax(logits)
+        return torch.ops.pdserve.argmax_rows(logits.contiguous(), self.isa)

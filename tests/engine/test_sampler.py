@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from services.engine.sampler import Sampler, SamplingMetadata, greedy_argmax, process_logits
+from services.engine.sampler import Sampler, SamplingMetadata, process_logits
+from services.models.layer_ops import LayerOps
 from services.types import SamplingParams
 
 EOS_TOKEN_ID = 2
@@ -91,8 +92,23 @@ def test_greedy_argmax_is_torchs_argmax_on_ties_nan_and_inf(dtype: torch.dtype) 
     logits[4, [9, 300]] = float("nan")  # the first NaN wins
     logits[5] = float("-inf")
     logits[6, 7:] = float("inf")
+    greedy_argmax = LayerOps().greedy_argmax
     assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
     assert greedy_argmax(logits)[4] == 9 and greedy_argmax(logits)[5] == 0
+
+
+def test_greedy_rows_take_the_injected_argmax() -> None:
+    logits = make_logits(4, 50, seed=3, scale=1.0)
+    seen: list[torch.dtype] = []
+
+    def last_token(rows: torch.Tensor) -> torch.Tensor:
+        seen.append(rows.dtype)
+        return torch.full((rows.shape[0],), rows.shape[1] - 1, dtype=torch.int64)
+
+    params = [SamplingParams(temperature=0.0) for _ in range(4)]
+    result = Sampler([EOS_TOKEN_ID], last_token)(logits, make_metadata(params))
+    assert result.token_ids == [49] * 4
+    assert seen == [torch.float32]  # the processed float32 copy
 
 
 def test_top_k_one_at_temperature_one_is_greedy() -> None:

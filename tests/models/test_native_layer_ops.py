@@ -1,6 +1,7 @@
 """The fused native layer ops against torch's, on every kernel variant this CPU runs: rotary
 the same bits; RMSNorm and SiLU-and-mul within a rounding of bf16 or a few ulps of fp32
-(another summation order, another exp); the residual add exactly; bad arguments a clear error."""
+(another summation order, another exp); the residual add exactly; the greedy argmax the same
+index, ties, NaN and infinities included; bad arguments a clear error."""
 
 from __future__ import annotations
 
@@ -99,6 +100,29 @@ def test_silu_and_mul(native: NativeLayerOps, dtype: torch.dtype, width: int) ->
     torch.testing.assert_close(ours, expected, **ulps(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1, 3, 16, 17, 500, 32000])
+def test_greedy_argmax_is_torchs_argmax_on_ties_nan_and_inf(
+    native: NativeLayerOps, dtype: torch.dtype, width: int
+) -> None:
+    generator = torch.Generator().manual_seed(width)
+    logits = torch.randint(-3, 4, (12, width), generator=generator).to(dtype)  # ties everywhere
+    last = width - 1
+    logits[3, last] = float("nan")  # in the scalar tail (or the only vector)
+    logits[4, [last // 3, last]] = float("nan")  # the first NaN wins
+    logits[5] = float("-inf")
+    logits[6, width // 2 :] = float("inf")
+    logits[7, last] = 10.0  # the maximum in the tail
+    logits[8, 0] = float("nan")
+    logits[9] = 1.0  # all equal: index 0
+    expected = logits.argmax(dim=-1)
+    assert torch.equal(TORCH.greedy_argmax(logits), expected)
+    assert torch.equal(native.greedy_argmax(logits), expected)
+    random = randn(64, width, dtype=dtype, seed=width)
+    assert torch.equal(native.greedy_argmax(random), random.argmax(dim=-1))
+    assert native.greedy_argmax(logits[:0]).shape == (0,)
+
+
 def test_tensors_the_kernels_do_not_take_go_to_torch() -> None:
     native = NativeLayerOps()
     hidden = randn(4, 32, dtype=torch.float16, seed=0)
@@ -125,5 +149,9 @@ def test_bad_arguments_are_errors_naming_them() -> None:
     with pytest.raises(RuntimeError, match="head_dim must be even"):
         q = torch.zeros(2, 1, 5)
         torch.ops.pdserve.rotary_(q, q.clone(), torch.zeros(2, 5), torch.zeros(2, 5), isa)
+    with pytest.raises(RuntimeError, match="logits must be a contiguous"):
+        torch.ops.pdserve.argmax_rows(torch.zeros(4, 0), isa)
+    with pytest.raises(RuntimeError, match="logits must be float32 or bfloat16"):
+        torch.ops.pdserve.argmax_rows(torch.zeros(4, 8, dtype=torch.float16), isa)
     with pytest.raises(RuntimeError, match="unknown or unavailable kernel variant 'sse9'"):
         torch.ops.pdserve.silu_and_mul(torch.empty(4, 2), torch.zeros(4, 4), "sse9")

@@ -6,6 +6,8 @@
 //       query, key rotated in place (rotate_half), by cos / sin [num_rows, head_dim]
 //   torch.ops.pdserve.silu_and_mul(out, gate_up, isa)
 //       out = silu(gate) * up, gate and up the halves of each gate_up row
+//   torch.ops.pdserve.argmax_rows(logits, isa) -> indices
+//       the first index of each row's maximum (NaN the maximum), int64 [num_rows]: greedy tokens
 //
 // fused_ops_isa.h says exactly what each computes. This file is the ops: it checks every
 // argument (a wrong shape is an error, not a stray write), checks that this CPU runs the requested
@@ -14,6 +16,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -149,6 +152,23 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up, std::string isa) {
                    [&](int64_t begin, int64_t end) { ops.silu_and_mul(args, begin, end); });
 }
 
+at::Tensor argmax_rows(const at::Tensor& logits, std::string isa) {
+  const char* op = "argmax_rows";
+  const pdserve::FusedOps ops = select_ops(isa, op);
+  const bool is_bf16 = check_dtype(logits, op, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0 &&
+                  logits.size(1) <= INT32_MAX,
+              "argmax_rows: logits must be a contiguous [num_rows, vocab_size] with 0 < "
+              "vocab_size < 2^31, got shape ",
+              logits.sizes());
+  const int64_t rows = logits.size(0), width = logits.size(1);
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  pdserve::ArgmaxArgs args{logits.const_data_ptr(), out.data_ptr<int64_t>(), width, is_bf16};
+  at::parallel_for(0, rows, grain(width),
+                   [&](int64_t begin, int64_t end) { ops.argmax(args, begin, end); });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
@@ -157,10 +177,12 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
       "str isa) -> ()");
   m.def("rotary_(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin, str isa) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up, str isa) -> ()");
+  m.def("argmax_rows(Tensor logits, str isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_", &rotary);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }

@@ -42,11 +42,21 @@ struct SiluMulArgs {
   bool is_bf16;
 };
 
+// out[row] = the first index of the maximum of logits[row], a NaN counting as the maximum (the
+// first NaN then): torch's argmax / max(dim).indices.
+struct ArgmaxArgs {
+  const void* logits;  // [num_rows, width]
+  int64_t* out;        // [num_rows]
+  int64_t width;       // > 0
+  bool is_bf16;
+};
+
 // Rows [begin, end) on the calling thread.
 struct FusedOps {
   void (*rms_norm)(const NormArgs& args, int64_t begin, int64_t end);
   void (*rotary)(const RotaryArgs& args, int64_t begin, int64_t end);
   void (*silu_and_mul)(const SiluMulArgs& args, int64_t begin, int64_t end);
+  void (*argmax)(const ArgmaxArgs& args, int64_t begin, int64_t end);
 };
 
 // One per kernel variant; the AVX ones exist only in x86-64 builds.

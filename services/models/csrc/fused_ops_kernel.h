@@ -138,6 +138,79 @@ void silu_and_mul_rows(const pdserve::SiluMulArgs& a, int64_t begin, int64_t end
   }
 }
 
+// One pass: each lane keeps the largest value it has seen and the index where it first saw it
+// (a strict > never replaces an earlier equal one); the lanes are then reduced to the largest
+// value's smallest index. A NaN never compares greater, so a row with one is scanned again for its
+// first NaN (torch's answer there); the tail past the last whole vector is scalar.
+template <typename T>
+int64_t argmax_row(const T* row, int64_t width) {
+  int64_t best = 0;
+  float best_value = to_float(row[0]);
+  int64_t i = 0;
+  if (width >= kLanes) {
+    Vec values = load(row);
+    VecI32 indices, lane;
+    for (int64_t l = 0; l < kLanes; ++l) {
+      lane[l] = static_cast<int32_t>(l);
+    }
+    indices = lane;
+    VecI32 nan = values != values;
+    for (i = kLanes; i + kLanes <= width; i += kLanes) {
+      const Vec x = load(row + i);
+      const VecI32 greater = x > values;
+      values = greater ? x : values;
+      indices = greater ? lane + static_cast<int32_t>(i) : indices;
+      nan |= x != x;
+    }
+    bool any_nan = false;
+    for (int64_t l = 0; l < kLanes; ++l) {
+      any_nan |= nan[l] != 0;
+    }
+    if (any_nan) {
+      for (int64_t j = 0; j < width; ++j) {
+        const float x = to_float(row[j]);
+        if (x != x) {
+          return j;
+        }
+      }
+    }
+    best_value = values[0];
+    best = indices[0];
+    for (int64_t l = 1; l < kLanes; ++l) {
+      if (values[l] > best_value || (values[l] == best_value && indices[l] < best)) {
+        best_value = values[l];
+        best = indices[l];
+      }
+    }
+  }
+  for (; i < width; ++i) {
+    const float x = to_float(row[i]);
+    if (x != x) {
+      // Only the scalar tail (or a row narrower than a vector) gets here with a NaN before it
+      // was scanned: its first NaN is this one, or one earlier in the tail.
+      for (int64_t j = 0; j <= i; ++j) {
+        const float y = to_float(row[j]);
+        if (y != y) {
+          return j;
+        }
+      }
+    }
+    if (x > best_value) {
+      best_value = x;
+      best = i;
+    }
+  }
+  // A narrow row that starts with NaN: the first element is the answer, which best already is.
+  return best;
+}
+
+template <typename T>
+void argmax_rows(const pdserve::ArgmaxArgs& a, int64_t begin, int64_t end) {
+  for (int64_t row = begin; row < end; ++row) {
+    a.out[row] = argmax_row(static_cast<const T*>(a.logits) + row * a.width, a.width);
+  }
+}
+
 void rms_norm_any(const pdserve::NormArgs& a, int64_t begin, int64_t end) {
   a.is_bf16 ? rms_norm_rows<Bf16>(a, begin, end) : rms_norm_rows<float>(a, begin, end);
 }
@@ -150,8 +223,12 @@ void silu_and_mul_any(const pdserve::SiluMulArgs& a, int64_t begin, int64_t end)
   a.is_bf16 ? silu_and_mul_rows<Bf16>(a, begin, end) : silu_and_mul_rows<float>(a, begin, end);
 }
 
+void argmax_any(const pdserve::ArgmaxArgs& a, int64_t begin, int64_t end) {
+  a.is_bf16 ? argmax_rows<Bf16>(a, begin, end) : argmax_rows<float>(a, begin, end);
+}
+
 }  // namespace
 
 pdserve::FusedOps pdserve::PDSERVE_FUSED_OPS() {
-  return {rms_norm_any, rotary_any, silu_and_mul_any};
+  return {rms_norm_any, rotary_any, silu_and_mul_any, argmax_any};
 }
