@@ -97,18 +97,22 @@ def test_greedy_argmax_is_torchs_argmax_on_ties_nan_and_inf(dtype: torch.dtype) 
     assert greedy_argmax(logits)[4] == 9 and greedy_argmax(logits)[5] == 0
 
 
-def test_greedy_rows_take_the_injected_argmax() -> None:
-    logits = make_logits(4, 50, seed=3, scale=1.0)
-    seen: list[torch.dtype] = []
+def test_greedy_rows_take_the_injected_argmax_on_the_raw_logits_when_nothing_applies() -> None:
+    logits = make_logits(4, 50, seed=3, scale=1.0).to(torch.bfloat16)
+    seen: list[torch.Tensor] = []
 
     def last_token(rows: torch.Tensor) -> torch.Tensor:
-        seen.append(rows.dtype)
+        seen.append(rows)
         return torch.full((rows.shape[0],), rows.shape[1] - 1, dtype=torch.int64)
 
-    params = [SamplingParams(temperature=0.0) for _ in range(4)]
-    result = Sampler([EOS_TOKEN_ID], last_token)(logits, make_metadata(params))
+    sampler = Sampler([EOS_TOKEN_ID], last_token)
+    result = sampler(logits, make_metadata([SamplingParams(temperature=0.0)] * 4))
     assert result.token_ids == [49] * 4
-    assert seen == [torch.float32]  # the processed float32 copy
+    assert seen[-1] is logits  # no float32 copy: its argmax would be the same
+    penalised = [SamplingParams(temperature=0.0, presence_penalty=0.5)] * 4
+    sampler(logits, make_metadata(penalised, output_token_ids=[[1]] * 4))
+    assert seen[-1].dtype == torch.float32  # the processed copy
+    assert torch.equal(seen[-1][:, 1], logits[:, 1].float() - 0.5)
 
 
 def test_top_k_one_at_temperature_one_is_greedy() -> None:
