@@ -233,6 +233,8 @@ class TorchPagedAttention(AttentionBackend):
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
 
+        if 0 < metadata.num_decodes == query.shape[0]:  # a decode step: no output to assemble
+            return self._decode(query, key_cache, value_cache, metadata)
         output = torch.empty_like(query)
         if metadata.num_decodes:
             num = metadata.num_decodes
