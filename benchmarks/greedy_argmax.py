@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,20 +18,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.attention_kernels import best_ms  # noqa: E402
 from services.models.layer_ops import LayerOps  # noqa: E402
 from services.models.native_build import native_kernel_error  # noqa: E402
 from services.models.native_layer_ops import NativeLayerOps  # noqa: E402
 
-
-def best_ms(fn: Callable[[], object], calls: int = 50, trials: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(trials):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e3
+CALLS, TRIALS = 50, 5
 
 
 def main() -> None:
@@ -53,9 +43,9 @@ def main() -> None:
             logits = torch.randn(args.rows, vocab, generator=generator).to(dtype)
             if not torch.equal(native_ops.greedy_argmax(logits), logits.argmax(dim=-1)):
                 sys.exit("the native argmax disagrees with torch's")
-            torch_ms = best_ms(lambda: torch_ops.greedy_argmax(logits))  # noqa: B023
-            native_ms = best_ms(lambda: native_ops.greedy_argmax(logits))  # noqa: B023
-            copy_ms = best_ms(lambda: logits.to(torch.float32, copy=True))  # noqa: B023
+            torch_ms = best_ms(lambda: torch_ops.greedy_argmax(logits), CALLS, TRIALS)  # noqa: B023
+            native_ms = best_ms(lambda: native_ops.greedy_argmax(logits), CALLS, TRIALS)  # noqa: B023
+            copy_ms = best_ms(lambda: logits.to(torch.float32, copy=True), CALLS, TRIALS)  # noqa: B023
             name = str(dtype).removeprefix("torch.")
             print(f"{vocab:7d}   {name:9s}  {torch_ms:10.3f}   {native_ms:9.3f}   {copy_ms:10.3f}")
 
