@@ -140,8 +140,9 @@ void silu_and_mul_rows(const pdserve::SiluMulArgs& a, int64_t begin, int64_t end
 
 // One pass: each lane keeps the largest value it has seen and the index where it first saw it
 // (a strict > never replaces an earlier equal one); the lanes are then reduced to the largest
-// value's smallest index. A NaN never compares greater, so a row with one is scanned again for its
-// first NaN (torch's answer there); the tail past the last whole vector is scalar.
+// value's smallest index. A NaN never compares greater, so a row whose whole vectors hold one is
+// scanned again for its first NaN (torch's answer there); the tail past the last whole vector is
+// scalar, and its first NaN is the row's first when the vectors held none.
 template <typename T>
 int64_t argmax_row(const T* row, int64_t width) {
   int64_t best = 0;
@@ -186,21 +187,13 @@ int64_t argmax_row(const T* row, int64_t width) {
   for (; i < width; ++i) {
     const float x = to_float(row[i]);
     if (x != x) {
-      // Only the scalar tail (or a row narrower than a vector) gets here with a NaN before it
-      // was scanned: its first NaN is this one, or one earlier in the tail.
-      for (int64_t j = 0; j <= i; ++j) {
-        const float y = to_float(row[j]);
-        if (y != y) {
-          return j;
-        }
-      }
+      return i;
     }
     if (x > best_value) {
       best_value = x;
       best = i;
     }
   }
-  // A narrow row that starts with NaN: the first element is the answer, which best already is.
   return best;
 }
 
