@@ -32,6 +32,7 @@ from typing import Literal
 
 import torch
 
+from services.models.cpu_features import cpu_flags
 from services.models.native_build import native_kernel_error
 
 logger = logging.getLogger(__name__)
@@ -46,11 +47,18 @@ SWITCH_ENV = "PDSERVE_AMX_LINEAR"
 
 Epilogue = Literal["none", "silu", "mul"]
 
+_CPU_FLAGS = frozenset({"amx_bf16", "amx_tile", "avx512_bf16"})
+
 
 def amx_unavailable_reason() -> str | None:
-    """None when this process runs the AMX kernel, else why not (never raises)."""
+    """None when this process runs the AMX kernel, else why not (never raises). A CPU whose
+    flags lack AMX is told so without building the native kernels (the op checks cpuid and the
+    kernel's tile permission again)."""
     if os.environ.get(SWITCH_ENV, "1") == "0":
         return f"{SWITCH_ENV}=0"
+    missing = sorted(_CPU_FLAGS - cpu_flags())
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
     error = native_kernel_error()
     if error is not None:
         return f"native CPU kernels are unavailable: {error}"
@@ -77,6 +85,11 @@ def _in_tile_layout(weight: torch.Tensor, packed: torch.Tensor) -> bool:
     expected = weight.view(torch.int16).view(out_features // 32, 32, in_features // 32, 16, 2)
     got = flat.view(out_features // 32, in_features // 32, 16, 32, 2)
     return torch.equal(got, expected.permute(0, 2, 3, 1, 4))
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether the AMX kernel, rather than oneDNN's, multiplies this batch of rows."""
+    return x.dim() == 2 and x.shape[0] <= MAX_ROWS
 
 
 @dataclass(frozen=True)

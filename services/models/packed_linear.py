@@ -44,7 +44,8 @@ import logging
 import torch
 from torch import nn
 
-from services.models.amx_linear import MAX_ROWS, FewRowWeight
+from services.models import amx_linear
+from services.models.amx_linear import FewRowWeight
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +62,8 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.few_rows = FewRowWeight.of(weight, self.packed)
-        """The AMX kernel's view of ``packed`` for batches of up to ``MAX_ROWS`` rows, or None
-        (``amx_linear.py``)."""
+        """The AMX kernel's view of ``packed`` for batches of up to ``amx_linear.MAX_ROWS`` rows,
+        or None (``amx_linear.py``)."""
 
     @property
     def num_weights(self) -> int:
@@ -70,7 +71,7 @@ class PackedLinear(nn.Module):
         return self.in_features * self.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few_rows is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
+        if self.few_rows is not None and amx_linear.takes(x):
             return self.few_rows.linear(x, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
@@ -102,8 +103,8 @@ class PackedSiluGateUp(nn.Module):
         self.gate_bias, self.up_bias = gate_bias, up_bias
         few_gate, few_up = FewRowWeight.of(gate, self.gate), FewRowWeight.of(up, self.up)
         self.few_rows = None if few_gate is None or few_up is None else (few_gate, few_up)
-        """The AMX kernel's views of ``gate`` and ``up`` for batches of up to ``MAX_ROWS``
-        rows, with the same epilogues, or None (``amx_linear.py``)."""
+        """The AMX kernel's views of ``gate`` and ``up`` for batches of up to
+        ``amx_linear.MAX_ROWS`` rows, with the same epilogues, or None (``amx_linear.py``)."""
 
     @property
     def num_weights(self) -> int:
@@ -111,7 +112,7 @@ class PackedSiluGateUp(nn.Module):
         return 2 * self.in_features * self.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few_rows is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
+        if self.few_rows is not None and amx_linear.takes(x):
             few_gate, few_up = self.few_rows
             gate = few_gate.linear(x, self.gate_bias, "silu")
             return few_up.linear(x, self.up_bias, "mul", gate)
@@ -156,9 +157,19 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
         if type(child) is nn.Linear
         and not (dtype == torch.float32 and id(child.weight) in embedding_weights)
     ]
+    on_amx = 0
     with torch.no_grad():
         for parent, name, child in targets:
             packed = PackedSiluGateUp(child) if name == "gate_up_proj" else PackedLinear(child)
+            on_amx += packed.few_rows is not None
             setattr(parent, name, packed)
-    logger.info("packed %d linear weights into oneDNN's blocked layout", len(targets))
+    if on_amx:
+        amx = f"{on_amx} of them take batches of up to {amx_linear.MAX_ROWS} rows on the AMX kernel"
+    else:
+        why = "oneDNN packed them in another layout"
+        if dtype != torch.bfloat16:
+            why = f"{dtype} weights"
+        why = amx_linear.amx_unavailable_reason() or why
+        amx = f"none runs on the AMX kernel ({why})"
+    logger.info("packed %d linear weights into oneDNN's blocked layout; %s", len(targets), amx)
     return len(targets)

@@ -158,6 +158,20 @@ def test_the_switch_keeps_every_linear_on_onednn(monkeypatch: pytest.MonkeyPatch
     assert FewRowWeight.of(weight, weight) is None  # decided before the layout is looked at
 
 
+def test_a_cpu_without_amx_flags_is_told_so_without_a_build(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(amx_linear, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+
+    def no_build() -> str | None:
+        raise AssertionError("the native kernels were built for a CPU without AMX")
+
+    monkeypatch.setattr(amx_linear, "native_kernel_error", no_build)
+    assert amx_unavailable_reason() == "this CPU lacks amx_bf16, amx_tile, avx512_bf16"
+    weight = torch.zeros(64, 64, dtype=torch.bfloat16)
+    assert FewRowWeight.of(weight, weight) is None
+
+
 def test_without_amx_the_op_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     if native_kernel_error() is not None:
         pytest.skip(f"native CPU kernels are unavailable: {native_kernel_error()}")
