@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
-import textwrap
 import time
 from types import SimpleNamespace
 
@@ -16,7 +15,7 @@ import pytest
 from kv_transfer import PageTable, TransferStatus, make_transport
 from kv_transfer.cuda_ipc import BATCH_BYTES, CudaIpcTransport
 from kv_transfer.transfer_plan import DST_OFF, LEN, SRC_OFF, make_plan
-from support.receiver_process import inbound_report, read_address
+from support.receiver_process import inbound_report, read_address, receiver_script
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,26 +24,13 @@ DST_BYTES = 64 << 20
 
 # The receiver on GPU argv[1]: zeroed device KV memory, its address on stdout, then "wait <id>"
 # answers the inbound status and a digest of the memory.
-RECEIVER = textwrap.dedent(
-    f"""
-    import hashlib, sys
-    import cupy
-    from kv_transfer import make_transport
-    cupy.cuda.Device(int(sys.argv[1])).use()
-    transport = make_transport("cuda_ipc")
-    dst = transport.allocate({DST_BYTES})
-    transport.register("dst", dst)
-    print(transport.address().to_bytes().hex(), flush=True)
-    for line in sys.stdin:
-        command, _, arg = line.strip().partition(" ")
-        if command == "wait":
-            status = transport.wait_inbound(arg, 30)
-            digest = hashlib.sha256(dst.get()).hexdigest()
-            print(status.name if status else "NONE", digest, flush=True)
-        else:
-            break
-    transport.close()
-    """
+RECEIVER = receiver_script(
+    'make_transport("cuda_ipc")',
+    "transport.allocate(size)",
+    size=DST_BYTES,
+    setup="import cupy; cupy.cuda.Device(int(sys.argv[1])).use()",
+    host_bytes="dst.get()",
+    wait_s=30,
 )
 
 

@@ -21,25 +21,36 @@ PAGE = 8192
 DST_BYTES = 8 << 20
 
 
-def receiver_script(make_transport_call: str, allocate_call: str) -> str:
-    """The receiver's ``python -c`` source. ``make_transport_call`` builds its transport (it
-    may read ``sys.argv``); ``allocate_call`` returns its ``DST_BYTES`` of zeroed memory and may
-    use ``transport``, ``np`` and ``size``."""
+def receiver_script(
+    make_transport_call: str,
+    allocate_call: str,
+    *,
+    size: int = DST_BYTES,
+    setup: str = "",
+    host_bytes: str = "dst",
+    wait_s: float = 10,
+) -> str:
+    """The receiver's ``python -c`` source. ``setup`` runs first (one line, e.g. choosing a GPU);
+    ``make_transport_call`` builds its transport (it may read ``sys.argv``); ``allocate_call``
+    returns its ``size`` bytes of zeroed memory and may use ``transport``, ``np`` and ``size``;
+    ``host_bytes`` is that memory as bytes on the host, for the digest (``dst.get()`` for a GPU
+    array); each ``wait`` waits up to ``wait_s`` seconds."""
     return textwrap.dedent(
         f"""
         import hashlib, sys
         import numpy as np
         from kv_transfer import make_transport
+        {setup}
         transport = {make_transport_call}
-        size = {DST_BYTES}
+        size = {size}
         dst = {allocate_call}
         transport.register("dst", dst)
         print(transport.address().to_bytes().hex(), flush=True)
         for line in sys.stdin:
             command, _, arg = line.strip().partition(" ")
             if command == "wait":
-                status = transport.wait_inbound(arg, 10)
-                digest = hashlib.sha256(dst).hexdigest()
+                status = transport.wait_inbound(arg, {wait_s})
+                digest = hashlib.sha256({host_bytes}).hexdigest()
                 print(status.name if status else "NONE", digest, flush=True)
             else:
                 break
