@@ -26,7 +26,7 @@ from services.models.backends import make_attention_backend, make_layer_ops
 from services.models.config import ModelConfig
 from services.models.loader import load_model
 from services.models.packed_linear import pack_linears
-from services.models.prefill_kernel_choice import choose_padded_kernel, padded_kernel_timer
+from services.models.prefill_kernel_choice import choose_prefill_kernel, prefill_kernel_timer
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class ModelRunner:
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         if isinstance(self.backend, TorchPagedAttention) and self.device.type == "cpu":
-            self._choose_padded_kernel(self.backend)
+            self._choose_prefill_kernel(self.backend)
         # Default: graphs on CUDA where the backend does not pay for the fixed table width.
         self.use_static_decode = (
             config.cuda_graphs
@@ -111,11 +111,12 @@ class ModelRunner:
         self._shared_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._generators: dict[str, torch.Generator] = {}
 
-    def _choose_padded_kernel(self, backend: TorchPagedAttention) -> None:
-        """Times the padded prefill kernels on this CPU at this model's heads (a step's budget
-        as 8 chunks of up to 256 tokens) and keeps the faster; see prefill_kernel_choice.py."""
+    def _choose_prefill_kernel(self, backend: TorchPagedAttention) -> None:
+        """Times the backend's prefill attention kernels on this CPU at this model's heads (a
+        step's budget as 8 chunks of up to 256 tokens) and keeps the fastest; see
+        prefill_kernel_choice.py."""
         cfg = self.model_config
-        timer = padded_kernel_timer(
+        timer = prefill_kernel_timer(
             backend,
             num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads,
@@ -124,8 +125,8 @@ class ModelRunner:
             cache_dtype=self.kv_cache_dtype,
             chunk_tokens=min(256, max(16, self.max_num_batched_tokens // 8)),
         )
-        choice = choose_padded_kernel(backend, self.device, timer)
-        logger.info("padded prefill attention: %s", choice.describe())
+        choice = choose_prefill_kernel(backend, self.device, timer)
+        logger.info("prefill attention: %s", choice.describe())
 
     @property
     def block_bytes(self) -> int:

@@ -51,6 +51,16 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
 
 
+def stack_block_tables(spans: list[PrefillSpan]) -> torch.Tensor:
+    """[len(spans), the longest table] int64: each span's block ids, padded with block 0."""
+    max_blocks = max(s.block_ids.numel() for s in spans)
+    device = spans[0].block_ids.device
+    tables = torch.zeros(len(spans), max_blocks, dtype=torch.int64, device=device)
+    for row, span in enumerate(spans):
+        tables[row, : span.block_ids.numel()] = span.block_ids
+    return tables
+
+
 # Padding more than doubles the work past this (the batched call is about as fast as one call per
 # chunk on its real work, so that is where it stops paying).
 _MAX_PADDING_WASTE = 2.0
@@ -59,10 +69,11 @@ _MAX_PADDING_WASTE = 2.0
 _MAX_PADDED_SCORE_BYTES = 64 << 20
 
 PADDED_KERNELS = ("sdpa", "matmul")
-"""How a step's padded prefill chunks are attended (``TorchPagedAttention.padded_kernel``):
-``sdpa``, one masked ``scaled_dot_product_attention`` call (torch's flash kernel on the CPU), or
-``matmul``, two batched matmuls around a float32 softmax. Which is faster depends on the host
-(``prefill_kernel_choice.py`` times both); the results agree to rounding."""
+"""How the torch path attends a step's padded prefill chunks (``TorchPagedAttention.
+prefill_kernel``): ``sdpa``, one masked ``scaled_dot_product_attention`` call (torch's flash
+kernel on the CPU), or ``matmul``, two batched matmuls around a float32 softmax. Which is faster
+depends on the host (``prefill_kernel_choice.py`` times every kernel of the backend's
+``prefill_kernels``); the results agree to rounding."""
 
 
 @dataclass(frozen=True)
@@ -139,9 +150,7 @@ class PaddedPrefill:
             for i, s in enumerate(spans)
         )
         real_slots = is_real.reshape(-1).nonzero().squeeze(1)
-        tables = torch.zeros(len(spans), max_blocks, dtype=torch.int64, device=device)
-        for row, span in enumerate(spans):
-            tables[row, : span.block_ids.numel()] = span.block_ids
+        tables = stack_block_tables(spans)
         # The real query of rank i sits at position start_position + i and sees keys 0..that
         # position. Aligned, that is its slot, and every slot sees keys 0..slot (the
         # causal mask); else a padding query sees key 0 only, so its softmax stays finite.
@@ -202,17 +211,24 @@ class TorchPagedAttention(AttentionBackend):
     otherwise each chunk runs one call, causal without a mask when nothing is cached before it.
     """
 
+    prefill_kernels: tuple[str, ...] = PADDED_KERNELS
+    """The ways this backend can attend a step's prefill chunks, for ``prefill_kernel``."""
+
     def __init__(self, block_size: int, scale: float) -> None:
         super().__init__(block_size, scale)
         self._padded: PaddedPrefill | None = None
         self._padded_metadata: AttentionMetadata | None = None
         """The step ``_padded`` was built for: a step whose ``prepare`` did not run (a caller
         driving the model directly) attends chunk by chunk, never with a stale batch."""
-        self.padded_kernel = "sdpa"
-        """One of ``PADDED_KERNELS``; ``prefill_kernel_choice`` sets the faster on a CPU."""
+        self.prefill_kernel = "sdpa"
+        """One of ``prefill_kernels``; ``prefill_kernel_choice`` sets the fastest on a CPU."""
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        self._padded = PaddedPrefill.build(metadata.prefills, self.block_size)
+        self._padded = (
+            PaddedPrefill.build(metadata.prefills, self.block_size)
+            if self.prefill_kernel in PADDED_KERNELS
+            else None
+        )
         self._padded_metadata = metadata
 
     def forward(
@@ -235,10 +251,26 @@ class TorchPagedAttention(AttentionBackend):
 
         if 0 < metadata.num_decodes == query.shape[0]:  # a decode step: no output to assemble
             return self._decode(query, key_cache, value_cache, metadata)
-        output = torch.empty_like(query)
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if metadata.num_decodes:
             num = metadata.num_decodes
             output[:num] = self._decode(query[:num], key_cache, value_cache, metadata)
+        self.attend_prefills(query, key, value, key_cache, value_cache, metadata, output)
+        return output
+
+    def attend_prefills(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        output: torch.Tensor,
+    ) -> None:
+        """Writes every prefill chunk's attention into its rows of ``output`` [num_tokens, heads,
+        head_dim] with ``prefill_kernel``; the chunks' K/V (``key``, ``value``, in the cache's
+        dtype) are already in the cache."""
         padded = self._padded if self._padded_metadata is metadata else None
         if padded is not None:
             out = self.attend_padded(query, key_cache, value_cache, padded, fresh_kv=(key, value))
@@ -246,7 +278,7 @@ class TorchPagedAttention(AttentionBackend):
                 output[padded.contiguous_start : padded.contiguous_start + out.shape[0]] = out
             else:
                 output.index_copy_(0, padded.real_rows, out.index_select(0, padded.real_slots))
-            return output
+            return
         for span in metadata.prefills:
             end = span.token_start + span.num_tokens
             output[span.token_start : end] = self._prefill(
@@ -257,7 +289,6 @@ class TorchPagedAttention(AttentionBackend):
                 value_cache,
                 span,
             )
-        return output
 
     def _decode(
         self,
@@ -298,7 +329,7 @@ class TorchPagedAttention(AttentionBackend):
         kernel: str | None = None,
         fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """All prefill chunks in one batch with ``kernel`` (default ``padded_kernel``); returns
+        """All prefill chunks in one batch with ``kernel`` (default ``prefill_kernel``); returns
         [chunks * max_tokens, heads, head_dim]. query: [num_tokens, heads, head_dim];
         ``fresh_kv``: the step's new keys and values [num_tokens, kv_heads, head_dim], as written
         to the cache, read in place of the cache when every chunk is fresh and they are views of
@@ -326,7 +357,7 @@ class TorchPagedAttention(AttentionBackend):
             values = value_cache.index_select(0, flat_ids)
         keys = keys.view(chunks, context, num_kv_heads, head_dim).to(query.dtype)
         values = values.view(chunks, context, num_kv_heads, head_dim).to(query.dtype)
-        kernel = kernel or self.padded_kernel
+        kernel = kernel or self.prefill_kernel
         score_bytes = chunks * num_heads * tokens * context * 4
         if kernel == "matmul" and score_bytes <= _MAX_PADDED_SCORE_BYTES:
             mask = padded.mask[..., :context]

@@ -22,27 +22,74 @@ the 2-core Intel host with AMX (bf16, 64 x 280, one layer in isolation) it takes
 thread and 0.96 ms on two, whichever variant: 9.6 and 19 GB/s, so what bounds it there is how
 fast one core streams scattered blocks, not arithmetic.
 
-Prefill chunks stay on the torch path: their attention is matmul-shaped work that SDPA already
-does well (a native prefill kernel was not attempted).
+Prefill chunks have a native kernel too (``csrc/prefill_attention.cpp``): every chunk of a step
+in one call, its queries read in place from the flat batch (a view of the QKV projection) and
+its keys from the cache, as a flash-attention loop that skips the key blocks above the diagonal
+and writes straight into the chunk's output rows: no padding, gathers or copies. It is one of the
+backend's ``prefill_kernels``, timed against the torch path's at start-up
+(``prefill_kernel_choice.py``): on a CPU with AMX, torch's flash kernel runs its products on the
+matrix unit and can win.
 
-The kernel is one of the native CPU kernels (``native_build.py``: built on first use, one
+The kernels are one of the native CPU kernels (``native_build.py``: built on first use, one
 variant per instruction set, chosen by the CPU's flags or ``PDSERVE_NATIVE_ISA``).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
-from services.models.attention import AttentionMetadata, TorchPagedAttention
+from services.models.attention import (
+    PADDED_KERNELS,
+    AttentionMetadata,
+    PrefillSpan,
+    TorchPagedAttention,
+    stack_block_tables,
+)
 from services.models.native_build import native_kernel_error, resolve_isa
 
 logger = logging.getLogger(__name__)
 
+NATIVE_PREFILL = "native"
+"""The native backend's own prefill kernel, beside the torch path's ``PADDED_KERNELS``."""
+
+
+@dataclass(frozen=True)
+class PrefillChunks:
+    """A step's prefill chunks as ``paged_prefill_attention`` takes them: built once per step
+    (``prepare``), shared by every layer."""
+
+    block_tables: torch.Tensor
+    """[num_chunks, max_blocks] int64, padded with block 0 (never read)."""
+    query_starts: torch.Tensor
+    """[num_chunks] int64: the flat batch row of each chunk's first query."""
+    query_lens: torch.Tensor
+    """[num_chunks] int64."""
+    start_positions: torch.Tensor
+    """[num_chunks] int64: tokens in the cache before each chunk."""
+
+    @staticmethod
+    def build(spans: list[PrefillSpan]) -> PrefillChunks:
+        device = spans[0].block_ids.device
+
+        def column(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return PrefillChunks(
+            block_tables=stack_block_tables(spans),
+            query_starts=column([s.token_start for s in spans]),
+            query_lens=column([s.num_tokens for s in spans]),
+            start_positions=column([s.start_position for s in spans]),
+        )
+
 
 class NativePagedAttention(TorchPagedAttention):
-    """``TorchPagedAttention`` with decodes on the native kernel; prefill chunks unchanged."""
+    """``TorchPagedAttention`` with decodes on the native kernel, and prefill chunks too when
+    ``prefill_kernel`` is ``native`` (the default; start-up timing may pick a torch one)."""
+
+    prefill_kernels = (*PADDED_KERNELS, NATIVE_PREFILL)
 
     def __init__(self, block_size: int, scale: float, isa: str | None = None) -> None:
         super().__init__(block_size, scale)
@@ -51,7 +98,46 @@ class NativePagedAttention(TorchPagedAttention):
         error = native_kernel_error()
         if error is not None:
             raise RuntimeError(f"native paged attention is unavailable: {error}")
+        self.prefill_kernel = NATIVE_PREFILL
+        self._chunks: PrefillChunks | None = None
+        """The step's chunks when ``prefill_kernel`` is native; with ``_padded_metadata``."""
         logger.debug("native paged attention: %s kernel", self.isa)
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        super().prepare(metadata)
+        native = self.prefill_kernel == NATIVE_PREFILL and bool(metadata.prefills)
+        self._chunks = PrefillChunks.build(metadata.prefills) if native else None
+
+    def attend_prefills(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        output: torch.Tensor,
+    ) -> None:
+        if not metadata.prefills:
+            return
+        if self.prefill_kernel != NATIVE_PREFILL:
+            super().attend_prefills(query, key, value, key_cache, value_cache, metadata, output)
+            return
+        chunks = self._chunks if self._padded_metadata is metadata else None
+        if chunks is None:  # no prepare for this step (a caller driving the model directly)
+            chunks = PrefillChunks.build(metadata.prefills)
+        torch.ops.pdserve.paged_prefill_attention(
+            output,
+            query,
+            key_cache,
+            value_cache,
+            chunks.block_tables,
+            chunks.query_starts,
+            chunks.query_lens,
+            chunks.start_positions,
+            self.scale,
+            self.isa,
+        )
 
     def _decode(
         self,

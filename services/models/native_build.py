@@ -1,16 +1,17 @@
 """The native CPU kernels' library: built once, one variant per instruction set, chosen at run
 time.
 
-One extension holds every native CPU op: the paged decode attention
-(``csrc/paged_attention*.cpp``, ``native_attention.py``), the fused elementwise ops of a
-decoder layer (``csrc/fused_ops*.cpp``, ``native_layer_ops.py``) and the AMX few-row linear
-(``csrc/amx_linear*.cpp``, ``amx_linear.py``: one variant, for CPUs with AMX-BF16, which checks
-the CPU itself). Each other kernel comes in one variant per instruction set (``KERNEL_ISAS``:
-AVX512-BF16, AVX-512, AVX2 and a portable one), compiled with per-file targets into one
-library with the baseline compiler flags, so the build does not depend on the host. A user of
-the kernels runs the best variant this CPU supports (``/proc/cpuinfo`` flags), or the one
-forced by its ``isa`` argument or ``PDSERVE_NATIVE_ISA``; forcing one the CPU cannot run raises
-``UnsupportedIsaError`` naming what is missing (every op checks cpuid again: never SIGILL).
+One extension holds every native CPU op: the paged decode and prefill attention
+(``csrc/paged_attention*.cpp``, ``csrc/prefill_attention*.cpp``, ``native_attention.py``), the
+fused elementwise ops of a decoder layer (``csrc/fused_ops*.cpp``, ``native_layer_ops.py``) and
+the AMX few-row linear (``csrc/amx_linear*.cpp``, ``amx_linear.py``: one variant, for CPUs with
+AMX-BF16, which checks the CPU itself). Each other kernel comes in one variant per instruction
+set (``KERNEL_ISAS``: AVX512-BF16, AVX-512, AVX2 and a portable one), compiled with per-file
+targets into one library with the baseline compiler flags, so the build does not depend on the
+host. A user of the kernels runs the best variant this CPU supports (``/proc/cpuinfo`` flags),
+or the one forced by its ``isa`` argument or ``PDSERVE_NATIVE_ISA``; forcing one the CPU cannot
+run raises ``UnsupportedIsaError`` naming what is missing (every op checks cpuid again: never
+SIGILL).
 
 Life cycle: the extension is compiled on first use (``torch.utils.cpp_extension.load``, ~15-30 s,
 most of it ``torch/library.h``), then cached under ``TORCH_EXTENSIONS_DIR`` or torch's default
@@ -40,6 +41,7 @@ _VARIANTS = ("_portable", "_avx2", "_avx512", "_avx512_bf16")
 _SOURCES = [
     _CSRC / "cpu_isa.cpp",
     *(_CSRC / f"paged_attention{suffix}.cpp" for suffix in ("", *_VARIANTS)),
+    *(_CSRC / f"prefill_attention{suffix}.cpp" for suffix in ("", *_VARIANTS)),
     *(_CSRC / f"fused_ops{suffix}.cpp" for suffix in ("", *_VARIANTS)),
     _CSRC / "amx_linear.cpp",
     _CSRC / "amx_linear_amx.cpp",
@@ -51,6 +53,8 @@ _HEADERS = [
         "simd.h",
         "paged_attention_isa.h",
         "paged_attention_kernel.h",
+        "prefill_attention_isa.h",
+        "prefill_attention_kernel.h",
         "fused_ops_isa.h",
         "fused_ops_kernel.h",
         "amx_linear_isa.h",

@@ -1,7 +1,7 @@
-"""Which implementation runs a step's padded prefill attention on this host: timed, not assumed.
+"""Which kernel runs a step's prefill attention on this host: timed, not assumed.
 
-Why: the two ways to attend over a batch of padded prefill chunks trade places between hosts.
-Eight 256-token chunks of the ``small`` model (12 heads / 4 KV heads x 64, bf16, one layer):
+Why: the ways to attend a batch of prefill chunks trade places between hosts. Eight 256-token
+chunks of the ``small`` model (12 heads / 4 KV heads x 64, bf16, one layer):
 
     host                                   sdpa (torch's flash kernel)   matmul (fp32 softmax)
     2-core AMD EPYC, AVX-512, no AMX       17.6 ms                       10 ms
@@ -9,48 +9,51 @@ Eight 256-token chunks of the ``small`` model (12 heads / 4 KV heads x 64, bf16,
 
 With AMX the flash kernel's tiles run on the matrix unit while the explicit path's fp32
 softmax over [chunks, heads, tokens, context] is slow elementwise work; without AMX the flash
-kernel's small tiles lose to two large matmuls.
+kernel's small tiles lose to two large matmuls. The native backend adds its own kernel
+(``native``: fp32 vector arithmetic, no padding, causal blocks skipped), which wins where the
+matrix unit does not carry torch's (figures in ``docs/benchmarks.md``).
 
-Life cycle, once per engine start, CPU only: after the model is loaded, ``choose_padded_kernel``
-times one call of each kernel on a synthetic step of the model's head shapes (``num_chunks`` x
-``chunk_tokens``), alternating so that load from other processes falls on both, keeps each one's
-best of ``repeats``, sets the backend's ``padded_kernel`` to the faster and returns the timings
-for the log. About 0.1-0.5 s; cheaper to measure than to cache. A GPU keeps ``sdpa``.
+Life cycle, once per engine start, CPU only: after the model is loaded, ``choose_prefill_kernel``
+times one call of each of the backend's ``prefill_kernels`` on a synthetic step of the model's
+head shapes (``num_chunks`` fresh chunks of ``chunk_tokens``), alternating so that load from
+other processes falls on all of them, keeps each one's best of ``repeats``, sets the backend's
+``prefill_kernel`` to the fastest and returns the timings for the log. About 0.1-0.5 s; cheaper
+to measure than to cache. A GPU keeps ``sdpa``. ``PDSERVE_PREFILL_KERNEL`` forces a kernel
+instead of timing (tests, benchmarks); one the backend lacks is an error naming those it has.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from services.models.attention import (
-    PADDED_KERNELS,
-    PaddedPrefill,
-    PrefillSpan,
-    TorchPagedAttention,
-)
+from services.models.attention import AttentionMetadata, PrefillSpan, TorchPagedAttention
+
+KERNEL_ENV = "PDSERVE_PREFILL_KERNEL"
+"""Forces the prefill attention kernel of every CPU engine of the process (no timing)."""
 
 KernelTimer = Callable[[str], float]
-"""Seconds one padded prefill call takes with the named kernel; injected by tests."""
+"""Seconds one prefill attention call takes with the named kernel; injected by tests."""
 
 
 @dataclass(frozen=True)
-class PaddedKernelChoice:
+class PrefillKernelChoice:
     kernel: str
     seconds: dict[str, float]
     """Best call per kernel, seconds; empty when nothing was timed."""
 
     def describe(self) -> str:
         if not self.seconds:
-            return self.kernel
+            return self.kernel  # a GPU, or forced by KERNEL_ENV
         times = ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in self.seconds.items())
         return f"{self.kernel} ({times} a layer)"
 
 
-def padded_kernel_timer(
+def prefill_kernel_timer(
     backend: TorchPagedAttention,
     *,
     num_heads: int,
@@ -60,10 +63,12 @@ def padded_kernel_timer(
     cache_dtype: torch.dtype,
     num_chunks: int = 8,
     chunk_tokens: int = 256,
+    outputs: dict[str, torch.Tensor] | None = None,
 ) -> KernelTimer:
-    """Times ``backend.attend_padded`` on ``num_chunks`` fresh chunks of ``chunk_tokens`` tokens
-    with random queries (``dtype``) and a random cache (``cache_dtype``) of exactly their
-    blocks."""
+    """Times ``backend.attend_prefills`` on a step of ``num_chunks`` fresh chunks of
+    ``chunk_tokens`` tokens: random queries (``dtype``) and a random cache (``cache_dtype``) of
+    exactly their blocks, as the engine's step would see them. Each call's output is kept in
+    ``outputs`` under its kernel, when given (tests)."""
     block_size = backend.block_size
     blocks_per_chunk = -(-chunk_tokens // block_size)
     generator = torch.Generator().manual_seed(0)
@@ -71,8 +76,8 @@ def padded_kernel_timer(
     cache = torch.randn(
         2, num_chunks * blocks_per_chunk, block_size, num_kv_heads, head_dim, generator=generator
     ).to(cache_dtype)
-    query = torch.randn(num_chunks * chunk_tokens, num_heads, head_dim, generator=generator)
-    query = query.to(dtype)
+    num_tokens = num_chunks * chunk_tokens
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=generator).to(dtype)
     spans = [
         PrefillSpan(
             token_start=c * chunk_tokens,
@@ -82,36 +87,64 @@ def padded_kernel_timer(
         )
         for c in range(num_chunks)
     ]
-    padded = PaddedPrefill.build(spans, block_size)
-    assert padded is not None  # equal chunks always batch
+    # The chunks' own K/V as the step wrote them to the cache: the first chunk_tokens slots of
+    # each chunk's blocks.
+    slots = torch.cat(
+        [torch.arange(chunk_tokens) + c * blocks_per_chunk * block_size for c in range(num_chunks)]
+    )
+    key, value = (cache[i].view(-1, num_kv_heads, head_dim)[slots] for i in (0, 1))
+    metadata = AttentionMetadata(
+        slot_mapping=slots,
+        num_decodes=0,
+        decode_block_tables=torch.zeros(0, 0, dtype=torch.int64),
+        decode_seq_lens=torch.zeros(0, dtype=torch.int64),
+        prefills=spans,
+    )
 
     def time_call(kernel: str) -> float:
+        backend.prefill_kernel = kernel
+        backend.prepare(metadata)  # once per step in the engine, not per layer: not timed
+        output = torch.empty_like(query)
         start = time.perf_counter()
-        backend.attend_padded(query, cache[0], cache[1], padded, kernel=kernel)
-        return time.perf_counter() - start
+        backend.attend_prefills(query, key, value, cache[0], cache[1], metadata, output)
+        seconds = time.perf_counter() - start
+        if outputs is not None:
+            outputs[kernel] = output
+        return seconds
 
     return time_call
 
 
-def choose_padded_kernel(
+def choose_prefill_kernel(
     backend: TorchPagedAttention,
     device: torch.device,
     time_call: KernelTimer,
     *,
     repeats: int = 3,
-) -> PaddedKernelChoice:
-    """Sets ``backend.padded_kernel`` to the faster kernel on this CPU (see the module's life
-    cycle) and returns the choice; on other devices keeps ``sdpa`` and times nothing."""
+) -> PrefillKernelChoice:
+    """Sets ``backend.prefill_kernel`` to the fastest of its ``prefill_kernels`` on this CPU (see
+    the module's life cycle) and returns the choice; on other devices keeps ``sdpa`` and times
+    nothing."""
     if device.type != "cpu":
-        backend.padded_kernel = "sdpa"
-        return PaddedKernelChoice("sdpa", {})
-    for kernel in PADDED_KERNELS:
+        backend.prefill_kernel = "sdpa"
+        return PrefillKernelChoice("sdpa", {})
+    kernels = backend.prefill_kernels
+    forced = os.environ.get(KERNEL_ENV)
+    if forced:
+        if forced not in kernels:
+            raise ValueError(
+                f"{KERNEL_ENV}={forced!r}: this attention backend's prefill kernels are "
+                f"{', '.join(kernels)}"
+            )
+        backend.prefill_kernel = forced
+        return PrefillKernelChoice(forced, {})
+    for kernel in kernels:
         time_call(kernel)  # warm-up: first-call allocations and oneDNN's kernel selection
-    best = dict.fromkeys(PADDED_KERNELS, float("inf"))
+    best = dict.fromkeys(kernels, float("inf"))
     for _ in range(repeats):
-        for kernel in PADDED_KERNELS:
+        for kernel in kernels:
             best[kernel] = min(best[kernel], time_call(kernel))
-    # A tie keeps sdpa: it never materialises the scores.
-    kernel = min(PADDED_KERNELS, key=lambda name: (best[name], name != "sdpa"))
-    backend.padded_kernel = kernel
-    return PaddedKernelChoice(kernel, best)
+    # A tie keeps the first listed: sdpa, which never materialises the scores.
+    kernel = min(kernels, key=lambda name: (best[name], kernels.index(name)))
+    backend.prefill_kernel = kernel
+    return PrefillKernelChoice(kernel, best)

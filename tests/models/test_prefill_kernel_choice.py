@@ -1,5 +1,6 @@
-"""The padded prefill kernel is chosen by timing both on this host: the faster wins, a tie keeps
-sdpa, both are timed alternately, and a GPU is not timed at all."""
+"""The prefill attention kernel is chosen by timing each of the backend's on this host: the
+fastest wins, a tie keeps sdpa, they are timed alternately, a GPU is not timed at all, and the
+timer runs each kernel on the same step with the same result."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import pytest
 import torch
 
 from services.models.attention import PADDED_KERNELS, TorchPagedAttention
-from services.models.prefill_kernel_choice import choose_padded_kernel, padded_kernel_timer
+from services.models.native_attention import NATIVE_PREFILL, NativePagedAttention
+from services.models.native_build import native_kernel_error
+from services.models.prefill_kernel_choice import (
+    KERNEL_ENV,
+    choose_prefill_kernel,
+    prefill_kernel_timer,
+)
 
 CPU = torch.device("cpu")
 
@@ -31,8 +38,8 @@ def fake_timer(seconds: dict[str, float], calls: list[str]):
 def test_the_faster_kernel_is_chosen(seconds: dict[str, float], expected: str) -> None:
     backend = TorchPagedAttention(16, 0.125)
     calls: list[str] = []
-    choice = choose_padded_kernel(backend, CPU, fake_timer(seconds, calls), repeats=3)
-    assert choice.kernel == expected and backend.padded_kernel == expected
+    choice = choose_prefill_kernel(backend, CPU, fake_timer(seconds, calls), repeats=3)
+    assert choice.kernel == expected and backend.prefill_kernel == expected
     assert choice.seconds == seconds
     # A warm-up of each, then the kernels alternate, so load from elsewhere falls on both.
     assert calls == list(PADDED_KERNELS) * 4
@@ -42,36 +49,64 @@ def test_the_faster_kernel_is_chosen(seconds: dict[str, float], expected: str) -
 def test_a_best_call_wins_over_a_slow_one() -> None:
     backend = TorchPagedAttention(16, 0.125)
     times = iter([0.0, 0.0, 0.050, 0.010, 0.002, 0.010, 0.050, 0.010])  # sdpa's second call
-    choice = choose_padded_kernel(backend, CPU, lambda kernel: next(times), repeats=3)
+    choice = choose_prefill_kernel(backend, CPU, lambda kernel: next(times), repeats=3)
     assert choice.kernel == "sdpa" and choice.seconds == {"sdpa": 0.002, "matmul": 0.010}
 
 
 def test_a_gpu_keeps_sdpa_untimed() -> None:
     backend = TorchPagedAttention(16, 0.125)
-    backend.padded_kernel = "matmul"
+    backend.prefill_kernel = "matmul"
     calls: list[str] = []
-    choice = choose_padded_kernel(backend, torch.device("cuda"), fake_timer({}, calls))
-    assert choice.kernel == "sdpa" and backend.padded_kernel == "sdpa" and calls == []
+    choice = choose_prefill_kernel(backend, torch.device("cuda"), fake_timer({}, calls))
+    assert choice.kernel == "sdpa" and backend.prefill_kernel == "sdpa" and calls == []
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_the_timer_runs_each_kernel_on_the_models_shapes(cache_dtype: torch.dtype) -> None:
+def test_the_environment_forces_a_kernel_without_timing(monkeypatch: pytest.MonkeyPatch) -> None:
     backend = TorchPagedAttention(16, 0.125)
+    calls: list[str] = []
+    monkeypatch.setenv(KERNEL_ENV, "matmul")
+    choice = choose_prefill_kernel(backend, CPU, fake_timer({}, calls))
+    assert choice.kernel == "matmul" and backend.prefill_kernel == "matmul" and calls == []
+    monkeypatch.setenv(KERNEL_ENV, NATIVE_PREFILL)  # the torch backend has no native kernel
+    with pytest.raises(ValueError, match=f"{KERNEL_ENV}='native'.*sdpa, matmul"):
+        choose_prefill_kernel(backend, CPU, fake_timer({}, calls))
+
+
+def test_the_native_backend_times_its_own_kernel_too() -> None:
+    if native_kernel_error() is not None:
+        pytest.skip(f"native kernels unavailable: {native_kernel_error()}")
+    backend = NativePagedAttention(16, 0.125)
+    assert backend.prefill_kernel == NATIVE_PREFILL  # before any timing
+    seconds = {"sdpa": 0.004, "matmul": 0.010, NATIVE_PREFILL: 0.002}
+    calls: list[str] = []
+    choice = choose_prefill_kernel(backend, CPU, fake_timer(seconds, calls), repeats=2)
+    assert calls == [*PADDED_KERNELS, NATIVE_PREFILL] * 3
+    assert choice.kernel == NATIVE_PREFILL and backend.prefill_kernel == NATIVE_PREFILL
+    seconds[NATIVE_PREFILL] = 0.005  # an AMX host, where torch's flash kernel can win
+    choice = choose_prefill_kernel(backend, CPU, fake_timer(seconds, []), repeats=2)
+    assert choice.kernel == "sdpa" and backend.prefill_kernel == "sdpa"
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [(torch.float32, torch.float32), (torch.float32, torch.bfloat16)],
+)
+def test_the_timer_runs_each_kernel_on_the_models_shapes(
+    dtype: torch.dtype, cache_dtype: torch.dtype, native: bool
+) -> None:
+    if native and native_kernel_error() is not None:
+        pytest.skip(f"native kernels unavailable: {native_kernel_error()}")
+    backend = NativePagedAttention(16, 0.125) if native else TorchPagedAttention(16, 0.125)
     outputs: dict[str, torch.Tensor] = {}
-    attend = backend.attend_padded
-
-    def recording(*args: object, kernel: str | None = None) -> torch.Tensor:
-        assert kernel is not None
-        outputs[kernel] = attend(*args, kernel=kernel)  # type: ignore[arg-type]
-        return outputs[kernel]
-
-    backend.attend_padded = recording  # type: ignore[method-assign]
-    time_call = padded_kernel_timer(
-        backend, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
-        cache_dtype=cache_dtype, num_chunks=3, chunk_tokens=20,
+    time_call = prefill_kernel_timer(
+        backend, num_heads=4, num_kv_heads=2, head_dim=16, dtype=dtype,
+        cache_dtype=cache_dtype, num_chunks=3, chunk_tokens=20, outputs=outputs,
     )  # fmt: skip
-    for kernel in PADDED_KERNELS:
-        time_call(kernel)
-    # 3 chunks x 20 query rows x 4 heads x 16, the same attention either way.
+    for kernel in backend.prefill_kernels:
+        assert time_call(kernel) > 0
+    # 3 chunks x 20 query rows x 4 heads x 16, the same attention whichever kernel ran.
+    assert sorted(outputs) == sorted(backend.prefill_kernels)
     assert outputs["sdpa"].shape == (60, 4, 16)
-    torch.testing.assert_close(outputs["matmul"], outputs["sdpa"], atol=1e-5, rtol=1e-5)
+    for kernel in backend.prefill_kernels:
+        torch.testing.assert_close(outputs[kernel], outputs["sdpa"], atol=1e-5, rtol=1e-5)

@@ -10,62 +10,24 @@ import torch
 
 from services.models.attention import (
     PADDED_KERNELS,
-    AttentionMetadata,
     PaddedPrefill,
     PrefillSpan,
     TorchPagedAttention,
 )
+from support.prefill_batch import build_prefill_step, dense_reference
 
 BLOCK_SIZE = 4
 NUM_KV_HEADS, GROUP, HEAD_DIM = 2, 3, 16
 NUM_HEADS = NUM_KV_HEADS * GROUP
 
 
-def dense_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int):
-    """q: [n, H, D] at positions start..start+n-1; keys, values: [start + n, Hkv, D]."""
-    k = keys.repeat_interleave(GROUP, dim=1)
-    v = values.repeat_interleave(GROUP, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(HEAD_DIM)
-    query_pos = torch.arange(q.shape[0])[:, None] + start
-    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > query_pos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-
-
 def build_step(chunks: list[tuple[int, int]], seed: int = 0):
-    """chunks: (start_position, num_tokens) per request. Returns the attention inputs, the
-    metadata, each request's full K/V, and the query rows of each chunk."""
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = 64
-    kv_cache = torch.zeros(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
-    queries, keys, values, slots, spans, full_kv = [], [], [], [], [], []
-    token_start = 0
-    for start, num_tokens in chunks:
-        context = start + num_tokens
-        block_ids = [free_blocks.pop() for _ in range(-(-context // BLOCK_SIZE))]
-        k_all = torch.randn(context, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-        v_all = torch.randn(context, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-        # The cached prefix is already in the cache; the chunk's own K/V arrive with the step.
-        for pos in range(start):
-            block, offset = block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE
-            kv_cache[0, block, offset], kv_cache[1, block, offset] = k_all[pos], v_all[pos]
-        slots += [
-            block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, context)
-        ]
-        queries.append(torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=gen))
-        keys.append(k_all[start:])
-        values.append(v_all[start:])
-        spans.append(PrefillSpan(token_start, num_tokens, start, torch.tensor(block_ids)))
-        full_kv.append((k_all, v_all))
-        token_start += num_tokens
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        num_decodes=0,
-        decode_block_tables=torch.zeros(0, 0, dtype=torch.int64),
-        decode_seq_lens=torch.zeros(0, dtype=torch.int64),
-        prefills=spans,
-    )
-    return torch.cat(queries), torch.cat(keys), torch.cat(values), kv_cache, metadata, full_kv
+    """The inputs, metadata, each request's full K/V, at this file's shapes."""
+    step = build_prefill_step(
+        chunks, block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, group=GROUP,
+        head_dim=HEAD_DIM, seed=seed,
+    )  # fmt: skip
+    return step.query, step.key, step.value, step.kv_cache, step.metadata, step.full_kv
 
 
 CASES = {
@@ -95,7 +57,7 @@ def test_padded_prefill_equals_per_chunk_and_dense(
     equal = len({length for _, length in chunks}) == 1
     assert (padded_step.contiguous_start == 0) if equal else padded_step.contiguous_start is None
     backend = TorchPagedAttention(BLOCK_SIZE, scale=1 / math.sqrt(HEAD_DIM))
-    backend.padded_kernel = kernel
+    backend.prefill_kernel = kernel
 
     backend.prepare(metadata)
     padded = backend.forward(query, key, value, kv_cache.clone(), metadata)
