@@ -19,7 +19,8 @@ the buffer lives as long as the module that calls. Each ``linear`` call runs on 
 thread's torch OpenMP pool and allocates its output.
 
 On by default where the CPU has AMX-BF16 (and the kernel granted the tile-data permission);
-``PDSERVE_AMX_LINEAR=0`` turns it off (to measure oneDNN alone).
+``PDSERVE_AMX=0`` turns it off (to measure oneDNN alone), and with it the AMX products of the
+native prefill attention (``native_attention.py``).
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ MAX_ROWS = 128
 ``docs/benchmarks.md`` ours is faster up to 128 rows and slower from 256 on (oneDNN blocks large
 batches for the caches; this kernel reads every row for each 32 columns)."""
 
-SWITCH_ENV = "PDSERVE_AMX_LINEAR"
-"""``0`` keeps every linear on oneDNN."""
+SWITCH_ENV = "PDSERVE_AMX"
+"""``0`` keeps pdserve's own kernels off the AMX tiles: every linear on oneDNN, the prefill
+attention's products on the vector units."""
 
 Epilogue = Literal["none", "silu", "mul"]
 
@@ -51,7 +53,7 @@ _CPU_FLAGS = frozenset({"amx_bf16", "amx_tile", "avx512_bf16"})
 
 
 def amx_unavailable_reason() -> str | None:
-    """None when this process runs the AMX kernel, else why not (never raises). A CPU whose
+    """None when this process runs the AMX kernels, else why not (never raises). A CPU whose
     flags lack AMX is told so without building the native kernels (the op checks cpuid and the
     kernel's tile permission again)."""
     if os.environ.get(SWITCH_ENV, "1") == "0":

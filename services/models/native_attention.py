@@ -1,4 +1,5 @@
-"""Paged decode attention as a C++ CPU kernel that reads K/V straight out of the cache blocks.
+"""Paged decode and prefill attention as C++ CPU kernels that read K/V straight out of the cache
+blocks.
 
 Why: the torch path's decode (``TorchPagedAttention._decode``) copies every request's blocks
 into a padded ``[num_decodes, max_len, ...]`` tensor with ``index_select`` and runs masked SDPA
@@ -27,8 +28,8 @@ in one call, its queries read in place from the flat batch (a view of the QKV pr
 its keys from the cache, as a flash-attention loop that skips the key blocks above the diagonal
 and writes straight into the chunk's output rows: no padding, gathers or copies. It is one of the
 backend's ``prefill_kernels``, timed against the torch path's at start-up
-(``prefill_kernel_choice.py``): on a CPU with AMX, torch's flash kernel runs its products on the
-matrix unit and can win.
+(``prefill_kernel_choice.py``). On a CPU with AMX its bf16 products run on the tiles too (the
+``amx`` variant), as torch's flash kernel's do.
 
 The kernels are one of the native CPU kernels (``native_build.py``: built on first use, one
 variant per instruction set, chosen by the CPU's flags or ``PDSERVE_NATIVE_ISA``).
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.models.amx_linear import amx_unavailable_reason
 from services.models.attention import (
     PADDED_KERNELS,
     AttentionMetadata,
@@ -99,9 +101,14 @@ class NativePagedAttention(TorchPagedAttention):
         if error is not None:
             raise RuntimeError(f"native paged attention is unavailable: {error}")
         self.prefill_kernel = NATIVE_PREFILL
+        self.prefill_isa = self.isa
+        """The prefill kernel's variant: ``amx`` (its bf16 products on the AMX tiles) where the
+        best variant is avx512_bf16 and the CPU has AMX, unless ``PDSERVE_AMX=0``."""
+        if self.isa == "avx512_bf16" and amx_unavailable_reason() is None:
+            self.prefill_isa = "amx"
         self._chunks: PrefillChunks | None = None
         """The step's chunks when ``prefill_kernel`` is native; with ``_padded_metadata``."""
-        logger.debug("native paged attention: %s kernel", self.isa)
+        logger.debug("native paged attention: %s kernel, prefill %s", self.isa, self.prefill_isa)
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         super().prepare(metadata)
@@ -136,7 +143,7 @@ class NativePagedAttention(TorchPagedAttention):
             chunks.query_lens,
             chunks.start_positions,
             self.scale,
-            self.isa,
+            self.prefill_isa,
         )
 
     def _decode(

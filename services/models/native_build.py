@@ -41,7 +41,7 @@ _VARIANTS = ("_portable", "_avx2", "_avx512", "_avx512_bf16")
 _SOURCES = [
     _CSRC / "cpu_isa.cpp",
     *(_CSRC / f"paged_attention{suffix}.cpp" for suffix in ("", *_VARIANTS)),
-    *(_CSRC / f"prefill_attention{suffix}.cpp" for suffix in ("", *_VARIANTS)),
+    *(_CSRC / f"prefill_attention{suffix}.cpp" for suffix in ("", *_VARIANTS, "_amx")),
     *(_CSRC / f"fused_ops{suffix}.cpp" for suffix in ("", *_VARIANTS)),
     _CSRC / "amx_linear.cpp",
     _CSRC / "amx_linear_amx.cpp",
@@ -58,6 +58,7 @@ _HEADERS = [
         "fused_ops_isa.h",
         "fused_ops_kernel.h",
         "amx_linear_isa.h",
+        "amx_tiles.h",
     )
 ]
 

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from services.models.amx_linear import SWITCH_ENV, amx_unavailable_reason
 from services.models.attention import AttentionMetadata, TorchPagedAttention
 from services.models.native_attention import NATIVE_PREFILL, NativePagedAttention
 from services.models.native_build import native_kernel_error, supported_isas
@@ -16,6 +17,10 @@ from support.prefill_batch import PrefillStep, build_prefill_step, dense_referen
 pytestmark = pytest.mark.skipif(
     native_kernel_error() is not None, reason=f"native kernels unavailable: {native_kernel_error()}"
 )
+
+# Every variant this CPU runs; amx multiplies bf16 on the tiles where head_dim is a multiple of
+# 32 (else it runs its avx512_bf16 vector path).
+ISAS = supported_isas() + (["amx"] if amx_unavailable_reason() is None else [])
 
 CHUNKS = {
     # Fresh prompts of lengths around the kernel's tiles (16 tokens x group 3 = 48 rows) and key
@@ -38,10 +43,13 @@ def run_native(
     isa: str | None = None,
     query: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The backend's whole forward (K/V written to the cache, then attended), native kernel."""
+    """The backend's whole forward (K/V written to the cache, then attended), native kernel,
+    variant ``isa`` (default: the backend's own choice)."""
     head_dim = step.query.shape[2]
-    backend = NativePagedAttention(step.kv_cache.shape[2], 1 / math.sqrt(head_dim), isa=isa)
+    backend = NativePagedAttention(step.kv_cache.shape[2], 1 / math.sqrt(head_dim))
     assert backend.prefill_kernel == NATIVE_PREFILL
+    if isa is not None:
+        backend.prefill_isa = isa
     backend.prepare(step.metadata)
     return backend.forward(
         (step.query if query is None else query).to(dtype),
@@ -62,7 +70,7 @@ def expected(step: PrefillStep, cache_dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("isa", supported_isas())
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtypes", list(DTYPES.values()), ids=list(DTYPES))
 @pytest.mark.parametrize("chunks", list(CHUNKS.values()), ids=list(CHUNKS))
 @pytest.mark.parametrize(
@@ -88,11 +96,17 @@ def test_matches_the_dense_reference(
 
     assert out.dtype == dtype and out.shape == query.shape
     exact = expected(PrefillStep(query.float(), *_rest(step)), cache_dtype)
+    error = (out.double() - exact).abs()
     if dtype == torch.float32:
         torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=1e-5)
+    elif isa == "amx" and head_dim % 32 == 0:
+        # The tiles multiply bf16: the probabilities are rounded to it too (relative 2^-9 each,
+        # as torch's flash kernel does), so the error is bounded by the values' size as well.
+        largest_value = max(v.abs().max().item() for _, v in step.full_kv)
+        assert (error <= (exact.abs() + largest_value) * 2**-8).all()
     else:
         # fp32 accumulation: off only by rounding the output to bf16 (half an ulp, <= 2^-9).
-        assert ((out.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
+        assert (error <= exact.abs() * 2**-8 + 1e-6).all()
 
 
 def _rest(step: PrefillStep) -> tuple:
@@ -153,8 +167,9 @@ def test_reads_the_query_as_a_view_of_the_qkv_rows() -> None:
     torch.testing.assert_close(out, run_native(step, torch.float32, torch.float32), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_never_reads_past_the_context_nor_writes_other_rows(dtype: torch.dtype) -> None:
+def test_never_reads_past_the_context_nor_writes_other_rows(dtype: torch.dtype, isa: str) -> None:
     step = build_prefill_step([(0, 20), (9, 14)], block_size=16, num_kv_heads=2, group=3,
                               head_dim=64)  # fmt: skip
     cache = step.kv_cache.to(dtype)
@@ -173,11 +188,12 @@ def test_never_reads_past_the_context_nor_writes_other_rows(dtype: torch.dtype) 
 
     torch.ops.pdserve.paged_prefill_attention(
         out, torch.cat([query[:3], query]), cache[0], cache[1], tables,
-        *(torch.tensor(column) for column in zip(*chunks, strict=True)), 0.125, supported_isas()[0],
+        *(torch.tensor(column) for column in zip(*chunks, strict=True)), 0.125, isa,
     )  # fmt: skip
 
     assert (out[:3] == 7).all() and not out[3:].isnan().any()
-    torch.testing.assert_close(out[3:], run_native(step, dtype, dtype), atol=0, rtol=0)
+    expected = run_native(step, dtype, dtype, isa)
+    torch.testing.assert_close(out[3:], expected, atol=0, rtol=0)
 
 
 def write_new_kv(cache: torch.Tensor, step: PrefillStep) -> None:
@@ -187,18 +203,21 @@ def write_new_kv(cache: torch.Tensor, step: PrefillStep) -> None:
         flat.index_copy_(0, step.metadata.slot_mapping, new.to(cache.dtype))
 
 
-def test_a_later_larger_score_rescales_what_came_before() -> None:
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_later_larger_score_rescales_what_came_before(isa: str) -> None:
     # Keys growing along the context: each key block raises every row's running maximum, so
-    # the online softmax rescales its sums at every block.
-    step = build_prefill_step([(0, 130)], block_size=16, num_kv_heads=1, group=2, head_dim=16)
-    keys = torch.linspace(0.1, 6.0, 130)[:, None, None] * torch.ones(130, 1, 16)
+    # the online softmax rescales its sums at every block (bf16 and head_dim 32: amx's tiles).
+    step = build_prefill_step([(0, 130)], block_size=16, num_kv_heads=1, group=2, head_dim=32)
+    keys = torch.linspace(0.1, 6.0, 130)[:, None, None] * torch.ones(130, 1, 32)
     values = step.full_kv[0][1]
     step = PrefillStep(step.query.abs(), keys, values, step.kv_cache, step.metadata,
                        [(keys, values)])  # fmt: skip
 
-    out = run_native(step, torch.float32, torch.float32)
-
-    torch.testing.assert_close(out.double(), expected(step, torch.float32), atol=1e-5, rtol=1e-5)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = run_native(PrefillStep(step.query.to(dtype).float(), *_rest(step)), dtype, dtype, isa)
+        exact = expected(PrefillStep(step.query.to(dtype).float(), *_rest(step)), dtype)
+        tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+        torch.testing.assert_close(out.double(), exact, atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.parametrize("num_threads", [1, 3])
@@ -213,6 +232,14 @@ def test_same_result_for_any_thread_count(num_threads: int) -> None:
     finally:
         torch.set_num_threads(previous)
     torch.testing.assert_close(out, reference, atol=0, rtol=0)
+
+
+@pytest.mark.skipif(amx_unavailable_reason() is not None, reason="needs a CPU with AMX")
+def test_amx_is_the_prefill_variant_where_the_cpu_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert NativePagedAttention(16, 0.125).prefill_isa == "amx"
+    assert NativePagedAttention(16, 0.125, isa="avx512").prefill_isa == "avx512"
+    monkeypatch.setenv(SWITCH_ENV, "0")
+    assert NativePagedAttention(16, 0.125).prefill_isa == "avx512_bf16"
 
 
 def test_rejects_bad_inputs() -> None:

@@ -28,29 +28,10 @@
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
 #define PDSERVE_AVX512 1
 #define PDSERVE_AVX512_BF16 1
+#include "amx_tiles.h"
 #include "simd.h"
 
 namespace {
-
-// The tile palette of the plan above: eight tiles of 16 rows x 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t bytes_per_row[16];
-  uint8_t rows[16];
-};
-
-TileConfig make_tile_config() {
-  TileConfig config;
-  memset(&config, 0, sizeof(config));
-  config.palette_id = 1;
-  for (int tile = 0; tile < 8; ++tile) {
-    config.rows[tile] = 16;
-    config.bytes_per_row[tile] = 64;
-  }
-  return config;
-}
 
 const char* check_amx() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
@@ -100,8 +81,7 @@ const char* amx_unavailable_reason() {
 }
 
 void amx_linear_blocks(const AmxLinearArgs& a, int64_t block_begin, int64_t block_end) {
-  static const TileConfig config = make_tile_config();
-  _tile_loadconfig(&config);
+  const TileScope tiles_in_use;
   const int64_t k_blocks = a.in_features / 32;
   const int64_t x_stride = a.in_features * 2;  // bytes between rows of x
   const char* x = static_cast<const char*>(a.x);
@@ -154,7 +134,6 @@ void amx_linear_blocks(const AmxLinearArgs& a, int64_t block_begin, int64_t bloc
       }
     }
   }
-  _tile_release();
 }
 
 }  // namespace pdserve

@@ -39,6 +39,8 @@ void run_prefill_items_portable(const PrefillArgs& args, int64_t begin, int64_t 
 void run_prefill_items_avx2(const PrefillArgs& args, int64_t begin, int64_t end);
 void run_prefill_items_avx512(const PrefillArgs& args, int64_t begin, int64_t end);
 void run_prefill_items_avx512_bf16(const PrefillArgs& args, int64_t begin, int64_t end);
+// AVX512-BF16 with the products of a bf16 query and cache on the AMX tiles.
+void run_prefill_items_amx(const PrefillArgs& args, int64_t begin, int64_t end);
 #endif
 
 }  // namespace pdserve

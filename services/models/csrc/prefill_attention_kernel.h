@@ -31,6 +31,9 @@
 #endif
 
 #include "simd.h"
+#if defined(PDSERVE_AMX)
+#include "amx_tiles.h"
+#endif
 
 namespace {
 
@@ -46,11 +49,20 @@ constexpr int64_t kValueRows = 4, kValueVecs = 2;
 #endif
 // Keys per block of the online softmax; a multiple of kScoreScalars.
 constexpr int64_t kKeyBlock = 4 * kScoreScalars;
+// Keys per block of the AMX path (attend_amx): two tile depths.
+constexpr int64_t kAmxKeys = 64;
+// The longest block either path takes: the scratch's size.
+constexpr int64_t kMaxKeys = kAmxKeys > kKeyBlock ? kAmxKeys : kKeyBlock;
 // An item's rows are padded to whole score tiles (a multiple of kValueRows too).
 constexpr int64_t kRowMultiple = kScoreVecs * kLanes;
 static_assert(kRowMultiple % kValueRows == 0, "value tiles must cover the padded rows");
 
 using Shape = pdserve::PrefillShape;
+
+template <typename A, typename B>
+constexpr bool kSameType = false;
+template <typename A>
+constexpr bool kSameType<A, A> = true;
 
 template <typename Q, typename KV>
 struct Problem {
@@ -71,6 +83,7 @@ class Buffer {
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
   E* data() const { return data_; }
+  E& operator[](int64_t i) const { return data_[i]; }
 
  private:
   E* data_;
@@ -83,12 +96,18 @@ struct Scratch {
   Buffer<float> query_t;    // [head_dim][rows], pre-scaled
   Buffer<float> keys;       // [kKeyBlock][head_dim]: this block's K rows
   Buffer<float> values;     // [kKeyBlock][dims]: its V rows, zero past head_dim
-  Buffer<float> scores_t;   // [kKeyBlock][rows]: scores, then probabilities
+  Buffer<float> scores_t;   // [kMaxKeys][rows]: scores, then probabilities
   Buffer<float> acc;        // [rows][dims]
   Buffer<float> max_score;  // [rows]: m
   Buffer<float> sum;        // [rows]: l
   Buffer<float> rescale;    // [rows]: exp(m - m') of the current block
   Buffer<float> position;   // [rows]: the position of each row's token (exact below 2^24)
+#if defined(PDSERVE_AMX)
+  Buffer<uint32_t> query_pairs;  // [head_dim / 2][rows]: bf16 pairs (attend_amx)
+  Buffer<Bf16> key_rows;         // [kAmxKeys][head_dim]
+  Buffer<uint32_t> value_pairs;  // [kAmxKeys / 2][head_dim]: bf16 pairs
+  Buffer<Bf16> prob_rows;        // [rows][kAmxKeys]
+#endif
 
   Scratch(int64_t rows_, int64_t head_dim)
       : rows(rows_),
@@ -96,12 +115,21 @@ struct Scratch {
         query_t(head_dim * rows_),
         keys(kKeyBlock * head_dim),
         values(kKeyBlock * dims),
-        scores_t(kKeyBlock * rows_),
+        scores_t(kMaxKeys * rows_),
         acc(rows_ * dims),
         max_score(rows_),
         sum(rows_),
         rescale(rows_),
-        position(rows_) {}
+        position(rows_)
+#if defined(PDSERVE_AMX)
+        ,
+        query_pairs(head_dim / 2 * rows_),
+        key_rows(kAmxKeys * head_dim),
+        value_pairs(kAmxKeys / 2 * head_dim),
+        prob_rows(rows_ * kAmxKeys)
+#endif
+  {
+  }
 };
 
 // out[i][v] (+)= sum_k a[i * a_stride + k * a_step] * b[k][v], k < n, for kS values of i and kV
@@ -165,37 +193,130 @@ inline void widen_rows(const KV* cache, const int64_t* table, const Shape& s, in
   }
 }
 
-// Chunk c, KV head kv, queries [t0, t0 + num_tokens) of the chunk.
+// The state of one item's online softmax: which rows it holds, and where they stand.
+struct Rows {
+  int64_t first_row;       // flat batch row of the tile's first token
+  int64_t first_position;  // its position
+  int64_t num_tokens;      // real tokens in the tile (rows past num_tokens * G are padding)
+};
+
+// Per-row state at the start of an item; padding rows take the last real token's position,
+// so that they see a key and stay finite.
+inline void start_rows(const Rows& rows, int64_t G, Scratch& sc) {
+  for (int64_t r = 0, t = 0, g = 0; r < sc.rows; ++r) {
+    sc.position[r] = static_cast<float>(rows.first_position + min64(t, rows.num_tokens - 1));
+    if (++g == G) {
+      g = 0;
+      ++t;
+    }
+    sc.max_score[r] = -__builtin_inff();
+    sc.sum[r] = 0.0f;
+  }
+}
+
+// The online softmax of one key block, kLanes rows at a time: scores_t [keys][R] (times
+// score_scale) becomes probabilities, and m, l and rescale (exp(m - m'), per row) advance.
+// Key k0 + j is visible to row r iff k0 + j <= position[r]; a row's first block always holds its
+// key 0, so m is finite from then on (and exp(m - m') of the first block, exp(-inf) clamped to
+// ~1e-38, multiplies a sum of 0). Returns whether any row's maximum rose.
+inline bool softmax_block(Scratch& sc, int64_t keys, int64_t k0, int64_t first_position,
+                          float score_scale) {
+  const int64_t R = sc.rows;
+  float* scores_t = sc.scores_t.data();
+  const bool needs_mask = k0 + keys - 1 > first_position;
+  const Vec scale = Vec{} + score_scale;
+  bool rose = false;
+  for (int64_t r = 0; r < R; r += kLanes) {
+    const Vec pos = load(sc.position.data() + r);
+    const Vec m_old = load(sc.max_score.data() + r);
+    Vec m = m_old;
+    for (int64_t j = 0; j < keys; ++j) {
+      Vec x = load(scores_t + j * R + r) * scale;
+      if (needs_mask) {
+        x = Vec{} + static_cast<float>(k0 + j) <= pos ? x : Vec{} - __builtin_inff();
+      }
+      store(scores_t + j * R + r, x);
+      m = vmax(m, x);
+    }
+    const Vec alpha = exp_clamped(m_old - m);
+    Vec l = load(sc.sum.data() + r) * alpha;
+    for (int64_t j = 0; j < keys; ++j) {
+      Vec prob = exp_nonpositive(load(scores_t + j * R + r) - m);
+      if (needs_mask) {
+        prob = Vec{} + static_cast<float>(k0 + j) <= pos ? prob : Vec{};
+      }
+      store(scores_t + j * R + r, prob);
+      l += prob;
+    }
+    store(sc.sum.data() + r, l);
+    store(sc.max_score.data() + r, m);
+    store(sc.rescale.data() + r, alpha);
+    for (int64_t i = 0; i < kLanes; ++i) {
+      rose = rose || m[i] != m_old[i];
+    }
+  }
+  return rose;
+}
+
+// acc[r] *= rescale[r] for the rows whose maximum rose; acc [rows][stride], dims used.
+inline void rescale_rows(Scratch& sc, float* acc, int64_t stride, int64_t dims) {
+  for (int64_t r = 0; r < sc.rows; ++r) {
+    if (sc.rescale[r] != 1.0f) {
+      const Vec alpha = Vec{} + sc.rescale[r];
+      for (int64_t d = 0; d < dims; d += kLanes) {
+        store(acc + r * stride + d, load(acc + r * stride + d) * alpha);
+      }
+    }
+  }
+}
+
+// out rows = acc / l for the item's real rows; acc [rows][stride].
 template <typename Q, typename KV>
-void attend(const Problem<Q, KV>& p, int64_t c, int64_t kv, int64_t t0, int64_t num_tokens,
-            Scratch& sc) {
+inline void write_rows(const Problem<Q, KV>& p, const Rows& rows, int64_t kv, const float* acc,
+                       int64_t stride, Scratch& sc) {
+  const int64_t G = p.s.group, D = p.s.head_dim;
+  const int64_t full = D / kLanes * kLanes;
+  for (int64_t r = 0; r < rows.num_tokens * G; ++r) {
+    const float inv = 1.0f / sc.sum[r];
+    const float* acc_r = acc + r * stride;
+    Q* o = p.out + ((rows.first_row + r / G) * p.s.num_heads + kv * G + r % G) * D;
+    for (int64_t d = 0; d < full; d += kLanes) {
+      store(o + d, load(acc_r + d) * inv);
+    }
+    if (full < D) {
+      store_partial(o + full, load(acc_r + full) * inv, D - full);
+    }
+  }
+}
+
+// The query row of item row r (zero-filled padding rows return nullptr).
+template <typename Q, typename KV>
+inline const Q* query_row(const Problem<Q, KV>& p, const Rows& rows, int64_t kv, int64_t r) {
+  const int64_t G = p.s.group;
+  if (r >= rows.num_tokens * G) {
+    return nullptr;
+  }
+  return p.query + (rows.first_row + r / G) * p.args->query_row_stride +
+         (kv * G + r % G) * p.s.head_dim;
+}
+
+// Chunk c, KV head kv, the tile `rows`, on the vector units.
+template <typename Q, typename KV>
+void attend_vector(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& rows,
+                   Scratch& sc) {
   const Shape& s = p.s;
   const pdserve::PrefillArgs& a = *p.args;
-  const int64_t G = s.group, D = s.head_dim, R = sc.rows, dims = sc.dims;
-  const int64_t real_rows = num_tokens * G;
-  const int64_t first_position = a.start_positions[c] + t0;
-  const int64_t context = first_position + num_tokens;  // keys the last row sees
+  const int64_t D = s.head_dim, R = sc.rows, dims = sc.dims;
+  const int64_t context = rows.first_position + rows.num_tokens;  // keys the last row sees
   const int64_t* table = a.block_tables + c * s.max_blocks;
   float* query_t = sc.query_t.data();
-  float* scores_t = sc.scores_t.data();
   float* acc = sc.acc.data();
-  float* max_score = sc.max_score.data();
-  float* sum = sc.sum.data();
-  float* rescale = sc.rescale.data();
-  float* position = sc.position.data();
 
-  // The query, transposed and pre-scaled; padding rows are zero and take the last real row's
-  // position, so that they see a key and stay finite.
-  const int64_t first_row = a.query_starts[c] + t0;
+  // The query, transposed and pre-scaled.
   for (int64_t r = 0; r < R; ++r) {
-    const bool real = r < real_rows;
-    const int64_t t = real ? r / G : num_tokens - 1;
-    position[r] = static_cast<float>(first_position + t);
-    max_score[r] = -__builtin_inff();
-    sum[r] = 0.0f;
-    const Q* q = p.query + (first_row + t) * a.query_row_stride + (kv * G + r % G) * D;
+    const Q* q = query_row(p, rows, kv, r);
     for (int64_t d = 0; d < D; ++d) {
-      query_t[d * R + r] = real ? to_float(q[d]) * a.scale : 0.0f;
+      query_t[d * R + r] = q ? to_float(q[d]) * a.scale : 0.0f;
     }
   }
   memset(acc, 0, sizeof(float) * R * dims);
@@ -207,86 +328,214 @@ void attend(const Problem<Q, KV>& p, int64_t c, int64_t kv, int64_t t0, int64_t 
     widen_rows(p.key_cache, table, s, kv, k0, n, sc.keys.data(), D);
     widen_rows(p.value_cache, table, s, kv, k0, n, sc.values.data(), dims);
 
-    // scores_t[j][r] = keys[j] . query_t[.][r] (keys past n are zero rows: masked below)
+    // scores_t[j][r] = keys[j] . query_t[.][r] (keys past n are zero rows: masked)
     for (int64_t r0 = 0; r0 < R; r0 += kRowMultiple) {
       for (int64_t j0 = 0; j0 < keys; j0 += kScoreScalars) {
         tile_product<kScoreScalars, kScoreVecs, false>(sc.keys.data() + j0 * D, D, 1,
-                                                      query_t + r0, R, D, scores_t + j0 * R + r0);
+                                                      query_t + r0, R, D,
+                                                      sc.scores_t.data() + j0 * R + r0);
       }
     }
-
-    // Online softmax down the key axis, kLanes rows at a time. Key k0 + j is visible to row r
-    // iff k0 + j <= position[r]; a row's first block always holds its key 0, so m is finite
-    // from then on (and exp(m - m') of the first block, exp(-inf) clamped to ~1e-38, multiplies
-    // a sum of 0).
-    const bool needs_mask = k0 + keys - 1 > first_position;
-    bool rose = false;
-    for (int64_t r = 0; r < R; r += kLanes) {
-      const Vec pos = load(position + r);
-      const Vec m_old = load(max_score + r);
-      Vec m = m_old;
-      for (int64_t j = 0; j < keys; ++j) {
-        Vec x = load(scores_t + j * R + r);
-        if (needs_mask) {
-          x = Vec{} + static_cast<float>(k0 + j) <= pos ? x : Vec{} - __builtin_inff();
-        }
-        m = vmax(m, x);
-      }
-      const Vec alpha = exp_clamped(m_old - m);
-      Vec l = load(sum + r) * alpha;
-      for (int64_t j = 0; j < keys; ++j) {
-        Vec prob = exp_nonpositive(load(scores_t + j * R + r) - m);
-        if (needs_mask) {
-          prob = Vec{} + static_cast<float>(k0 + j) <= pos ? prob : Vec{};
-        }
-        store(scores_t + j * R + r, prob);
-        l += prob;
-      }
-      store(sum + r, l);
-      store(max_score + r, m);
-      store(rescale + r, alpha);
-      for (int64_t i = 0; i < kLanes; ++i) {
-        rose = rose || m[i] != m_old[i];
-      }
+    if (softmax_block(sc, keys, k0, rows.first_position, 1.0f) && k0 > 0) {
+      rescale_rows(sc, acc, dims, dims);
     }
-    // Rescale the accumulators of rows whose maximum rose (they are 0 before the first block).
-    if (rose && k0 > 0) {
-      for (int64_t r = 0; r < R; ++r) {
-        if (rescale[r] != 1.0f) {
-          const Vec alpha = Vec{} + rescale[r];
-          for (int64_t d = 0; d < dims; d += kLanes) {
-            store(acc + r * dims + d, load(acc + r * dims + d) * alpha);
-          }
-        }
-      }
-    }
-
     // acc[r][d] += sum_j probs_t[j][r] * values[j][d]
+    const float* probs_t = sc.scores_t.data();
     for (int64_t r0 = 0; r0 < R; r0 += kValueRows) {
       for (int64_t v0 = 0; v0 < full_value_vecs; v0 += kValueVecs) {
-        tile_product<kValueRows, kValueVecs, true>(scores_t + r0, 1, R,
+        tile_product<kValueRows, kValueVecs, true>(probs_t + r0, 1, R,
                                                    sc.values.data() + v0 * kLanes, dims, keys,
                                                    acc + r0 * dims + v0 * kLanes);
       }
       for (int64_t v0 = full_value_vecs; v0 < dims / kLanes; ++v0) {
-        tile_product<kValueRows, 1, true>(scores_t + r0, 1, R, sc.values.data() + v0 * kLanes,
+        tile_product<kValueRows, 1, true>(probs_t + r0, 1, R, sc.values.data() + v0 * kLanes,
                                           dims, keys, acc + r0 * dims + v0 * kLanes);
       }
     }
   }
+  write_rows(p, rows, kv, acc, dims, sc);
+}
 
-  const int64_t full = D / kLanes * kLanes;
-  for (int64_t r = 0; r < real_rows; ++r) {
-    const float inv = 1.0f / sum[r];
-    const float* acc_r = acc + r * dims;
-    Q* o = p.out + ((first_row + r / G) * s.num_heads + kv * G + r % G) * D;
-    for (int64_t d = 0; d < full; d += kLanes) {
-      store(o + d, load(acc_r + d) * inv);
-    }
-    if (full < D) {
-      store_partial(o + full, load(acc_r + full) * inv, D - full);
+#if defined(PDSERVE_AMX)
+// out[2d + h] = (h ? odd : even)[d] for d < D (a multiple of 32): two bf16 rows interleaved
+// into D pairs; odd == nullptr pairs `even` with zeros.
+inline void interleave_rows(const Bf16* even, const Bf16* odd, int64_t D, uint32_t* out) {
+  // Words 0-31 of the result take words 0-15 of each source alternately, 32-63 words 16-31.
+  alignas(64) static const uint16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i low = _mm512_load_si512(kLow);
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  for (int64_t d = 0; d < D; d += 32) {
+    const __m512i e = _mm512_loadu_si512(even + d);
+    const __m512i o = odd ? _mm512_loadu_si512(odd + d) : _mm512_setzero_si512();
+    _mm512_storeu_si512(out + d, _mm512_permutex2var_epi16(e, low, o));
+    _mm512_storeu_si512(out + d + 16, _mm512_permutex2var_epi16(e, high, o));
+  }
+}
+
+// out[i][j] = in[j * stride + i] for a 16 x 16 block of floats: four rounds of shuffles.
+inline void transpose_16x16(const float* in, int64_t stride, float (&out)[16][16]) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) {
+    r[i] = _mm512_loadu_ps(in + i * stride);
+  }
+  for (int i = 0; i < 16; i += 2) {  // pairs of rows interleaved by element
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // then by pairs of elements
+    for (int k = 0; k < 2; ++k) {
+      const __m512d a = _mm512_castps_pd(t[i + k]), b = _mm512_castps_pd(t[i + k + 2]);
+      r[i + 2 * k] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      r[i + 2 * k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
     }
   }
+  for (int i = 0; i < 16; i += 8) {  // then by 128-bit lanes
+    for (int k = 0; k < 4; ++k) {
+      t[i + k] = _mm512_shuffle_f32x4(r[i + k], r[i + k + 4], 0x88);
+      t[i + k + 4] = _mm512_shuffle_f32x4(r[i + k], r[i + k + 4], 0xdd);
+    }
+  }
+  for (int k = 0; k < 8; ++k) {  // and by 256-bit halves
+    r[k] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0x88);
+    r[k + 8] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) {
+    _mm512_store_ps(out[i], r[i]);
+  }
+}
+
+// The same loop with both products on the AMX tiles, for bf16 query and cache and head_dim a
+// multiple of 32, kAmxKeys keys a block. Tiles (amx_tiles.h: all 16 rows x 64 bytes):
+//   scores: tmm0 [16 keys x 16 rows] fp32 += tmm1 [16 keys x 32 dims] bf16 (K rows as cached)
+//           x tmm2 [16 dim pairs x 16 rows x 2] (the query, transposed into pairs once an item)
+//   values: tmm0 [16 rows x 16 dims] fp32 (acc, loaded and stored around each block)
+//           += tmm1, tmm3 [16 rows x 32 keys] bf16 (the probabilities, transposed back to rows)
+//           x tmm2, tmm4 [16 key pairs x 16 dims x 2] (V rows interleaved in pairs)
+// The softmax runs on the vector units between them, as above; scores come out of the tiles
+// unscaled (the bf16 query is not rounded twice), so the softmax applies the scale. Blocks of
+// 64 keys, twice the vector path's: the accumulators make one round trip through memory per
+// block (the rescale needs them there), and that trip costs more than the product.
+template <typename Q, typename KV>
+void attend_amx(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& rows,
+                Scratch& sc) {
+  const Shape& s = p.s;
+  const pdserve::PrefillArgs& a = *p.args;
+  const int64_t D = s.head_dim, R = sc.rows, row_stride = s.num_kv_heads * D;
+  const int64_t context = rows.first_position + rows.num_tokens;
+  const int64_t* table = a.block_tables + c * s.max_blocks;
+  uint32_t* query_pairs = sc.query_pairs.data();  // [D / 2][R]: bf16 pairs of dims 2i, 2i + 1
+  Bf16* keys = sc.key_rows.data();                 // [kAmxKeys][D]
+  uint32_t* value_pairs = sc.value_pairs.data();   // [kAmxKeys / 2][D]: pairs of keys 2i, 2i + 1
+  Bf16* probs = sc.prob_rows.data();               // [R][kAmxKeys]
+  float* acc = sc.acc.data();                      // [R][D]
+
+  for (int64_t r = 0; r < R; ++r) {
+    const Q* q = query_row(p, rows, kv, r);
+    for (int64_t i = 0; i < D / 2; ++i) {
+      uint32_t pair = 0;
+      if (q) {
+        memcpy(&pair, q + 2 * i, sizeof(pair));
+      }
+      query_pairs[i * R + r] = pair;
+    }
+  }
+  memset(acc, 0, sizeof(float) * R * D);
+
+  for (int64_t k0 = 0; k0 < context; k0 += kAmxKeys) {
+    const int64_t n = min64(kAmxKeys, context - k0);
+    const int64_t keys_used = (n + 15) / 16 * 16;  // whole score tiles
+    // K rows as they are; V rows interleaved in pairs; zero past n (0 * NaN would be NaN).
+    if (n < kAmxKeys) {
+      memset(keys + n * D, 0, sizeof(Bf16) * (kAmxKeys - n) * D);
+      memset(value_pairs, 0, sizeof(uint32_t) * kAmxKeys / 2 * D);
+    }
+    int64_t block = k0 / s.block_size, offset = k0 % s.block_size;
+    const Bf16* value_rows[kAmxKeys];
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t slot = (table[block] * s.block_size + offset) * row_stride + kv * D;
+      if (++offset == s.block_size) {
+        offset = 0;
+        ++block;
+      }
+      memcpy(keys + j * D, p.key_cache + slot, sizeof(Bf16) * D);
+      value_rows[j] = p.value_cache + slot;
+    }
+    for (int64_t j = 0; j < n; j += 2) {
+      interleave_rows(value_rows[j], j + 1 < n ? value_rows[j + 1] : nullptr, D,
+                      value_pairs + (j / 2) * D);
+    }
+
+    // scores_t[j][r] = K[j] . Q[r], 16 keys x 16 rows a tile, 32 dims a product.
+    for (int64_t j0 = 0; j0 < keys_used; j0 += 16) {
+      for (int64_t r0 = 0; r0 < R; r0 += 16) {
+        _tile_zero(0);
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {
+          _tile_loadd(1, keys + j0 * D + d0, D * sizeof(Bf16));
+          _tile_loadd(2, query_pairs + (d0 / 2) * R + r0, R * sizeof(uint32_t));
+          _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, sc.scores_t.data() + j0 * R + r0, R * sizeof(float));
+      }
+    }
+    if (softmax_block(sc, keys_used, k0, rows.first_position, a.scale) && k0 > 0) {
+      rescale_rows(sc, acc, D, D);
+    }
+
+    // The probabilities back to rows, in bf16: probs[r][j] = probs_t[j][r] (zero past keys_used).
+    const float* probs_t = sc.scores_t.data();
+    for (int64_t r0 = 0; r0 < R; r0 += 16) {
+      alignas(64) float columns[kAmxKeys / 16][16][16];  // [key group][row][key]
+      for (int64_t g = 0; g < kAmxKeys / 16; ++g) {
+        if (g * 16 < keys_used) {
+          transpose_16x16(probs_t + g * 16 * R + r0, R, columns[g]);
+        } else {
+          memset(columns[g], 0, sizeof(columns[g]));
+        }
+      }
+      for (int64_t i = 0; i < 16; ++i) {
+        for (int64_t g = 0; g < kAmxKeys / 16; g += 2) {
+          const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_load_ps(columns[g + 1][i]),
+                                                    _mm512_load_ps(columns[g][i]));
+          _mm512_storeu_si512(probs + (r0 + i) * kAmxKeys + g * 16,
+                              reinterpret_cast<__m512i>(pair));
+        }
+      }
+    }
+
+    // acc[r][d] += sum_j probs[r][j] * V[j][d], 16 rows x 16 dims a tile, 32 keys a product.
+    for (int64_t r0 = 0; r0 < R; r0 += 16) {
+      _tile_loadd(1, probs + r0 * kAmxKeys, kAmxKeys * sizeof(Bf16));
+      if (keys_used > 32) {
+        _tile_loadd(3, probs + r0 * kAmxKeys + 32, kAmxKeys * sizeof(Bf16));
+      }
+      for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        _tile_loadd(0, acc + r0 * D + d0, D * sizeof(float));
+        _tile_loadd(2, value_pairs + d0, D * sizeof(uint32_t));
+        _tile_dpbf16ps(0, 1, 2);
+        if (keys_used > 32) {
+          _tile_loadd(4, value_pairs + 16 * D + d0, D * sizeof(uint32_t));
+          _tile_dpbf16ps(0, 3, 4);
+        }
+        _tile_stored(0, acc + r0 * D + d0, D * sizeof(float));
+      }
+    }
+  }
+  write_rows(p, rows, kv, acc, D, sc);
+}
+#endif
+
+template <typename Q, typename KV>
+void attend(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& rows, Scratch& sc) {
+#if defined(PDSERVE_AMX)
+  if constexpr (kSameType<Q, Bf16> && kSameType<KV, Bf16>) {
+    if (p.s.head_dim % 32 == 0) {
+      return attend_amx(p, c, kv, rows, sc);
+    }
+  }
+#endif
+  attend_vector(p, c, kv, rows, sc);
 }
 
 template <typename Q, typename KV>
@@ -300,6 +549,9 @@ void run_typed(const pdserve::PrefillArgs& a, int64_t begin, int64_t end) {
   const int64_t rows =
       (a.tile_tokens * a.s.group + kRowMultiple - 1) / kRowMultiple * kRowMultiple;
   Scratch scratch(rows, a.s.head_dim);
+#if defined(PDSERVE_AMX)
+  const TileScope tiles_in_use;
+#endif
   int64_t c = 0;
   for (int64_t item = begin; item < end; ++item) {
     while (item >= a.first_items[c + 1]) {
@@ -308,7 +560,10 @@ void run_typed(const pdserve::PrefillArgs& a, int64_t begin, int64_t end) {
     const int64_t tiles = (a.query_lens[c] + a.tile_tokens - 1) / a.tile_tokens;
     const int64_t local = item - a.first_items[c];
     const int64_t kv = local / tiles, t0 = local % tiles * a.tile_tokens;
-    attend(p, c, kv, t0, min64(a.tile_tokens, a.query_lens[c] - t0), scratch);
+    const Rows tile{a.query_starts[c] + t0, a.start_positions[c] + t0,
+                    min64(a.tile_tokens, a.query_lens[c] - t0)};
+    start_rows(tile, a.s.group, scratch);
+    attend(p, c, kv, tile, scratch);
   }
 }
 
