@@ -113,9 +113,10 @@ class ModelRunner:
 
     def _choose_prefill_kernel(self, backend: TorchPagedAttention) -> None:
         """Times the backend's prefill attention kernels on this CPU at this model's heads (a
-        step's budget as 8 chunks of up to 256 tokens) and keeps the fastest; see
-        prefill_kernel_choice.py."""
+        step's budget as 8 chunks of up to 256 tokens, and one chunk of up to 1,024) and keeps
+        the fastest; see prefill_kernel_choice.py."""
         cfg = self.model_config
+        budget = self.max_num_batched_tokens
         timer = prefill_kernel_timer(
             backend,
             num_heads=cfg.num_heads,
@@ -123,7 +124,7 @@ class ModelRunner:
             head_dim=cfg.head_dim,
             dtype=self.dtype,
             cache_dtype=self.kv_cache_dtype,
-            chunk_tokens=min(256, max(16, self.max_num_batched_tokens // 8)),
+            steps=((8, min(256, max(16, budget // 8))), (1, min(1024, budget))),
         )
         choice = choose_prefill_kernel(backend, self.device, timer)
         logger.info("prefill attention: %s", choice.describe())

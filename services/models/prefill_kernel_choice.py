@@ -14,19 +14,19 @@ kernel's small tiles lose to two large matmuls. The native backend adds its own 
 matrix unit does not carry torch's (figures in ``docs/benchmarks.md``).
 
 Life cycle, once per engine start, CPU only: after the model is loaded, ``choose_prefill_kernel``
-times one call of each of the backend's ``prefill_kernels`` on a synthetic step of the model's
-head shapes (``num_chunks`` fresh chunks of ``chunk_tokens``), alternating so that load from
-other processes falls on all of them, keeps each one's best of ``repeats``, sets the backend's
-``prefill_kernel`` to the fastest and returns the timings for the log. About 0.1-0.5 s; cheaper
-to measure than to cache. A GPU keeps ``sdpa``. ``PDSERVE_PREFILL_KERNEL`` forces a kernel
-instead of timing (tests, benchmarks); one the backend lacks is an error naming those it has.
+times one call of each of the backend's ``prefill_kernels`` on synthetic steps of the model's
+head shapes (``STEPS``), alternating so that load from other processes falls on all of them,
+keeps each one's best of ``repeats``, sets the backend's ``prefill_kernel`` to the fastest and
+returns the timings for the log. About 0.2-1 s; cheaper to measure than to cache. A GPU keeps
+``sdpa``. ``PDSERVE_PREFILL_KERNEL`` forces a kernel instead of timing (tests, benchmarks); one
+the backend lacks is an error naming those it has.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +53,13 @@ class PrefillKernelChoice:
         return f"{self.kernel} ({times} a layer)"
 
 
+STEPS = ((8, 256), (1, 1024))
+"""The synthetic steps the kernels are timed on, (chunks, tokens each): short prompts batched
+(the padded kernels' case) and one long prompt alone, which the torch path attends by itself.
+A kernel's time is the sum of both: ranking by one shape can pick a kernel several times slower
+on the other."""
+
+
 def prefill_kernel_timer(
     backend: TorchPagedAttention,
     *,
@@ -61,14 +68,45 @@ def prefill_kernel_timer(
     head_dim: int,
     dtype: torch.dtype,
     cache_dtype: torch.dtype,
-    num_chunks: int = 8,
-    chunk_tokens: int = 256,
-    outputs: dict[str, torch.Tensor] | None = None,
+    steps: Sequence[tuple[int, int]] = STEPS,
+    outputs: dict[str, list[torch.Tensor]] | None = None,
 ) -> KernelTimer:
-    """Times ``backend.attend_prefills`` on a step of ``num_chunks`` fresh chunks of
+    """Times ``backend.attend_prefills`` on ``steps`` (each ``num_chunks`` fresh chunks of
     ``chunk_tokens`` tokens: random queries (``dtype``) and a random cache (``cache_dtype``) of
-    exactly their blocks, as the engine's step would see them. Each call's output is kept in
-    ``outputs`` under its kernel, when given (tests)."""
+    exactly their blocks, as the engine's step would see them) and returns the sum. Each call's
+    outputs, one per step, are kept in ``outputs`` under its kernel, when given (tests)."""
+    calls = [
+        _step_call(backend, num_heads, num_kv_heads, head_dim, dtype, cache_dtype, *step)
+        for step in steps
+    ]
+
+    def time_call(kernel: str) -> float:
+        backend.prefill_kernel = kernel
+        seconds = 0.0
+        results = []
+        for call in calls:
+            elapsed, output = call()
+            seconds += elapsed
+            results.append(output)
+        if outputs is not None:
+            outputs[kernel] = results
+        return seconds
+
+    return time_call
+
+
+def _step_call(
+    backend: TorchPagedAttention,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    num_chunks: int,
+    chunk_tokens: int,
+) -> Callable[[], tuple[float, torch.Tensor]]:
+    """One synthetic step, and a call that attends it with the backend's current kernel:
+    (seconds, output)."""
     block_size = backend.block_size
     blocks_per_chunk = -(-chunk_tokens // block_size)
     generator = torch.Generator().manual_seed(0)
@@ -101,18 +139,14 @@ def prefill_kernel_timer(
         prefills=spans,
     )
 
-    def time_call(kernel: str) -> float:
-        backend.prefill_kernel = kernel
+    def call() -> tuple[float, torch.Tensor]:
         backend.prepare(metadata)  # once per step in the engine, not per layer: not timed
         output = torch.empty_like(query)
         start = time.perf_counter()
         backend.attend_prefills(query, key, value, cache[0], cache[1], metadata, output)
-        seconds = time.perf_counter() - start
-        if outputs is not None:
-            outputs[kernel] = output
-        return seconds
+        return time.perf_counter() - start, output
 
-    return time_call
+    return call
 
 
 def choose_prefill_kernel(

@@ -98,15 +98,17 @@ def test_the_timer_runs_each_kernel_on_the_models_shapes(
     if native and native_kernel_error() is not None:
         pytest.skip(f"native kernels unavailable: {native_kernel_error()}")
     backend = NativePagedAttention(16, 0.125) if native else TorchPagedAttention(16, 0.125)
-    outputs: dict[str, torch.Tensor] = {}
+    outputs: dict[str, list[torch.Tensor]] = {}
     time_call = prefill_kernel_timer(
         backend, num_heads=4, num_kv_heads=2, head_dim=16, dtype=dtype,
-        cache_dtype=cache_dtype, num_chunks=3, chunk_tokens=20, outputs=outputs,
+        cache_dtype=cache_dtype, steps=((3, 20), (1, 50)), outputs=outputs,
     )  # fmt: skip
     for kernel in backend.prefill_kernels:
         assert time_call(kernel) > 0
-    # 3 chunks x 20 query rows x 4 heads x 16, the same attention whichever kernel ran.
+    # Both steps: 3 chunks x 20 query rows, then one of 50, x 4 heads x 16, the same attention
+    # whichever kernel ran.
     assert sorted(outputs) == sorted(backend.prefill_kernels)
-    assert outputs["sdpa"].shape == (60, 4, 16)
+    assert [out.shape for out in outputs["sdpa"]] == [(60, 4, 16), (50, 4, 16)]
     for kernel in backend.prefill_kernels:
-        torch.testing.assert_close(outputs[kernel], outputs["sdpa"], atol=1e-5, rtol=1e-5)
+        for out, reference in zip(outputs[kernel], outputs["sdpa"], strict=True):
+            torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
