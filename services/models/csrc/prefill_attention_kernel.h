@@ -51,6 +51,7 @@ constexpr int64_t kValueRows = 4, kValueVecs = 2;
 constexpr int64_t kKeyBlock = 4 * kScoreScalars;
 // Keys per block of the AMX path (attend_amx): two tile depths.
 constexpr int64_t kAmxKeys = 64;
+static_assert(kAmxKeys % 32 == 0 && kAmxKeys <= 64, "score_tiles holds 4 tiles of 16 keys");
 // The longest block either path takes: the scratch's size.
 constexpr int64_t kMaxKeys = kAmxKeys > kKeyBlock ? kAmxKeys : kKeyBlock;
 // An item's rows are padded to whole score tiles (a multiple of kValueRows too).
@@ -408,8 +409,9 @@ inline void transpose_16x16(const float* in, int64_t stride, float (&out)[16][16
 
 // The same loop with both products on the AMX tiles, for bf16 query and cache and head_dim a
 // multiple of 32, kAmxKeys keys a block. Tiles (amx_tiles.h: all 16 rows x 64 bytes):
-//   scores: tmm0 [16 keys x 16 rows] fp32 += tmm1 [16 keys x 32 dims] bf16 (K rows as cached)
-//           x tmm2 [16 dim pairs x 16 rows x 2] (the query, transposed into pairs once an item)
+//   scores: tmm0-3 [16 keys x 16 rows] fp32 += tmm4 [16 keys x 32 dims] bf16 (K rows as
+//           cached) x tmm5 [16 dim pairs x 16 rows x 2] (the query, transposed into pairs once
+//           an item)
 //   values: tmm0 [16 rows x 16 dims] fp32 (acc, loaded and stored around each block)
 //           += tmm1, tmm3 [16 rows x 32 keys] bf16 (the probabilities, transposed back to rows)
 //           x tmm2, tmm4 [16 key pairs x 16 dims x 2] (V rows interleaved in pairs)
@@ -417,6 +419,46 @@ inline void transpose_16x16(const float* in, int64_t stride, float (&out)[16][16
 // unscaled (the bf16 query is not rounded twice), so the softmax applies the scale. Blocks of
 // 64 keys, twice the vector path's: the accumulators make one round trip through memory per
 // block (the rescale needs them there), and that trip costs more than the product.
+// Up to 4 score tiles of one 16-row query tile: tiles[g] ([16 keys x 16 rows], fp32, row stride
+// R floats) = keys 16g .. 16g + 15 (bf16 rows of D) times the query pairs (query_pairs[i][r],
+// row stride R). Tile numbers are immediates, hence the unrolled groups.
+inline void score_tiles(int64_t key_tiles, const Bf16* keys, const uint32_t* query_pairs,
+                        int64_t D, int64_t R, float* tiles) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t key_stride = D * sizeof(Bf16);
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    _tile_loadd(5, query_pairs + (d0 / 2) * R, R * sizeof(uint32_t));
+    _tile_loadd(4, keys + d0, key_stride);
+    _tile_dpbf16ps(0, 4, 5);
+    if (key_tiles > 1) {
+      _tile_loadd(4, keys + 16 * D + d0, key_stride);
+      _tile_dpbf16ps(1, 4, 5);
+    }
+    if (key_tiles > 2) {
+      _tile_loadd(4, keys + 32 * D + d0, key_stride);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if (key_tiles > 3) {
+      _tile_loadd(4, keys + 48 * D + d0, key_stride);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  const int64_t stride = R * sizeof(float);
+  _tile_stored(0, tiles, stride);
+  if (key_tiles > 1) {
+    _tile_stored(1, tiles + 16 * R, stride);
+  }
+  if (key_tiles > 2) {
+    _tile_stored(2, tiles + 32 * R, stride);
+  }
+  if (key_tiles > 3) {
+    _tile_stored(3, tiles + 48 * R, stride);
+  }
+}
+
 template <typename Q, typename KV>
 void attend_amx(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& rows,
                 Scratch& sc) {
@@ -467,17 +509,12 @@ void attend_amx(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& rows
                       value_pairs + (j / 2) * D);
     }
 
-    // scores_t[j][r] = K[j] . Q[r], 16 keys x 16 rows a tile, 32 dims a product.
-    for (int64_t j0 = 0; j0 < keys_used; j0 += 16) {
-      for (int64_t r0 = 0; r0 < R; r0 += 16) {
-        _tile_zero(0);
-        for (int64_t d0 = 0; d0 < D; d0 += 32) {
-          _tile_loadd(1, keys + j0 * D + d0, D * sizeof(Bf16));
-          _tile_loadd(2, query_pairs + (d0 / 2) * R + r0, R * sizeof(uint32_t));
-          _tile_dpbf16ps(0, 1, 2);
-        }
-        _tile_stored(0, sc.scores_t.data() + j0 * R + r0, R * sizeof(float));
-      }
+    // scores_t[j][r] = K[j] . Q[r], 16 keys x 16 rows a tile, 32 dims a product: each 16 rows'
+    // query tile (tmm5) is loaded once per 32 dims for all the block's keys, whose tiles
+    // (tmm0-3) accumulate together.
+    const int64_t key_tiles = keys_used / 16;
+    for (int64_t r0 = 0; r0 < R; r0 += 16) {
+      score_tiles(key_tiles, keys, query_pairs + r0, D, R, sc.scores_t.data() + r0);
     }
     if (softmax_block(sc, keys_used, k0, rows.first_position, a.scale) && k0 > 0) {
       rescale_rows(sc, acc, D, D);
