@@ -96,10 +96,6 @@ inline Vec transpose_reduce(const Vec* a) {
 
 using Shape = pdserve::DecodeShape;
 
-template <typename A, typename B>
-constexpr bool kSameType = false;
-template <typename A>
-constexpr bool kSameType<A, A> = true;
 
 // Pass 1 multiplies bf16 pairs (vdpbf16ps) when query and cache are both bf16 and head_dim is
 // a specialised multiple of 32 (a 512-bit vector of bf16).
@@ -119,21 +115,6 @@ struct Problem {
   const int64_t* block_tables;
   const int64_t* seq_lens;
   float scale;
-};
-
-// A heap array freed with its owner; no std::vector, whose out-of-line parts (one instantiation
-// per element type, shared by every translation unit) could link this ISA's code into another's.
-template <typename E>
-class Buffer {
- public:
-  explicit Buffer(int64_t n) : data_(new E[n]()) {}
-  ~Buffer() { delete[] data_; }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  E* data() const { return data_; }
-
- private:
-  E* data_;
 };
 
 // Per-thread fp32 scratch for one work item of up to max_kv_heads KV heads, reused across items.
@@ -517,16 +498,7 @@ void run_typed(const pdserve::DecodeArgs& a, int64_t begin, int64_t end) {
 }  // namespace
 
 void pdserve::PDSERVE_RUN_ITEMS(const DecodeArgs& args, int64_t begin, int64_t end) {
-  // Every pairing of the two element types: the op checks that each is float32 or bf16.
-  if (args.query_is_bf16) {
-    if (args.cache_is_bf16) {
-      run_typed<Bf16, Bf16>(args, begin, end);
-    } else {
-      run_typed<Bf16, float>(args, begin, end);
-    }
-  } else if (args.cache_is_bf16) {
-    run_typed<float, Bf16>(args, begin, end);
-  } else {
-    run_typed<float, float>(args, begin, end);
-  }
+  with_element_types(args.query_is_bf16, args.cache_is_bf16, [&](auto query, auto cache) {
+    run_typed<decltype(query), decltype(cache)>(args, begin, end);
+  });
 }

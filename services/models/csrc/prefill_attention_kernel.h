@@ -22,7 +22,9 @@
 // with no horizontal reductions. Both products are register tiles of broadcast scalars times
 // vectors (tile_product): a K element times kLanes query rows, a probability times kLanes
 // head_dim entries of a V row. The query is transposed once per item on the way in; K and V
-// rows are widened to fp32 once per key block; everything accumulates in fp32.
+// rows are widened to fp32 once per key block; everything accumulates in fp32. The amx variant
+// (PDSERVE_AMX) runs the same loop with both products on the AMX tiles where the query and cache
+// are bf16 and head_dim a multiple of 32 (attend_amx), the softmax unchanged between them.
 //
 // Deliberately free of torch and of standard-library templates, like paged_attention_kernel.h.
 
@@ -60,10 +62,7 @@ static_assert(kRowMultiple % kValueRows == 0, "value tiles must cover the padded
 
 using Shape = pdserve::PrefillShape;
 
-template <typename A, typename B>
-constexpr bool kSameType = false;
-template <typename A>
-constexpr bool kSameType<A, A> = true;
+
 
 template <typename Q, typename KV>
 struct Problem {
@@ -73,21 +72,6 @@ struct Problem {
   const KV* key_cache;
   const KV* value_cache;
   const pdserve::PrefillArgs* args;
-};
-
-// A heap array freed with its owner (no std::vector: see paged_attention_kernel.h).
-template <typename E>
-class Buffer {
- public:
-  explicit Buffer(int64_t n) : data_(new E[n]()) {}
-  ~Buffer() { delete[] data_; }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  E* data() const { return data_; }
-  E& operator[](int64_t i) const { return data_[i]; }
-
- private:
-  E* data_;
 };
 
 // Per-thread fp32 scratch for one work item of up to `rows` (a multiple of kRowMultiple) query
@@ -607,16 +591,7 @@ void run_typed(const pdserve::PrefillArgs& a, int64_t begin, int64_t end) {
 }  // namespace
 
 void pdserve::PDSERVE_RUN_PREFILL_ITEMS(const PrefillArgs& args, int64_t begin, int64_t end) {
-  // Every pairing of the two element types: the op checks that each is float32 or bf16.
-  if (args.query_is_bf16) {
-    if (args.cache_is_bf16) {
-      run_typed<Bf16, Bf16>(args, begin, end);
-    } else {
-      run_typed<Bf16, float>(args, begin, end);
-    }
-  } else if (args.cache_is_bf16) {
-    run_typed<float, Bf16>(args, begin, end);
-  } else {
-    run_typed<float, float>(args, begin, end);
-  }
+  with_element_types(args.query_is_bf16, args.cache_is_bf16, [&](auto query, auto cache) {
+    run_typed<decltype(query), decltype(cache)>(args, begin, end);
+  });
 }

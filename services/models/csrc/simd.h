@@ -1,7 +1,8 @@
-// Vector helpers of the CPU kernels (paged_attention_kernel.h, fused_ops_kernel.h), for the
-// instruction set of the file that includes them: kLanes-wide fp32 vectors (GCC/Clang vector
-// extensions: 16 lanes for AVX-512, 8 for AVX2, 4 portable), bf16 loads and stores that widen to
-// and round from fp32, reductions and exp. Everything sits in an anonymous namespace: each
+// Vector helpers of the CPU kernels (paged_attention_kernel.h, prefill_attention_kernel.h,
+// fused_ops_kernel.h), for the instruction set of the file that includes them: kLanes-wide fp32
+// vectors (GCC/Clang vector extensions: 16 lanes for AVX-512, 8 for AVX2, 4 portable), bf16
+// loads and stores that widen to and round from fp32, reductions and exp; and the attention
+// kernels' scratch buffer and element-type dispatch. Everything sits in an anonymous namespace: each
 // variant's file gets its own copy, compiled for its own target, so no code built for one ISA
 // can be linked into another's (the linker keeps one copy of an ordinary inline function).
 //
@@ -20,6 +21,45 @@ struct Bf16 {
 
 inline int64_t min64(int64_t a, int64_t b) {
   return a < b ? a : b;
+}
+
+template <typename A, typename B>
+constexpr bool kSameType = false;
+template <typename A>
+constexpr bool kSameType<A, A> = true;
+
+// A heap array freed with its owner, for the kernels' per-thread scratch; no std::vector, whose
+// out-of-line parts (one instantiation per element type, shared by every translation unit)
+// could link this ISA's code into another's.
+template <typename E>
+class Buffer {
+ public:
+  explicit Buffer(int64_t n) : data_(new E[n]()) {}
+  ~Buffer() { delete[] data_; }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  E* data() const { return data_; }
+  E& operator[](int64_t i) const { return data_[i]; }
+
+ private:
+  E* data_;
+};
+
+// fn(Q{}, KV{}) for the attention kernels' element types: the query's (and output's) and the
+// cache's, each bf16 or fp32 (the ops check that), every pairing.
+template <typename Fn>
+inline void with_element_types(bool query_is_bf16, bool cache_is_bf16, Fn&& fn) {
+  if (query_is_bf16) {
+    if (cache_is_bf16) {
+      fn(Bf16{}, Bf16{});
+    } else {
+      fn(Bf16{}, 0.0f);
+    }
+  } else if (cache_is_bf16) {
+    fn(0.0f, Bf16{});
+  } else {
+    fn(0.0f, 0.0f);
+  }
 }
 
 // fp32 lanes of one vector register; also the tokens of a tile (portable: 4, SSE and NEON).
