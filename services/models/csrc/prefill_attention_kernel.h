@@ -62,8 +62,7 @@ static_assert(kRowMultiple % kValueRows == 0, "value tiles must cover the padded
 
 using Shape = pdserve::PrefillShape;
 
-
-
+// Q: the element type of query and out; KV: that of the caches (as in paged_attention_kernel.h).
 template <typename Q, typename KV>
 struct Problem {
   Shape s;
