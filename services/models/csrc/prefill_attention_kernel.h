@@ -219,13 +219,14 @@ inline bool softmax_block(Scratch& sc, int64_t keys, int64_t k0, int64_t first_p
       if (needs_mask) {
         x = Vec{} + static_cast<float>(k0 + j) <= pos ? x : Vec{} - __builtin_inff();
       }
-      store(scores_t + j * R + r, x);
       m = vmax(m, x);
     }
     const Vec alpha = exp_clamped(m_old - m);
     Vec l = load(sc.sum.data() + r) * alpha;
     for (int64_t j = 0; j < keys; ++j) {
-      Vec prob = exp_nonpositive(load(scores_t + j * R + r) - m);
+      // A hidden key's score may exceed m (it is above the diagonal): its exp, clamped, is
+      // finite and dropped here, as is a NaN.
+      Vec prob = exp_clamped(load(scores_t + j * R + r) * scale - m);
       if (needs_mask) {
         prob = Vec{} + static_cast<float>(k0 + j) <= pos ? prob : Vec{};
       }
