@@ -204,11 +204,15 @@ def write_new_kv(cache: torch.Tensor, step: PrefillStep) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_a_later_larger_score_rescales_what_came_before(isa: str) -> None:
-    # Keys growing along the context: each key block raises every row's running maximum, so
-    # the online softmax rescales its sums at every block (bf16 and head_dim 32: amx's tiles).
+@pytest.mark.parametrize("last_key", [1.0, 6.0, 12.0])
+def test_a_later_larger_score_rescales_what_came_before(isa: str, last_key: float) -> None:
+    # Keys growing along the context: each key block raises every row's maximum score (bf16
+    # and head_dim 32: amx's tiles). A row's running maximum moves only when a block's exceeds
+    # it by more than 2^8, and the sums before are rescaled then. From gentle to steep: up to
+    # 1.0 it never moves after the first block (later probabilities exceed 1), up to 12.0 it
+    # moves at almost every block of every variant.
     step = build_prefill_step([(0, 130)], block_size=16, num_kv_heads=1, group=2, head_dim=32)
-    keys = torch.linspace(0.1, 6.0, 130)[:, None, None] * torch.ones(130, 1, 32)
+    keys = torch.linspace(0.1, last_key, 130)[:, None, None] * torch.ones(130, 1, 32)
     values = step.full_kv[0][1]
     step = PrefillStep(step.query.abs(), keys, values, step.kv_cache, step.metadata,
                        [(keys, values)])  # fmt: skip
@@ -216,6 +220,26 @@ def test_a_later_larger_score_rescales_what_came_before(isa: str) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         out = run_native(PrefillStep(step.query.to(dtype).float(), *_rest(step)), dtype, dtype, isa)
         exact = expected(PrefillStep(step.query.to(dtype).float(), *_rest(step)), dtype)
+        tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+        torch.testing.assert_close(out.double(), exact, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_score_past_exps_range_moves_the_maximum(isa: str) -> None:
+    # Keys 0-99 score 0, keys 100-129 about 170: exp(170) is past fp32's range, so a row that
+    # sees them must move its maximum to them (and rescale the sums of the keys before), not
+    # stay behind. Equal scores make the exact weights uniform over the keys a row sees.
+    step = build_prefill_step([(0, 130)], block_size=16, num_kv_heads=1, group=2, head_dim=32)
+    keys = torch.zeros(130, 1, 32)
+    keys[100:] = 30.0
+    values = step.full_kv[0][1]
+    step = PrefillStep(torch.ones_like(step.query), keys, values, step.kv_cache, step.metadata,
+                       [(keys, values)])  # fmt: skip
+
+    for dtype in (torch.float32, torch.bfloat16):
+        out = run_native(step, dtype, dtype, isa)
+        exact = expected(step, dtype)
+        assert exact[-1].sub(values[100:].to(dtype).double().mean(0)).abs().max() < 1e-12
         tolerance = 1e-5 if dtype == torch.float32 else 2**-7
         torch.testing.assert_close(out.double(), exact, atol=tolerance, rtol=tolerance)
 

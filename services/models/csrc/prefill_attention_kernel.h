@@ -11,11 +11,14 @@
 // blocks through the chunk's block table (the chunk's own new K/V were written there first):
 //
 //   scores_t[j][r] = sum_d keys[j][d] * query_t[d][r]        (query pre-scaled)
-//   m'[r] = max(m[r], max_j scores_t[j][r]) over the keys row r may see (position <= its own)
+//   m'[r] = max(m[r], max_j scores_t[j][r]) over the keys row r may see (position <= its own),
+//           kept at m[r] unless that is more than kLazyRescale above it (softmax_block)
 //   probs_t[j][r] = exp(scores_t[j][r] - m'[r]), 0 for the keys it may not see
 //   l[r] = l[r] * exp(m[r] - m'[r]) + sum_j probs_t[j][r]
 //   acc[r][d] = acc[r][d] * exp(m[r] - m'[r]) + sum_j probs_t[j][r] * values[j][d]
 //   out[r][d] = acc[r][d] / l[r]
+//
+// (in base 2: the exponentials are 2^x of log2(e) times the scores).
 //
 // Scores and probabilities are stored transposed, query rows along the vector lanes: the
 // softmax's maxima, sums and causal mask are then plain vector operations down the key axis,
@@ -51,6 +54,9 @@ constexpr int64_t kValueRows = 4, kValueVecs = 2;
 #endif
 // Keys per block of the online softmax; a multiple of kScoreScalars.
 constexpr int64_t kKeyBlock = 4 * kScoreScalars;
+// How far (base 2) a block's maximum score may exceed a row's running one before the row's
+// accumulators are rescaled (softmax_block).
+constexpr float kLazyRescale = 8.0f;
 // Keys per block of the AMX path (attend_amx): two tile depths.
 constexpr int64_t kAmxKeys = 64;
 static_assert(kAmxKeys % 32 == 0 && kAmxKeys <= 64, "score_tiles holds 4 tiles of 16 keys");
@@ -59,6 +65,15 @@ constexpr int64_t kMaxKeys = kAmxKeys > kKeyBlock ? kAmxKeys : kKeyBlock;
 // An item's rows are padded to whole score tiles (a multiple of kValueRows too).
 constexpr int64_t kRowMultiple = kScoreVecs * kLanes;
 static_assert(kRowMultiple % kValueRows == 0, "value tiles must cover the padded rows");
+#if defined(PDSERVE_AMX)
+// Rows of one pass of attend_amx: three 16-row query tiles. A pass runs the whole key loop for
+// its rows, so that its scores ([kAmxKeys][48] fp32, 12 KiB), probabilities ([48][kAmxKeys]
+// bf16, 6 KiB), accumulators ([48][head_dim] fp32, 12 KiB at 64) and the block's V pairs
+// (8 KiB) stay in the L1 (48 KiB here) instead of the whole item's going through the L2 every
+// block; each pass also stops at its own last row's keys, which skips more of the diagonal.
+constexpr int64_t kAmxRows = 48;
+static_assert(kRowMultiple % kAmxRows == 0, "an item's rows are whole passes");
+#endif
 
 using Shape = pdserve::PrefillShape;
 
@@ -80,17 +95,18 @@ struct Scratch {
   Buffer<float> query_t;    // [head_dim][rows], pre-scaled
   Buffer<float> keys;       // [kKeyBlock][head_dim]: this block's K rows
   Buffer<float> values;     // [kKeyBlock][dims]: its V rows, zero past head_dim
-  Buffer<float> scores_t;   // [kMaxKeys][rows]: scores, then probabilities
-  Buffer<float> acc;        // [rows][dims]
+  Buffer<float> scores_t;   // [kMaxKeys][rows]: scores, then probabilities (attend_amx:
+                            // [kAmxKeys][kAmxRows], one pass's)
+  Buffer<float> acc;        // [rows][dims] (attend_amx: [kAmxRows][head_dim], one pass's)
   Buffer<float> max_score;  // [rows]: m
   Buffer<float> sum;        // [rows]: l
-  Buffer<float> rescale;    // [rows]: exp(m - m') of the current block
+  Buffer<float> rescale;    // [rows]: 2^(m - m') of the current block (m in base 2)
   Buffer<float> position;   // [rows]: the position of each row's token (exact below 2^24)
 #if defined(PDSERVE_AMX)
   Buffer<uint32_t> query_pairs;  // [head_dim / 2][rows]: bf16 pairs (attend_amx)
   Buffer<Bf16> key_rows;         // [kAmxKeys][head_dim]
   Buffer<uint32_t> value_pairs;  // [kAmxKeys / 2][head_dim]: bf16 pairs
-  Buffer<Bf16> prob_rows;        // [rows][kAmxKeys]
+  Buffer<Bf16> prob_rows;        // [kAmxRows][kAmxKeys]
 #endif
 
   Scratch(int64_t rows_, int64_t head_dim)
@@ -110,7 +126,7 @@ struct Scratch {
         query_pairs(head_dim / 2 * rows_),
         key_rows(kAmxKeys * head_dim),
         value_pairs(kAmxKeys / 2 * head_dim),
-        prob_rows(rows_ * kAmxKeys)
+        prob_rows(kAmxRows * kAmxKeys)
 #endif
   {
   }
@@ -198,39 +214,59 @@ inline void start_rows(const Rows& rows, int64_t G, Scratch& sc) {
   }
 }
 
-// The online softmax of one key block, kLanes rows at a time: scores_t [keys][R] (times
-// score_scale) becomes probabilities, and m, l and rescale (exp(m - m'), per row) advance.
-// Key k0 + j is visible to row r iff k0 + j <= position[r]; a row's first block always holds its
-// key 0, so m is finite from then on (and exp(m - m') of the first block, exp(-inf) clamped to
-// ~1e-38, multiplies a sum of 0). Returns whether any row's maximum rose.
-inline bool softmax_block(Scratch& sc, int64_t keys, int64_t k0, int64_t first_position,
-                          float score_scale) {
-  const int64_t R = sc.rows;
-  float* scores_t = sc.scores_t.data();
-  const bool needs_mask = k0 + keys - 1 > first_position;
-  const Vec scale = Vec{} + score_scale;
+// The online softmax of one key block over rows [begin, end) (a multiple of kLanes apart),
+// kLanes rows at a time: scores_t [keys][stride] (row r in column r - begin; times score_scale)
+// becomes probabilities, and m, l and rescale (2^(m - m'), per row, m in base 2) advance. Key
+// k0 + j is visible to row r iff k0 + j <= position[r]; a row's first block always holds its
+// key 0, so m is finite from then on (and 2^(m - m') of the first block, 2^-inf clamped to
+// ~2^-127, multiplies a sum of 0). Returns whether any row's maximum moved.
+inline bool softmax_block(Scratch& sc, float* scores_t, int64_t stride, int64_t begin,
+                          int64_t end, int64_t keys, int64_t k0, float score_scale) {
+  // Base 2: m, the rescale and the probabilities come from exp2 of log2(e) times the scores.
+  const Vec scale = Vec{} + score_scale * 1.44269504088896341f;
+  const Vec hidden = Vec{} - __builtin_inff();
   bool rose = false;
-  for (int64_t r = 0; r < R; r += kLanes) {
+  for (int64_t r = begin; r < end; r += kLanes) {
+    float* column = scores_t + (r - begin);
     const Vec pos = load(sc.position.data() + r);
     const Vec m_old = load(sc.max_score.data() + r);
-    Vec m = m_old;
-    for (int64_t j = 0; j < keys; ++j) {
-      Vec x = load(scores_t + j * R + r) * scale;
+    // Positions rise with the row: the lanes' first holds the least.
+    const bool needs_mask = k0 + keys - 1 > static_cast<int64_t>(sc.position[r]);
+    // Two running maxima: one would chain every key's max on the last one's latency.
+    Vec m_even = m_old, m_odd = m_old;
+    float key = static_cast<float>(k0);  // exact below 2^24, like the positions
+    for (int64_t j = 0; j < keys; j += 2, key += 2.0f) {
+      Vec x = load(column + j * stride) * scale;
       if (needs_mask) {
-        x = Vec{} + static_cast<float>(k0 + j) <= pos ? x : Vec{} - __builtin_inff();
+        x = Vec{} + key <= pos ? x : hidden;
       }
-      m = vmax(m, x);
+      m_even = vmax(m_even, x);
+      if (j + 1 < keys) {
+        Vec y = load(column + (j + 1) * stride) * scale;
+        if (needs_mask) {
+          y = Vec{} + (key + 1.0f) <= pos ? y : hidden;
+        }
+        m_odd = vmax(m_odd, y);
+      }
     }
-    const Vec alpha = exp_clamped(m_old - m);
+    // A row keeps its running maximum until a block's exceeds it by more than 2^kLazyRescale:
+    // its probabilities may then reach 2^kLazyRescale (fp32 and bf16 hold that easily, and the
+    // final division by l cancels it), and the accumulators are rescaled far less often (on
+    // random scores hardly ever after a row's first block, where acc is still zero). A NaN
+    // maximum keeps the old one, and the NaN reaches l and acc through the probabilities.
+    const Vec m_block = vmax(m_even, m_odd);
+    const Vec m = m_block - m_old > Vec{} + kLazyRescale ? m_block : m_old;
+    const Vec alpha = exp2_nonpositive(m_old - m);
     Vec l = load(sc.sum.data() + r) * alpha;
-    for (int64_t j = 0; j < keys; ++j) {
-      // A hidden key's score may exceed m (it is above the diagonal): its exp, clamped, is
-      // finite and dropped here, as is a NaN.
-      Vec prob = exp_clamped(load(scores_t + j * R + r) * scale - m);
+    key = static_cast<float>(k0);
+    for (int64_t j = 0; j < keys; ++j, key += 1.0f) {
+      // A hidden key's score may exceed m (it is above the diagonal): its exp, which may
+      // overflow, is dropped here, as is a NaN.
+      Vec prob = exp2_nonpositive(load(column + j * stride) * scale - m);
       if (needs_mask) {
-        prob = Vec{} + static_cast<float>(k0 + j) <= pos ? prob : Vec{};
+        prob = Vec{} + key <= pos ? prob : Vec{};
       }
-      store(scores_t + j * R + r, prob);
+      store(column + j * stride, prob);
       l += prob;
     }
     store(sc.sum.data() + r, l);
@@ -243,27 +279,30 @@ inline bool softmax_block(Scratch& sc, int64_t keys, int64_t k0, int64_t first_p
   return rose;
 }
 
-// acc[r] *= rescale[r] for the rows whose maximum rose; acc [rows][stride], dims used.
-inline void rescale_rows(Scratch& sc, float* acc, int64_t stride, int64_t dims) {
-  for (int64_t r = 0; r < sc.rows; ++r) {
+// acc row r - begin *= rescale[r] for the rows of [begin, end) whose maximum rose;
+// acc [end - begin][stride], dims used.
+inline void rescale_rows(Scratch& sc, float* acc, int64_t stride, int64_t dims, int64_t begin,
+                         int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
     if (sc.rescale[r] != 1.0f) {
       const Vec alpha = Vec{} + sc.rescale[r];
+      float* acc_r = acc + (r - begin) * stride;
       for (int64_t d = 0; d < dims; d += kLanes) {
-        store(acc + r * stride + d, load(acc + r * stride + d) * alpha);
+        store(acc_r + d, load(acc_r + d) * alpha);
       }
     }
   }
 }
 
-// out rows = acc / l for the item's real rows; acc [rows][stride].
+// out rows = acc / l for the item's real rows among [begin, end); acc [end - begin][stride].
 template <typename Q, typename KV>
 inline void write_rows(const Problem<Q, KV>& p, const Rows& rows, int64_t kv, const float* acc,
-                       int64_t stride, Scratch& sc) {
+                       int64_t stride, int64_t begin, int64_t end, Scratch& sc) {
   const int64_t G = p.s.group, D = p.s.head_dim;
   const int64_t full = D / kLanes * kLanes;
-  for (int64_t r = 0; r < rows.num_tokens * G; ++r) {
+  for (int64_t r = begin; r < min64(end, rows.num_tokens * G); ++r) {
     const float inv = 1.0f / sc.sum[r];
-    const float* acc_r = acc + r * stride;
+    const float* acc_r = acc + (r - begin) * stride;
     Q* o = p.out + ((rows.first_row + r / G) * p.s.num_heads + kv * G + r % G) * D;
     for (int64_t d = 0; d < full; d += kLanes) {
       store(o + d, load(acc_r + d) * inv);
@@ -321,8 +360,8 @@ void attend_vector(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& r
                                                       sc.scores_t.data() + j0 * R + r0);
       }
     }
-    if (softmax_block(sc, keys, k0, rows.first_position, 1.0f) && k0 > 0) {
-      rescale_rows(sc, acc, dims, dims);
+    if (softmax_block(sc, sc.scores_t.data(), R, 0, R, keys, k0, 1.0f) && k0 > 0) {
+      rescale_rows(sc, acc, dims, dims, 0, R);
     }
     // acc[r][d] += sum_j probs_t[j][r] * values[j][d]
     const float* probs_t = sc.scores_t.data();
@@ -338,7 +377,7 @@ void attend_vector(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& r
       }
     }
   }
-  write_rows(p, rows, kv, acc, dims, sc);
+  write_rows(p, rows, kv, acc, dims, 0, R, sc);
 }
 
 #if defined(PDSERVE_AMX)
@@ -359,12 +398,9 @@ inline void interleave_rows(const Bf16* even, const Bf16* odd, int64_t D, uint32
   }
 }
 
-// out[i][j] = in[j * stride + i] for a 16 x 16 block of floats: four rounds of shuffles.
-inline void transpose_16x16(const float* in, int64_t stride, float (&out)[16][16]) {
-  __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) {
-    r[i] = _mm512_loadu_ps(in + i * stride);
-  }
+// r[j] = column j of the 16 x 16 block whose row i is r[i]: four rounds of shuffles, in place.
+inline void transpose_in_registers(__m512 (&r)[16]) {
+  __m512 t[16];
   for (int i = 0; i < 16; i += 2) {  // pairs of rows interleaved by element
     t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
     t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
@@ -386,164 +422,239 @@ inline void transpose_16x16(const float* in, int64_t stride, float (&out)[16][16
     r[k] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0x88);
     r[k + 8] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0xdd);
   }
+}
+
+// out[i][j] = in[j * stride + i] for a 16 x 16 block of floats.
+inline void transpose_16x16(const float* in, int64_t stride, float (&out)[16][16]) {
+  __m512 r[16];
+  for (int i = 0; i < 16; ++i) {
+    r[i] = _mm512_loadu_ps(in + i * stride);
+  }
+  transpose_in_registers(r);
   for (int i = 0; i < 16; ++i) {
     _mm512_store_ps(out[i], r[i]);
   }
 }
 
-// The same loop with both products on the AMX tiles, for bf16 query and cache and head_dim a
-// multiple of 32, kAmxKeys keys a block. Tiles (amx_tiles.h: all 16 rows x 64 bytes):
-//   scores: tmm0-3 [16 keys x 16 rows] fp32 += tmm4 [16 keys x 32 dims] bf16 (K rows as
-//           cached) x tmm5 [16 dim pairs x 16 rows x 2] (the query, transposed into pairs once
-//           an item)
-//   values: tmm0 [16 rows x 16 dims] fp32 (acc, loaded and stored around each block)
-//           += tmm1, tmm3 [16 rows x 32 keys] bf16 (the probabilities, transposed back to rows)
-//           x tmm2, tmm4 [16 key pairs x 16 dims x 2] (V rows interleaved in pairs)
-// The softmax runs on the vector units between them, as above; scores come out of the tiles
-// unscaled (the bf16 query is not rounded twice), so the softmax applies the scale. Blocks of
-// 64 keys, twice the vector path's: the accumulators make one round trip through memory per
-// block (the rescale needs them there), and that trip costs more than the product.
 // Up to 4 score tiles of one 16-row query tile: tiles[g] ([16 keys x 16 rows], fp32, row stride
-// R floats) = keys 16g .. 16g + 15 (bf16 rows of D) times the query pairs (query_pairs[i][r],
-// row stride R). Tile numbers are immediates, hence the unrolled groups.
-inline void score_tiles(int64_t key_tiles, const Bf16* keys, const uint32_t* query_pairs,
-                        int64_t D, int64_t R, float* tiles) {
+// `out_stride` floats) = the 16 keys at key_tiles[g] (bf16 rows of D, `key_stride` bytes apart)
+// times the query pairs (query_pairs[i][r], row stride R). Tile numbers are immediates, hence
+// the unrolled groups.
+inline void score_tiles(int64_t num_tiles, const Bf16* const (&key_tiles)[4], int64_t key_stride,
+                        const uint32_t* query_pairs, int64_t D, int64_t R, float* tiles,
+                        int64_t out_stride) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  const int64_t key_stride = D * sizeof(Bf16);
+  // The K tiles rotate through tmm4, 6 and 7: a load into the tile the previous product reads
+  // would wait for it.
   for (int64_t d0 = 0; d0 < D; d0 += 32) {
     _tile_loadd(5, query_pairs + (d0 / 2) * R, R * sizeof(uint32_t));
-    _tile_loadd(4, keys + d0, key_stride);
+    _tile_loadd(4, key_tiles[0] + d0, key_stride);
     _tile_dpbf16ps(0, 4, 5);
-    if (key_tiles > 1) {
-      _tile_loadd(4, keys + 16 * D + d0, key_stride);
-      _tile_dpbf16ps(1, 4, 5);
+    if (num_tiles > 1) {
+      _tile_loadd(6, key_tiles[1] + d0, key_stride);
+      _tile_dpbf16ps(1, 6, 5);
     }
-    if (key_tiles > 2) {
-      _tile_loadd(4, keys + 32 * D + d0, key_stride);
-      _tile_dpbf16ps(2, 4, 5);
+    if (num_tiles > 2) {
+      _tile_loadd(7, key_tiles[2] + d0, key_stride);
+      _tile_dpbf16ps(2, 7, 5);
     }
-    if (key_tiles > 3) {
-      _tile_loadd(4, keys + 48 * D + d0, key_stride);
+    if (num_tiles > 3) {
+      _tile_loadd(4, key_tiles[3] + d0, key_stride);
       _tile_dpbf16ps(3, 4, 5);
     }
   }
-  const int64_t stride = R * sizeof(float);
+  const int64_t stride = out_stride * sizeof(float);
   _tile_stored(0, tiles, stride);
-  if (key_tiles > 1) {
-    _tile_stored(1, tiles + 16 * R, stride);
+  if (num_tiles > 1) {
+    _tile_stored(1, tiles + 16 * out_stride, stride);
   }
-  if (key_tiles > 2) {
-    _tile_stored(2, tiles + 32 * R, stride);
+  if (num_tiles > 2) {
+    _tile_stored(2, tiles + 32 * out_stride, stride);
   }
-  if (key_tiles > 3) {
-    _tile_stored(3, tiles + 48 * R, stride);
+  if (num_tiles > 3) {
+    _tile_stored(3, tiles + 48 * out_stride, stride);
   }
 }
 
+// Up to 4 accumulator tiles of one 16-row query tile: acc[.][16i .. 16i + 15] ([16 rows x 16
+// dims] fp32, row stride D floats) += the tile's probabilities (probs [16][kAmxKeys] bf16) times
+// the V pairs (value_pairs[j][2d + h], row stride D), 32 keys a product, the second 32 where
+// two_depths. The accumulators (tmm0-3) are independent, so the products overlap instead of
+// each waiting on the last; the V tiles alternate between tmm6 and 7.
+inline void value_tiles(int64_t num_tiles, bool two_depths, const Bf16* probs,
+                        const uint32_t* value_pairs, int64_t D, float* acc) {
+  const int64_t acc_stride = D * sizeof(float), pair_stride = D * sizeof(uint32_t);
+  _tile_loadd(0, acc, acc_stride);
+  if (num_tiles > 1) {
+    _tile_loadd(1, acc + 16, acc_stride);
+  }
+  if (num_tiles > 2) {
+    _tile_loadd(2, acc + 32, acc_stride);
+  }
+  if (num_tiles > 3) {
+    _tile_loadd(3, acc + 48, acc_stride);
+  }
+  for (int64_t h = 0; h < (two_depths ? 2 : 1); ++h) {
+    const uint32_t* pairs = value_pairs + 16 * h * D;
+    _tile_loadd(4, probs + 32 * h, kAmxKeys * sizeof(Bf16));
+    _tile_loadd(6, pairs, pair_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if (num_tiles > 1) {
+      _tile_loadd(7, pairs + 16, pair_stride);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (num_tiles > 2) {
+      _tile_loadd(6, pairs + 32, pair_stride);
+      _tile_dpbf16ps(2, 4, 6);
+    }
+    if (num_tiles > 3) {
+      _tile_loadd(7, pairs + 48, pair_stride);
+      _tile_dpbf16ps(3, 4, 7);
+    }
+  }
+  _tile_stored(0, acc, acc_stride);
+  if (num_tiles > 1) {
+    _tile_stored(1, acc + 16, acc_stride);
+  }
+  if (num_tiles > 2) {
+    _tile_stored(2, acc + 32, acc_stride);
+  }
+  if (num_tiles > 3) {
+    _tile_stored(3, acc + 48, acc_stride);
+  }
+}
+
+// The same loop with both products on the AMX tiles, for bf16 query and cache and head_dim a
+// multiple of 32, kAmxKeys keys a block, kAmxRows rows a pass. Tiles (amx_tiles.h: all 16 rows
+// x 64 bytes):
+//   scores: tmm0-3 [16 keys x 16 rows] fp32 += tmm4, 6, 7 [16 keys x 32 dims] bf16 (K rows,
+//           read from the cache block itself when its size is a multiple of 16) x tmm5 [16 dim
+//           pairs x 16 rows x 2] (the query, transposed into pairs once an item)
+//   values: tmm0-3 [16 rows x 16 dims] fp32 (acc, loaded and stored around each block)
+//           += tmm4 [16 rows x 32 keys] bf16 (the probabilities, transposed back to rows)
+//           x tmm6, 7 [16 key pairs x 16 dims x 2] (V rows interleaved in pairs)
+// The softmax runs on the vector units between them, as above; scores come out of the tiles
+// unscaled (the bf16 query is not rounded twice), so the softmax applies the scale. Blocks of
+// 64 keys, twice the vector path's: the accumulators make one round trip through the L1 per
+// block (the rescale needs them there). K rows past the context are the cache's (or zero):
+// every row's mask hides them; V rows past it are zero, since 0 * NaN would be NaN.
 template <typename Q, typename KV>
 void attend_amx(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& rows,
                 Scratch& sc) {
   const Shape& s = p.s;
   const pdserve::PrefillArgs& a = *p.args;
   const int64_t D = s.head_dim, R = sc.rows, row_stride = s.num_kv_heads * D;
-  const int64_t context = rows.first_position + rows.num_tokens;
   const int64_t* table = a.block_tables + c * s.max_blocks;
   uint32_t* query_pairs = sc.query_pairs.data();  // [D / 2][R]: bf16 pairs of dims 2i, 2i + 1
-  Bf16* keys = sc.key_rows.data();                 // [kAmxKeys][D]
+  Bf16* keys = sc.key_rows.data();                 // [kAmxKeys][D] where blocks are not tiles
   uint32_t* value_pairs = sc.value_pairs.data();   // [kAmxKeys / 2][D]: pairs of keys 2i, 2i + 1
-  Bf16* probs = sc.prob_rows.data();               // [R][kAmxKeys]
-  float* acc = sc.acc.data();                      // [R][D]
+  Bf16* probs = sc.prob_rows.data();               // [kAmxRows][kAmxKeys]
+  float* scores_t = sc.scores_t.data();            // [kAmxKeys][kAmxRows]
+  float* acc = sc.acc.data();                      // [kAmxRows][D]
+  const bool tiles_in_cache = s.block_size % 16 == 0;
 
-  for (int64_t r = 0; r < R; ++r) {
-    const Q* q = query_row(p, rows, kv, r);
-    for (int64_t i = 0; i < D / 2; ++i) {
-      uint32_t pair = 0;
-      if (q) {
-        memcpy(&pair, q + 2 * i, sizeof(pair));
-      }
-      query_pairs[i * R + r] = pair;
+  // query_pairs[i][r] = dims 2i, 2i + 1 of row r: 16 rows x 16 pairs a transpose.
+  for (int64_t r0 = 0; r0 < R; r0 += 16) {
+    const Q* q[16];
+    for (int64_t i = 0; i < 16; ++i) {
+      q[i] = query_row(p, rows, kv, r0 + i);
     }
-  }
-  memset(acc, 0, sizeof(float) * R * D);
-
-  for (int64_t k0 = 0; k0 < context; k0 += kAmxKeys) {
-    const int64_t n = min64(kAmxKeys, context - k0);
-    const int64_t keys_used = (n + 15) / 16 * 16;  // whole score tiles
-    // K rows as they are; V rows interleaved in pairs; zero past n (0 * NaN would be NaN).
-    if (n < kAmxKeys) {
-      memset(keys + n * D, 0, sizeof(Bf16) * (kAmxKeys - n) * D);
-      memset(value_pairs, 0, sizeof(uint32_t) * kAmxKeys / 2 * D);
-    }
-    int64_t block = k0 / s.block_size, offset = k0 % s.block_size;
-    const Bf16* value_rows[kAmxKeys];
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t slot = (table[block] * s.block_size + offset) * row_stride + kv * D;
-      if (++offset == s.block_size) {
-        offset = 0;
-        ++block;
-      }
-      memcpy(keys + j * D, p.key_cache + slot, sizeof(Bf16) * D);
-      value_rows[j] = p.value_cache + slot;
-    }
-    for (int64_t j = 0; j < n; j += 2) {
-      interleave_rows(value_rows[j], j + 1 < n ? value_rows[j + 1] : nullptr, D,
-                      value_pairs + (j / 2) * D);
-    }
-
-    // scores_t[j][r] = K[j] . Q[r], 16 keys x 16 rows a tile, 32 dims a product: each 16 rows'
-    // query tile (tmm5) is loaded once per 32 dims for all the block's keys, whose tiles
-    // (tmm0-3) accumulate together.
-    const int64_t key_tiles = keys_used / 16;
-    for (int64_t r0 = 0; r0 < R; r0 += 16) {
-      score_tiles(key_tiles, keys, query_pairs + r0, D, R, sc.scores_t.data() + r0);
-    }
-    if (softmax_block(sc, keys_used, k0, rows.first_position, a.scale) && k0 > 0) {
-      rescale_rows(sc, acc, D, D);
-    }
-
-    // The probabilities back to rows, in bf16: probs[r][j] = probs_t[j][r] (zero past keys_used).
-    const float* probs_t = sc.scores_t.data();
-    for (int64_t r0 = 0; r0 < R; r0 += 16) {
-      alignas(64) float columns[kAmxKeys / 16][16][16];  // [key group][row][key]
-      for (int64_t g = 0; g < kAmxKeys / 16; ++g) {
-        if (g * 16 < keys_used) {
-          transpose_16x16(probs_t + g * 16 * R + r0, R, columns[g]);
-        } else {
-          memset(columns[g], 0, sizeof(columns[g]));
-        }
-      }
+    for (int64_t i0 = 0; i0 < D / 2; i0 += 16) {
+      __m512 block[16];
       for (int64_t i = 0; i < 16; ++i) {
-        for (int64_t g = 0; g < kAmxKeys / 16; g += 2) {
-          const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_load_ps(columns[g + 1][i]),
-                                                    _mm512_load_ps(columns[g][i]));
-          _mm512_storeu_si512(probs + (r0 + i) * kAmxKeys + g * 16,
-                              reinterpret_cast<__m512i>(pair));
-        }
+        block[i] = q[i] ? _mm512_loadu_ps(q[i] + 2 * i0) : _mm512_setzero_ps();
       }
-    }
-
-    // acc[r][d] += sum_j probs[r][j] * V[j][d], 16 rows x 16 dims a tile, 32 keys a product.
-    for (int64_t r0 = 0; r0 < R; r0 += 16) {
-      _tile_loadd(1, probs + r0 * kAmxKeys, kAmxKeys * sizeof(Bf16));
-      if (keys_used > 32) {
-        _tile_loadd(3, probs + r0 * kAmxKeys + 32, kAmxKeys * sizeof(Bf16));
-      }
-      for (int64_t d0 = 0; d0 < D; d0 += 16) {
-        _tile_loadd(0, acc + r0 * D + d0, D * sizeof(float));
-        _tile_loadd(2, value_pairs + d0, D * sizeof(uint32_t));
-        _tile_dpbf16ps(0, 1, 2);
-        if (keys_used > 32) {
-          _tile_loadd(4, value_pairs + 16 * D + d0, D * sizeof(uint32_t));
-          _tile_dpbf16ps(0, 3, 4);
-        }
-        _tile_stored(0, acc + r0 * D + d0, D * sizeof(float));
+      transpose_in_registers(block);
+      for (int64_t i = 0; i < 16; ++i) {
+        _mm512_storeu_ps(reinterpret_cast<float*>(query_pairs + (i0 + i) * R + r0), block[i]);
       }
     }
   }
-  write_rows(p, rows, kv, acc, D, sc);
+
+  for (int64_t r0 = 0; r0 < min64(R, rows.num_tokens * p.s.group); r0 += kAmxRows) {
+    // Positions rise with the row (padding rows repeat the last real one's).
+    const int64_t context = static_cast<int64_t>(sc.position[r0 + kAmxRows - 1]) + 1;
+    memset(acc, 0, sizeof(float) * kAmxRows * D);
+    for (int64_t k0 = 0; k0 < context; k0 += kAmxKeys) {
+      const int64_t n = min64(kAmxKeys, context - k0);
+      const int64_t keys_used = (n + 15) / 16 * 16;  // whole score tiles
+      const int64_t key_tiles = keys_used / 16;
+      if (n < kAmxKeys) {
+        memset(value_pairs, 0, sizeof(uint32_t) * kAmxKeys / 2 * D);
+      }
+      int64_t block = k0 / s.block_size, offset = k0 % s.block_size;
+      const Bf16* value_rows[kAmxKeys];
+      const Bf16* key_tile[4] = {keys, keys + 16 * D, keys + 32 * D, keys + 48 * D};
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t slot = (table[block] * s.block_size + offset) * row_stride + kv * D;
+        if (++offset == s.block_size) {
+          offset = 0;
+          ++block;
+        }
+        if (tiles_in_cache) {
+          if (j % 16 == 0) {
+            key_tile[j / 16] = p.key_cache + slot;
+          }
+        } else {
+          memcpy(keys + j * D, p.key_cache + slot, sizeof(Bf16) * D);
+        }
+        value_rows[j] = p.value_cache + slot;
+      }
+      if (!tiles_in_cache && n < keys_used) {
+        memset(keys + n * D, 0, sizeof(Bf16) * (keys_used - n) * D);
+      }
+      for (int64_t j = 0; j < n; j += 2) {
+        interleave_rows(value_rows[j], j + 1 < n ? value_rows[j + 1] : nullptr, D,
+                        value_pairs + (j / 2) * D);
+      }
+
+      // scores_t[j][r] = K[j] . Q[r], 16 keys x 16 rows a tile, 32 dims a product: each 16
+      // rows' query tile (tmm5) is loaded once per 32 dims for all the block's keys, whose
+      // tiles (tmm0-3) accumulate together.
+      const int64_t key_stride = (tiles_in_cache ? row_stride : D) * sizeof(Bf16);
+      for (int64_t t = 0; t < kAmxRows; t += 16) {
+        score_tiles(key_tiles, key_tile, key_stride, query_pairs + r0 + t, D, R, scores_t + t,
+                    kAmxRows);
+      }
+      if (softmax_block(sc, scores_t, kAmxRows, r0, r0 + kAmxRows, keys_used, k0, a.scale) &&
+          k0 > 0) {
+        rescale_rows(sc, acc, D, D, r0, r0 + kAmxRows);
+      }
+
+      // The probabilities back to rows, in bf16: probs[r][j] = probs_t[j][r] (zero past
+      // keys_used).
+      for (int64_t t = 0; t < kAmxRows; t += 16) {
+        alignas(64) float columns[kAmxKeys / 16][16][16];  // [key group][row][key]
+        for (int64_t g = 0; g < kAmxKeys / 16; ++g) {
+          if (g < key_tiles) {
+            transpose_16x16(scores_t + g * 16 * kAmxRows + t, kAmxRows, columns[g]);
+          } else {
+            memset(columns[g], 0, sizeof(columns[g]));
+          }
+        }
+        for (int64_t i = 0; i < 16; ++i) {
+          for (int64_t g = 0; g < kAmxKeys / 16; g += 2) {
+            const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_load_ps(columns[g + 1][i]),
+                                                      _mm512_load_ps(columns[g][i]));
+            _mm512_storeu_si512(probs + (t + i) * kAmxKeys + g * 16,
+                                reinterpret_cast<__m512i>(pair));
+          }
+        }
+      }
+
+      // acc[r][d] += sum_j probs[r][j] * V[j][d], 16 rows x 16 dims a tile, 32 keys a product.
+      for (int64_t t = 0; t < kAmxRows; t += 16) {
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+          value_tiles(min64(4, (D - d0) / 16), key_tiles > 2, probs + t * kAmxKeys,
+                      value_pairs + d0, D, acc + t * D + d0);
+        }
+      }
+    }
+    write_rows(p, rows, kv, acc, D, r0, r0 + kAmxRows, sc);
+  }
 }
 #endif
 
