@@ -239,15 +239,9 @@ class TorchPagedAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        num_kv_heads, head_dim = key.shape[1], key.shape[2]
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        # The cache may hold a narrower dtype than the compute one (bf16 under fp32): K/V are
-        # rounded to it once, and a fresh chunk attends to the rounded values too, so that a
-        # token's output does not depend on whether its K/V came from the cache.
-        key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
         # Write first: a chunk attends to its own new tokens through the cache.
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
+        key, value = self.write_cache(key, value, key_cache, value_cache, metadata)
 
         if 0 < metadata.num_decodes == query.shape[0]:  # a decode step: no output to assemble
             return self._decode(query, key_cache, value_cache, metadata)
@@ -257,6 +251,26 @@ class TorchPagedAttention(AttentionBackend):
             output[:num] = self._decode(query[:num], key_cache, value_cache, metadata)
         self.attend_prefills(query, key, value, key_cache, value_cache, metadata, output)
         return output
+
+    def write_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes the step's K/V ([num_tokens, num_kv_heads, head_dim]) into their slots and
+        returns them as the prefill kernels read them: in the cache's dtype.
+
+        The cache may hold a narrower dtype than the compute one (bf16 under fp32): K/V are
+        rounded to it once, and a fresh chunk attends to the rounded values too, so that a
+        token's output does not depend on whether its K/V came from the cache."""
+        num_kv_heads, head_dim = key.shape[1], key.shape[2]
+        key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
+        return key, value
 
     def attend_prefills(
         self,

@@ -115,6 +115,24 @@ class NativePagedAttention(TorchPagedAttention):
         native = self.prefill_kernel == NATIVE_PREFILL and bool(metadata.prefills)
         self._chunks = PrefillChunks.build(metadata.prefills) if native else None
 
+    def write_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One native pass (``write_kv_cache``: the bits of the base class's conversion and
+        ``index_copy_``, without the converted copies). The rounded K/V are made only for a
+        torch prefill kernel, which reads them; the native one reads the cache."""
+        torch.ops.pdserve.write_kv_cache(
+            key_cache, value_cache, key, value, metadata.slot_mapping, self.isa
+        )
+        if self.prefill_kernel == NATIVE_PREFILL or not metadata.prefills:
+            return key, value
+        return key.to(key_cache.dtype), value.to(value_cache.dtype)
+
     def attend_prefills(
         self,
         query: torch.Tensor,

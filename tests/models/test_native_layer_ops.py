@@ -1,7 +1,8 @@
 """The fused native layer ops against torch's, on every kernel variant this CPU runs: rotary
 the same bits; RMSNorm and SiLU-and-mul within a rounding of bf16 or a few ulps of fp32
 (another summation order, another exp); the residual add exactly; the greedy argmax the same
-index, ties, NaN and infinities included; bad arguments a clear error."""
+index, ties, NaN and infinities included; the KV cache write index_copy_'s bits; bad arguments
+a clear error."""
 
 from __future__ import annotations
 
@@ -123,6 +124,42 @@ def test_greedy_argmax_is_torchs_argmax_on_ties_nan_and_inf(
     assert native.greedy_argmax(logits[:0]).shape == (0,)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache_dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 40])  # 40 x 3 heads: rows that end mid-vector
+def test_kv_cache_write_gives_index_copys_bits(
+    native: NativeLayerOps, dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int
+) -> None:
+    # K and V as the model hands them over: strided views of the fused QKV output.
+    tokens, heads, blocks, block_size = 37, 3, 8, 16
+    qkv = randn(tokens, (4 + 2) * heads * head_dim, dtype=torch.float32, seed=3, scale=3.0)
+    # Round-to-even ties, NaN and infinities in the values rounded into bf16.
+    qkv[0, 4 * heads * head_dim : 4 * heads * head_dim + 4] = torch.tensor(
+        [1.0 + 2**-8, 1.0 + 3 * 2**-8, float("nan"), float("-inf")]
+    )
+    qkv = qkv.to(dtype)
+    key = qkv[:, 4 * heads * head_dim : 5 * heads * head_dim].view(tokens, heads, head_dim)
+    value = qkv[:, 5 * heads * head_dim :].view(tokens, heads, head_dim)
+    slots = torch.randperm(blocks * block_size, generator=torch.Generator().manual_seed(4))
+    slots = slots[:tokens].contiguous()
+    cache = torch.full((2, blocks, block_size, heads, head_dim), -(2.0**20), dtype=cache_dtype)
+    expected = cache.clone()
+    for i, rows in enumerate((key, value)):
+        flat = expected[i].view(-1, heads, head_dim)
+        flat.index_copy_(0, slots, rows.to(cache_dtype))
+
+    torch.ops.pdserve.write_kv_cache(cache[0], cache[1], key, value, slots, native.isa)
+
+    # The same bits, but for a NaN's (torch's vectorised bf16 conversion makes it 0xffff, c10's
+    # scalar one and ours 0x7fc0).
+    bits = torch.int32 if cache_dtype == torch.float32 else torch.int16
+    nan = expected.isnan()
+    assert nan.sum() == 1 and torch.equal(cache.isnan(), nan)
+    assert torch.equal(cache.view(bits)[~nan], expected.view(bits)[~nan])
+    # Every other slot kept its -2^20.
+    assert (cache == -(2.0**20)).sum() == 2 * (blocks * block_size - tokens) * heads * head_dim
+
+
 def test_tensors_the_kernels_do_not_take_go_to_torch() -> None:
     native = NativeLayerOps()
     hidden = randn(4, 32, dtype=torch.float16, seed=0)
@@ -153,5 +190,27 @@ def test_bad_arguments_are_errors_naming_them() -> None:
         torch.ops.pdserve.argmax_rows(torch.zeros(4, 0), isa)
     with pytest.raises(RuntimeError, match="logits must be float32 or bfloat16"):
         torch.ops.pdserve.argmax_rows(torch.zeros(4, 8, dtype=torch.float16), isa)
+    cache = torch.zeros(2, 4, 16, 2, 8)
+    rows = torch.zeros(3, 2, 8)
+    with pytest.raises(RuntimeError, match=r"slot_mapping\[1\] = 64 is outside the cache's 64"):
+        torch.ops.pdserve.write_kv_cache(
+            cache[0], cache[1], rows, rows, torch.tensor([0, 64, 1]), isa
+        )
+    with pytest.raises(RuntimeError, match="slot_mapping must be a contiguous int64 \\[3\\]"):
+        torch.ops.pdserve.write_kv_cache(
+            cache[0], cache[1], rows, rows, torch.tensor([0, 1, 2], dtype=torch.int32), isa
+        )
+    with pytest.raises(RuntimeError, match="key_cache must be a contiguous \\[num_blocks"):
+        torch.ops.pdserve.write_kv_cache(
+            cache[0, :, :, :1], cache[1, :, :, :1], rows, rows, torch.tensor([0, 1, 2]), isa
+        )
+    with pytest.raises(RuntimeError, match="value must be Float, got Double"):
+        torch.ops.pdserve.write_kv_cache(
+            cache[0], cache[1], rows, rows.double(), torch.tensor([0, 1, 2]), isa
+        )
+    with pytest.raises(RuntimeError, match="key must be \\[num_tokens, num_kv_heads, head_dim\\]"):
+        torch.ops.pdserve.write_kv_cache(
+            cache[0], cache[1], rows[:, :, ::2], rows[:, :, ::2], torch.tensor([0, 1, 2]), isa
+        )
     with pytest.raises(RuntimeError, match="unknown or unavailable kernel variant 'sse9'"):
         torch.ops.pdserve.silu_and_mul(torch.empty(4, 2), torch.zeros(4, 4), "sse9")

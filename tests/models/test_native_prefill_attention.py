@@ -244,6 +244,25 @@ def test_a_score_past_exps_range_moves_the_maximum(isa: str) -> None:
         torch.testing.assert_close(out.double(), exact, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("kernel", ["native", "sdpa"])
+def test_the_cache_write_and_the_output_match_the_torch_backend(kernel: str) -> None:
+    # fp32 compute over a bf16 cache: the native backend writes K/V in one pass (its own op),
+    # and a torch prefill kernel on it still attends to the rounded K/V of its fresh chunks.
+    step = build_prefill_step([(0, 40), (20, 9)], block_size=16, num_kv_heads=2, group=3,
+                              head_dim=64)  # fmt: skip
+    native = NativePagedAttention(16, 0.125)
+    native.prefill_kernel = kernel
+    results = []
+    for backend in (TorchPagedAttention(16, 0.125), native):
+        cache = step.kv_cache.to(torch.bfloat16)
+        backend.prepare(step.metadata)
+        out = backend.forward(step.query, step.key, step.value, cache, step.metadata)
+        results.append((out, cache))
+    (reference, reference_cache), (out, cache) = results
+    assert torch.equal(cache, reference_cache)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("num_threads", [1, 3])
 def test_same_result_for_any_thread_count(num_threads: int) -> None:
     step = build_prefill_step([(0, 200), (3, 5), (60, 90)], block_size=16, num_kv_heads=4,

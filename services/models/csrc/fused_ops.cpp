@@ -8,6 +8,8 @@
 //       out = silu(gate) * up, gate and up the halves of each gate_up row
 //   torch.ops.pdserve.argmax_rows(logits, isa) -> indices
 //       the first index of each row's maximum (NaN the maximum), int64 [num_rows]: greedy tokens
+//   torch.ops.pdserve.write_kv_cache(key_cache, value_cache, key, value, slot_mapping, isa)
+//       each token's K and V rows into its cache slot, rounded to the cache's dtype
 //
 // fused_ops_isa.h says exactly what each computes. This file is the ops: it checks every
 // argument (a wrong shape is an error, not a stray write), checks that this CPU runs the requested
@@ -23,6 +25,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "cpu_isa.h"
 #include "fused_ops_isa.h"
@@ -169,6 +172,53 @@ at::Tensor argmax_rows(const at::Tensor& logits, std::string isa) {
   return out;
 }
 
+// key, value: [num_tokens, num_kv_heads, head_dim] with contiguous heads (rows may be strided:
+// views of the fused QKV output); the caches: contiguous [num_blocks, block_size, num_kv_heads,
+// head_dim]; slot_mapping: int64 [num_tokens], each < num_blocks * block_size.
+void write_kv_cache(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& key,
+                    const at::Tensor& value, const at::Tensor& slot_mapping, std::string isa) {
+  const char* op = "write_kv_cache";
+  const pdserve::FusedOps ops = select_ops(isa, op);
+  const bool is_bf16 = check_dtype(key, op, "key");
+  check_like(value, key, op, "value");
+  const bool cache_is_bf16 = check_dtype(key_cache, op, "key_cache");
+  check_like(value_cache, key_cache, op, "value_cache");
+  for (const auto& [t, name] : {std::pair{&key, "key"}, std::pair{&value, "value"}}) {
+    TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "write_kv_cache: ", name, " must be [num_tokens, num_kv_heads, head_dim] with "
+                "contiguous heads, got shape ", t->sizes(), " strides ", t->strides());
+  }
+  const int64_t rows = key.size(0), heads = key.size(1), dim = key.size(2);
+  TORCH_CHECK(value.sizes() == key.sizes(), "write_kv_cache: value must be shaped like key ",
+              key.sizes(), ", got ", value.sizes());
+  for (const auto& [t, name] :
+       {std::pair{&key_cache, "key_cache"}, std::pair{&value_cache, "value_cache"}}) {
+    TORCH_CHECK(t->dim() == 4 && t->is_contiguous() && t->size(2) == heads && t->size(3) == dim,
+                "write_kv_cache: ", name, " must be a contiguous [num_blocks, block_size, ", heads,
+                ", ", dim, "], got shape ", t->sizes());
+  }
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(),
+              "write_kv_cache: value_cache must be shaped like key_cache ", key_cache.sizes(),
+              ", got ", value_cache.sizes());
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == rows && slot_mapping.is_contiguous() &&
+                  slot_mapping.device().is_cpu(),
+              "write_kv_cache: slot_mapping must be a contiguous int64 [", rows,
+              "] on the CPU, got ", slot_mapping.scalar_type(), " ", slot_mapping.sizes());
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows; ++i) {
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "write_kv_cache: slot_mapping[", i,
+                "] = ", slots[i], " is outside the cache's ", num_slots, " slots");
+  }
+  pdserve::KvWriteArgs args{key.const_data_ptr(), value.const_data_ptr(), key_cache.data_ptr(),
+                            value_cache.data_ptr(), slots,   key.stride(0),
+                            value.stride(0),        heads * dim, is_bf16,
+                            cache_is_bf16};
+  at::parallel_for(0, rows, grain(2 * heads * dim),
+                   [&](int64_t begin, int64_t end) { ops.write_kv_cache(args, begin, end); });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve, m) {
@@ -178,6 +228,9 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def("rotary_(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin, str isa) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up, str isa) -> ()");
   m.def("argmax_rows(Tensor logits, str isa) -> Tensor");
+  m.def(
+      "write_kv_cache(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor key, Tensor value, "
+      "Tensor slot_mapping, str isa) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
@@ -185,4 +238,5 @@ TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("rotary_", &rotary);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("write_kv_cache", &write_kv_cache);
 }

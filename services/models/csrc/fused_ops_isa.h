@@ -51,12 +51,30 @@ struct ArgmaxArgs {
   bool is_bf16;
 };
 
+// key_cache[slots[i]] = round(key[i]) and value_cache[slots[i]] = round(value[i]) for each token
+// row i: its num_kv_heads x head_dim elements rounded to the caches' element type (c10's
+// round-to-nearest-even, as .to() rounds): the bits of index_copy_ of the converted rows (a
+// NaN's aside: c10's 0x7fc0 where torch's vectorised conversion gives 0xffff), in one pass
+// instead of a conversion and two copies. The slots are distinct (a step writes a slot
+// once) and in range (the op checks).
+struct KvWriteArgs {
+  const void* key;      // rows of row_width elements, key_stride apart (views of the QKV output)
+  const void* value;    // likewise, value_stride apart
+  void* key_cache;      // [num_slots, row_width]
+  void* value_cache;    // [num_slots, row_width]
+  const int64_t* slots;  // [num_rows]
+  int64_t key_stride, value_stride, row_width;
+  bool is_bf16;        // element type of key and value: bf16 or float
+  bool cache_is_bf16;  // that of the caches, independently
+};
+
 // Rows [begin, end) on the calling thread.
 struct FusedOps {
   void (*rms_norm)(const NormArgs& args, int64_t begin, int64_t end);
   void (*rotary)(const RotaryArgs& args, int64_t begin, int64_t end);
   void (*silu_and_mul)(const SiluMulArgs& args, int64_t begin, int64_t end);
   void (*argmax)(const ArgmaxArgs& args, int64_t begin, int64_t end);
+  void (*write_kv_cache)(const KvWriteArgs& args, int64_t begin, int64_t end);
 };
 
 // One per kernel variant; the AVX ones exist only in x86-64 builds.

@@ -208,6 +208,34 @@ void rms_norm_any(const pdserve::NormArgs& a, int64_t begin, int64_t end) {
   a.is_bf16 ? rms_norm_rows<Bf16>(a, begin, end) : rms_norm_rows<float>(a, begin, end);
 }
 
+// dst[0, n) = src[0, n) in dst's element type (rounded to nearest even into bf16).
+template <typename T, typename C>
+inline void convert_row(const T* src, C* dst, int64_t n) {
+  if constexpr (kSameType<T, C>) {
+    memcpy(dst, src, sizeof(T) * n);
+  } else {
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+      store(dst + i, load(src + i));
+    }
+    if (i < n) {
+      store_partial(dst + i, load_partial(src + i, n - i), n - i);
+    }
+  }
+}
+
+template <typename T, typename C>
+void write_kv_rows(const pdserve::KvWriteArgs& a, int64_t begin, int64_t end) {
+  const int64_t width = a.row_width;
+  for (int64_t row = begin; row < end; ++row) {
+    const int64_t slot = a.slots[row];
+    convert_row(static_cast<const T*>(a.key) + row * a.key_stride,
+                static_cast<C*>(a.key_cache) + slot * width, width);
+    convert_row(static_cast<const T*>(a.value) + row * a.value_stride,
+                static_cast<C*>(a.value_cache) + slot * width, width);
+  }
+}
+
 void rotary_any(const pdserve::RotaryArgs& a, int64_t begin, int64_t end) {
   a.is_bf16 ? rotary_rows<Bf16>(a, begin, end) : rotary_rows<float>(a, begin, end);
 }
@@ -220,8 +248,14 @@ void argmax_any(const pdserve::ArgmaxArgs& a, int64_t begin, int64_t end) {
   a.is_bf16 ? argmax_rows<Bf16>(a, begin, end) : argmax_rows<float>(a, begin, end);
 }
 
+void write_kv_cache_any(const pdserve::KvWriteArgs& a, int64_t begin, int64_t end) {
+  with_element_types(a.is_bf16, a.cache_is_bf16, [&](auto row, auto cache) {
+    write_kv_rows<decltype(row), decltype(cache)>(a, begin, end);
+  });
+}
+
 }  // namespace
 
 pdserve::FusedOps pdserve::PDSERVE_FUSED_OPS() {
-  return {rms_norm_any, rotary_any, silu_and_mul_any, argmax_any};
+  return {rms_norm_any, rotary_any, silu_and_mul_any, argmax_any, write_kv_cache_any};
 }
