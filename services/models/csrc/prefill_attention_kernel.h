@@ -234,17 +234,20 @@ inline bool softmax_block(Scratch& sc, float* scores_t, int64_t stride, int64_t 
     const bool needs_mask = k0 + keys - 1 > static_cast<int64_t>(sc.position[r]);
     // Two running maxima: one would chain every key's max on the last one's latency.
     Vec m_even = m_old, m_odd = m_old;
-    float key = static_cast<float>(k0);  // exact below 2^24, like the positions
+    // The key's position in every lane, counted in a vector (exact below 2^24, like the
+    // positions): no broadcast per key.
+    const Vec first_key = Vec{} + static_cast<float>(k0);
+    Vec key = first_key;
     for (int64_t j = 0; j < keys; j += 2, key += 2.0f) {
       Vec x = load(column + j * stride) * scale;
       if (needs_mask) {
-        x = Vec{} + key <= pos ? x : hidden;
+        x = key <= pos ? x : hidden;
       }
       m_even = vmax(m_even, x);
       if (j + 1 < keys) {
         Vec y = load(column + (j + 1) * stride) * scale;
         if (needs_mask) {
-          y = Vec{} + (key + 1.0f) <= pos ? y : hidden;
+          y = key + 1.0f <= pos ? y : hidden;
         }
         m_odd = vmax(m_odd, y);
       }
@@ -258,13 +261,13 @@ inline bool softmax_block(Scratch& sc, float* scores_t, int64_t stride, int64_t 
     const Vec m = m_block - m_old > Vec{} + kLazyRescale ? m_block : m_old;
     const Vec alpha = exp2_nonpositive(m_old - m);
     Vec l = load(sc.sum.data() + r) * alpha;
-    key = static_cast<float>(k0);
+    key = first_key;
     for (int64_t j = 0; j < keys; ++j, key += 1.0f) {
       // A hidden key's score may exceed m (it is above the diagonal): its exp, which may
       // overflow, is dropped here, as is a NaN.
       Vec prob = exp2_nonpositive(load(column + j * stride) * scale - m);
       if (needs_mask) {
-        prob = Vec{} + key <= pos ? prob : Vec{};
+        prob = key <= pos ? prob : Vec{};
       }
       store(column + j * stride, prob);
       l += prob;
