@@ -122,6 +122,11 @@ class FewRowWeight:
         out_features, in_features = weight.shape
         return cls(packed, address, in_features=in_features, out_features=out_features)
 
+    @staticmethod
+    def takes(x: torch.Tensor) -> bool:
+        """Whether the AMX kernel, rather than oneDNN's, multiplies this batch of rows."""
+        return takes(x)
+
     def linear(
         self,
         x: torch.Tensor,

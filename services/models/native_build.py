@@ -4,14 +4,15 @@ time.
 One extension holds every native CPU op: the paged decode and prefill attention
 (``csrc/paged_attention*.cpp``, ``csrc/prefill_attention*.cpp``, ``native_attention.py``), the
 fused elementwise ops of a decoder layer (``csrc/fused_ops*.cpp``, ``native_layer_ops.py``) and
-the AMX few-row linear (``csrc/amx_linear*.cpp``, ``amx_linear.py``: one variant, for CPUs with
-AMX-BF16, which checks the CPU itself). Each other kernel comes in one variant per instruction
-set (``KERNEL_ISAS``: AVX512-BF16, AVX-512, AVX2 and a portable one), compiled with per-file
-targets into one library with the baseline compiler flags, so the build does not depend on the
-host. A user of the kernels runs the best variant this CPU supports (``/proc/cpuinfo`` flags),
-or the one forced by its ``isa`` argument or ``PDSERVE_NATIVE_ISA``; forcing one the CPU cannot
-run raises ``UnsupportedIsaError`` naming what is missing (every op checks cpuid again: never
-SIGILL).
+the few-row linears: bf16 on AMX (``csrc/amx_linear*.cpp``, ``amx_linear.py``: one variant, for
+CPUs with AMX-BF16, which checks the CPU itself) and fp32 (``csrc/fp32_linear*.cpp``,
+``fp32_linear.py``: its AVX-512 variant also serves avx512_bf16). Each other kernel comes in one
+variant per instruction set (``KERNEL_ISAS``: AVX512-BF16, AVX-512, AVX2 and a portable one),
+compiled with per-file targets into one library with the baseline compiler flags, so the build
+does not depend on the host. A user of the kernels runs the best variant this CPU supports
+(``/proc/cpuinfo`` flags), or the one forced by its ``isa`` argument or ``PDSERVE_NATIVE_ISA``;
+forcing one the CPU cannot run raises ``UnsupportedIsaError`` naming what is missing (every op
+checks cpuid again: never SIGILL).
 
 Life cycle: the extension is compiled on first use (``torch.utils.cpp_extension.load``, ~15-30 s,
 most of it ``torch/library.h``), then cached under ``TORCH_EXTENSIONS_DIR`` or torch's default
@@ -45,6 +46,7 @@ _SOURCES = [
     *(_CSRC / f"fused_ops{suffix}.cpp" for suffix in ("", *_VARIANTS)),
     _CSRC / "amx_linear.cpp",
     _CSRC / "amx_linear_amx.cpp",
+    *(_CSRC / f"fp32_linear{suffix}.cpp" for suffix in ("", "_portable", "_avx2", "_avx512")),
 ]
 _HEADERS = [
     _CSRC / name
@@ -58,6 +60,9 @@ _HEADERS = [
         "fused_ops_isa.h",
         "fused_ops_kernel.h",
         "amx_linear_isa.h",
+        "linear_epilogue.h",
+        "fp32_linear_isa.h",
+        "fp32_linear_kernel.h",
         "amx_tiles.h",
     )
 ]

@@ -20,9 +20,12 @@ oneDNN's GEMM epilogues: the ``[rows, 2 x intermediate]`` product is never writt
 back (a 2,048-token prefill step of the small model: 6.0 against 7.1 ms a layer, measured with
 ``torch.nn.functional.silu``; the native ``silu_and_mul`` pass took 1.75 ms of it).
 
-On a CPU with AMX, a bf16 batch of up to ``amx_linear.MAX_ROWS`` rows (a decode step) runs our
-own AMX kernel over the same packed buffer instead (``amx_linear.py``: oneDNN's kernel streams
-the weights at about half the memory's rate there); larger batches stay on oneDNN's.
+A batch of few rows (a decode step) runs one of our own kernels over the same packed buffer
+instead, where it is faster than oneDNN's: in bf16 on a CPU with AMX, up to
+``amx_linear.MAX_ROWS`` rows on the tiles (``amx_linear.py``: oneDNN's kernel streams the weights
+at about half the memory's rate there); in fp32, up to ``fp32_linear.MAX_ROWS`` rows on the
+vector units (``fp32_linear.py``: it streams the next weights under the arithmetic). Larger
+batches stay on oneDNN's.
 
 Life cycle: ``pack_linears`` runs once, after the checkpoint is loaded and before the first step,
 and replaces the decoder's projections and the lm_head with ``PackedLinear`` modules (and
@@ -44,10 +47,29 @@ import logging
 import torch
 from torch import nn
 
-from services.models import amx_linear
+from services.models import amx_linear, fp32_linear
 from services.models.amx_linear import FewRowWeight
+from services.models.fp32_linear import Fp32FewRowWeight
 
 logger = logging.getLogger(__name__)
+
+
+FewRowView = FewRowWeight | Fp32FewRowWeight
+"""Our few-row kernels' views of a packed weight: each ``takes`` some batches and runs
+``linear`` with oneDNN's epilogues."""
+
+
+def few_row_view(weight: torch.Tensor, packed: torch.Tensor) -> FewRowView | None:
+    """The few-row kernel for this weight's dtype reading ``packed``, or None where it does not
+    run here (``amx_linear`` for bf16, ``fp32_linear`` for fp32)."""
+    return FewRowWeight.of(weight, packed) or Fp32FewRowWeight.of(weight, packed)
+
+
+def few_row_label(view: FewRowView | None) -> str:
+    """``extra_repr``'s note of which few-row kernel a module has."""
+    if view is None:
+        return ""
+    return ", amx" if isinstance(view, FewRowWeight) else f", fp32 few-row {view.isa}"
 
 
 class PackedLinear(nn.Module):
@@ -61,9 +83,8 @@ class PackedLinear(nn.Module):
         # The batch-size hint only picks the blocking; any number of rows works (tested).
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
         self.bias = None if linear.bias is None else linear.bias.detach()
-        self.few_rows = FewRowWeight.of(weight, self.packed)
-        """The AMX kernel's view of ``packed`` for batches of up to ``amx_linear.MAX_ROWS`` rows,
-        or None (``amx_linear.py``)."""
+        self.few_rows = few_row_view(weight, self.packed)
+        """Our few-row kernel's view of ``packed`` for the batches it ``takes``, or None."""
 
     @property
     def num_weights(self) -> int:
@@ -71,13 +92,15 @@ class PackedLinear(nn.Module):
         return self.in_features * self.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few_rows is not None and amx_linear.takes(x):
+        if self.few_rows is not None and self.few_rows.takes(x):
             return self.few_rows.linear(x, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        amx = ", amx" if self.few_rows is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed{amx}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, packed"
+            f"{few_row_label(self.few_rows)}"
+        )
 
 
 class PackedSiluGateUp(nn.Module):
@@ -101,10 +124,10 @@ class PackedSiluGateUp(nn.Module):
             (None, None) if gate_up.bias is None else gate_up.bias.detach().chunk(2, dim=0)
         )
         self.gate_bias, self.up_bias = gate_bias, up_bias
-        few_gate, few_up = FewRowWeight.of(gate, self.gate), FewRowWeight.of(up, self.up)
+        few_gate, few_up = few_row_view(gate, self.gate), few_row_view(up, self.up)
         self.few_rows = None if few_gate is None or few_up is None else (few_gate, few_up)
-        """The AMX kernel's views of ``gate`` and ``up`` for batches of up to
-        ``amx_linear.MAX_ROWS`` rows, with the same epilogues, or None (``amx_linear.py``)."""
+        """Our few-row kernel's views of ``gate`` and ``up`` for the batches it ``takes``, with
+        the same epilogues, or None."""
 
     @property
     def num_weights(self) -> int:
@@ -112,7 +135,7 @@ class PackedSiluGateUp(nn.Module):
         return 2 * self.in_features * self.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few_rows is not None and amx_linear.takes(x):
+        if self.few_rows is not None and self.few_rows[0].takes(x):
             few_gate, few_up = self.few_rows
             gate = few_gate.linear(x, self.gate_bias, "silu")
             return few_up.linear(x, self.up_bias, "mul", gate)
@@ -120,9 +143,9 @@ class PackedSiluGateUp(nn.Module):
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up, self.up_bias, "mul")
 
     def extra_repr(self) -> str:
-        amx = ", amx" if self.few_rows is not None else ""
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, packed, silu{amx}"
+            f"in_features={self.in_features}, out_features={self.out_features}, packed, silu"
+            f"{few_row_label(None if self.few_rows is None else self.few_rows[0])}"
         )
 
 
@@ -157,19 +180,21 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
         if type(child) is nn.Linear
         and not (dtype == torch.float32 and id(child.weight) in embedding_weights)
     ]
-    on_amx = 0
+    few_rows = 0
     with torch.no_grad():
         for parent, name, child in targets:
             packed = PackedSiluGateUp(child) if name == "gate_up_proj" else PackedLinear(child)
-            on_amx += packed.few_rows is not None
+            few_rows += packed.few_rows is not None
             setattr(parent, name, packed)
-    if on_amx:
-        amx = f"{on_amx} of them take batches of up to {amx_linear.MAX_ROWS} rows on the AMX kernel"
+    if dtype == torch.bfloat16:
+        kernel, limit = "the AMX kernel", amx_linear.MAX_ROWS
+        why = amx_linear.amx_unavailable_reason()
     else:
-        why = "oneDNN packed them in another layout"
-        if dtype != torch.bfloat16:
-            why = f"{dtype} weights"
-        why = amx_linear.amx_unavailable_reason() or why
-        amx = f"none runs on the AMX kernel ({why})"
-    logger.info("packed %d linear weights into oneDNN's blocked layout; %s", len(targets), amx)
+        kernel, limit = "the fp32 few-row kernel", fp32_linear.MAX_ROWS
+        why = fp32_linear.fp32_linear_unavailable_reason()
+    if few_rows:
+        note = f"{few_rows} of them take batches of up to {limit} rows on {kernel}"
+    else:
+        note = f"none runs on {kernel} ({why or 'oneDNN packed them in another layout'})"
+    logger.info("packed %d linear weights into oneDNN's blocked layout; %s", len(targets), note)
     return len(targets)

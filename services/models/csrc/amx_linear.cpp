@@ -35,18 +35,6 @@ void check_bf16(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), "amx_linear: ", name, " must be contiguous");
 }
 
-pdserve::AmxEpilogue parse_epilogue(const std::string& epilogue) {
-  if (epilogue == "none") {
-    return pdserve::AmxEpilogue::kNone;
-  }
-  if (epilogue == "silu") {
-    return pdserve::AmxEpilogue::kSilu;
-  }
-  TORCH_CHECK(epilogue == "mul", "amx_linear: epilogue must be none, silu or mul, got '",
-              epilogue, "'");
-  return pdserve::AmxEpilogue::kMul;
-}
-
 at::Tensor amx_linear(const at::Tensor& x, int64_t weight_address, int64_t in_features,
                       int64_t out_features, const std::optional<at::Tensor>& bias,
                       std::string epilogue, const std::optional<at::Tensor>& other) {
@@ -61,13 +49,15 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t weight_address, int64_t in_fe
               "amx_linear: in_features and out_features must be positive multiples of 32, got ",
               in_features, " and ", out_features);
   TORCH_CHECK(weight_address != 0, "amx_linear: weight_address is null");
-  const pdserve::AmxEpilogue kind = parse_epilogue(epilogue);
+  pdserve::LinearEpilogue kind;
+  TORCH_CHECK(pdserve::parse_linear_epilogue(epilogue, &kind),
+              "amx_linear: epilogue must be none, silu or mul, got '", epilogue, "'");
   if (bias) {
     check_bf16(*bias, "bias");
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "amx_linear: bias must be [",
                 out_features, "], got ", bias->sizes());
   }
-  TORCH_CHECK(other.has_value() == (kind == pdserve::AmxEpilogue::kMul),
+  TORCH_CHECK(other.has_value() == (kind == pdserve::LinearEpilogue::kMul),
               "amx_linear: other is given exactly when the epilogue is mul");
   if (other) {
     check_bf16(*other, "other");

@@ -62,9 +62,9 @@ void finish_tile(const pdserve::AmxLinearArgs& a, const float (&tile)[16][16], i
   const Bf16* other = static_cast<const Bf16*>(a.other);
   for (int64_t r = 0; r < rows; ++r) {
     Vec v = load(tile[r]) + bias;
-    if (a.epilogue == pdserve::AmxEpilogue::kSilu) {
+    if (a.epilogue == pdserve::LinearEpilogue::kSilu) {
       v = v / (Vec{} + 1.0f + exp_clamped(Vec{} - v));
-    } else if (a.epilogue == pdserve::AmxEpilogue::kMul) {
+    } else if (a.epilogue == pdserve::LinearEpilogue::kMul) {
       v = v * load(other + (row0 + r) * n + col0);
     }
     store(out + (row0 + r) * n + col0, v);

@@ -5,14 +5,9 @@
 
 #include <cstdint>
 
-namespace pdserve {
+#include "linear_epilogue.h"
 
-// What the kernel applies to each fp32 accumulator (bias added first) before rounding to bf16.
-enum class AmxEpilogue : int32_t {
-  kNone = 0,
-  kSilu = 1,  // x / (1 + exp(-x)): oneDNN's "swish" post-op
-  kMul = 2,   // x * other[row, col]: oneDNN's "mul" binary post-op
-};
+namespace pdserve {
 
 // out = epilogue(x @ weight^T + bias), every tensor bf16, accumulated in fp32.
 struct AmxLinearArgs {
@@ -26,7 +21,7 @@ struct AmxLinearArgs {
   const void* other;  // [num_rows, out_features] (kMul) or nullptr
   void* out;          // [num_rows, out_features]
   int64_t num_rows, padded_rows, in_features, out_features;
-  AmxEpilogue epilogue;
+  LinearEpilogue epilogue;  // applied before rounding to bf16
 };
 
 // Why this process cannot run the kernel ("" when it can): the CPU lacks AMX-BF16 / AMX-TILE /

@@ -1,0 +1,19 @@
+// The fp32 few-row linear kernel for CPUs with AVX2 and FMA.
+//
+// Built into the same library as every other variant with the baseline compiler flags; the
+// target is switched here, after the headers, and the op (fp32_linear.cpp) calls it only after
+// checking the CPU (never SIGILL). See fp32_linear_kernel.h.
+
+#include <stdint.h>
+#include <string.h>
+
+#include "fp32_linear_isa.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#pragma GCC target("avx2,fma")
+#define PDSERVE_AVX2 1
+#define PDSERVE_FP32_LINEAR_PANELS fp32_linear_panels_avx2
+#include "fp32_linear_kernel.h"
+#endif

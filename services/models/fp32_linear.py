@@ -1,0 +1,150 @@
+"""fp32 linears of few rows on the vector units, reading the weight oneDNN packed.
+
+Why: in fp32 (what ``--dtype auto`` picks on a CPU whose bf16 arithmetic is slow) a decode
+step's linears are compute-bound at 64 rows, yet oneDNN's packed kernel runs them at about three
+quarters of its cache-resident rate once the weights come from memory: its arithmetic and the
+weight stream take turns. ``csrc/fp32_linear_kernel.h`` multiplies one 64-column panel of the
+weight by every row while it prefetches the thread's next panel into the L2, spread evenly over
+the panel's work, so that the stream runs under the arithmetic (``docs/benchmarks.md``, issue 21).
+Where it is faster, measured on an AVX-512 host with the weights streamed from memory: 1-64 rows
+on AVX-512 (10-16 % at 64, 20 % at 16; even at 128), 1-64 on AVX2 (40 % at 16, even at 64,
+15 % slower at 128); hence ``MAX_ROWS``.
+
+It reads the very buffer ``mkldnn._reorder_linear_weight`` made: oneDNN packs an fp32 linear
+weight for its AVX2 and AVX-512 kernels as ``[out/64][in][64]``, each panel's 64 output columns
+contiguous for every input, which is the layout this kernel wants, so the model keeps one copy
+of its weights and larger batches (prefill) still run oneDNN's kernel. That layout is oneDNN's
+choice, not a promise: ``Fp32FewRowWeight.of`` compares every packed float with the plain weight
+before it lets the kernel read them, and a weight packed any other way (another oneDNN version or
+CPU, an output width that is not a multiple of 64) stays on oneDNN alone.
+
+Life cycle: as ``amx_linear.FewRowWeight``'s: made once per weight while ``pack_linears`` packs
+it; holds the packed tensor whose buffer the kernel reads; each ``linear`` call runs on the
+calling thread's torch OpenMP pool and allocates its output.
+
+On by default where the native kernels build and their variant is AVX2 or better (the portable
+one was not measured against oneDNN); ``PDSERVE_FP32_LINEAR=0`` turns it off (to measure oneDNN
+alone).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from services.models.amx_linear import Epilogue
+from services.models.cpu_features import cpu_flags
+from services.models.native_build import native_kernel_error, resolve_isa
+
+logger = logging.getLogger(__name__)
+
+MAX_ROWS = 64
+"""Batches up to this many rows take this kernel, larger ones oneDNN's (see the module
+docstring for where each is faster)."""
+
+SWITCH_ENV = "PDSERVE_FP32_LINEAR"
+"""``0`` keeps every fp32 linear on oneDNN."""
+
+PANEL = 64
+"""Output columns of one of oneDNN's fp32 weight panels."""
+
+_MEASURED_ISAS = ("avx512_bf16", "avx512", "avx2")
+
+
+def fp32_linear_unavailable_reason() -> str | None:
+    """None when this process runs the fp32 few-row kernel, else why not (never raises)."""
+    if os.environ.get(SWITCH_ENV, "1") == "0":
+        return f"{SWITCH_ENV}=0"
+    missing = sorted({"avx2", "fma"} - cpu_flags())
+    if missing:  # told without building the native kernels
+        return f"this CPU lacks {', '.join(missing)}"
+    error = native_kernel_error()
+    if error is not None:
+        return f"native CPU kernels are unavailable: {error}"
+    isa = resolve_isa()
+    if isa not in _MEASURED_ISAS:
+        return f"the {isa} variant (it runs on AVX2 or AVX-512)"
+    return None
+
+
+def _packed_floats(packed: torch.Tensor) -> torch.Tensor:
+    """The packed weight's buffer as a flat int32 tensor over the same memory (no copy)."""
+    address = torch.ops.mkldnn.data_ptr(packed)
+    length = torch.ops.mkldnn._nbytes(packed) // 4
+    return torch.frombuffer((ctypes.c_int32 * length).from_address(address), dtype=torch.int32)
+
+
+def _in_panel_layout(weight: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether ``packed`` holds the ``[out, in]`` fp32 ``weight`` as ``[out/64][in][64]``
+    exactly (compared as bits, so NaNs compare too)."""
+    out_features, in_features = weight.shape
+    if out_features % PANEL:
+        return False
+    flat = _packed_floats(packed)
+    if flat.numel() != weight.numel():
+        return False
+    # weight[64 p + c, k] sits at [p][k][c].
+    expected = weight.view(torch.int32).view(out_features // PANEL, PANEL, in_features)
+    return torch.equal(flat.view(out_features // PANEL, in_features, PANEL),
+                       expected.transpose(1, 2))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Fp32FewRowWeight:
+    """A oneDNN-packed fp32 weight the fp32 few-row kernel reads, with what it needs to call
+    it."""
+
+    packed: torch.Tensor
+    """The ``mkldnn`` tensor whose buffer the kernel reads (held so that it stays allocated)."""
+    address: int
+    in_features: int
+    out_features: int
+    isa: str
+    """The kernel variant (``native_build.resolve_isa`` at packing time)."""
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, packed: torch.Tensor) -> Fp32FewRowWeight | None:
+        """The kernel's view of ``packed`` (made from the plain ``weight``), or None where the
+        kernel does not run here or oneDNN packed it in another layout."""
+        if weight.dtype != torch.float32 or fp32_linear_unavailable_reason() is not None:
+            return None
+        try:
+            in_layout = _in_panel_layout(weight, packed)
+        except (AttributeError, RuntimeError):  # a torch without mkldnn.data_ptr / _nbytes
+            logger.debug("cannot read oneDNN's packed buffer", exc_info=True)
+            return None
+        if not in_layout:
+            logger.debug("oneDNN packed a %s fp32 weight in another layout", tuple(weight.shape))
+            return None
+        out_features, in_features = weight.shape
+        address = torch.ops.mkldnn.data_ptr(packed)
+        return cls(packed, address, in_features, out_features, resolve_isa())
+
+    @staticmethod
+    def takes(x: torch.Tensor) -> bool:
+        """Whether this kernel, rather than oneDNN's, multiplies this batch of rows."""
+        return x.dim() == 2 and x.shape[0] <= MAX_ROWS
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        epilogue: Epilogue = "none",
+        other: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``epilogue(x @ weight.T + bias)`` for ``x`` ``[num_rows, in_features]`` fp32;
+        ``mul`` multiplies by ``other`` ``[num_rows, out_features]``."""
+        return torch.ops.pdserve.fp32_linear(
+            x.contiguous(),
+            self.address,
+            self.in_features,
+            self.out_features,
+            bias,
+            epilogue,
+            other,
+            self.isa,
+        )
