@@ -1,14 +1,18 @@
-"""Decode-sized bf16 linears: oneDNN's packed kernel against our AMX kernel on the same buffer.
+"""Decode-sized linears: oneDNN's packed kernel against our few-row kernel on the same buffer.
 
-    python benchmarks/few_row_linear.py [--layers 48] [--rows 1,16,32,64,128,256] [--threads N]
+    python benchmarks/few_row_linear.py [--dtype bfloat16|float32] [--layers 48]
+        [--rows 1,16,32,64,128,256] [--threads N]
 
 Packs the ``small`` model's projections (qkv 768 -> 1280, o 768 -> 768, gate/up 768 -> 4096,
 down 2048 -> 768) for ``--layers`` decoder layers, then times one pass over all of them per
-row count with each kernel: ``mkldnn._linear_pointwise`` and ``amx_linear.FewRowWeight.linear``
-(which reads the very buffer oneDNN packed). 48 layers' weights (604 MB) exceed the L3 of the
-hosts in ``docs/benchmarks.md``, so the default streams them from memory as a decode step
-does; ``--layers 2`` (25 MB) keeps them in the cache (the kernels' arithmetic alone). Prints the
-best of five passes and the weight bytes streamed per second.
+row count with each kernel: ``mkldnn._linear_pointwise`` and our kernel for the dtype, which
+reads the very buffer oneDNN packed (bf16: ``amx_linear.FewRowWeight``, on AMX; fp32:
+``fp32_linear.Fp32FewRowWeight``, in the variant ``PDSERVE_NATIVE_ISA`` forces or the CPU's
+best). 48 layers' weights (604 MB in bf16) exceed the L3 of the hosts in
+``docs/benchmarks.md``, so the default streams them from memory as a decode step does;
+``--layers 2`` keeps them in the cache (the kernels' arithmetic alone). Prints the best of five
+passes, the weight bytes streamed per second and GFLOP/s. ``ONEDNN_MAX_CPU_ISA=AVX512_CORE``
+(or ``AVX2``) holds oneDNN to what a CPU without AMX (or AVX-512) has.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.models.amx_linear import FewRowWeight, amx_unavailable_reason  # noqa: E402
+from services.models.fp32_linear import (  # noqa: E402
+    Fp32FewRowWeight,
+    fp32_linear_unavailable_reason,
+)
 
 SHAPES = [(768, 1280), (768, 768), (768, 4096), (2048, 768)]
 """(in_features, out_features) of one decoder layer's projections in the small model."""
@@ -42,35 +50,42 @@ def best_seconds(fn: Callable[[], object], trials: int = 5) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--rows", default="1,16,32,64,128,256")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = parser.parse_args()
-    reason = amx_unavailable_reason()
+    dtype = getattr(torch, args.dtype)
+    kernel = FewRowWeight if dtype == torch.bfloat16 else Fp32FewRowWeight
+    name = "AMX" if dtype == torch.bfloat16 else "ours"
+    reason = (
+        amx_unavailable_reason() if dtype == torch.bfloat16 else fp32_linear_unavailable_reason()
+    )
     if reason is not None:
-        sys.exit(f"the AMX kernel does not run here: {reason}")
+        sys.exit(f"our {args.dtype} kernel does not run here: {reason}")
     if args.threads:
         torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
     packed: list[torch.Tensor] = []
-    few_rows: list[FewRowWeight] = []
+    few_rows: list[FewRowWeight | Fp32FewRowWeight] = []
     for _ in range(args.layers):
         for in_features, out_features in SHAPES:
-            weight = (torch.randn(out_features, in_features, generator=generator) / 32).bfloat16()
+            weight = (torch.randn(out_features, in_features, generator=generator) / 32).to(dtype)
             packed.append(torch.ops.mkldnn._reorder_linear_weight(weight, 64))
-            view = FewRowWeight.of(weight, packed[-1])
+            view = kernel.of(weight, packed[-1])
             if view is None:
                 sys.exit(f"oneDNN packed a {tuple(weight.shape)} weight in another layout")
             few_rows.append(view)
     in_sizes = [in_features for _ in range(args.layers) for in_features, _ in SHAPES]
-    weight_bytes = 2 * args.layers * sum(i * o for i, o in SHAPES)
+    weights = args.layers * sum(i * o for i, o in SHAPES)
+    weight_bytes = weights * dtype.itemsize
     print(
-        f"{args.layers} layers, {weight_bytes / 1e6:.0f} MB of bf16 weights, "
+        f"{args.layers} layers, {weight_bytes / 1e6:.0f} MB of {args.dtype} weights, "
         f"{torch.get_num_threads()} threads"
     )
-    print("rows   oneDNN ms (GB/s)    AMX ms (GB/s)    speedup")
+    print(f"rows   oneDNN ms (GB/s, GFLOP/s)      {name} ms (GB/s, GFLOP/s)      speedup")
     for num_rows in (int(r) for r in args.rows.split(",")):
-        inputs = {i: torch.randn(num_rows, i, generator=generator).bfloat16() for i, _ in SHAPES}
+        inputs = {i: torch.randn(num_rows, i, generator=generator).to(dtype) for i, _ in SHAPES}
 
         xs = [inputs[size] for size in in_sizes]
 
@@ -78,15 +93,18 @@ def main() -> None:
             for weight, x in zip(packed, xs, strict=True):
                 torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
-        def amx(xs: list[torch.Tensor] = xs) -> None:
+        def ours(xs: list[torch.Tensor] = xs) -> None:
             for view, x in zip(few_rows, xs, strict=True):
                 view.linear(x)
 
-        onednn_s, amx_s = best_seconds(onednn), best_seconds(amx)
+        onednn_s, ours_s = best_seconds(onednn), best_seconds(ours)
+        flops = 2 * num_rows * weights
         print(
-            f"{num_rows:4d}   {onednn_s * 1e3:7.2f} ({weight_bytes / onednn_s / 1e9:4.1f})"
-            f"     {amx_s * 1e3:7.2f} ({weight_bytes / amx_s / 1e9:4.1f})"
-            f"     {onednn_s / amx_s:.2f}x"
+            f"{num_rows:4d}   {onednn_s * 1e3:7.2f} ({weight_bytes / onednn_s / 1e9:4.1f}, "
+            f"{flops / onednn_s / 1e9:4.0f})"
+            f"     {ours_s * 1e3:7.2f} ({weight_bytes / ours_s / 1e9:4.1f}, "
+            f"{flops / ours_s / 1e9:4.0f})"
+            f"     {onednn_s / ours_s:.2f}x"
         )
 
 

@@ -6,9 +6,10 @@ quarters of its cache-resident rate once the weights come from memory: its arith
 weight stream take turns. ``csrc/fp32_linear_kernel.h`` multiplies one 64-column panel of the
 weight by every row while it prefetches the thread's next panel into the L2, spread evenly over
 the panel's work, so that the stream runs under the arithmetic (``docs/benchmarks.md``, issue 21).
-Where it is faster, measured on an AVX-512 host with the weights streamed from memory: 1-64 rows
-on AVX-512 (10-16 % at 64, 20 % at 16; even at 128), 1-64 on AVX2 (40 % at 16, even at 64,
-15 % slower at 128); hence ``MAX_ROWS``.
+Where it is faster (``benchmarks/few_row_linear.py --dtype float32``, the small model's
+projections streamed from memory, oneDNN held to the same instruction set): AVX-512 10-14 % at
+1-64 rows, even at 128; AVX2 23-40 % at 1-24 rows, 3 % at 48, 5 % slower at 64 and 20 % at 128.
+Hence ``MAX_ROWS``.
 
 It reads the very buffer ``mkldnn._reorder_linear_weight`` made: oneDNN packs an fp32 linear
 weight for its AVX2 and AVX-512 kernels as ``[out/64][in][64]``, each panel's 64 output columns
@@ -42,18 +43,15 @@ from services.models.native_build import native_kernel_error, resolve_isa
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 64
-"""Batches up to this many rows take this kernel, larger ones oneDNN's (see the module
-docstring for where each is faster)."""
+MAX_ROWS = {"avx512_bf16": 64, "avx512": 64, "avx2": 48}
+"""Per kernel variant, batches up to this many rows take this kernel, larger ones oneDNN's (see
+the module docstring for where each is faster)."""
 
 SWITCH_ENV = "PDSERVE_FP32_LINEAR"
 """``0`` keeps every fp32 linear on oneDNN."""
 
 PANEL = 64
 """Output columns of one of oneDNN's fp32 weight panels."""
-
-_MEASURED_ISAS = ("avx512_bf16", "avx512", "avx2")
-
 
 def fp32_linear_unavailable_reason() -> str | None:
     """None when this process runs the fp32 few-row kernel, else why not (never raises)."""
@@ -66,7 +64,7 @@ def fp32_linear_unavailable_reason() -> str | None:
     if error is not None:
         return f"native CPU kernels are unavailable: {error}"
     isa = resolve_isa()
-    if isa not in _MEASURED_ISAS:
+    if isa not in MAX_ROWS:
         return f"the {isa} variant (it runs on AVX2 or AVX-512)"
     return None
 
@@ -124,10 +122,14 @@ class Fp32FewRowWeight:
         address = torch.ops.mkldnn.data_ptr(packed)
         return cls(packed, address, in_features, out_features, resolve_isa())
 
-    @staticmethod
-    def takes(x: torch.Tensor) -> bool:
+    @property
+    def max_rows(self) -> int:
+        """The largest batch this kernel multiplies (``MAX_ROWS`` of its variant)."""
+        return MAX_ROWS[self.isa]
+
+    def takes(self, x: torch.Tensor) -> bool:
         """Whether this kernel, rather than oneDNN's, multiplies this batch of rows."""
-        return x.dim() == 2 and x.shape[0] <= MAX_ROWS
+        return x.dim() == 2 and x.shape[0] <= self.max_rows
 
     def linear(
         self,

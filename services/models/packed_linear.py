@@ -23,9 +23,9 @@ back (a 2,048-token prefill step of the small model: 6.0 against 7.1 ms a layer,
 A batch of few rows (a decode step) runs one of our own kernels over the same packed buffer
 instead, where it is faster than oneDNN's: in bf16 on a CPU with AMX, up to
 ``amx_linear.MAX_ROWS`` rows on the tiles (``amx_linear.py``: oneDNN's kernel streams the weights
-at about half the memory's rate there); in fp32, up to ``fp32_linear.MAX_ROWS`` rows on the
-vector units (``fp32_linear.py``: it streams the next weights under the arithmetic). Larger
-batches stay on oneDNN's.
+at about half the memory's rate there); in fp32, up to ``fp32_linear.MAX_ROWS`` rows (48 or 64
+by variant) on the vector units (``fp32_linear.py``: it streams the next weights under the
+arithmetic). Larger batches stay on oneDNN's.
 
 Life cycle: ``pack_linears`` runs once, after the checkpoint is loaded and before the first step,
 and replaces the decoder's projections and the lm_head with ``PackedLinear`` modules (and
@@ -50,6 +50,7 @@ from torch import nn
 from services.models import amx_linear, fp32_linear
 from services.models.amx_linear import FewRowWeight
 from services.models.fp32_linear import Fp32FewRowWeight
+from services.models.native_build import resolve_isa
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,8 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
         kernel, limit = "the AMX kernel", amx_linear.MAX_ROWS
         why = amx_linear.amx_unavailable_reason()
     else:
-        kernel, limit = "the fp32 few-row kernel", fp32_linear.MAX_ROWS
+        isa = resolve_isa()
+        kernel, limit = f"the fp32 few-row kernel ({isa})", fp32_linear.MAX_ROWS.get(isa, 0)
         why = fp32_linear.fp32_linear_unavailable_reason()
     if few_rows:
         note = f"{few_rows} of them take batches of up to {limit} rows on {kernel}"

@@ -12,7 +12,6 @@ from torch import nn
 
 from services.models import fp32_linear
 from services.models.fp32_linear import (
-    MAX_ROWS,
     SWITCH_ENV,
     Fp32FewRowWeight,
     fp32_linear_unavailable_reason,
@@ -153,7 +152,7 @@ def test_packed_linears_take_the_fp32_kernel_up_to_max_rows(
     gate_up = nn.Linear(96, 2 * 128, bias=False)
     with torch.no_grad():
         packed, fused = PackedLinear(linear), PackedSiluGateUp(gate_up)
-    assert packed.few_rows is not None and fused.few_rows is not None
+    assert isinstance(packed.few_rows, Fp32FewRowWeight) and fused.few_rows is not None
     assert "fp32 few-row" in repr(packed) and "fp32 few-row" in repr(fused)
 
     calls: list[int] = []
@@ -164,14 +163,15 @@ def test_packed_linears_take_the_fp32_kernel_up_to_max_rows(
         return real_linear(self, x, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Fp32FewRowWeight, "linear", counting)
+    limit = packed.few_rows.max_rows
     with torch.no_grad():
-        for num_rows in (1, MAX_ROWS, MAX_ROWS + 1):
+        for num_rows in (1, limit, limit + 1):
             x = _rows(num_rows, 96, seed=num_rows)
             torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
             gate, up = gate_up(x).chunk(2, -1)
             torch.testing.assert_close(fused(x), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
-    # One call for the linear and two (gate, up) for the MLP, at 1 and MAX_ROWS rows only.
-    assert calls == [1, 1, 1, MAX_ROWS, MAX_ROWS, MAX_ROWS]
+    # One call for the linear and two (gate, up) for the MLP, at 1 and max_rows rows only.
+    assert calls == [1, 1, 1, limit, limit, limit]
 
 
 def test_the_switch_and_the_portable_variant_keep_every_linear_on_onednn(
