@@ -25,8 +25,6 @@ native prefill attention (``native_attention.py``).
 
 from __future__ import annotations
 
-import ctypes
-import logging
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -35,8 +33,7 @@ import torch
 
 from services.models.cpu_features import cpu_flags
 from services.models.native_build import native_kernel_error
-
-logger = logging.getLogger(__name__)
+from services.models.onednn_packing import packed_buffer, verified_address
 
 MAX_ROWS = 128
 """Batches up to this many rows take the AMX kernel, larger ones oneDNN's: on the 2-core host of
@@ -67,20 +64,13 @@ def amx_unavailable_reason() -> str | None:
     return torch.ops.pdserve.amx_linear_unavailable_reason() or None
 
 
-def _packed_bytes(packed: torch.Tensor) -> torch.Tensor:
-    """The packed weight's buffer as a flat int16 tensor over the same memory (no copy)."""
-    address = torch.ops.mkldnn.data_ptr(packed)
-    length = torch.ops.mkldnn._nbytes(packed) // 2
-    return torch.frombuffer((ctypes.c_int16 * length).from_address(address), dtype=torch.int16)
-
-
 def _in_tile_layout(weight: torch.Tensor, packed: torch.Tensor) -> bool:
     """Whether ``packed`` holds the ``[out, in]`` bf16 ``weight`` as
     ``[out/32][in/32][16][32][2]`` exactly (compared as bits, so NaNs compare too)."""
     out_features, in_features = weight.shape
     if out_features % 32 or in_features % 32:
         return False
-    flat = _packed_bytes(packed)
+    flat = packed_buffer(packed, torch.int16)
     if flat.numel() != weight.numel():
         return False
     # weight[32 b + o, 32 k + 2 p + e] sits at [b][k][p][o][e].
@@ -110,15 +100,9 @@ class FewRowWeight:
         does not run here or oneDNN packed it in another layout."""
         if weight.dtype != torch.bfloat16 or amx_unavailable_reason() is not None:
             return None
-        try:
-            in_layout = _in_tile_layout(weight, packed)
-        except (AttributeError, RuntimeError):  # a torch without mkldnn.data_ptr / _nbytes
-            logger.debug("cannot read oneDNN's packed buffer", exc_info=True)
+        address = verified_address(weight, packed, _in_tile_layout)
+        if address is None:
             return None
-        if not in_layout:
-            logger.debug("oneDNN packed a %s weight in another layout", tuple(weight.shape))
-            return None
-        address = torch.ops.mkldnn.data_ptr(packed)
         out_features, in_features = weight.shape
         return cls(packed, address, in_features=in_features, out_features=out_features)
 

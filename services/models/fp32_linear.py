@@ -30,8 +30,6 @@ alone).
 
 from __future__ import annotations
 
-import ctypes
-import logging
 import os
 from dataclasses import dataclass
 
@@ -40,8 +38,7 @@ import torch
 from services.models.amx_linear import Epilogue
 from services.models.cpu_features import cpu_flags
 from services.models.native_build import native_kernel_error, resolve_isa
-
-logger = logging.getLogger(__name__)
+from services.models.onednn_packing import packed_buffer, verified_address
 
 MAX_ROWS = {"avx512_bf16": 64, "avx512": 64, "avx2": 48}
 """Per kernel variant, batches up to this many rows take this kernel, larger ones oneDNN's (see
@@ -52,6 +49,7 @@ SWITCH_ENV = "PDSERVE_FP32_LINEAR"
 
 PANEL = 64
 """Output columns of one of oneDNN's fp32 weight panels."""
+
 
 def fp32_linear_unavailable_reason() -> str | None:
     """None when this process runs the fp32 few-row kernel, else why not (never raises)."""
@@ -69,20 +67,13 @@ def fp32_linear_unavailable_reason() -> str | None:
     return None
 
 
-def _packed_floats(packed: torch.Tensor) -> torch.Tensor:
-    """The packed weight's buffer as a flat int32 tensor over the same memory (no copy)."""
-    address = torch.ops.mkldnn.data_ptr(packed)
-    length = torch.ops.mkldnn._nbytes(packed) // 4
-    return torch.frombuffer((ctypes.c_int32 * length).from_address(address), dtype=torch.int32)
-
-
 def _in_panel_layout(weight: torch.Tensor, packed: torch.Tensor) -> bool:
     """Whether ``packed`` holds the ``[out, in]`` fp32 ``weight`` as ``[out/64][in][64]``
     exactly (compared as bits, so NaNs compare too)."""
     out_features, in_features = weight.shape
     if out_features % PANEL:
         return False
-    flat = _packed_floats(packed)
+    flat = packed_buffer(packed, torch.int32)
     if flat.numel() != weight.numel():
         return False
     # weight[64 p + c, k] sits at [p][k][c].
@@ -110,16 +101,10 @@ class Fp32FewRowWeight:
         kernel does not run here or oneDNN packed it in another layout."""
         if weight.dtype != torch.float32 or fp32_linear_unavailable_reason() is not None:
             return None
-        try:
-            in_layout = _in_panel_layout(weight, packed)
-        except (AttributeError, RuntimeError):  # a torch without mkldnn.data_ptr / _nbytes
-            logger.debug("cannot read oneDNN's packed buffer", exc_info=True)
-            return None
-        if not in_layout:
-            logger.debug("oneDNN packed a %s fp32 weight in another layout", tuple(weight.shape))
+        address = verified_address(weight, packed, _in_panel_layout)
+        if address is None:
             return None
         out_features, in_features = weight.shape
-        address = torch.ops.mkldnn.data_ptr(packed)
         return cls(packed, address, in_features, out_features, resolve_isa())
 
     @property
