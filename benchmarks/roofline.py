@@ -12,7 +12,9 @@ What it measures, in one process:
              (``dtype_choice.measure_gflops``, best pass, before and after the engine run: the
              better of the two); the peak is the faster dtype's;
   bandwidth  a 512 MiB ``copy_``, best of several, before and after: (bytes read + bytes
-             written) / s;
+             written) / s; and a 512 MiB ``sum`` after: bytes read / s, reported beside the
+             target (decode reads; on the Intel host of docs/benchmarks.md a read-only stream
+             is slower than the copy's two streams);
   prefill    ``--num-prompts`` prompts of ``--input-len`` random tokens submitted at once, from
              the first step until every request has its first token; tok/s = prompt tokens / s.
              Those steps also carry the decodes of requests admitted earlier (one token each);
@@ -28,7 +30,8 @@ What the roofline counts:
                  sequence's K and V for its whole context (in the KV cache dtype, which
                  ``--kv-cache-dtype auto`` makes bfloat16 on CPU); the embedding rows,
                  activations and writes are left out;
-  decode bound   max(FLOPs / GEMM peak, bytes / bandwidth).
+  decode bound   max(FLOPs / GEMM peak, bytes / bandwidth); also printed with the read
+                 bandwidth in place of the copy's (information, not the target).
 """
 
 from __future__ import annotations
@@ -81,6 +84,19 @@ def copy_bandwidth(num_bytes: int = 512 << 20, trials: int = 8) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - start)
     return 2 * num_bytes / best
+
+
+def read_bandwidth(num_bytes: int = 512 << 20, trials: int = 8) -> float:
+    """Bytes read per second by ``sum`` of a large float32 buffer, best trial: what a kernel
+    that only reads (a decode step, nearly) could stream here, for comparison with the copy."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    src.sum()  # fault the pages in
+    best = float("inf")
+    for _ in range(trials):
+        start = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best
 
 
 def weight_counts(llm: LLM) -> tuple[int, int]:
@@ -208,6 +224,7 @@ def main() -> None:
     engine = run_engine(args)
     gflops_after = measure_gflops(shapes, budget_s=3.0)
     bandwidth = max(bandwidth_before, copy_bandwidth())
+    read_rate = read_bandwidth()
     gflops = {name: max(rate, gflops_after[name]) for name, rate in gflops_before.items()}
     peak_dtype = max(gflops, key=lambda name: gflops[name])
     peak = gflops[peak_dtype] * 1e9
@@ -233,6 +250,10 @@ def main() -> None:
     )
     decode_bound = max(decode_compute_s, decode_memory_s)
     decode_ratio = engine.decode_step_median_s / decode_bound
+    # The same bound at the read bandwidth (information beside the target, which divides by the
+    # copy's): the bytes a step reads, streamed as fast as a plain sum reads here.
+    read_memory_s = decode_memory_s * bandwidth / read_rate
+    read_bound = max(decode_compute_s, read_memory_s)
 
     flags_seen = [flag for flag in FLAGS_OF_INTEREST if flag in flags]
     host = {
@@ -248,6 +269,7 @@ def main() -> None:
         "gemm_gflops_before_after": [gflops_before, gflops_after],
         "peak_dtype": peak_dtype,
         "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "read_bandwidth_gb_s": read_rate / 1e9,
         "engine": {k: v for k, v in asdict(engine).items() if k != "decode_step_seconds"},
         "prefill_roofline_tok_per_s": prefill_roof,
         "prefill_fraction": prefill_fraction,
@@ -255,6 +277,8 @@ def main() -> None:
         "decode_memory_ms": decode_memory_s * 1e3,
         "decode_bound_ms": decode_bound * 1e3,
         "decode_ratio": decode_ratio,
+        "decode_bound_at_read_bandwidth_ms": read_bound * 1e3,
+        "decode_ratio_at_read_bandwidth": engine.decode_step_median_s / read_bound,
     }
     print(f"host: {host['cpu']}, {host['torch_threads']} threads, flags {' '.join(flags_seen)}")
     print(f"load average before / after: {load_before[0]:.2f} / {load_after[0]:.2f}")
@@ -263,7 +287,10 @@ def main() -> None:
         for name, rate in gflops.items()
     )
     print(f"GEMM at the model's shapes (GFLOP/s): {rates}; peak {peak_dtype}")
-    print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write)")
+    print(
+        f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write); "
+        f"read bandwidth: {read_rate / 1e9:.1f} GB/s (sum)"
+    )
     print(f"engine dtype: {engine.dtype} ({engine.dtype_source}), KV cache {engine.kv_cache_dtype}")
     print(
         f"prefill: {engine.prefill_tok_per_s:.0f} tok/s of a {prefill_roof:.0f} tok/s roofline "
@@ -273,7 +300,8 @@ def main() -> None:
         f"decode step ({num_seqs} seqs, ~{mean_context:.0f} context): "
         f"{engine.decode_step_median_s * 1e3:.1f} ms; bound {decode_bound * 1e3:.1f} ms "
         f"(compute {decode_compute_s * 1e3:.1f}, memory {decode_memory_s * 1e3:.1f}) = "
-        f"{decode_ratio:.2f}x (target <= 1.3x)"
+        f"{decode_ratio:.2f}x (target <= 1.3x); at the read bandwidth: bound "
+        f"{read_bound * 1e3:.1f} ms = {engine.decode_step_median_s / read_bound:.2f}x"
     )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
