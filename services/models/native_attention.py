@@ -31,6 +31,10 @@ backend's ``prefill_kernels``, timed against the torch path's at start-up
 (``prefill_kernel_choice.py``). On a CPU with AMX its bf16 products run on the tiles too (the
 ``amx`` variant), as torch's flash kernel's do.
 
+The step's new K/V go into the cache in one native pass as well (``write_cache``:
+``write_kv_cache`` of ``csrc/fused_ops.cpp``, the strided K/V rows of the QKV output rounded
+straight into their slots, where the torch path converts them and runs two ``index_copy_``).
+
 The kernels are one of the native CPU kernels (``native_build.py``: built on first use, one
 variant per instruction set, chosen by the CPU's flags or ``PDSERVE_NATIVE_ISA``).
 """

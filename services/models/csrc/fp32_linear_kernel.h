@@ -12,8 +12,8 @@
 //
 // A panel is [in_features][64]: for each input k, the 64 output columns' weights, contiguous.
 // Rows go kRows at a time through a register tile of kRows x kVecs accumulators (kVecs vectors,
-// 4 x kLanes columns); each step broadcasts x[r][k] and multiplies it by kVecs weight vectors.
-// Columns of a panel past kVecs * kLanes (the narrower ISAs) take further passes.
+// kVecs x kLanes columns); each step broadcasts x[r][k] and multiplies it by kVecs weight
+// vectors. Columns of a panel past kVecs x kLanes (all but AVX-512) take further passes.
 //
 // Deliberately free of torch and of standard-library templates, like paged_attention_kernel.h.
 

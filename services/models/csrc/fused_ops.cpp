@@ -211,10 +211,17 @@ void write_kv_cache(at::Tensor& key_cache, at::Tensor& value_cache, const at::Te
     TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "write_kv_cache: slot_mapping[", i,
                 "] = ", slots[i], " is outside the cache's ", num_slots, " slots");
   }
-  pdserve::KvWriteArgs args{key.const_data_ptr(), value.const_data_ptr(), key_cache.data_ptr(),
-                            value_cache.data_ptr(), slots,   key.stride(0),
-                            value.stride(0),        heads * dim, is_bf16,
-                            cache_is_bf16};
+  pdserve::KvWriteArgs args{};
+  args.key = key.const_data_ptr();
+  args.value = value.const_data_ptr();
+  args.key_cache = key_cache.data_ptr();
+  args.value_cache = value_cache.data_ptr();
+  args.slots = slots;
+  args.key_stride = key.stride(0);
+  args.value_stride = value.stride(0);
+  args.row_width = heads * dim;
+  args.is_bf16 = is_bf16;
+  args.cache_is_bf16 = cache_is_bf16;
   at::parallel_for(0, rows, grain(2 * heads * dim),
                    [&](int64_t begin, int64_t end) { ops.write_kv_cache(args, begin, end); });
 }
