@@ -9,7 +9,8 @@ the panel's work, so that the stream runs under the arithmetic (``docs/benchmark
 Where it is faster (``benchmarks/few_row_linear.py --dtype float32``, the small model's
 projections streamed from memory, oneDNN held to the same instruction set): AVX-512 10-14 % at
 1-64 rows, even at 128; AVX2 23-40 % at 1-24 rows, 3 % at 48, 5 % slower at 64 and 20 % at 128.
-Hence ``MAX_ROWS``.
+Hence ``MAX_ROWS``; and a weight stays on oneDNN where its panels do not give every thread two
+(``Fp32FewRowWeight.takes``).
 
 It reads the very buffer ``mkldnn._reorder_linear_weight`` made: oneDNN packs an fp32 linear
 weight for its AVX2 and AVX-512 kernels as ``[out/64][in][64]``, each panel's 64 output columns
@@ -113,8 +114,18 @@ class Fp32FewRowWeight:
         return MAX_ROWS[self.isa]
 
     def takes(self, x: torch.Tensor) -> bool:
-        """Whether this kernel, rather than oneDNN's, multiplies this batch of rows."""
-        return x.dim() == 2 and x.shape[0] <= self.max_rows
+        """Whether this kernel, rather than oneDNN's, multiplies this batch of rows: up to
+        ``max_rows`` rows, and while every thread gets two 64-column panels or more. The kernel
+        splits the panels over the threads and hides the stream of a thread's next panel under
+        its current one, so a thread with one panel has nothing to hide it under, and a thread
+        with none waits (on many cores a narrow projection stays on oneDNN, which splits rows
+        too; the row limits were measured with two threads)."""
+        panels = self.out_features // PANEL
+        return (
+            x.dim() == 2
+            and x.shape[0] <= self.max_rows
+            and panels >= 2 * torch.get_num_threads()
+        )
 
     def linear(
         self,

@@ -5,6 +5,8 @@ error."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,6 +27,15 @@ def kernels() -> None:
     reason = fp32_linear_unavailable_reason()
     if reason is not None:
         pytest.skip(f"no fp32 few-row kernel here: {reason}")
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """Two torch threads for the test, whatever the host's count (the panel rule depends on it)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
 
 
 def _packed(out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,11 +156,11 @@ def test_bad_arguments_name_the_argument() -> None:
 
 
 def test_packed_linears_take_the_fp32_kernel_up_to_max_rows(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, two_threads: None
 ) -> None:
     torch.manual_seed(0)
-    linear = nn.Linear(96, 192)
-    gate_up = nn.Linear(96, 2 * 128, bias=False)
+    linear = nn.Linear(96, 256)  # 4 panels: 2 a thread
+    gate_up = nn.Linear(96, 2 * 256, bias=False)
     with torch.no_grad():
         packed, fused = PackedLinear(linear), PackedSiluGateUp(gate_up)
     assert isinstance(packed.few_rows, Fp32FewRowWeight) and fused.few_rows is not None
@@ -172,6 +183,17 @@ def test_packed_linears_take_the_fp32_kernel_up_to_max_rows(
             torch.testing.assert_close(fused(x), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
     # One call for the linear and two (gate, up) for the MLP, at 1 and max_rows rows only.
     assert calls == [1, 1, 1, limit, limit, limit]
+
+
+def test_a_weight_with_fewer_than_two_panels_a_thread_stays_on_onednn(two_threads: None) -> None:
+    weight, packed = _packed(256, 48, seed=13)  # 4 panels of 64 outputs
+    few_rows = Fp32FewRowWeight.of(weight, packed)
+    assert few_rows is not None
+    x = _rows(8, 48, seed=14)
+    assert few_rows.takes(x)
+    assert not few_rows.takes(_rows(few_rows.max_rows + 1, 48, seed=15))
+    torch.set_num_threads(3)
+    assert not few_rows.takes(x)
 
 
 def test_the_switch_and_the_portable_variant_keep_every_linear_on_onednn(
