@@ -23,7 +23,8 @@ struct NormArgs {
 // In place, rotating halves (transformers' rotate_half): for i < head_dim / 2,
 //   x[i]     = round(round(x[i] * cos[i]) + round(-x[i + h] * sin[i]))
 //   x[i + h] = round(round(x[i + h] * cos[i + h]) + round(x[i] * sin[i + h]))
-// of every head of the query and the key rows: the bits of q * cos + rotate_half(q) * sin.
+// of every head of the query and the key rows: the bits of q * cos + rotate_half(q) * sin (but
+// for an fp32 denormal in between, which the AVX512-BF16 variant flushes to zero: simd.h).
 struct RotaryArgs {
   void* query;               // rows of num_heads x head_dim, row i at query + i * query_stride
   void* key;                 // rows of num_kv_heads x head_dim
@@ -54,8 +55,9 @@ struct ArgmaxArgs {
 // key_cache[slots[i]] = round(key[i]) and value_cache[slots[i]] = round(value[i]) for each token
 // row i: its num_kv_heads x head_dim elements rounded to the caches' element type (c10's
 // round-to-nearest-even, as .to() rounds): the bits of index_copy_ of the converted rows (a
-// NaN's aside: c10's 0x7fc0 where torch's vectorised conversion gives 0xffff), in one pass
-// instead of a conversion and two copies. The slots are distinct (a step writes a slot
+// NaN's aside: c10's 0x7fc0 where torch's vectorised conversion gives 0xffff; and on
+// AVX512-BF16 an fp32 denormal, flushed to zero: simd.h's store), in one pass instead of a
+// conversion and two copies. The slots are distinct (a step writes a slot
 // once) and in range (the op checks).
 struct KvWriteArgs {
   const void* key;      // rows of row_width elements, key_stride apart (views of the QKV output)

@@ -141,7 +141,9 @@ inline void store(float* p, Vec v) {
   memcpy(p, &v, sizeof(v));
 }
 
-// Rounded to nearest even, NaN to a quiet NaN: c10::BFloat16's conversion.
+// Rounded to nearest even, NaN to a quiet NaN: c10::BFloat16's conversion, except that
+// AVX512-BF16's instruction also flushes an fp32 denormal (below 1.2e-38) to zero, which c10
+// keeps as a bf16 denormal.
 inline void store(Bf16* p, Vec v) {
 #if defined(PDSERVE_AVX512_BF16)
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
