@@ -18,7 +18,8 @@ contiguous for every input, which is the layout this kernel wants, so the model 
 of its weights and larger batches (prefill) still run oneDNN's kernel. That layout is oneDNN's
 choice, not a promise: ``Fp32FewRowWeight.of`` compares every packed float with the plain weight
 before it lets the kernel read them, and a weight packed any other way (another oneDNN version or
-CPU, an output width that is not a multiple of 64) stays on oneDNN alone.
+CPU, an output width that is not a multiple of 64, an input width that is not one of 16) stays on
+oneDNN alone.
 
 Life cycle: as ``amx_linear.FewRowWeight``'s: made once per weight while ``pack_linears`` packs
 it; holds the packed tensor whose buffer the kernel reads; each ``linear`` call runs on the
@@ -38,7 +39,7 @@ import torch
 
 from services.models.amx_linear import Epilogue
 from services.models.cpu_features import cpu_flags
-from services.models.native_build import native_kernel_error, resolve_isa
+from services.models.native_build import UnsupportedIsaError, native_kernel_error, resolve_isa
 from services.models.onednn_packing import packed_buffer, verified_address
 
 MAX_ROWS = {"avx512_bf16": 64, "avx512": 64, "avx2": 48}
@@ -62,7 +63,10 @@ def fp32_linear_unavailable_reason() -> str | None:
     error = native_kernel_error()
     if error is not None:
         return f"native CPU kernels are unavailable: {error}"
-    isa = resolve_isa()
+    try:
+        isa = resolve_isa()
+    except UnsupportedIsaError as exc:  # PDSERVE_NATIVE_ISA names one this CPU cannot run
+        return str(exc)
     if isa not in MAX_ROWS:
         return f"the {isa} variant (it runs on AVX2 or AVX-512)"
     return None
@@ -122,9 +126,7 @@ class Fp32FewRowWeight:
         too; the row limits were measured with two threads)."""
         panels = self.out_features // PANEL
         return (
-            x.dim() == 2
-            and x.shape[0] <= self.max_rows
-            and panels >= 2 * torch.get_num_threads()
+            x.dim() == 2 and x.shape[0] <= self.max_rows and panels >= 2 * torch.get_num_threads()
         )
 
     def linear(

@@ -188,12 +188,11 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
             few_rows += packed.few_rows is not None
             setattr(parent, name, packed)
     if dtype == torch.bfloat16:
-        kernel, limit = "the AMX kernel", amx_linear.MAX_ROWS
-        why = amx_linear.amx_unavailable_reason()
+        kernel, why = "the AMX kernel", amx_linear.amx_unavailable_reason()
+        limit = amx_linear.MAX_ROWS
     else:
-        isa = resolve_isa()
-        kernel, limit = f"the fp32 few-row kernel ({isa})", fp32_linear.MAX_ROWS.get(isa, 0)
-        why = fp32_linear.fp32_linear_unavailable_reason()
+        kernel, why = "the fp32 few-row kernel", fp32_linear.fp32_linear_unavailable_reason()
+        limit = 0 if why else fp32_linear.MAX_ROWS[resolve_isa()]
     if few_rows:
         note = f"{few_rows} of them take batches of up to {limit} rows on {kernel}"
     else:

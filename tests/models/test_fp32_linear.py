@@ -204,6 +204,8 @@ def test_the_switch_and_the_portable_variant_keep_every_linear_on_onednn(
     assert fp32_linear_unavailable_reason() == f"{SWITCH_ENV}=0"
     assert Fp32FewRowWeight.of(weight, weight) is None  # decided before the layout is looked at
     monkeypatch.setenv(SWITCH_ENV, "1")
+    monkeypatch.setenv(ISA_ENV, "sse9")
+    assert "sse9" in str(fp32_linear_unavailable_reason())  # said, not raised
     monkeypatch.setenv(ISA_ENV, "portable")
     assert fp32_linear_unavailable_reason() == "the portable variant (it runs on AVX2 or AVX-512)"
     monkeypatch.setattr(fp32_linear, "native_kernel_error", lambda: "no compiler")
