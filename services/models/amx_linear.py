@@ -79,11 +79,6 @@ def _in_tile_layout(weight: torch.Tensor, packed: torch.Tensor) -> bool:
     return torch.equal(got, expected.permute(0, 2, 3, 1, 4))
 
 
-def takes(x: torch.Tensor) -> bool:
-    """Whether the AMX kernel, rather than oneDNN's, multiplies this batch of rows."""
-    return x.dim() == 2 and x.shape[0] <= MAX_ROWS
-
-
 @dataclass(frozen=True)
 class FewRowWeight:
     """A oneDNN-packed bf16 weight the AMX kernel reads, with what it needs to call it."""
@@ -109,7 +104,7 @@ class FewRowWeight:
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
         """Whether the AMX kernel, rather than oneDNN's, multiplies this batch of rows."""
-        return takes(x)
+        return x.dim() == 2 and x.shape[0] <= MAX_ROWS
 
     def linear(
         self,

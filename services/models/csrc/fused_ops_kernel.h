@@ -221,12 +221,9 @@ inline void convert_row(const T* src, C* dst, int64_t n) {
   if constexpr (kSameType<T, C>) {
     memcpy(dst, src, sizeof(T) * n);
   } else {
-    int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes) {
-      store(dst + i, load(src + i));
-    }
-    if (i < n) {
-      store_partial(dst + i, load_partial(src + i, n - i), n - i);
+    for (int64_t i = 0; i < n; i += kLanes) {
+      const int64_t m = min64(kLanes, n - i);
+      store_n(dst + i, load_n(src + i, m), m);
     }
   }
 }
