@@ -312,6 +312,11 @@ def test_rejects_bad_inputs() -> None:
         "leave the 30 query rows": {"query_lens": torch.tensor([20, 11])},
         "is negative": {"query_lens": torch.tensor([-1, 10])},
         "outside \\[0, max_blocks": {"start_positions": torch.tensor([0, 30])},
+        # fp32 positions are exact up to 2^24; a table wide enough that nothing else objects.
+        "past 2\\^24 positions": {
+            "block_tables": torch.zeros(2, (1 << 20) + 1, dtype=torch.long),
+            "start_positions": torch.tensor([0, 1 << 24]),
+        },
         "outside the cache's": {"block_tables": tables.clone().fill_(cache.shape[1])},
         "query_lens must be \\[num_chunks=2\\]": {"query_lens": torch.tensor([20])},
         "start_positions must be int64": {"start_positions": torch.tensor([0.0, 4.0])},

@@ -210,6 +210,9 @@ void paged_prefill_attention(
                 "paged_prefill_attention: start_positions[", c, "] = ", positions[c],
                 " puts the chunk's context (", context, ") outside [0, max_blocks * block_size "
                 "= ", s.max_blocks * s.block_size, "]");
+    // The kernel holds positions as fp32 (its causal mask is a vector compare): exact up to 2^24.
+    TORCH_CHECK(context <= (int64_t{1} << 24), "paged_prefill_attention: chunk ", c,
+                "'s context (", context, ") is past 2^24 positions");
     const int64_t num_used_blocks = lens[c] ? (context + s.block_size - 1) / s.block_size : 0;
     for (int64_t b = 0; b < num_used_blocks; ++b) {
       const int64_t id = tables[c * s.max_blocks + b];
