@@ -43,8 +43,13 @@ NODE_ARGS = (
     ("dtype", "float32"),
 )  # fmt: skip
 # prefill-0 pauses before the last message of each push, so a test can kill it mid-push, and
-# computes 16 tokens a step, so a long prompt keeps it computing for many steps.
-PREFILL_0_ARGS = ("--test-kv-push-pause-s", "1.5", "--max-num-batched-tokens", "16")
+# computes 16 tokens a step, each at least 20 ms long, so a long prompt keeps it computing for a
+# while on a host of any speed (its steps alone took a few ms once the CPU kernels got faster,
+# and a test could no longer catch the request running).
+PREFILL_0_ARGS = (
+    "--test-kv-push-pause-s", "1.5", "--max-num-batched-tokens", "16",
+    "--test-step-delay-s", "0.02",
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -231,8 +236,9 @@ def test_a_short_soak_loses_and_leaks_nothing(healthy: ProcessCluster) -> None:
     """benchmarks/soak.py for a few seconds: random streams, a fifth of them cancelled.
 
     Load sized to the request deadline: prefill-0 holds every push 1.5 s and computes 16 tokens
-    a step, so 8 streams of up to 120 tokens queued there past the 8 s deadline (an HTTP 504
-    now and then on a busy 2-core host): the deadline working, not a loss or a leak."""
+    a step (20 ms or more each), so 8 streams of up to 120 tokens queued there past the 8 s
+    deadline (an HTTP 504 now and then on a busy 2-core host): the deadline working, not a loss
+    or a leak."""
     spec = importlib.util.spec_from_file_location("soak", REPO / "benchmarks/soak.py")
     soak = importlib.util.module_from_spec(spec)
     sys.modules["soak"] = soak  # dataclasses look their module up while the class is built
@@ -310,8 +316,9 @@ def test_decode_killed_during_the_push_cuts_the_transfer(healthy: ProcessCluster
 
 
 def test_prefill_killed_while_it_computes_is_retried_on_the_other(healthy: ProcessCluster) -> None:
-    """prefill-0 computes 16 tokens a step: a 480-token prompt runs 30 steps there. It is killed
-    as soon as its engine reports the request running (computing, not yet pushing)."""
+    """prefill-0 computes 16 tokens a step, each at least 20 ms: a 480-token prompt runs 30
+    steps there, 0.6 s or more. It is killed as soon as its engine reports the request running
+    (computing, not yet pushing)."""
     results: dict = {}
 
     async def running_on_prefill_0() -> bool:
