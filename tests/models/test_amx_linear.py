@@ -3,6 +3,10 @@ bf16 rounding; it refuses a weight packed any other way, and a bad argument is a
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,6 +87,49 @@ def test_amx_epilogues_are_onednns_swish_and_mul(num_rows: int) -> None:
     assert _relative_error(product, exact * other.double()) <= 2**-7
     torch.testing.assert_close(silu, onednn_silu, rtol=2**-7, atol=2**-7)
     torch.testing.assert_close(product, onednn_product, rtol=2**-7, atol=2**-7)
+
+
+# Puts x's last byte at the end of a page whose successor is unmapped (PROT_NONE), multiplies,
+# and checks the result: a tile load of 16 rows from a partial group in place would fault.
+_GUARD_PAGE_SCRIPT = """
+import ctypes, mmap, sys
+import torch
+import torch.nn.functional as F
+from services.models.amx_linear import FewRowWeight
+
+num_rows, in_features, out_features = int(sys.argv[1]), 96, 160
+page = mmap.PAGESIZE
+memory = mmap.mmap(-1, 3 * page)  # two pages for x, then the guard
+start = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+libc = ctypes.CDLL(None)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+assert libc.mprotect(start + 2 * page, page, 0) == 0
+readable = torch.frombuffer(memory, dtype=torch.bfloat16, count=page)
+x = readable[page - num_rows * in_features :].view(num_rows, in_features)
+x.copy_(torch.randn(num_rows, in_features).to(torch.bfloat16))
+weight = (torch.randn(out_features, in_features) / 8).to(torch.bfloat16)
+few_rows = FewRowWeight.of(weight, torch.ops.mkldnn._reorder_linear_weight(weight, 64))
+assert few_rows is not None
+exact = x.double() @ weight.double().T
+error = float((few_rows.linear(x).double() - exact).norm() / exact.norm())
+assert error < 2**-7, error
+print("ok")
+"""
+
+
+@pytest.mark.usefixtures("amx")
+@pytest.mark.parametrize("num_rows", [7, 16, 23, 40])
+def test_amx_reads_no_row_past_x(num_rows: int) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _GUARD_PAGE_SCRIPT, str(num_rows)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+        check=False,
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", (
+        f"rc {result.returncode}: {result.stderr[-2000:]}"
+    )
 
 
 @pytest.mark.usefixtures("amx")

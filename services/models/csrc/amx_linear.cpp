@@ -11,8 +11,9 @@
 // mkldnn._reorder_linear_weight's result) in the AB16b32a2b layout amx_linear_isa.h describes.
 // The op cannot check that address: its only caller (services/models/amx_linear.py) verified the
 // packed bytes against the plain weight once, and holds the packed tensor while it calls. This
-// file checks everything else (a wrong shape is an error, not a stray write), pads x to a
-// multiple of 32 rows, and splits the output's 32-column blocks over torch's OpenMP threads.
+// file checks everything else (a wrong shape is an error, not a stray write), copies the rows of
+// x's last, partial 16-row group into a zero-padded tile's worth (tile loads read 16 rows), and
+// splits the output's 32-column blocks over torch's OpenMP threads.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -70,22 +71,23 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t weight_address, int64_t in_fe
   if (num_rows == 0) {
     return out;
   }
-  // The kernel takes 16 rows, or rows 32 at a time; the rows past num_rows are zeros and never
-  // written out.
-  const int64_t padded_rows = num_rows <= 16 ? 16 : (num_rows + 31) / 32 * 32;
-  at::Tensor rows = x;
-  if (padded_rows != num_rows) {
-    rows = at::zeros({padded_rows, in_features}, x.options());
-    rows.narrow(0, 0, num_rows).copy_(x);
+  // A tile load reads 16 rows: the rows past the last whole group of 16 go to a zeroed group of
+  // their own, the whole groups are read in place. (Padding x whole to a multiple of 32 rows
+  // copied every row and, 16 rows past a multiple of 32, multiplied a group of zeros.)
+  const int64_t whole_rows = num_rows / 16 * 16;
+  at::Tensor tail;
+  if (whole_rows != num_rows) {
+    tail = at::zeros({16, in_features}, x.options());
+    tail.narrow(0, 0, num_rows - whole_rows).copy_(x.narrow(0, whole_rows, num_rows - whole_rows));
   }
   pdserve::AmxLinearArgs args{};
-  args.x = rows.data_ptr();
+  args.x = x.data_ptr();
+  args.tail = tail.defined() ? tail.data_ptr() : nullptr;
   args.weight = reinterpret_cast<const void*>(static_cast<uintptr_t>(weight_address));
   args.bias = bias ? bias->data_ptr() : nullptr;
   args.other = other ? other->data_ptr() : nullptr;
   args.out = out.data_ptr();
   args.num_rows = num_rows;
-  args.padded_rows = padded_rows;
   args.in_features = in_features;
   args.out_features = out_features;
   args.epilogue = kind;

@@ -9,6 +9,9 @@
 // first 32 rows (the next 32 find the block in the L2). oneDNN's own kernel at these shapes
 // keeps one accumulator per product chain and streams its weights at about two thirds of this
 // rate (docs/benchmarks.md).
+// Rows go in groups of 16, a tile's height: two groups a pass, and an odd last group alone (two
+// products a slice). Whole groups are read in place; a partial last one from the op's
+// zero-padded copy of it (`tail`), so that no tile load reads past x.
 //
 // Built into the same library as every other kernel with the baseline compiler flags; the target
 // is switched here, after the headers, and the op (amx_linear.cpp) calls in only after
@@ -83,32 +86,37 @@ const char* amx_unavailable_reason() {
 void amx_linear_blocks(const AmxLinearArgs& a, int64_t block_begin, int64_t block_end) {
   const TileScope tiles_in_use;
   const int64_t k_blocks = a.in_features / 32;
-  const int64_t x_stride = a.in_features * 2;  // bytes between rows of x
-  const char* x = static_cast<const char*>(a.x);
+  const int64_t x_stride = a.in_features * 2;  // bytes between rows of x (and of the tail)
+  const int64_t num_groups = (a.num_rows + 15) / 16;
+  // Group g's 16 rows: in place in x when whole, else the zero-padded tail.
+  auto group_rows = [&](int64_t g) {
+    return (g + 1) * 16 <= a.num_rows ? static_cast<const char*>(a.x) + g * 16 * x_stride
+                                      : static_cast<const char*>(a.tail);
+  };
   alignas(64) float tiles[4][16][16];
   for (int64_t block = block_begin; block < block_end; ++block) {
     // One block: k_blocks slices of 16 pairs x 32 outputs x 2 bf16 = 2 KiB, 128 bytes a row.
     const char* w = static_cast<const char*>(a.weight) + block * k_blocks * 2048;
-    if (a.padded_rows == 16) {
-      // One row tile: two products per slice, not four of which two would be on zero rows.
-      _tile_zero(0);
-      _tile_zero(1);
-      for (int64_t kb = 0; kb < k_blocks; ++kb) {
-        _tile_loadd(4, x + kb * 64, x_stride);
-        _tile_loadd(6, w + kb * 2048, 128);
-        _tile_loadd(7, w + kb * 2048 + 64, 128);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
+    for (int64_t g = 0; g < num_groups; g += 2) {
+      const char* x0 = group_rows(g);
+      if (g + 1 == num_groups) {
+        // One row tile left: two products per slice, not four of which two would be on zeros.
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t kb = 0; kb < k_blocks; ++kb) {
+          _tile_loadd(4, x0 + kb * 64, x_stride);
+          _tile_loadd(6, w + kb * 2048, 128);
+          _tile_loadd(7, w + kb * 2048 + 64, 128);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        _tile_stored(0, tiles[0], 64);
+        _tile_stored(1, tiles[1], 64);
+        finish_tile(a, tiles[0], g * 16, block * 32);
+        finish_tile(a, tiles[1], g * 16, block * 32 + 16);
+        continue;
       }
-      _tile_stored(0, tiles[0], 64);
-      _tile_stored(1, tiles[1], 64);
-      finish_tile(a, tiles[0], 0, block * 32);
-      finish_tile(a, tiles[1], 0, block * 32 + 16);
-      continue;
-    }
-    for (int64_t row0 = 0; row0 < a.padded_rows; row0 += 32) {
-      const char* x0 = x + row0 * x_stride;
-      const char* x1 = x0 + 16 * x_stride;
+      const char* x1 = group_rows(g + 1);
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
@@ -128,9 +136,7 @@ void amx_linear_blocks(const AmxLinearArgs& a, int64_t block_begin, int64_t bloc
       _tile_stored(2, tiles[2], 64);
       _tile_stored(3, tiles[3], 64);
       for (int t = 0; t < 4; ++t) {
-        if (row0 + (t >> 1) * 16 < a.num_rows) {
-          finish_tile(a, tiles[t], row0 + (t >> 1) * 16, block * 32 + (t & 1) * 16);
-        }
+        finish_tile(a, tiles[t], (g + (t >> 1)) * 16, block * 32 + (t & 1) * 16);
       }
     }
   }

@@ -11,16 +11,18 @@ namespace pdserve {
 
 // out = epilogue(x @ weight^T + bias), every tensor bf16, accumulated in fp32.
 struct AmxLinearArgs {
-  // [padded_rows, in_features], padded_rows 16 or a multiple of 32; rows past num_rows are
-  // zeros.
+  // [num_rows, in_features]; the kernel reads its whole groups of 16 rows in place.
   const void* x;
+  // [16, in_features]: x's rows past its last whole group of 16, then zeros; nullptr when
+  // num_rows is a multiple of 16.
+  const void* tail;
   // oneDNN's AB16b32a2b layout of the [out_features, in_features] weight, which is the AMX
   // B-tile layout: [out/32][in/32][16 pairs of inputs][32 outputs][2 inputs of the pair].
   const void* weight;
   const void* bias;   // [out_features] or nullptr
   const void* other;  // [num_rows, out_features] (kMul) or nullptr
   void* out;          // [num_rows, out_features]
-  int64_t num_rows, padded_rows, in_features, out_features;
+  int64_t num_rows, in_features, out_features;
   LinearEpilogue epilogue;  // applied before rounding to bf16
 };
 
