@@ -1,6 +1,7 @@
 """Decode attention over the paged KV cache: the torch path against the native CPU kernel.
 
     python benchmarks/attention_kernels.py [--dtype bfloat16] [--threads N] [--repeats 20]
+        [--layers 1]
 
 Times one layer's decode attention (``_decode`` of ``TorchPagedAttention`` and of
 ``NativePagedAttention``) on the small model's shapes: 12 query heads, 4 KV heads, head_dim 64,
@@ -9,7 +10,9 @@ in blocks scattered at random over a cache twice the batch's size. Prints millis
 (the best of several timed runs, as the machine may be shared) and the speedup.
 
 NOTE: one layer's cache here may fit in the CPU's last-level cache, where a model's 12 layers
-do not; the 64 x 1024 case (64 MiB of K/V in bf16) shows the memory-bound regime.
+do not. ``--layers 12`` gives each of 12 layers its own cache and cycles the calls over them, as
+a decode step does, so that the K/V come from memory; the native column's GB/s is the K/V bytes
+it read per second.
 """
 
 from __future__ import annotations
@@ -68,13 +71,17 @@ def best_ms(fn: Callable[[], object], repeats: int, trials: int = 7) -> float:
 
 def time_decode(
     backend: TorchPagedAttention,
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    metadata: AttentionMetadata,
+    layers: list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]],
     repeats: int,
 ) -> float:
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
-    return best_ms(lambda: backend._decode(query, key_cache, value_cache, metadata), repeats)
+    """Milliseconds per call; the calls cycle over ``layers`` (query, kv_cache, metadata)."""
+    calls = [(query, kv_cache[0], kv_cache[1], metadata) for query, kv_cache, metadata in layers]
+
+    def run() -> None:
+        for query, key_cache, value_cache, metadata in calls:
+            backend._decode(query, key_cache, value_cache, metadata)
+
+    return best_ms(run, repeats) / len(calls)
 
 
 def main() -> None:
@@ -82,6 +89,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--repeats", type=int, default=20, help="calls per timed run")
+    parser.add_argument(
+        "--layers", type=int, default=1, help="separate caches the calls cycle over"
+    )
     args = parser.parse_args()
 
     error = native_kernel_error()
@@ -96,16 +106,21 @@ def main() -> None:
 
     print(
         f"{args.dtype}, {torch.get_num_threads()} threads, {NUM_HEADS} q heads / "
-        f"{NUM_KV_HEADS} kv heads x {HEAD_DIM}, block {BLOCK_SIZE}; ms per layer call"
+        f"{NUM_KV_HEADS} kv heads x {HEAD_DIM}, block {BLOCK_SIZE}, {args.layers} layer(s); "
+        "ms per layer call"
     )
-    print(f"{'num_seqs':>8} {'context':>8} {'torch':>9} {'native':>9} {'speedup':>8}")
+    print(
+        f"{'num_seqs':>8} {'context':>8} {'torch':>9} {'native':>9} {'speedup':>8} "
+        f"{'native GB/s':>12}"
+    )
     for num_seqs, context in CASES:
-        query, kv_cache, metadata = make_batch(num_seqs, context, dtype)
-        torch_ms = time_decode(reference, query, kv_cache, metadata, args.repeats)
-        native_ms = time_decode(native, query, kv_cache, metadata, args.repeats)
+        layers = [make_batch(num_seqs, context, dtype, seed=layer) for layer in range(args.layers)]
+        torch_ms = time_decode(reference, layers, args.repeats)
+        native_ms = time_decode(native, layers, args.repeats)
+        kv_bytes = 2 * num_seqs * context * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
         print(
             f"{num_seqs:>8} {context:>8} {torch_ms:>9.3f} {native_ms:>9.3f} "
-            f"{torch_ms / native_ms:>7.1f}x"
+            f"{torch_ms / native_ms:>7.1f}x {kv_bytes / native_ms / 1e6:>12.1f}"
         )
 
 
