@@ -11,7 +11,7 @@ import torch
 from services.engine import LLM, SamplingParams
 from services.models.attention import AttentionMetadata, TorchPagedAttention
 from services.models.native_attention import NativePagedAttention
-from services.models.native_build import native_kernel_error
+from services.models.native_build import native_kernel_error, supported_isas
 from support.decode_batch import SEQ_LENS, decode, make_decode_batch
 
 
@@ -154,6 +154,53 @@ def test_one_kv_head_and_a_long_context() -> None:
 
 
 @pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("isa", supported_isas())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_viewed_from_wider_rows_is_read_in_place(dtype: torch.dtype, isa: str) -> None:
+    query, kv_cache, metadata = make_decode_batch(SEQ_LENS, group=3, head_dim=64, dtype=dtype)
+    num_seqs, num_heads, head_dim = query.shape
+    # As the fused QKV output holds it: each row's query heads, then the row's K and V (NaN
+    # here, so that reading them would show).
+    rows = torch.full((num_seqs, (num_heads + 4) * head_dim), float("nan"), dtype=dtype)
+    strided = rows[:, : num_heads * head_dim].view(num_seqs, num_heads, head_dim)
+    strided.copy_(query)
+    assert not strided.is_contiguous()
+    op = torch.ops.pdserve.paged_decode_attention
+    tables, lens = metadata.decode_block_tables, metadata.decode_seq_lens
+    expected, actual = torch.empty_like(query), torch.empty_like(query)
+    op(expected, query, kv_cache[0], kv_cache[1], tables, lens, 0.125, isa)
+    op(actual, strided, kv_cache[0], kv_cache[1], tables, lens, 0.125, isa)
+    assert torch.equal(actual, expected)
+
+
+@pytest.mark.usefixtures("kernel")
+def test_the_backend_hands_a_strided_query_over_without_a_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    query, kv_cache, metadata = make_decode_batch(SEQ_LENS, group=2, head_dim=64)
+    num_seqs, num_heads, head_dim = query.shape
+    rows = torch.zeros(num_seqs, (num_heads + 2) * head_dim)
+    strided = rows[:, : num_heads * head_dim].view(num_seqs, num_heads, head_dim)
+    strided.copy_(query)
+    _, native = backends(head_dim, 16)
+    seen: list[torch.Tensor] = []
+    real_op = torch.ops.pdserve.paged_decode_attention
+
+    def recording(out: torch.Tensor, query: torch.Tensor, *args: object) -> None:
+        seen.append(query)
+        real_op(out, query, *args)
+
+    monkeypatch.setattr(torch.ops.pdserve, "paged_decode_attention", recording)
+    out = decode(native, strided, kv_cache, metadata)
+    assert seen[0].data_ptr() == rows.data_ptr() and not seen[0].is_contiguous()
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, decode(native, query, kv_cache, metadata), rtol=0, atol=0)
+    # A layout the kernel cannot read in place is copied first, not refused.
+    transposed = query.transpose(0, 1).contiguous().transpose(0, 1)
+    torch.testing.assert_close(decode(native, transposed, kv_cache, metadata), out, rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("kernel")
 def test_rejects_bad_inputs() -> None:
     query, kv_cache, metadata = make_decode_batch([5, 20])
     op = torch.ops.pdserve.paged_decode_attention
@@ -183,8 +230,12 @@ def test_rejects_bad_inputs() -> None:
         call(key_cache=kv_cache[0].bfloat16())
     # A cache of its own dtype (bf16 under an fp32 query) is a supported combination.
     call(key_cache=kv_cache[0].bfloat16(), value_cache=kv_cache[1].bfloat16())
-    with pytest.raises(RuntimeError, match="query must be contiguous"):
+    with pytest.raises(RuntimeError, match="query's rows must each be contiguous"):
         call(query=query.transpose(0, 1).contiguous().transpose(0, 1))
+    with pytest.raises(RuntimeError, match="query's rows must each be contiguous"):
+        call(query=query.repeat_interleave(2, -1)[:, :, ::2])  # every other element
+    with pytest.raises(RuntimeError, match="out must be contiguous"):
+        call(out=torch.empty(query.shape[0], query.shape[1] + 1, query.shape[2])[:, 1:])
     with pytest.raises(RuntimeError, match="not a multiple of num_kv_heads"):
         call(out=out[:, :5].contiguous(), query=query[:, :5].contiguous())
     with pytest.raises(RuntimeError, match=r"seq_lens\[1\] = 0"):

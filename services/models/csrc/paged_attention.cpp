@@ -3,7 +3,9 @@
 //   torch.ops.pdserve.paged_decode_attention(out, query, key_cache, value_cache,
 //                                            block_tables, seq_lens, scale, isa)
 //
-// query, out:              [num_seqs, num_heads, head_dim], float32 or bfloat16
+// query, out:              [num_seqs, num_heads, head_dim], float32 or bfloat16; out
+//                          contiguous, query's rows may lie apart (a view of the fused QKV
+//                          output) as long as each row's heads are contiguous
 // key_cache, value_cache:  [num_blocks, block_size, num_kv_heads, head_dim], float32 or
 //                          bfloat16, independently of query (e.g. a bf16 cache, fp32 query)
 // block_tables:            [num_seqs, max_blocks] int64; entries past a sequence's length are
@@ -103,7 +105,6 @@ void paged_decode_attention(
   const RunItems run = select_variant(isa);
   const std::pair<const char*, const at::Tensor*> named[] = {
       {"out", &out},
-      {"query", &query},
       {"key_cache", &key_cache},
       {"value_cache", &value_cache},
       {"block_tables", &block_tables},
@@ -116,6 +117,13 @@ void paged_decode_attention(
   }
   TORCH_CHECK(query.dim() == 3, "query must be [num_seqs, num_heads, head_dim], got shape ",
               query.sizes());
+  // query may be a view of the fused QKV output: rows apart, each row's heads contiguous.
+  TORCH_CHECK(query.device().is_cpu(), "paged_decode_attention: query must be on the CPU, got ",
+              query.device());
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) &&
+                  (query.size(0) <= 1 || query.stride(0) >= query.size(1) * query.size(2)),
+              "paged_decode_attention: query's rows must each be contiguous, got strides ",
+              query.strides(), " for shape ", query.sizes());
   TORCH_CHECK(out.sizes() == query.sizes(), "out must have query's shape ", query.sizes(),
               ", got ", out.sizes());
   TORCH_CHECK(key_cache.dim() == 4,
@@ -187,6 +195,7 @@ void paged_decode_attention(
   args.s = s;
   args.out = out.data_ptr();
   args.query = query.const_data_ptr();
+  args.query_row_stride = query.size(0) <= 1 ? s.num_heads * s.head_dim : query.stride(0);
   args.key_cache = key_cache.const_data_ptr();
   args.value_cache = value_cache.const_data_ptr();
   args.block_tables = tables;

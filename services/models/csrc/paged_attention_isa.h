@@ -16,7 +16,8 @@ struct DecodeShape {
 struct DecodeArgs {
   DecodeShape s;
   void* out;                    // [num_seqs, num_heads, head_dim], float or bf16 bits
-  const void* query;            // like out
+  const void* query;            // like out, rows query_row_stride elements apart
+  int64_t query_row_stride;     // >= num_heads * head_dim: a view of a fused QKV row
   const void* key_cache;        // [num_blocks, block_size, num_kv_heads, head_dim], float or bf16
   const void* value_cache;      // like key_cache
   const int64_t* block_tables;  // [num_seqs, max_blocks]

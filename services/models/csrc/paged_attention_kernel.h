@@ -109,7 +109,8 @@ template <typename Q, typename KV>
 struct Problem {
   Shape s;
   Q* out;
-  const Q* query;
+  const Q* query;  // rows query_row_stride elements apart
+  int64_t query_row_stride;
   const KV* key_cache;
   const KV* value_cache;
   const int64_t* block_tables;
@@ -274,10 +275,11 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
 #else
   constexpr bool kBf16Dots = false;
 #endif
-  const int64_t first_q = seq * s.num_heads + kv_begin * G;
+  const int64_t first_q = seq * s.num_heads + kv_begin * G;  // the item's first row of out
+  const Q* query = p.query + seq * p.query_row_stride + kv_begin * G * D;  // [num_q, D]
   if constexpr (!kBf16Dots) {  // the bf16 dots read the raw query rows and scale the scores
     for (int64_t i = 0; i < num_q; ++i) {
-      load_row(p.query + (first_q + i) * D, num_full_chunks, tail, q + i * num_chunks);
+      load_row(query + i * D, num_full_chunks, tail, q + i * num_chunks);
       for (int64_t c = 0; c < num_chunks; ++c) {
         q[i * num_chunks + c] *= p.scale;
       }
@@ -338,7 +340,7 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
         rows[j] = rows[0];  // past n: scores land in the padding, overwritten below
       }
       for (int64_t i = 0; i < num_q; ++i) {
-        const Q* q_i = p.query + (first_q + i) * D;
+        const Q* q_i = query + i * D;
         const int64_t head = (i / G) * D;
         __m512bh q_pairs[kPairs];
         for (int64_t c = 0; c < kPairs; ++c) {
@@ -481,6 +483,7 @@ void run_typed(const pdserve::DecodeArgs& a, int64_t begin, int64_t end) {
   const Problem<Q, KV> p{a.s,
                          static_cast<Q*>(a.out),
                          static_cast<const Q*>(a.query),
+                         a.query_row_stride,
                          static_cast<const KV*>(a.key_cache),
                          static_cast<const KV*>(a.value_cache),
                          a.block_tables,
