@@ -129,31 +129,32 @@ class Sampler:
 
 
 def _changes_logits(metadata: SamplingMetadata) -> bool:
-    """Whether ``process_logits`` would change any row (each of its steps acts only when one of
-    these holds; keep the two in step)."""
-    return (
-        metadata.grammar_bitmask is not None
-        or any(p.logit_bias or p.has_penalties for p in metadata.params)
-        or any(
-            len(output) < p.min_tokens
-            for p, output in zip(metadata.params, metadata.output_token_ids, strict=True)
-        )
-    )
+    """Whether ``process_logits`` would change any row of this batch."""
+    return any(step.applies(metadata) for step in _LOGITS_STEPS)
 
 
 def process_logits(
     logits: torch.Tensor, metadata: SamplingMetadata, eos_token_ids: Sequence[int]
 ) -> torch.Tensor:
     """The logits every row's choice is made from: a float32 copy of ``logits: [num_rows,
-    vocab_size]`` with ``min_tokens`` masking and the penalties applied (greedy rows take its
-    argmax; random rows go on to temperature and truncation)."""
+    vocab_size]`` with ``min_tokens`` masking, logit biases, the penalties and the grammar masks
+    applied (greedy rows take its argmax; random rows go on to temperature and truncation)."""
     logits = logits.to(torch.float32, copy=True)
-    _mask_stop_tokens(logits, metadata, eos_token_ids)
-    _add_logit_bias(logits, metadata)
-    logits = _apply_penalties(logits, metadata)
-    if metadata.grammar_bitmask is not None:
-        apply_grammar_bitmask(logits, metadata.grammar_bitmask, metadata.grammar_rows)
+    for step in _LOGITS_STEPS:
+        if step.applies(metadata):
+            logits = step.apply(logits, metadata, eos_token_ids)
     return logits
+
+
+@dataclass(frozen=True)
+class _LogitsStep:
+    """One change ``process_logits`` makes, with the condition it acts on: where no step applies
+    the sampler skips the float32 copy, so a step cannot be added without saying when it acts."""
+
+    applies: Callable[[SamplingMetadata], bool]
+    """Whether it changes any row of the batch."""
+    apply: Callable[[torch.Tensor, SamplingMetadata, Sequence[int]], torch.Tensor]
+    """(float32 logits, metadata, eos_token_ids) -> the logits, changed in place or anew."""
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
@@ -191,7 +192,7 @@ def _bit_table(device: torch.device) -> torch.Tensor:
     return table
 
 
-def _add_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+def _add_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """In place: each row's ``params.logit_bias`` added to its tokens' logits."""
     rows: list[int] = []
     cols: list[int] = []
@@ -208,6 +209,7 @@ def _add_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
             torch.tensor(values, dtype=torch.float32, device=device),
             accumulate=True,
         )
+    return logits
 
 
 def _check_shapes(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
@@ -231,7 +233,7 @@ def _check_shapes(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
 
 def _mask_stop_tokens(
     logits: torch.Tensor, metadata: SamplingMetadata, eos_token_ids: Sequence[int]
-) -> None:
+) -> torch.Tensor:
     """In place: EOS and stop ids to -inf in rows that have not reached ``min_tokens`` yet."""
     rows: list[int] = []
     cols: list[int] = []
@@ -244,6 +246,7 @@ def _mask_stop_tokens(
     if rows:
         index = torch.tensor([rows, cols], dtype=torch.long, device=logits.device)
         logits[index[0], index[1]] = float("-inf")
+    return logits
 
 
 def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -530,3 +533,34 @@ def _collect_logprobs(
         entries.update(zip(top_ids[row][:n], top_values[row][:n], strict=True))
         rows.append(entries)
     return rows
+
+
+def _mask_by_grammar(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """In place: ``apply_grammar_bitmask`` on the batch's constrained rows."""
+    if metadata.grammar_bitmask is not None:
+        apply_grammar_bitmask(logits, metadata.grammar_bitmask, metadata.grammar_rows)
+    return logits
+
+
+_LOGITS_STEPS = (
+    _LogitsStep(
+        applies=lambda m: any(
+            len(output) < p.min_tokens
+            for p, output in zip(m.params, m.output_token_ids, strict=True)
+        ),
+        apply=_mask_stop_tokens,
+    ),
+    _LogitsStep(
+        applies=lambda m: any(p.logit_bias for p in m.params),
+        apply=lambda logits, m, _: _add_logit_bias(logits, m),
+    ),
+    _LogitsStep(
+        applies=lambda m: any(p.has_penalties for p in m.params),
+        apply=lambda logits, m, _: _apply_penalties(logits, m),
+    ),
+    _LogitsStep(
+        applies=lambda m: m.grammar_bitmask is not None,
+        apply=lambda logits, m, _: _mask_by_grammar(logits, m),
+    ),
+)
+"""The steps of ``process_logits``, in order (the module docstring's steps 2-5)."""

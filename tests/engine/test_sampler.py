@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -260,6 +261,28 @@ def test_penalties_change_the_greedy_choice() -> None:
         params, prompt_token_ids=[[1], [], []], output_token_ids=[[], [1, 1], [1, 1]]
     )
     assert make_sampler()(logits, metadata).token_ids == [2, 2, 1]
+
+
+@pytest.mark.parametrize("step", ["min_tokens", "logit_bias", "penalty", "grammar"])
+def test_each_logits_step_alone_changes_an_all_greedy_batch(step: str) -> None:
+    # Every row greedy: the sampler takes the raw logits' argmax unless a step applies, so a
+    # step it failed to notice would leave token 1 (the raw maximum) chosen.
+    logits = torch.tensor([[0.0, 3.0, 2.5, 1.0]] * 2)
+    params = SamplingParams(
+        temperature=0.0,
+        min_tokens=2 if step == "min_tokens" else 0,
+        stop_token_ids=[1] if step == "min_tokens" else [],
+        logit_bias={1: -1.0} if step == "logit_bias" else {},
+        presence_penalty=1.0 if step == "penalty" else 0.0,
+    )
+    metadata = make_metadata([params, params], output_token_ids=[[1], [1]])
+    if step == "grammar":  # the first row may not take token 1: word 0, bits 0, 2, 3
+        metadata = dataclasses.replace(
+            metadata, grammar_bitmask=torch.tensor([[0b1101]], dtype=torch.int32), grammar_rows=(0,)
+        )
+    expected = process_logits(logits, metadata, [EOS_TOKEN_ID]).argmax(dim=-1).tolist()
+    assert expected[0] != 1
+    assert make_sampler()(logits, metadata).token_ids == expected
 
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
