@@ -3,7 +3,7 @@ decode steps against max(compute, bytes read / memory bandwidth).
 
     python benchmarks/roofline.py [--model DIR] [--dtype auto] [--kv-cache-dtype auto]
         [--num-prompts 64]
-        [--input-len 256] [--decode-steps 32] [--json OUT.json]
+        [--input-len 256] [--decode-steps 32] [--rounds 2] [--json OUT.json]
 
 What it measures, in one process:
   host       CPU model, the instruction-set flags that matter here, torch threads, load average
@@ -19,6 +19,10 @@ What it measures, in one process:
              the first step until every request has its first token; tok/s = prompt tokens / s.
              Those steps also carry the decodes of requests admitted earlier (one token each);
   decode     the following steps, each a decode of every request (no prefill left), median.
+  Both run ``--rounds`` times on the same engine, and each keeps its best round (the fastest
+  prefill, the lowest median step), as the GEMM peak keeps its best pass: a burst of load from
+  other processes during one round then lowers neither the roofline nor the figures measured
+  against it.
 
 What the roofline counts:
   prefill FLOPs  2 x (decoder linear weights) x prompt tokens. Left out: attention's own
@@ -141,9 +145,12 @@ class EngineRun:
     kv_cache_dtype: str
     kv_itemsize: int
     prefill_seconds: float
+    """The fastest round's."""
     prefill_tok_per_s: float
     decode_step_seconds: list[float]
+    """The steps of the round with the lowest median."""
     decode_step_median_s: float
+    rounds: int
     decoder_weights: int
     lm_head_weights: int
 
@@ -166,20 +173,25 @@ def run_engine(args: argparse.Namespace) -> EngineRun:
     ]
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     params = SamplingParams(max_tokens=args.decode_steps + 1, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"roofline-{i}", prompt, params)
-    first_token: set[str] = set()
-    start = time.perf_counter()
-    while len(first_token) < len(prompts):
-        for output in engine.step():
-            if output.new_token_ids:
-                first_token.add(output.request_id)
-    prefill_s = time.perf_counter() - start
+    prefill_s = float("inf")
     step_times: list[float] = []
-    while engine.has_unfinished_requests:
-        step_start = time.perf_counter()
-        engine.step()
-        step_times.append(time.perf_counter() - step_start)
+    for round_index in range(args.rounds):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"roofline-{round_index}-{i}", prompt, params)
+        first_token: set[str] = set()
+        start = time.perf_counter()
+        while len(first_token) < len(prompts):
+            for output in engine.step():
+                if output.new_token_ids:
+                    first_token.add(output.request_id)
+        prefill_s = min(prefill_s, time.perf_counter() - start)
+        round_steps: list[float] = []
+        while engine.has_unfinished_requests:
+            step_start = time.perf_counter()
+            engine.step()
+            round_steps.append(time.perf_counter() - step_start)
+        if not step_times or statistics.median(round_steps) < statistics.median(step_times):
+            step_times = round_steps
     decoder, lm_head = weight_counts(llm)
     return EngineRun(
         dtype=engine.dtype_choice.dtype,
@@ -191,6 +203,7 @@ def run_engine(args: argparse.Namespace) -> EngineRun:
         prefill_tok_per_s=args.num_prompts * args.input_len / prefill_s,
         decode_step_seconds=step_times,
         decode_step_median_s=statistics.median(step_times),
+        rounds=args.rounds,
         decoder_weights=decoder,
         lm_head_weights=lm_head,
     )
@@ -205,8 +218,13 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="engine runs of the workload; each figure's best"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if not (args.model / "config.json").is_file():
         if args.model != DEFAULT_MODEL:
             parser.error(f"{args.model} is not a model directory")
@@ -291,7 +309,10 @@ def main() -> None:
         f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write); "
         f"read bandwidth: {read_rate / 1e9:.1f} GB/s (sum)"
     )
-    print(f"engine dtype: {engine.dtype} ({engine.dtype_source}), KV cache {engine.kv_cache_dtype}")
+    print(
+        f"engine dtype: {engine.dtype} ({engine.dtype_source}), KV cache {engine.kv_cache_dtype}; "
+        f"best of {engine.rounds} round(s) below"
+    )
     print(
         f"prefill: {engine.prefill_tok_per_s:.0f} tok/s of a {prefill_roof:.0f} tok/s roofline "
         f"= {prefill_fraction:.0%} (target >= 85 %)"
