@@ -88,11 +88,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    parser.add_argument("--repeats", type=int, default=20, help="calls per timed run")
+    parser.add_argument(
+        "--repeats", type=int, default=20, help="passes over the layers per timed run"
+    )
     parser.add_argument(
         "--layers", type=int, default=1, help="separate caches the calls cycle over"
     )
     args = parser.parse_args()
+    if args.layers < 1 or args.repeats < 1:
+        parser.error("--layers and --repeats must be at least 1")
 
     error = native_kernel_error()
     if error is not None:

@@ -9,6 +9,7 @@
 // first 32 rows (the next 32 find the block in the L2). oneDNN's own kernel at these shapes
 // keeps one accumulator per product chain and streams its weights at about two thirds of this
 // rate (docs/benchmarks.md).
+//
 // Rows go in groups of 16, a tile's height: two groups a pass, and an odd last group alone (two
 // products a slice). Whole groups are read in place; a partial last one from the op's
 // zero-padded copy of it (`tail`), so that no tile load reads past x.
