@@ -61,6 +61,7 @@ _HEADERS = [
         "fused_ops_kernel.h",
         "amx_linear_isa.h",
         "linear_epilogue.h",
+        "few_row_linear_args.h",
         "fp32_linear_isa.h",
         "fp32_linear_kernel.h",
         "amx_tiles.h",

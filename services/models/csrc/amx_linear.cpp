@@ -26,47 +26,24 @@
 #include <string>
 
 #include "amx_linear_isa.h"
+#include "few_row_linear_args.h"
 
 namespace {
-
-void check_bf16(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, "amx_linear: ", name, " must be bfloat16, got ",
-              t.scalar_type());
-  TORCH_CHECK(t.device().is_cpu(), "amx_linear: ", name, " must be on the CPU, got ", t.device());
-  TORCH_CHECK(t.is_contiguous(), "amx_linear: ", name, " must be contiguous");
-}
 
 at::Tensor amx_linear(const at::Tensor& x, int64_t weight_address, int64_t in_features,
                       int64_t out_features, const std::optional<at::Tensor>& bias,
                       std::string epilogue, const std::optional<at::Tensor>& other) {
   const std::string reason = pdserve::amx_unavailable_reason();
   TORCH_CHECK(reason.empty(), "amx_linear: ", reason);
-  check_bf16(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "amx_linear: x must be [num_rows, ",
-              in_features, "], got ", x.sizes());
+  const pdserve::LinearEpilogue kind = pdserve::check_linear_args(
+      "amx_linear", {at::kBFloat16, "bfloat16"}, x, in_features, out_features, bias, epilogue,
+      other);
   const int64_t num_rows = x.size(0);
   TORCH_CHECK(in_features > 0 && in_features % 32 == 0 && out_features > 0 &&
                   out_features % 32 == 0,
               "amx_linear: in_features and out_features must be positive multiples of 32, got ",
               in_features, " and ", out_features);
   TORCH_CHECK(weight_address != 0, "amx_linear: weight_address is null");
-  pdserve::LinearEpilogue kind;
-  TORCH_CHECK(pdserve::parse_linear_epilogue(epilogue, &kind),
-              "amx_linear: epilogue must be none, silu or mul, got '", epilogue, "'");
-  if (bias) {
-    check_bf16(*bias, "bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "amx_linear: bias must be [",
-                out_features, "], got ", bias->sizes());
-  }
-  TORCH_CHECK(other.has_value() == (kind == pdserve::LinearEpilogue::kMul),
-              "amx_linear: other is given exactly when the epilogue is mul");
-  if (other) {
-    check_bf16(*other, "other");
-    TORCH_CHECK(other->dim() == 2 && other->size(0) == num_rows &&
-                    other->size(1) == out_features,
-                "amx_linear: other must be [", num_rows, ", ", out_features, "], got ",
-                other->sizes());
-  }
   at::Tensor out = at::empty({num_rows, out_features}, x.options());
   if (num_rows == 0) {
     return out;

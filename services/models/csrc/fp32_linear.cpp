@@ -24,6 +24,7 @@
 #include <string>
 
 #include "cpu_isa.h"
+#include "few_row_linear_args.h"
 #include "fp32_linear_isa.h"
 
 namespace {
@@ -41,45 +42,20 @@ pdserve::RunFp32Panels select_kernel(const std::string& isa) {
   return pdserve::fp32_linear_panels_portable;
 }
 
-void check_fp32(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat, "fp32_linear: ", name, " must be float32, got ",
-              t.scalar_type());
-  TORCH_CHECK(t.device().is_cpu(), "fp32_linear: ", name, " must be on the CPU, got ",
-              t.device());
-  TORCH_CHECK(t.is_contiguous(), "fp32_linear: ", name, " must be contiguous");
-}
-
 at::Tensor fp32_linear(const at::Tensor& x, int64_t weight_address, int64_t in_features,
                        int64_t out_features, const std::optional<at::Tensor>& bias,
                        std::string epilogue, const std::optional<at::Tensor>& other,
                        std::string isa) {
   const pdserve::RunFp32Panels run = select_kernel(isa);
-  check_fp32(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "fp32_linear: x must be [num_rows, ",
-              in_features, "], got ", x.sizes());
+  const pdserve::LinearEpilogue kind = pdserve::check_linear_args(
+      "fp32_linear", {at::kFloat, "float32"}, x, in_features, out_features, bias, epilogue,
+      other);
   const int64_t num_rows = x.size(0);
   TORCH_CHECK(in_features > 0 && out_features > 0 && out_features % pdserve::kFp32Panel == 0,
               "fp32_linear: in_features must be positive and out_features a positive multiple "
               "of 64, got ",
               in_features, " and ", out_features);
   TORCH_CHECK(weight_address != 0, "fp32_linear: weight_address is null");
-  pdserve::LinearEpilogue kind;
-  TORCH_CHECK(pdserve::parse_linear_epilogue(epilogue, &kind),
-              "fp32_linear: epilogue must be none, silu or mul, got '", epilogue, "'");
-  if (bias) {
-    check_fp32(*bias, "bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "fp32_linear: bias must be [",
-                out_features, "], got ", bias->sizes());
-  }
-  TORCH_CHECK(other.has_value() == (kind == pdserve::LinearEpilogue::kMul),
-              "fp32_linear: other is given exactly when the epilogue is mul");
-  if (other) {
-    check_fp32(*other, "other");
-    TORCH_CHECK(other->dim() == 2 && other->size(0) == num_rows &&
-                    other->size(1) == out_features,
-                "fp32_linear: other must be [", num_rows, ", ", out_features, "], got ",
-                other->sizes());
-  }
   at::Tensor out = at::empty({num_rows, out_features}, x.options());
   if (num_rows == 0) {
     return out;
