@@ -28,6 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from services.host_memory import restart_with_huge_page_heap  # noqa: E402
 from services.models.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
 from services.models.native_attention import NativePagedAttention  # noqa: E402
 from services.models.native_build import native_kernel_error  # noqa: E402
@@ -129,4 +130,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    restart_with_huge_page_heap()  # as the nodes run: services/host_memory.py
     main()

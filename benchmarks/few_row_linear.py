@@ -28,6 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from services.host_memory import restart_with_huge_page_heap  # noqa: E402
 from services.models.amx_linear import FewRowWeight, amx_unavailable_reason  # noqa: E402
 from services.models.fp32_linear import (  # noqa: E402
     Fp32FewRowWeight,
@@ -109,4 +110,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    restart_with_huge_page_heap()  # as the nodes run: services/host_memory.py
     main()

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.engine import LLM, SamplingParams  # noqa: E402
+from services.host_memory import restart_with_huge_page_heap  # noqa: E402
 from services.models.tiny import build_tiny_model  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "small-llama"
@@ -145,4 +146,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    restart_with_huge_page_heap()  # as the nodes run: services/host_memory.py
     main()

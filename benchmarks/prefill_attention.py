@@ -24,6 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from services.host_memory import restart_with_huge_page_heap  # noqa: E402
 from services.models.native_attention import NATIVE_PREFILL, NativePagedAttention  # noqa: E402
 from services.models.native_build import native_kernel_error  # noqa: E402
 from services.models.prefill_kernel_choice import KernelTimer, prefill_kernel_timer  # noqa: E402
@@ -84,4 +85,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    restart_with_huge_page_heap()  # as the nodes run: services/host_memory.py
     main()

@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 from services.engine import LLM, SamplingParams  # noqa: E402
 from services.engine.dtype_choice import measure_gflops, model_gemm_shapes  # noqa: E402
+from services.host_memory import heap_on_huge_pages, restart_with_huge_page_heap  # noqa: E402
 from services.models.config import ModelConfig  # noqa: E402
 from services.models.cpu_features import cpu_flags  # noqa: E402
 from services.models.packed_linear import PackedLinear, PackedSiluGateUp  # noqa: E402
@@ -278,6 +279,7 @@ def main() -> None:
         "cpu": cpu_model(),
         "flags": flags_seen,
         "torch_threads": torch.get_num_threads(),
+        "heap_on_huge_pages": heap_on_huge_pages(),
         "load_average_before": load_before,
         "load_average_after": load_after,
     }
@@ -299,6 +301,7 @@ def main() -> None:
         "decode_ratio_at_read_bandwidth": engine.decode_step_median_s / read_bound,
     }
     print(f"host: {host['cpu']}, {host['torch_threads']} threads, flags {' '.join(flags_seen)}")
+    print(f"glibc heap on huge pages: {'yes' if host['heap_on_huge_pages'] else 'no'}")
     print(f"load average before / after: {load_before[0]:.2f} / {load_after[0]:.2f}")
     rates = ", ".join(
         f"{name} {rate:.0f} (before {gflops_before[name]:.0f}, after {gflops_after[name]:.0f})"
@@ -330,4 +333,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    restart_with_huge_page_heap()  # as the nodes run: services/host_memory.py
     main()

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from decode_node.role import decode_services
-from services.node.config import parse_node_config
-from services.node.runtime import run
-from services.types import Role
+from services.host_memory import restart_with_huge_page_heap
 
 
 def main() -> None:
+    # First, before torch loads: the restart would throw the import away.
+    restart_with_huge_page_heap()
+    from decode_node.role import decode_services
+    from services.node.config import parse_node_config
+    from services.node.runtime import run
+    from services.types import Role
+
     config = parse_node_config(role=Role.DECODE)
     if config.role is Role.PREFILL:
         raise SystemExit(

@@ -58,14 +58,14 @@ def shared_memory_huge_page_loss(root: Path = THP_ROOT) -> str | None:
     """Why a KV cache in shared memory would get 4 KiB pages where a private one gets 2 MiB
     pages (the setting that refuses them), or None if it would not: both get them, or neither
     (no transparent huge pages in this kernel, or none for private memory either)."""
-    private = _selected(root / "enabled")
+    private = sysfs_choice(root / "enabled")
     if private not in ("always", "madvise"):
         return None
     path = root / "shmem_enabled"
-    setting = _selected(path)
+    setting = sysfs_choice(path)
     # Kernels with per-size settings (6.11+): the PMD size's own one decides unless "inherit".
     pmd = _pmd_shmem_path(root)
-    pmd_setting = _selected(pmd) if pmd is not None else None
+    pmd_setting = sysfs_choice(pmd) if pmd is not None else None
     if pmd is not None and pmd_setting not in (None, "inherit"):
         path, setting = pmd, pmd_setting
     if setting in _SHMEM_HUGE:
@@ -84,7 +84,7 @@ def _pmd_shmem_path(root: Path) -> Path | None:
     return root / f"hugepages-{kib}kB" / "shmem_enabled"
 
 
-def _selected(path: Path) -> str | None:
+def sysfs_choice(path: Path) -> str | None:
     """The bracketed choice of a sysfs setting ("always [madvise] never" → "madvise")."""
     try:
         text = path.read_text()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from pdserve.v1 import common_pb2
 from services.async_engine import AsyncEngine, EngineDeadError
 from services.convert import load_report_to_proto
 from services.engine import EngineCore
+from services.host_memory import heap_on_huge_pages
 from services.listen import ListenError
 from services.models.native_build import UnsupportedIsaError
 from services.node.config import NodeConfig
@@ -144,6 +146,11 @@ async def serve(config: NodeConfig, role: RoleFactory) -> None:
 def run(config: NodeConfig, role: RoleFactory) -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logger.info(
+        "glibc heap on transparent huge pages: %s (GLIBC_TUNABLES=%r)",
+        "yes" if heap_on_huge_pages() else "no",
+        os.environ.get("GLIBC_TUNABLES", ""),
     )
     try:
         asyncio.run(serve(config, role))

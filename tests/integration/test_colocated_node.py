@@ -26,6 +26,7 @@ from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.engine import LLM, SamplingParams
 from services.node.config import Role, parse_node_config
 from services.node.runtime import start_node
+from support.huge_page_heap import heap_is_huge_page_advised, host_takes_huge_page_heap
 from support.node_argv import node_argv
 
 MAX_MODEL_LEN = 128
@@ -224,6 +225,9 @@ def test_the_process_serves_and_exits_0_on_sigterm(tiny_llama_dir: Path) -> None
         request = decode_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=GREEDY)
         events = list(stub.Generate(request, timeout=30))
         assert sum(len(e.tokens.token_ids) for e in events) == 8
+        if host_takes_huge_page_heap():
+            # The node restarted itself with glibc's heap on huge pages (services/host_memory.py).
+            assert heap_is_huge_page_advised(process.pid)
         channel.close()
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0

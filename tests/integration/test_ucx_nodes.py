@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from deploy.local_ports import free_ports
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.engine import LLM, SamplingParams
+from support.huge_page_heap import heap_is_huge_page_advised, host_takes_huge_page_heap
 
 # Node processes and a UCX context each: seconds per test.
 pytestmark = pytest.mark.slow
@@ -167,6 +168,9 @@ def wait_free(node: NodeProcess) -> None:
 
 def test_concurrent_requests_over_ucx_equal_the_single_engine(nodes, tiny_llama_dir) -> None:
     prefill, decode = nodes
+    if host_takes_huge_page_heap():  # both entry points restart with it (host_memory.py)
+        assert heap_is_huge_page_advised(prefill.process.pid)
+        assert heap_is_huge_page_advised(decode.process.pid)
     rng = random.Random(21)
     prompts = [[rng.randrange(5, 4096) for _ in range(n)] for n in (3, 16, 45, 120, 200, 77)]
     offline = LLM(tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN)
