@@ -10,17 +10,23 @@ cancelled task) cancels both node legs at once and frees their blocks.
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.types import FinishReason, SamplingParams, StageTimings, TokenLogprob, Usage
 
+CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+"""What a client's own request id may be (``X-Request-Id``, the gRPC ``request_id``): it reaches
+log lines and, with a suffix, the nodes' ids, so it is kept short and printable."""
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
-    """One id through every log line, node and stage timing."""
+    """The client's id for this generation, in every response and gateway log line. Clients may
+    reuse one, so the nodes are sent ids of their own, made from it (``routed_generator``)."""
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     deadline: float | None = None

@@ -20,7 +20,7 @@ import grpc
 from gateway.auth import ApiKey
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
-from gateway.generation import GenerationRequest
+from gateway.generation import CLIENT_REQUEST_ID, GenerationRequest
 from gateway.pipeline import TextOptions, admitted, generate_text, tokenize
 from gateway.text.text_stream import TextDelta
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -136,6 +136,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 f"model {request.model!r} does not exist; this gateway serves "
                 f"{frontend.served_model_name!r}",
                 param="model",
+            )
+        if request.request_id and not CLIENT_REQUEST_ID.fullmatch(request.request_id):
+            raise invalid(
+                "request_id must be 1 to 128 characters of [A-Za-z0-9._:-]", param="request_id"
             )
         if request.WhichOneof("input") is None:
             raise invalid("input: set one of text, token_ids or chat", param="input")

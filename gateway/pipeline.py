@@ -65,6 +65,9 @@ async def generate_text(
             stop=options.stop,
             include_stop_str_in_output=options.include_stop_str_in_output,
             skip_special_tokens=options.skip_special_tokens,
+            stop_token_ids=request.sampling.stop_token_ids,
+            eos_token_ids=() if request.sampling.ignore_eos else frontend.tokenizer.eos_token_ids,
+            min_tokens=request.sampling.min_tokens,
         )
         try:
             yield texts

@@ -14,6 +14,12 @@ Life cycle:
                      request's, which its owner frees after a fence. ``on_started`` is called
                      (on the caller's loop) once a step has computed part of the prompt: a
                      prefill node tells its decode node that the request left its queue.
+                     A constrained request's grammar (``params.guided``) is compiled before the
+                     add (and before ``reserve()``'s), in a small pool of its own: a large one
+                     takes seconds, which on the engine thread would stall every other request's
+                     steps and commits, and on the event loop every stream and RPC. llguidance
+                     releases the GIL while it compiles; the compile touches only the grammar
+                     tokenizer (locked), and the engine thread receives the finished matcher.
 3. ``call(fn)``      runs ``fn(engine)`` on the engine thread between two steps (commit,
                      stats, ...): the engine itself is never touched from two threads.
                      ``reserve()`` is the one such call with its own method: a caller that goes
@@ -48,6 +54,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -59,6 +66,7 @@ from services.engine import (
     SamplingParams,
 )
 from services.engine.request import RequestStatus
+from services.engine.structured_output import GrammarMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +127,10 @@ class AsyncEngine:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._error: BaseException | None = None
+        # Grammar compiles get a pool of their own: queued in the default executor, they would
+        # hold up the decode node's KV-transfer waits behind them. Two workers, so one huge
+        # grammar does not hold up every small one.
+        self._grammar_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
 
     def start(self) -> None:
         """Starts the engine thread; with a factory, returns once it has built the engine (and
@@ -170,10 +182,13 @@ class AsyncEngine:
     ) -> AsyncGenerator[EngineCoreOutput, None]:
         """Each step's output for the request, ending with the one that has a finish reason. An
         async generator: closing it (``contextlib.aclosing``) aborts the request at once."""
+        grammar = await self._compile(params)
         stream = _Stream(asyncio.get_running_loop(), on_started=on_started)
 
         def add(engine: EngineCore) -> None:
-            engine.add_request(request_id, prompt_token_ids, params, hold_kv=hold_kv)
+            engine.add_request(
+                request_id, prompt_token_ids, params, hold_kv=hold_kv, grammar=grammar
+            )
             self._streams[request_id] = stream
             stream.is_added = True
             if on_started is not None:
@@ -197,11 +212,12 @@ class AsyncEngine:
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> list[int] | None:
         """``EngineCore.reserve`` on the engine thread: the blocks' ids, or None (no room)."""
+        grammar = await self._compile(params)
         is_reserved = False  # set and read on the engine thread only
 
         def reserve_on_engine(engine: EngineCore) -> list[int] | None:
             nonlocal is_reserved
-            block_ids = engine.reserve(request_id, prompt_token_ids, params)
+            block_ids = engine.reserve(request_id, prompt_token_ids, params, grammar=grammar)
             is_reserved = block_ids is not None
             return block_ids
 
@@ -254,6 +270,18 @@ class AsyncEngine:
         self._stopping.set()
         self._submit(lambda: None)  # wake the loop
         self._thread.join(timeout_s)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _compile(self, params: SamplingParams) -> GrammarMatcher | None:
+        """``params.guided`` compiled in the grammar pool (``ValueError`` naming the field), or
+        None for an unconstrained request."""
+        if params.guided is None:
+            return None
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running ({self._error or 'stopped'})")
+        compile_grammar = self.engine.structured_outputs.compile
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._grammar_pool, compile_grammar, params.guided)
 
     def _submit(self, command: Callable[[], None]) -> bool:
         with self._submit_lock:

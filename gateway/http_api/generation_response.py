@@ -145,9 +145,10 @@ class GenerationResponse(Response):
                 chunk = self._format.delta_chunk(state, event)
                 if chunk is not None:
                     state.is_started = True
-                    await self._send_body(send, sse_event(chunk))
+                    await self._send_body(send, sse_event(self._with_usage(chunk, state)))
                 return
-            await self._send_body(send, sse_event(self._format.finish_chunk(state)))
+            chunk = self._with_usage(self._format.finish_chunk(state), state)
+            await self._send_body(send, sse_event(chunk))
             if event.finish_reason == FinishReason.ERROR:
                 errors.append(f"choice {index} failed: {event.error or 'unknown error'}")
 
@@ -249,6 +250,18 @@ class GenerationResponse(Response):
         state.num_chars = end
         state.num_tokens += len(item.token_ids)
         return item
+
+    def _with_usage(self, chunk: BaseModel, state: ChoiceState) -> BaseModel:
+        """With ``continuous_usage_stats``: the chunk carries its choice's usage so far (vLLM
+        counts the prompt and that choice's tokens)."""
+        if self._job.include_continuous_usage:
+            num_prompt_tokens = len(state.prompt_token_ids)
+            chunk.usage = UsageInfo(  # type: ignore[attr-defined]
+                prompt_tokens=num_prompt_tokens,
+                completion_tokens=state.num_tokens,
+                total_tokens=num_prompt_tokens + state.num_tokens,
+            )
+        return chunk
 
     def _usage(self, states: Sequence[ChoiceState]) -> UsageInfo:
         # Per prompt: its tokens count once (as OpenAI counts), the best cache hit among its

@@ -8,7 +8,9 @@ Life of one ``/v1/completions`` or ``/v1/chat/completions`` request here:
 2. FastAPI parses the body into the strict request model; any mismatch is a 400 naming the field
    (``openai_errors.py``).
 3. The route checks what needs no tokenizer (model name, unsupported features, limits) into an
-   ``OpenAIJob`` (``openai_job.py``) and returns a ``GenerationResponse``, which owns everything
+   ``OpenAIJob`` (``openai_job.py``), in a worker thread: compiling a structured-output grammar
+   takes seconds for a large one, and would stall every other stream on the event loop
+   (llguidance releases the GIL). It returns a ``GenerationResponse``, which owns everything
    after (``generation_response.py``):
 4. while a task watches the ASGI receive channel for the client's disconnect: an admission slot
    (429) → tokenization and length checks (400) → one generation per choice, all started at once
@@ -22,6 +24,7 @@ Life of one ``/v1/completions`` or ``/v1/chat/completions`` request here:
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import APIRouter, FastAPI, Request, Security
@@ -94,7 +97,7 @@ def build_openai_app(frontend: Frontend) -> FastAPI:
         responses={**_STREAM_RESPONSE, **_ERROR_RESPONSES},
     )
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        job = completion_job(body, request, frontend)
+        job = await asyncio.to_thread(completion_job, body, request, frontend)
         return GenerationResponse(frontend, job)
 
     @v1.post(
@@ -103,7 +106,7 @@ def build_openai_app(frontend: Frontend) -> FastAPI:
         responses={**_STREAM_RESPONSE, **_ERROR_RESPONSES},
     )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        job = chat_job(body, request, frontend)
+        job = await asyncio.to_thread(chat_job, body, request, frontend)
         return GenerationResponse(frontend, job)
 
     def model_card() -> ModelCard:

@@ -16,6 +16,7 @@ from gateway.http_api.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
+    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
@@ -24,6 +25,7 @@ from gateway.http_api.openai_protocol import (
     CompletionLogprobs,
     CompletionResponse,
     FinishReasonName,
+    Role,
     TokenLogprobInfo,
     TopLogprob,
     UsageInfo,
@@ -181,6 +183,20 @@ class ChatFormat(OpenAIFormat):
     def __init__(self, job: OpenAIJob, tokenizer: Tokenizer, model: str) -> None:
         super().__init__(job, tokenizer, model)
         self._tool_streams: dict[int, ToolCallStream] = {}
+        body = job.body
+        assert isinstance(body, ChatCompletionRequest)
+        last = body.messages[-1]
+        # vLLM's rule: without the generation prompt the model writes on in the last message's
+        # voice, so the response takes its role.
+        self._role: Role = "assistant" if body.add_generation_prompt else last.role
+        # With echo: the last message's text, which each choice's content starts with, when
+        # that message has the response's role (vLLM's rule).
+        self._echo = ""
+        if body.echo and last.role == self._role:
+            content = last.content
+            if isinstance(content, list):
+                content = "\n".join(part.text or "" for part in content)
+            self._echo = content or ""
 
     def tool_stream(self, state: ChoiceState) -> ToolCallStream | None:
         """The choice's text → tool calls, when the request has tools."""
@@ -202,11 +218,13 @@ class ChatFormat(OpenAIFormat):
         # TTFT is measured at a real token.
         if state.is_started and not content and not tool_calls and not self.has_logprobs(delta):
             return None
+        if not state.is_started and self._echo:
+            content = self._echo + (content or "")
         logprobs = self.chat_logprobs(delta.logprobs or ()) if self.has_logprobs(delta) else None
         choice = ChatChunkChoice(
             index=state.index,
             delta=ChatDelta(
-                role=None if state.is_started else "assistant",
+                role=None if state.is_started else self._role,
                 content=content if content or not tool_calls else None,
                 tool_calls=tool_calls or None,
             ),
@@ -216,11 +234,12 @@ class ChatFormat(OpenAIFormat):
 
     def finish_chunk(self, state: ChoiceState) -> BaseModel:
         assert state.finished is not None
-        delta = ChatDelta() if state.is_started else ChatDelta(role="assistant", content="")
+        delta = ChatDelta() if state.is_started else ChatDelta(role=self._role, content=self._echo)
         tools = self.tool_stream(state)
         if tools is not None:
             content, tool_calls = tools.finish()
-            delta.content = content if content else delta.content
+            if content:
+                delta.content = (delta.content or "") + content
             delta.tool_calls = tool_calls or None
         return self._chunk(
             [
@@ -267,10 +286,14 @@ class ChatFormat(OpenAIFormat):
                 tools.feed(content or "")
                 tools.finish()
                 content, tool_calls = tools.result()
+            if self._echo:
+                content = self._echo + (content or "")
             choices.append(
                 ChatChoice(
                     index=state.index,
-                    message=ChatResponseMessage(content=content, tool_calls=tool_calls),
+                    message=ChatResponseMessage(
+                        role=self._role, content=content, tool_calls=tool_calls
+                    ),
                     logprobs=logprobs,
                     finish_reason=self._finish_reason(state, tools),
                     stop_reason=state.finished.stop_reason,

@@ -10,7 +10,6 @@ request never waits for a slot); ``prompt_token_ids`` (off the event loop) and
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from fastapi import Request
 
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
-from gateway.generation import GenerationRequest
+from gateway.generation import CLIENT_REQUEST_ID, GenerationRequest
 from gateway.guided import check, guided_from_request
 from gateway.http_api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from gateway.text.tokenizer import Tokenizer
@@ -28,7 +27,6 @@ from gateway.tool_calls import ToolMode, ToolPlan, tool_plan
 from services.guided_decoding import GuidedDecoding
 from services.types import SamplingParamError, SamplingParams
 
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _INT64 = 2**63
 
@@ -62,6 +60,12 @@ class OpenAIJob:
     def include_usage(self) -> bool:
         options = self.body.stream_options
         return options is not None and options.include_usage
+
+    @property
+    def include_continuous_usage(self) -> bool:
+        """Every streamed chunk carries the usage so far (vLLM's ``continuous_usage_stats``)."""
+        options = self.body.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
 
 def completion_job(body: CompletionRequest, request: Request, frontend: Frontend) -> OpenAIJob:
@@ -103,6 +107,11 @@ def chat_job(body: ChatCompletionRequest, request: Request, frontend: Frontend) 
     if body.modalities is not None and body.modalities != ["text"]:
         raise invalid("only the 'text' modality is supported", param="modalities")
     for index, message in enumerate(body.messages):
+        if message.role == "tool" and not message.tool_call_id:
+            # OpenAI refuses it too: a tool result must say which call it answers, and templates
+            # that render tool results read the id.
+            where = f"messages[{index}].tool_call_id"
+            raise invalid(f"{where}: a tool message needs the id of the call it answers", where)
         if isinstance(message.content, list):
             for part_index, part in enumerate(message.content):
                 where = f"messages[{index}].content[{part_index}]"
@@ -114,6 +123,7 @@ def chat_job(body: ChatCompletionRequest, request: Request, frontend: Frontend) 
                     )
                 if part.text is None:
                     raise invalid(f"{where}: a text part needs 'text'", param=f"{where}.text")
+    _check_template_controls(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -138,20 +148,59 @@ def chat_job(body: ChatCompletionRequest, request: Request, frontend: Frontend) 
     )
 
 
+# Template variables the gateway sets itself, each from its own request field; vLLM refuses
+# chat_template and tokenize in chat_template_kwargs, and fails on a second messages or tools.
+_RESERVED_TEMPLATE_KWARGS = {
+    "messages": "messages",
+    "tools": "tools",
+    "add_generation_prompt": "add_generation_prompt",
+    "continue_final_message": "continue_final_message",
+    "chat_template": None,
+    "tokenize": None,
+}
+
+
+def _check_template_controls(body: ChatCompletionRequest) -> None:
+    """vLLM's chat template controls: ``continue_final_message`` excludes the generation
+    prompt, and ``chat_template_kwargs`` cannot override what the request sets elsewhere."""
+    if body.continue_final_message and body.add_generation_prompt:
+        # vLLM (through transformers) refuses both too; add_generation_prompt defaults to true.
+        raise invalid(
+            "continue_final_message needs add_generation_prompt: false (the model continues "
+            "the last message instead of starting a new turn)",
+            param="continue_final_message",
+        )
+    for key in body.chat_template_kwargs or {}:
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            field = _RESERVED_TEMPLATE_KWARGS[key]
+            hint = f"; use the request's {field!r} field" if field is not None else ""
+            raise invalid(
+                f"chat_template_kwargs cannot set {key!r}: the server sets it{hint}",
+                param="chat_template_kwargs",
+            )
+
+
 def _logit_bias(
     body: CompletionRequest | ChatCompletionRequest, frontend: Frontend
 ) -> tuple[tuple[int, float], ...]:
     vocab_size = frontend.tokenizer.vocab_size
     bias = []
     for key, value in (body.logit_bias or {}).items():
-        if not key.isdigit() or int(key) >= vocab_size:
+        # ASCII digits only: str.isdigit() is also true of "²", which int() refuses (a 500),
+        # and a key of thousands of digits is past int()'s limit; neither can be a token id.
+        digits = key.lstrip("0") or "0"
+        if (
+            not (key.isascii() and key.isdigit())
+            or len(digits) > len(str(vocab_size))
+            or int(digits) >= vocab_size
+        ):
             raise invalid(
                 f"logit_bias key {key!r} is not a token id in [0, {vocab_size})",
                 param="logit_bias",
             )
         if not -100 <= value <= 100:
             raise invalid(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
-        bias.append((int(key), float(value)))
+        bias.append((int(digits), float(value)))
     return tuple(bias)
 
 
@@ -165,6 +214,13 @@ def _check_common(
         raise invalid(f"n must be <= {limits.max_n}, got {body.n}", param="n")
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options needs stream: true", param="stream_options")
+    options = body.stream_options
+    if options is not None and options.continuous_usage_stats and not options.include_usage:
+        # vLLM sends nothing then; a request asking for usage it will not get is a mistake.
+        raise invalid(
+            "stream_options.continuous_usage_stats needs include_usage: true",
+            param="stream_options.continuous_usage_stats",
+        )
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     limits.check_stop(stop)
     vocab_size = frontend.tokenizer.vocab_size
@@ -196,8 +252,7 @@ def _new_job(
     request_id = request.headers.get("x-request-id")
     if request_id is None:
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-    elif not _REQUEST_ID.fullmatch(request_id):
-        # The id reaches log lines and node requests: keep it short and printable.
+    elif not CLIENT_REQUEST_ID.fullmatch(request_id):
         raise invalid("X-Request-Id must be 1 to 128 characters of [A-Za-z0-9._:-]")
     return OpenAIJob(
         body=body,
@@ -218,7 +273,15 @@ def prompt_token_ids(job: OpenAIJob, tokenizer: Tokenizer) -> list[tuple[int, ..
     if isinstance(body, ChatCompletionRequest):
         messages = [message.model_dump(exclude_none=True) for message in body.messages]
         tools = None if job.tools is None else job.tools.template_tools
-        prompts = [tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)]
+        template_kwargs = {**(body.chat_template_kwargs or {}), "tools": tools}
+        prompts = [
+            tokenizer.encode_chat(
+                messages,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                **template_kwargs,
+            )
+        ]
         param = "messages"
     else:
         prompt = body.prompt
@@ -290,10 +353,15 @@ def sampling_params(
     if body.seed is not None:
         # seed + choice: the n choices differ, and each stays reproducible; wrapped into int64.
         seed = (body.seed + choice + _INT64) % (2 * _INT64) - _INT64
+    # 0, or a top_k the vocabulary cannot fill, filters nothing: -1, the engine's "off" (a top_k
+    # past int32 would fail the nodes' protobuf field, after the request was accepted).
+    top_k = body.top_k
+    if top_k is not None and (top_k == 0 or top_k >= frontend.tokenizer.vocab_size):
+        top_k = -1
     # A field the client left out (or sent as null) takes the engine's default.
     given: dict[str, Any] = {
         "temperature": body.temperature,
-        "top_k": -1 if body.top_k == 0 else body.top_k,
+        "top_k": top_k,
         "top_p": body.top_p,
         "repetition_penalty": body.repetition_penalty,
     }

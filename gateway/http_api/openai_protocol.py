@@ -9,8 +9,11 @@ extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``igno
 ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``) are accepted.
 Structured outputs: ``response_format`` (json_object, json_schema) and vLLM's ``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar``; tools with ``tool_choice``; and
-``logit_bias``. Fields that exist only to be refused (``suffix``, ``functions``, ...)
-are declared so that the refusal names them with a message saying what is unsupported.
+``logit_bias``. Chat takes vLLM's template controls too: ``add_generation_prompt``,
+``continue_final_message``, ``chat_template_kwargs`` and ``echo``; streams take
+``stream_options.continuous_usage_stats``. Fields that exist only to be refused (``suffix``,
+``functions``, ...) are declared so that the refusal names them with a message saying what is
+unsupported.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ def _null_means(default: object, kind: Any) -> BeforeValidator:
 Flag = Annotated[bool, _null_means(False, bool)]
 TrueFlag = Annotated[bool, _null_means(True, bool)]
 FinishReasonName = Literal["stop", "length", "abort", "error", "tool_calls"]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class _Request(BaseModel):
@@ -65,6 +69,9 @@ class _Response(BaseModel):
 class StreamOptions(_Request):
     include_usage: bool = False
     """Send a last chunk with ``choices: []`` and the usage of the whole request."""
+    continuous_usage_stats: Flag = False
+    """vLLM extension, with ``include_usage``: every chunk also carries the usage so far (its
+    choice's completion tokens)."""
 
 
 class _GenerationParams(_Request):
@@ -137,12 +144,14 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Role
     content: Text | list[ContentPart] | None = None
-    """Text parts of a list are joined with newlines."""
+    """Text parts of a list are joined with newlines. An assistant turn may leave it null (it
+    only called tools): the template gets ``""``."""
     name: Text | None = None
     tool_calls: list[dict[str, Any]] | None = None
-    """An assistant turn's tool calls, passed to the chat template as they are."""
+    """An assistant turn's tool calls; the template gets each ``function.arguments`` parsed
+    from its JSON text into an object (``{}`` when it is not JSON), as vLLM passes them."""
     tool_call_id: Text | None = None
     """A tool message: the call it answers."""
 
@@ -180,6 +189,18 @@ class ChatCompletionRequest(_GenerationParams):
     """Unsupported: only null."""
     modalities: list[str] | None = None
     """Only ``["text"]``."""
+    add_generation_prompt: TrueFlag = True
+    """vLLM extension: end the prompt with the template's opening of an assistant turn. False:
+    the response's role is the last message's."""
+    continue_final_message: Flag = False
+    """vLLM extension: the model continues the last message (no end of turn after it, no
+    generation prompt: needs ``add_generation_prompt: false``)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM extension: extra variables for the chat template, e.g. ``{"enable_thinking":
+    false}``. Names the server sets itself (``messages``, ``tools``...) are refused."""
+    echo: Flag = False
+    """vLLM extension: when the last message has the response's role (``assistant`` with the
+    generation prompt, else any), its content starts the response's content."""
 
 
 class ErrorDetail(_Response):
@@ -272,7 +293,8 @@ class ToolCallDelta(_Response):
 
 
 class ChatResponseMessage(_Response):
-    role: Literal["assistant"] = "assistant"
+    role: Role = "assistant"
+    """``assistant``; without the generation prompt, the last message's role (as vLLM)."""
     content: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda value: value is None)
     """Left out of the JSON when the message has none, as OpenAI does."""
@@ -296,7 +318,7 @@ class ChatCompletionResponse(_Response):
 
 
 class ChatDelta(_Response):
-    role: Literal["assistant"] | None = None
+    role: Role | None = None
     """Sent once, in a choice's first chunk, together with its first content."""
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = Field(

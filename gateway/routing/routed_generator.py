@@ -24,6 +24,16 @@ Life cycle of one request here:
 5. CLOSED: however the consumer leaves (aclose, cancellation), each leg's context exit cancels
    its call, and a cancelled RPC aborts the request on its node (peers.md #4, #5).
 
+Request ids: the nodes key everything by the id they are sent (the engine's request, the decode
+node's reservation and transfer, the prefill node's held KV and push) and refuse one in use, so
+that id is made here, unique per generation and attempt: ``{request_id}.{12 hex}``, then
+``{request_id}.{12 hex}.r{attempt}`` for each retry. ``request_id`` is the client's
+(``X-Request-Id`` or the gRPC ``request_id``, ``-{index}`` per choice when there are several),
+which clients may reuse: two requests that send the same one at once, one retried after the first
+finished, or one sent while the first's KV is still in flight each get nodes' ids of their own
+(as vLLM makes its internal ids unique). Responses, headers, logs and metrics show the client's
+id; the one log line per failed attempt names the nodes' id too, to find it in the nodes' logs.
+
 The legs themselves (``legs``; over gRPC in ``grpc_legs``) count their own work in flight on
 their node; this module decides which legs to open and in what order events go out.
 """
@@ -33,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -80,6 +91,7 @@ class RoutedGenerator:
         failures: list[RetryableFailure] = []
         wait_for_room = False
         attempt = 0
+        node_id = f"{request.request_id}.{uuid.uuid4().hex[:12]}"  # see "Request ids" above
         while True:
             route = None
             if attempt <= self.config.max_retries:
@@ -91,7 +103,7 @@ class RoutedGenerator:
             if route is None:
                 break
             # A retry never reuses an id: the prefill node keeps a held id reserved (peers #13).
-            leg_id = request.request_id if attempt == 0 else f"{request.request_id}.r{attempt}"
+            leg_id = node_id if attempt == 0 else f"{node_id}.r{attempt}"
             num_sent, last_sent = 0, 0.0
             try:
                 async for event in self._attempt(route, leg_id, request, wait_for_room):
@@ -117,8 +129,8 @@ class RoutedGenerator:
                 # A full decode node is admission at work (the request waits next), not a fault.
                 level = logging.INFO if failure.cause == "decode_full" else logging.WARNING
                 logger.log(
-                    level, "request %s: attempt %d on %s failed before any token (%s): %s",
-                    request.request_id, attempt, failure.node.address, failure.cause,
+                    level, "request %s: attempt %d (%s) on %s failed before any token (%s): %s",
+                    request.request_id, attempt, leg_id, failure.node.address, failure.cause,
                     failure.message,
                 )  # fmt: skip
                 self.metrics.retries.labels(cause=failure.cause).inc()

@@ -45,13 +45,14 @@ class StopStringMatcher:
     def is_stopped(self) -> bool:
         return self._is_stopped
 
-    def feed(self, text: str) -> StopMatch:
+    def feed(self, text: str, may_stop: bool = True) -> StopMatch:
+        """``may_stop=False``: ``text`` cannot stop the stream (vLLM checks stop strings only
+        past ``min_tokens``), but a stop string it begins can still end in later text."""
         assert not self._is_stopped, "feed() after a stop: the stream has ended"
         if not self._stops:
             return StopMatch(text)
-        # A match lies in held + text and ends in text: held alone matched nothing.
         buffer = self._held + text
-        match = self._first_match(buffer)
+        match = self._first_match(buffer, len(self._held)) if may_stop else None
         if match is not None:
             start, stop = match
             self._is_stopped = True
@@ -67,11 +68,12 @@ class StopStringMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _first_match(self, buffer: str) -> tuple[int, str] | None:
-        """(start, stop string) of the match that ends first; the longest on a tie."""
+    def _first_match(self, buffer: str, num_held: int) -> tuple[int, str] | None:
+        """(start, stop string) of the match that ends first; the longest on a tie. Only a
+        match that ends past the held text counts: one within it was fed with may_stop=False."""
         best: tuple[int, int, str] | None = None  # (end, -length, stop)
         for stop in self._stops:
-            start = buffer.find(stop)
+            start = buffer.find(stop, max(0, num_held + 1 - len(stop)))
             if start == -1:
                 continue
             candidate = (start + len(stop), -len(stop), stop)

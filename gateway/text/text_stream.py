@@ -10,6 +10,15 @@ Both API front ends iterate ``stream_text`` over ``Generator.generate``. Per req
 3. Otherwise the events' ``Finished`` flushes the held text into a last delta (when there is
    any) and becomes the ``TextFinished``.
 
+A token that can stop the generation (one of the request's ``stop_token_ids``, or EOS) has its
+text held until the next event says whether it did: when the generation stopped on it, its text
+is left out (unless ``include_stop_str_in_output``) and a stop token's id is the
+``stop_reason``, as vLLM does; when it did not (``min_tokens``), its text goes out with the next
+delta. Its id and logprob are sent with its own chunk either way.
+
+Stop strings count only once the output is past ``min_tokens`` tokens, as in vLLM (a stop string
+that begins within them and ends past them counts).
+
 Exactly one ``TextFinished`` ends every stream; the events are closed however it ends, so a
 consumer that stops early (a client gone) also cancels the node legs.
 """
@@ -17,7 +26,7 @@ consumer that stops early (a client gone) also cancels the node legs.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -47,7 +56,8 @@ class TextFinished:
     error: str | None
     """Set with ``FinishReason.ERROR``."""
     stop_reason: str | int | None
-    """The stop string that ended the text (vLLM's ``stop_reason``); None otherwise."""
+    """The stop string or stop token id that ended the text (vLLM's ``stop_reason``); None
+    otherwise (EOS included)."""
     num_retries: int = 0
     """Pairs tried before the one that served the request (known when the nodes finished it)."""
 
@@ -66,6 +76,8 @@ class _ChunkText:
     num_tokens: int
     """Tokens of the chunk consumed: all of them, or up to and including a stop's last."""
     matched: str | None
+    held: str | None = None
+    """The text of a last token that may have stopped the generation, not yet sent."""
 
 
 async def stream_text(
@@ -75,30 +87,54 @@ async def stream_text(
     stop: tuple[str, ...] = (),
     include_stop_str_in_output: bool = False,
     skip_special_tokens: bool = True,
+    stop_token_ids: Collection[int] = (),
+    eos_token_ids: Collection[int] = (),
+    min_tokens: int = 0,
 ) -> AsyncIterator[TextEvent]:
     """Text events for ``events``: one ``TextDelta`` per ``TokenChunk``, then one ``TextFinished``.
 
+    ``eos_token_ids``: the EOS ids the generation stops on (none with ``ignore_eos``).
     A ``GatewayError`` the events raise before their first chunk propagates unchanged.
     """
     detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
     matcher = StopStringMatcher(stop, include_stop_str_in_output)
+    # With include_stop_str_in_output a stopping token's text is output like any other.
+    stoppers = frozenset(() if include_stop_str_in_output else (*stop_token_ids, *eos_token_ids))
     num_output_tokens = 0
+    last_token_id: int | None = None
+    held: str | None = None
     try:
         async for event in events:
             if isinstance(event, Finished):
-                tail = _flush(detokenizer, matcher)
+                is_stop_token = event.finish_reason is FinishReason.STOP and (
+                    held is not None or last_token_id in stop_token_ids
+                )
+                if held is not None and is_stop_token:
+                    # The generation stopped on that token: its text is no part of the output.
+                    tail = StopMatch(matcher.flush())
+                else:
+                    may_stop = num_output_tokens > min_tokens
+                    tail = _flush(detokenizer, matcher, held or "", may_stop)
                 if tail.text:
                     yield TextDelta(tail.text, (), None)
+                stop_reason: str | int | None = tail.matched
+                if stop_reason is None and is_stop_token and last_token_id in stop_token_ids:
+                    stop_reason = last_token_id
                 yield TextFinished(
                     finish_reason=FinishReason.STOP if tail.stopped else event.finish_reason,
                     usage=event.usage,
                     timings=event.timings,
                     error=None if tail.stopped else event.error,
-                    stop_reason=tail.matched,
+                    stop_reason=stop_reason,
                     num_retries=event.num_retries,
                 )
                 return
-            chunk = _chunk_text(event, detokenizer, matcher)
+            chunk = _chunk_text(
+                event, detokenizer, matcher, held or "", stoppers, num_output_tokens - min_tokens
+            )
+            held = chunk.held
+            if event.token_ids:
+                last_token_id = event.token_ids[-1]
             num_output_tokens += chunk.num_tokens
             token_ids = event.token_ids[: chunk.num_tokens]
             logprobs = None if event.logprobs is None else event.logprobs[: chunk.num_tokens]
@@ -118,7 +154,7 @@ async def stream_text(
             )
             return
         logger.error("generation events ended without a Finished event")
-        tail = _flush(detokenizer, matcher)
+        tail = _flush(detokenizer, matcher, held or "", num_output_tokens > min_tokens)
         if tail.text:
             yield TextDelta(tail.text, (), None)
         yield TextFinished(
@@ -133,24 +169,44 @@ async def stream_text(
 
 
 def _chunk_text(
-    chunk: TokenChunk, detokenizer: IncrementalDetokenizer, matcher: StopStringMatcher
+    chunk: TokenChunk,
+    detokenizer: IncrementalDetokenizer,
+    matcher: StopStringMatcher,
+    held: str,
+    stoppers: frozenset[int],
+    num_past_min_tokens: int,
 ) -> _ChunkText:
-    # Token by token, so that a stop is pinned to the token that completed it.
+    """``held``: the previous chunk's held text, which this chunk shows was output after all.
+    ``num_past_min_tokens``: output tokens before this chunk, less min_tokens."""
     pieces = []
+    if held:
+        match = matcher.feed(held, may_stop=num_past_min_tokens > 0)
+        pieces.append(match.text)
+        if match.stopped:  # the stop string ended at the previous chunk's last token
+            return _ChunkText("".join(pieces), 0, match.matched)
+    # Token by token, so that a stop is pinned to the token that completed it.
+    last = len(chunk.token_ids) - 1
     for index, token_id in enumerate(chunk.token_ids):
         text = detokenizer.add((token_id,))
+        if index == last and token_id in stoppers:
+            return _ChunkText("".join(pieces), len(chunk.token_ids), None, held=text)
         if not text:
             continue
-        match = matcher.feed(text)
+        match = matcher.feed(text, may_stop=num_past_min_tokens + index + 1 > 0)
         pieces.append(match.text)
         if match.stopped:
             return _ChunkText("".join(pieces), index + 1, match.matched)
     return _ChunkText("".join(pieces), len(chunk.token_ids), None)
 
 
-def _flush(detokenizer: IncrementalDetokenizer, matcher: StopStringMatcher) -> StopMatch:
+def _flush(
+    detokenizer: IncrementalDetokenizer,
+    matcher: StopStringMatcher,
+    held: str = "",
+    may_stop: bool = True,
+) -> StopMatch:
     """The held text at the end of the stream; it may still complete a stop string."""
-    match = matcher.feed(detokenizer.flush())
+    match = matcher.feed(held + detokenizer.flush(), may_stop)
     if match.stopped:
         return match
     return StopMatch(match.text + matcher.flush())

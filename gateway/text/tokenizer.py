@@ -2,14 +2,16 @@
 
 The gateway image has no torch or transformers, so this module reads the model itself. A GGUF
 file (or a directory holding one) carries vocabulary, special tokens and chat template in its
-metadata (``gateway.text.gguf_tokenizer`` rebuilds the tokenizer). A Hugging Face model directory
+metadata (``services.gguf_tokenizer`` rebuilds the tokenizer). A Hugging Face model directory
 gives ``tokenizer.json`` (read through the ``tokenizers`` library), ``tokenizer_config.json``
 for the named special tokens and the chat template (``chat_template.jinja`` wins when present, as
 in transformers 5), and ``generation_config.json`` for extra EOS ids. Encoding, decoding and
 template rendering match ``transformers.AutoTokenizer`` on the same model; the tests check it.
 
-Messages arrive as OpenAI chat messages. Content is a string or a list of ``{"type": "text"}``
-parts, joined with newlines as vLLM does; anything the gateway cannot render is a
+Messages arrive as OpenAI chat messages and reach the template as vLLM passes them: content is a
+string (a list of ``{"type": "text"}`` parts is joined with newlines; an assistant turn that
+only called tools has ``""``), and an assistant turn's tool call arguments, JSON text on the
+wire, are parsed into the object templates iterate over. Anything the gateway cannot render is a
 ``GatewayError`` naming ``messages``, raised before any node sees the request.
 """
 
@@ -31,7 +33,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HfTokenizer
 
 from gateway.errors import invalid
-from gateway.text.gguf_tokenizer import gguf_tokenizer_parts
+from services.gguf_tokenizer import gguf_tokenizer_parts
 from services.models.gguf_file import find_gguf, open_gguf
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,8 @@ _SPECIAL_TOKEN_NAMES = (
 _BYTE_FALLBACK_PREFIX = "<0x"
 # The word-boundary marker of SentencePiece-style vocabularies.
 _METASPACE = "\u2581"
+# Appended to the final message to find its end in the rendered text (transformers' marker).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -187,11 +191,14 @@ def _read_chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def _message_text(index: int, role: str, content: object) -> str | None:
+def _message_text(index: int, role: str, content: object) -> str:
     """The text of one message's content; the offending message is named in the error."""
     if content is None:
         if role == "assistant":
-            return None  # an assistant turn that only called tools
+            # An assistant turn that only called tools (the OpenAI SDK replays it with content
+            # null). vLLM renders it as "": ChatML-style templates concatenate the content, and
+            # a missing key fails them (transformers would leave the key out).
+            return ""
         raise invalid(f"messages[{index}] ({role}) has no content", param="messages")
     if isinstance(content, str):
         return content
@@ -218,10 +225,54 @@ def _message_text(index: int, role: str, content: object) -> str | None:
     return "\n".join(texts)
 
 
-def normalize_messages(messages: object) -> list[dict[str, Any]]:
-    """Messages as chat templates expect them: plain string content, no ``None`` values.
+def _template_tool_calls(index: int, tool_calls: object) -> list[dict[str, Any]] | None:
+    """An assistant turn's tool calls with their arguments as objects, as vLLM passes them.
 
-    transformers drops keys whose value is None (templates handle a missing key, not a None).
+    OpenAI sends ``function.arguments`` as JSON text; tool-use templates (transformers' own
+    convention) iterate over it as a mapping (``arguments|items``). Text that is not JSON becomes
+    ``{}`` as in vLLM: a client replaying a call the model wrote badly keeps its conversation.
+    An empty list is dropped, so that templates take their plain assistant path.
+    """
+    if not isinstance(tool_calls, list):
+        raise invalid(f"messages[{index}].tool_calls must be a list", param="messages")
+    calls = []
+    for call_index, call in enumerate(tool_calls):
+        where = f"messages[{index}].tool_calls[{call_index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise invalid(f"{where} needs a 'function' object with a 'name'", param="messages")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = {}
+        elif not isinstance(arguments, (dict, list)):
+            arguments = {}
+        # Copies: the caller's message (and its JSON text) stays as it came.
+        calls.append({**call, "function": {**function, "arguments": arguments}})
+    return calls or None
+
+
+def _cut_at_continue_tag(rendered: str, final_text: str) -> str:
+    """The rendered conversation up to the end of its final message (``_CONTINUE_TAG``)."""
+    tag = _CONTINUE_TAG.strip()
+    if final_text.strip() not in rendered or tag not in rendered:
+        raise invalid(
+            "continue_final_message: the chat template does not render the final message as "
+            "it was given, so it cannot be continued",
+            param="continue_final_message",
+        )
+    tag_at = rendered.rindex(tag)
+    if rendered.startswith(_CONTINUE_TAG, tag_at):
+        return rendered[:tag_at]
+    # The template trimmed the message's trailing space (and the tag's): trim as it did.
+    return rendered[:tag_at].rstrip()
+
+
+def normalize_messages(messages: object) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: plain string content, tool call arguments as
+    objects, no ``None`` values (templates handle a missing key, not a None).
     """
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty list", param="messages")
@@ -238,12 +289,12 @@ def normalize_messages(messages: object) -> list[dict[str, Any]]:
                 f"messages[{index}] has role {role!r}; expected one of {sorted(ROLES)}",
                 param="messages",
             )
-        text = _message_text(index, role, message.get("content"))
         fields = {key: value for key, value in message.items() if value is not None}
-        if text is None:
-            fields.pop("content", None)
-        else:
-            fields["content"] = text
+        fields["content"] = _message_text(index, role, message.get("content"))
+        if role == "assistant" and "tool_calls" in fields:
+            tool_calls = _template_tool_calls(index, fields.pop("tool_calls"))
+            if tool_calls is not None:
+                fields["tool_calls"] = tool_calls
         normalized.append(fields)
     return normalized
 
@@ -389,36 +440,63 @@ class Tokenizer:
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
+        /,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> str:
         """Render ``messages`` with the model's chat template, as transformers does.
 
-        ``template_kwargs`` reach the template as variables (``tools``, ``enable_thinking``...)
-        and override the special tokens of the same name.
+        ``continue_final_message``: the text ends inside the last message, without what the
+        template writes after it (end of turn), so the model continues it; it excludes the
+        generation prompt. ``template_kwargs`` reach the template as variables (``tools``,
+        ``enable_thinking``...; any name, ``self`` included: the parameters before them are
+        positional-only) and override the special tokens of the same name.
         """
         if self._chat_template is None:
             raise invalid(
                 "this model has no chat template; use the completions API with a plain prompt",
                 param="messages",
             )
+        if continue_final_message and add_generation_prompt:
+            raise invalid(
+                "continue_final_message cannot be used with add_generation_prompt",
+                param="continue_final_message",
+            )
         normalized = normalize_messages(messages)
+        final_text = normalized[-1]["content"]
+        if continue_final_message:
+            # transformers' way: mark the end of the final message, render, cut at the mark.
+            normalized[-1]["content"] = final_text + _CONTINUE_TAG
         variables: dict[str, Any] = {"tools": None, "documents": None}
         variables.update(self._special_tokens)
         variables.update(template_kwargs)
         try:
-            return self._chat_template.render(
-                messages=normalized, add_generation_prompt=add_generation_prompt, **variables
-            )
+            # One mapping, not keywords: a variable may be named like render's own "self".
+            variables.update(messages=normalized, add_generation_prompt=add_generation_prompt)
+            rendered = self._chat_template.render(variables)
         except jinja2.TemplateError as exc:
             # raise_exception() in a template is how models refuse a conversation they cannot
             # take (e.g. roles that do not alternate): the client's request is at fault.
             raise invalid(f"the chat template rejected the messages: {exc}", "messages") from exc
+        except Exception as exc:
+            # The template is untrusted code run on the client's values (messages, tool call
+            # arguments, chat_template_kwargs): "'a' + none" or "3|items" fail it in plain
+            # Python. vLLM answers any failure of it with a 400, and so does the gateway.
+            raise invalid(
+                f"the chat template rejected the messages: {type(exc).__name__}: {exc}",
+                "messages",
+            ) from exc
+        if continue_final_message:
+            rendered = _cut_at_continue_tag(rendered, final_text)
+        return rendered
 
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
+        /,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> list[int]:
         """Token ids of the rendered conversation.
@@ -426,5 +504,7 @@ class Tokenizer:
         The template writes its own BOS, so encoding adds no special tokens (vLLM and
         transformers do the same; adding them would double the BOS).
         """
-        text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+        text = self.apply_chat_template(
+            messages, add_generation_prompt, continue_final_message, **template_kwargs
+        )
         return self.encode(text, add_special_tokens=False)

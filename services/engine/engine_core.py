@@ -35,7 +35,7 @@ from services.engine.model_runner import ModelRunner
 from services.engine.outputs import EngineCoreOutput, EngineStats
 from services.engine.request import Request
 from services.engine.scheduler import SampledToken, Scheduler
-from services.engine.structured_output import StructuredOutputs
+from services.engine.structured_output import GrammarMatcher, StructuredOutputs
 from services.models.config import ModelConfig
 from services.models.gguf_file import find_gguf, open_gguf
 from services.types import SamplingParams
@@ -49,7 +49,7 @@ class EngineCore:
         self.model_config = ModelConfig.from_model_path(config.model_dir)
         self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
         self.structured_outputs = StructuredOutputs(
-            config.model_dir / "tokenizer.json",
+            config.model_dir,
             self.model_config.vocab_size,
             self.model_config.eos_token_ids,
         )
@@ -128,23 +128,32 @@ class EngineCore:
         params: SamplingParams,
         *,
         hold_kv: bool = False,
+        grammar: GrammarMatcher | None = None,
     ) -> None:
-        """Queue a request; raises ``ValueError`` naming the field when the input is bad."""
+        """Queue a request; raises ``ValueError`` naming the field when the input is bad.
+        ``grammar``: ``params.guided`` already compiled (``structured_outputs.compile``, off the
+        engine thread); None compiles it here."""
         request = self._make_request(request_id, prompt_token_ids, params, hold_kv)
         if params.guided is not None:
-            self.structured_outputs.add(request_id, params.guided)
+            self.structured_outputs.add(request_id, params.guided, grammar)
         self.scheduler.add_request(request)
 
     def reserve(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        grammar: GrammarMatcher | None = None,
     ) -> list[int] | None:
         """Decode role: hold blocks for the prompt's KV; their ids, or None when there is no room
-        (too few free blocks, or ``max_num_seqs`` requests already running or reserved)."""
+        (too few free blocks, or ``max_num_seqs`` requests already running or reserved).
+        ``grammar`` as in ``add_request``."""
         request = self._make_request(request_id, prompt_token_ids, params, hold_kv=False)
         if not self.scheduler.can_reserve(request):
             return None
         if params.guided is not None:
-            self.structured_outputs.add(request_id, params.guided)
+            self.structured_outputs.add(request_id, params.guided, grammar)
         return self.scheduler.reserve(request)
 
     def commit(

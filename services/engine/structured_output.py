@@ -2,9 +2,13 @@
 
 Life cycle of one request's matcher:
 
-1. ``add`` when the request enters the engine (``add_request``, or ``reserve`` on a decode
-   node): the grammar is compiled here, so a grammar the engine cannot use is refused with a
-   ``ValueError`` before the request holds anything.
+1. ``compile``, then ``add`` when the request enters the engine (``add_request``, or ``reserve``
+   on a decode node), so a grammar the engine cannot use is refused with a ``ValueError`` before
+   the request holds anything. ``compile`` may run on any thread, and a node runs it off its
+   engine thread (``AsyncEngine``): a large grammar takes seconds (100,000 choices: ~16 s on a
+   2-core host, the GIL released throughout), which on the engine thread would stall every other
+   request's steps and every commit; ``add`` without a compiled matcher compiles in place (the
+   offline ``LLM``).
 2. On a decode node, ``commit`` feeds it the first token, which the prefill node sampled under
    the same grammar: the matcher's state is rebuilt from the tokens so far rather than shipped,
    so a request's constrained output is the same disaggregated, colocated or recomputed.
@@ -16,31 +20,43 @@ Life cycle of one request's matcher:
 5. ``remove`` when the request finishes or is aborted.
 
 The llguidance tokenizer (token bytes for the whole vocabulary, ~150 ms for 32k tokens) is built
-from the model directory's ``tokenizer.json`` on the first constrained request.
+on the first constrained request from the model's ``tokenizer.json``: the file of a Hugging Face
+directory, or for a GGUF checkpoint (which has none) the one ``services.gguf_tokenizer`` builds
+from its metadata, the very tokenizer the gateway encodes prompts with, so that the grammar's
+token ids are the model's.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import llguidance
 import torch
 
+from services.gguf_tokenizer import gguf_tokenizer_parts
 from services.guided_decoding import GuidedDecoding
+from services.models.gguf_file import find_gguf, open_gguf
 
 logger = logging.getLogger(__name__)
+
+GrammarMatcher = llguidance.LLMatcher
+"""One request's compiled grammar and its state (``StructuredOutputs.compile``)."""
 
 
 class StructuredOutputs:
     """The matchers of one engine's constrained requests, by request id."""
 
-    def __init__(self, tokenizer_file: Path, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
-        self._tokenizer_file = Path(tokenizer_file)
+    def __init__(self, model_path: Path, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        """``model_path``: a Hugging Face model directory, a GGUF file or a directory holding
+        one (``EngineConfig.model_dir``)."""
+        self._model_path = Path(model_path)
         self._vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer_lock = threading.Lock()  # compile() runs on any thread
         self._matchers: dict[str, llguidance.LLMatcher] = {}
 
     def __contains__(self, request_id: str) -> bool:
@@ -54,14 +70,25 @@ class StructuredOutputs:
         """int32 words per row of a bitmask: one bit per token of the model's vocabulary."""
         return (self._vocab_size + 31) // 32
 
-    def add(self, request_id: str, guided: GuidedDecoding) -> None:
-        """Compile ``guided`` for ``request_id``; ``ValueError`` naming the field if it cannot."""
-        assert request_id not in self._matchers, request_id
+    def compile(self, guided: GuidedDecoding) -> GrammarMatcher:
+        """A fresh matcher for ``guided``; ``ValueError`` naming the field if it cannot be built.
+        Safe on any thread: it touches nothing but the (locked) llguidance tokenizer."""
         guided.check()
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), guided.to_grammar(), log_level=0)
+        matcher = llguidance.LLMatcher(self.llg_tokenizer(), guided.to_grammar(), log_level=0)
         if matcher.is_error():
             raise ValueError(f"{guided.field_name} is invalid: {matcher.get_error()[:300]}")
-        self._matchers[request_id] = matcher
+        return matcher
+
+    def add(
+        self,
+        request_id: str,
+        guided: GuidedDecoding,
+        matcher: GrammarMatcher | None = None,
+    ) -> None:
+        """Track ``request_id``'s matcher: ``matcher``, compiled from ``guided`` beforehand (and
+        used by no one else), or compiled here."""
+        assert request_id not in self._matchers, request_id
+        self._matchers[request_id] = self.compile(guided) if matcher is None else matcher
 
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
@@ -99,16 +126,36 @@ class StructuredOutputs:
             matcher.unsafe_compute_mask_ptr(bitmask[index].data_ptr(), num_bytes)
         return bitmask, rows
 
-    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+    def llg_tokenizer(self) -> llguidance.LLTokenizer:
+        """The model's tokenizer as llguidance sees it, built on first use; ``ValueError`` when
+        the model has none pdserve can read."""
+        with self._tokenizer_lock:
+            return self._build_llg_tokenizer()
+
+    def _build_llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
-            if not self._tokenizer_file.is_file():
-                raise ValueError(
-                    f"guided decoding needs the model's tokenizer.json ({self._tokenizer_file} "
-                    "not found)"
-                )
             self._tokenizer = llguidance.LLTokenizer(
-                self._tokenizer_file.read_text(encoding="utf-8"),
+                tokenizer_json(self._model_path),
                 n_vocab=self._vocab_size,
                 eos_token=self._eos_token_ids or None,
             )
         return self._tokenizer
+
+
+def tokenizer_json(model_path: Path) -> str:
+    """The ``tokenizer.json`` text of the model at ``model_path``; ``ValueError`` saying what is
+    missing when it has no tokenizer pdserve can read."""
+    gguf_path = find_gguf(model_path)
+    if gguf_path is not None:
+        try:
+            parts = gguf_tokenizer_parts(open_gguf(gguf_path))
+        except ValueError as exc:
+            raise ValueError(f"guided decoding needs the model's tokenizer: {exc}") from None
+        return parts.backend.to_str()
+    tokenizer_file = model_path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise ValueError(
+            f"guided decoding needs the model's tokenizer ({tokenizer_file} not found, and "
+            f"{model_path} is not a GGUF checkpoint)"
+        )
+    return tokenizer_file.read_text(encoding="utf-8")

@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 from gateway.errors import ErrorKind, GatewayError
 from gateway.generation import Finished, GenerationRequest, TokenChunk
 from gateway.text.tokenizer import Tokenizer
+from services.convert import sampling_params_to_proto
 from services.types import FinishReason, SamplingParams, Usage
+from support.blocking_grammar import BlockingGrammarCheck
 from support.openai_app import (
     HANG,
     MODEL,
@@ -308,6 +310,19 @@ def test_sampling_parameters_reach_the_generator(serve: Callable[..., Served]) -
     assert second.sampling.seed == -(2**63), "seed + 1 wraps around within int64"
 
 
+def test_a_top_k_past_the_vocabulary_means_no_top_k(serve: Callable[..., Served]) -> None:
+    """vLLM takes any top_k >= 1; one the vocabulary cannot fill is no filter at all, and must
+    not reach the nodes as a number their int32 field cannot hold (that was a 500)."""
+    served = serve()
+    vocab_size = served.tokenizer.vocab_size
+    for top_k, expected in ((2**40, -1), (vocab_size, -1), (vocab_size - 1, vocab_size - 1)):
+        body = {"model": MODEL, "prompt": "x", "top_k": top_k}
+        assert served.post("/v1/completions", body).status_code == 200
+        sampling = served.generator.requests[-1].sampling
+        assert sampling.top_k == expected
+        assert sampling_params_to_proto(sampling).top_k == expected
+
+
 def test_n_choices_stream_with_their_indexes(serve: Callable[..., Served]) -> None:
     served = serve()
     stream = served.client().chat.completions.create(
@@ -328,6 +343,36 @@ def test_n_choices_stream_with_their_indexes(serve: Callable[..., Served]) -> No
     assert roles == {0: 1, 1: 1}
 
 
+def test_the_token_that_stopped_the_generation_is_not_in_the_text(
+    serve: Callable[..., Served],
+) -> None:
+    """As vLLM: a stop token's text is left out and its id is the stop_reason; an EOS's text is
+    left out even when special tokens are kept."""
+    output_ids = []
+
+    def script(request: GenerationRequest) -> list[Step]:
+        ids = output_ids[: request.sampling.max_tokens]
+        return [*(TokenChunk((i,)) for i in ids), Finished(FinishReason.STOP, Usage(1, len(ids)))]
+
+    served = serve(script)
+    output_ids[:] = served.tokenizer.encode("Hello world", add_special_tokens=False)
+    stop_id = output_ids[-1]
+    body = {"model": MODEL, "prompt": "x", "stop_token_ids": [stop_id]}
+    (choice,) = served.post("/v1/completions", body).json()["choices"]
+    assert choice["text"] == "Hello"
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop_id)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}
+    chunks = sse_chunks(served.post("/v1/chat/completions", {**chat, "stop_token_ids": [stop_id]}))
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "Hello"
+    assert chunks[-1]["choices"][0]["stop_reason"] == stop_id
+
+    (eos,) = served.tokenizer.eos_token_ids
+    output_ids.append(eos)
+    body = {"model": MODEL, "prompt": "x", "skip_special_tokens": False}
+    (choice,) = served.post("/v1/completions", body).json()["choices"]
+    assert (choice["text"], choice["stop_reason"]) == ("Hello world", None)
+
+
 def test_stop_string_truncates_and_closes_the_generation(serve: Callable[..., Served]) -> None:
     served = serve()
     completion = served.client().completions.create(
@@ -346,6 +391,12 @@ def test_stop_string_truncates_and_closes_the_generation(serve: Callable[..., Se
         extra_body={"include_stop_str_in_output": True},
     )
     assert completion.choices[0].text == "Hello world, this is a test"
+
+    # min_tokens holds stop strings back as it holds EOS back (vLLM): "o" ends "Hello" (3 tokens).
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 50, "stop": "o"}
+    assert served.post("/v1/completions", body).json()["choices"][0]["text"] == "Hell"
+    body["min_tokens"] = 3
+    assert served.post("/v1/completions", body).json()["choices"][0]["text"] == "Hello w"
 
 
 def test_completion_logprobs_in_the_legacy_format(serve: Callable[..., Served]) -> None:
@@ -439,6 +490,9 @@ def test_chat_logprobs_with_bytes_and_alternatives(serve: Callable[..., Served])
         ("/v1/completions", {"logit_bias": {"five": 1.0}}, 400, "logit_bias"),
         ("/v1/completions", {"logit_bias": {"5": 101.0}}, 400, "logit_bias"),
         ("/v1/completions", {"logit_bias": {"999999": 1.0}}, 400, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"\u00b2": 1.0}}, 400, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"\u0663": 1.0}}, 400, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"9" * 5000: 1.0}}, 400, "logit_bias"),
         ("/v1/completions", {"guided_regex": "[a-"}, 400, "guided_regex"),
         ("/v1/completions", {"guided_choice": []}, 400, "guided_choice"),
         ("/v1/completions", {"guided_grammar": "start: nowhere"}, 400, "guided_grammar"),
@@ -454,6 +508,8 @@ def test_chat_logprobs_with_bytes_and_alternatives(serve: Callable[..., Served])
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
          "messages[0].role"),
         ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"},
+         {"role": "tool", "content": "42"}]}, 400, "messages[1].tool_call_id"),
         ("/v1/chat/completions", {"tools": [{"type": "function"}]}, 400, "tools[0]"),
         ("/v1/chat/completions", {"tool_choice": "auto"}, 400, "tool_choice"),
         ("/v1/chat/completions", {"tools": [TOOL], "tool_choice": "sometimes"}, 400,
@@ -803,7 +859,8 @@ _FIELDS = (
     "temperature top_p top_k min_p seed presence_penalty frequency_penalty repetition_penalty "
     "min_tokens ignore_eos stop_token_ids skip_special_tokens include_stop_str_in_output "
     "logprobs top_logprobs echo suffix best_of logit_bias user tools tool_choice response_format "
-    "guided_json guided_regex guided_choice guided_grammar parallel_tool_calls"
+    "guided_json guided_regex guided_choice guided_grammar parallel_tool_calls "
+    "add_generation_prompt continue_final_message chat_template_kwargs"
 ).split()
 
 
@@ -822,7 +879,9 @@ def _json_values() -> st.SearchStrategy[object]:
         lambda children: (
             st.lists(children, max_size=4)
             | st.dictionaries(
-                st.sampled_from(["role", "content", "type", "text", "include_usage"])
+                st.sampled_from(
+                    ["role", "content", "type", "text", "include_usage", "continuous_usage_stats"]
+                )
                 | st.text(max_size=5),
                 children,
                 max_size=4,
@@ -905,3 +964,24 @@ def test_a_stalled_body_is_answered_408(serve: Callable[..., Served]) -> None:
     assert "the request body stalled" in reply
     # The server still serves everyone else.
     assert served.post("/v1/completions", {"model": MODEL, "prompt": "x"}).status_code == 200
+
+
+def test_grammar_checks_do_not_stall_the_event_loop(
+    serve: Callable[..., Served], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compiling a request's grammar takes seconds for a large one (100,000 guided_choice
+    strings fit in the body limit); meanwhile the gateway must go on serving other requests."""
+    served = serve()
+    grammar = BlockingGrammarCheck(monkeypatch, wait_s=10)
+    responses: list[httpx.Response] = []
+    body = {"model": MODEL, "prompt": "x", "guided_choice": ["yes", "no"]}
+    thread = threading.Thread(target=lambda: responses.append(served.post("/v1/completions", body)))
+    thread.start()
+    try:
+        assert grammar.entered.wait(10)
+        assert httpx.get(f"{served.url}/v1/models", timeout=5).status_code == 200
+    finally:
+        grammar.released.set()
+        thread.join()
+    assert grammar.was_released == [True]
+    assert responses[0].status_code == 200

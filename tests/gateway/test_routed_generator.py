@@ -5,6 +5,7 @@ checks that each leg counted itself in flight while open and that no count is le
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -218,7 +219,8 @@ def test_a_full_decode_node_is_retried_on_the_next_pair_under_a_fresh_leg_id() -
     assert token_ids(events) == [10, 11, 12]
     final = events[-1]
     assert isinstance(final, Finished) and final.num_retries == 1
-    assert legs.leg_ids == ["req", "req.r1"]
+    first, retry = legs.leg_ids
+    assert first.startswith("req.") and retry == f"{first}.r1"
     first_prefill = next(leg for leg in legs.opened if leg.node is routes[0].prefill)
     assert isinstance(first_prefill, FakePrefillLeg) and first_prefill.reservation is None
     assert_no_work_left(routes, legs)
@@ -294,6 +296,22 @@ def test_decode_tokens_that_overtake_the_prefill_reply_wait_behind_the_first_tok
     assert_no_work_left(routes, legs)
 
 
+def test_generations_with_one_client_id_reach_the_nodes_under_ids_of_their_own() -> None:
+    """Clients reuse ids (X-Request-Id); the nodes refuse an id in use and key reservations and
+    pushes by it, so each generation is sent under ``{request_id}.{12 hex}``."""
+    routes = pairs(1)
+    legs = FakeLegs({"d0": served(11, 12)}, {"p0": reply(10)})
+    generator = make_generator(routes, legs)
+
+    async def main() -> list[list[GenerationEvent]]:
+        return await asyncio.gather(*(collect(generator) for _ in range(3)))
+
+    assert [token_ids(events) for events in asyncio.run(main())] == [[10, 11, 12]] * 3
+    assert len(set(legs.leg_ids)) == 3
+    assert all(re.fullmatch(r"req\.[0-9a-f]{12}", leg_id) for leg_id in legs.leg_ids)
+    assert_no_work_left(routes, legs)
+
+
 def test_a_failure_after_a_token_is_a_finished_error_not_a_retry() -> None:
     routes = pairs(2)
     lost = StreamEnded(FinishReason.ERROR, "decode node lost")
@@ -304,7 +322,7 @@ def test_a_failure_after_a_token_is_a_finished_error_not_a_retry() -> None:
     final = events[-1]
     assert isinstance(final, Finished) and final.finish_reason is FinishReason.ERROR
     assert final.error == "decode node lost" and final.usage.completion_tokens == 2
-    assert legs.leg_ids == ["req"], "nothing is retried once a token reached the client"
+    assert len(legs.leg_ids) == 1, "nothing is retried once a token reached the client"
     assert_no_work_left(routes, legs)
 
 

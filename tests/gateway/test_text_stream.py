@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -72,6 +73,7 @@ def run(
     stop: tuple[str, ...] = (),
     include_stop_str_in_output: bool = False,
     max_events: int | None = None,
+    **options: Any,
 ) -> list[TextEvent]:
     """Drive stream_text to its end, or stop reading after ``max_events`` as a client might."""
 
@@ -83,6 +85,7 @@ def run(
             prompt_ids,
             stop=stop,
             include_stop_str_in_output=include_stop_str_in_output,
+            **options,
         )
         out: list[TextEvent] = []
         async for event in stream:
@@ -251,3 +254,68 @@ def test_error_before_the_first_chunk_propagates(tokenizer: Tokenizer) -> None:
     with pytest.raises(GatewayError) as raised:
         run(legs, tokenizer)
     assert raised.value.kind is ErrorKind.INVALID_ARGUMENT
+
+
+# --- the token that stopped the generation (vLLM: not in the text, its id the stop_reason) ----
+
+
+def test_a_stop_token_is_left_out_of_the_text_and_is_the_stop_reason(
+    tokenizer: Tokenizer,
+) -> None:
+    token_ids = tokenizer.encode("Hello world", add_special_tokens=False)
+    stop_id = token_ids[-1]  # " world"
+    legs = FakeLegs([*chunks_of(token_ids, 1), finished(len(token_ids), FinishReason.STOP)])
+    events = run(legs, tokenizer, stop_token_ids=(stop_id,))
+    assert text_of(events) == tokenizer.decode(token_ids[:-1])
+    assert [event.token_ids for event in events if isinstance(event, TextDelta)][-1] == (stop_id,)
+    final = events[-1]
+    assert isinstance(final, TextFinished)
+    assert final.finish_reason is FinishReason.STOP and final.stop_reason == stop_id
+    assert final.usage.completion_tokens == len(token_ids)
+
+    legs = FakeLegs([*chunks_of(token_ids, 3), finished(len(token_ids), FinishReason.STOP)])
+    events = run(legs, tokenizer, stop_token_ids=(stop_id,), include_stop_str_in_output=True)
+    assert text_of(events) == "Hello world"
+    assert events[-1].stop_reason == stop_id  # type: ignore[union-attr]
+
+
+def test_a_stop_token_that_did_not_stop_keeps_its_text(tokenizer: Tokenizer) -> None:
+    """min_tokens lets a stop token through: its text is held only until the next token."""
+    token_ids = tokenizer.encode("Hello world and more world", add_special_tokens=False)
+    stop_id = tokenizer.encode("Hello world", add_special_tokens=False)[-1]
+    assert token_ids.count(stop_id) == 2
+    legs = FakeLegs([*chunks_of(token_ids, 1), finished(len(token_ids), FinishReason.LENGTH)])
+    events = run(legs, tokenizer, stop_token_ids=(stop_id,))
+    assert text_of(events) == "Hello world and more world"
+    assert events[-1].stop_reason is None  # type: ignore[union-attr]
+
+
+def test_the_eos_token_is_left_out_of_the_text_without_skip_special_tokens(
+    tokenizer: Tokenizer,
+) -> None:
+    (eos,) = tokenizer.eos_token_ids
+    token_ids = [*tokenizer.encode("Hi there", add_special_tokens=False), eos]
+    legs = FakeLegs([*chunks_of(token_ids, 2), finished(len(token_ids), FinishReason.STOP)])
+    events = run(legs, tokenizer, skip_special_tokens=False, eos_token_ids=(eos,))
+    assert text_of(events) == "Hi there"
+    assert events[-1].stop_reason is None  # type: ignore[union-attr]
+    # ignore_eos: the EOS is ordinary output (the front end then passes no eos_token_ids).
+    legs = FakeLegs([*chunks_of(token_ids, 2), finished(len(token_ids), FinishReason.LENGTH)])
+    events = run(legs, tokenizer, skip_special_tokens=False, eos_token_ids=(eos,))
+    assert text_of(events) == "Hi there" + tokenizer.decode([eos], skip_special_tokens=False)
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer: Tokenizer) -> None:
+    """As vLLM: a stop string counts only once the output is past min_tokens; one that began
+    before and ends after it still counts."""
+    token_ids = tokenizer.encode("Hello world and world again", add_special_tokens=False)
+    first = first_token_completing(tokenizer, token_ids, "world")
+    for min_tokens, expected in ((first, "Hello "), (first + 1, "Hello world and ")):
+        legs = FakeLegs([*chunks_of(token_ids, 2), finished(len(token_ids))])
+        events = run(legs, tokenizer, stop=("world",), min_tokens=min_tokens)
+        assert text_of(events) == expected, min_tokens
+        assert events[-1].stop_reason == "world"  # type: ignore[union-attr]
+    # "o world" begins within the first min_tokens tokens and ends past them.
+    legs = FakeLegs([*chunks_of(token_ids, 1), finished(len(token_ids))])
+    events = run(legs, tokenizer, stop=("o world",), min_tokens=first)
+    assert text_of(events) == "Hell"

@@ -279,19 +279,126 @@ def test_template_refusal_is_invalid_argument(make_model_dir: ModelDirFactory) -
     assert "must alternate" in raised.value.message
 
 
-def test_assistant_tool_call_without_content(make_model_dir: ModelDirFactory) -> None:
-    model_dir = make_model_dir(template_file="{{ messages | tojson }}")
-    tokenizer = Tokenizer.from_model_dir(model_dir)
-    hf_tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+# Iterates over each call's arguments as a mapping, as tool-use templates do.
+ITEMS_TEMPLATE = """\
+{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}
+{% for call in message.tool_calls or [] %}{{ call.function.name }}(\
+{% for key, value in call.function.arguments|items %}{{ key }}={{ value }};{% endfor %})
+{% endfor %}{% endfor %}"""
+
+
+def _with_template(tokenizer: Tokenizer, template: str) -> Tokenizer:
+    return Tokenizer(tokenizer.backend, tokenizer.special_tokens, (), template)
+
+
+def test_an_assistant_tool_call_reaches_the_template_as_vllm_passes_it(
+    tokenizer: Tokenizer,
+) -> None:
+    # What the OpenAI SDK replays: content null, arguments as JSON text. vLLM renders the
+    # content as "" and parses the arguments (not JSON: {}); an empty list is dropped.
+    as_json = _with_template(tokenizer, "{{ messages | tojson }}")
+
+    def call(arguments: object) -> dict[str, Any]:
+        return {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+
+    given = [call('{"city": "Oslo", "days": [1, 2]}'), call("not json"), call(None), call("[3]")]
     conversation = [
         {"role": "user", "content": "call f"},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "assistant", "content": None, "tool_calls": given},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        {"role": "assistant", "content": "done", "tool_calls": []},
+    ]
+    rendered = json.loads(as_json.apply_chat_template(conversation, add_generation_prompt=False))
+    assert rendered[1]["content"] == ""
+    assert [c["function"]["arguments"] for c in rendered[1]["tool_calls"]] == [
+        {"city": "Oslo", "days": [1, 2]}, {}, {}, [3],
+    ]  # fmt: skip
+    assert rendered[1]["tool_calls"][0]["id"] == "c1"
+    assert rendered[3] == {"role": "assistant", "content": "done"}
+    assert given[0]["function"]["arguments"] == '{"city": "Oslo", "days": [1, 2]}', "not mutated"
+
+    # A template that iterates the arguments as a mapping gets one; the JSON text would fail it.
+    items = _with_template(tokenizer, ITEMS_TEMPLATE)
+    replay = [
+        {"role": "user", "content": "call f"},
+        {"role": "assistant", "content": None, "tool_calls": [call('{"city": "Oslo", "n": 2}')]},
         {"role": "tool", "tool_call_id": "c1", "content": "42"},
     ]
-    rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=False)
-    assert rendered == hf_tokenizer.apply_chat_template(conversation, tokenize=False)
-    assert json.loads(rendered)[1] == {"role": "assistant", "tool_calls": [call]}
+    text = items.apply_chat_template(replay, add_generation_prompt=False)
+    assert text == "user: call f\nassistant: \nf(city=Oslo;n=2;)\ntool: 42\n"
+
+
+@pytest.mark.parametrize(
+    ("tool_calls", "fragment"),
+    [
+        ("f", "tool_calls must be a list"),
+        (["f"], "tool_calls[0] needs a 'function'"),
+        ([{"id": "c1", "function": {"arguments": "{}"}}], "tool_calls[0] needs a 'function'"),
+    ],
+)
+def test_malformed_tool_calls_are_invalid_argument(
+    tokenizer: Tokenizer, tool_calls: object, fragment: str
+) -> None:
+    conversation = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": tool_calls},
+    ]
+    with pytest.raises(GatewayError) as raised:
+        tokenizer.apply_chat_template(conversation)
+    assert raised.value.param == "messages"
+    assert f"messages[1].{fragment}" in raised.value.message
+
+
+def test_a_template_failing_in_python_is_invalid_argument(tokenizer: Tokenizer) -> None:
+    # Not a jinja2 error: a TypeError from the client's values (arguments that are no mapping).
+    items = _with_template(tokenizer, ITEMS_TEMPLATE)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[1]"}}
+    with pytest.raises(GatewayError) as raised:
+        items.apply_chat_template([{"role": "assistant", "tool_calls": [call]}])
+    assert raised.value.kind is ErrorKind.INVALID_ARGUMENT and raised.value.param == "messages"
+    assert "TypeError" in raised.value.message
+
+
+@pytest.mark.parametrize(
+    "conversation",
+    [
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}],
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Trailing  "}],
+        [{"role": "user", "content": "Complete: once upon"}],
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}],
+    ],
+)
+def test_continue_final_message_equals_transformers(
+    tokenizer: Tokenizer, hf_tokenizer: PreTrainedTokenizerBase, conversation: list[Any]
+) -> None:
+    expected = hf_tokenizer.apply_chat_template(
+        conversation, tokenize=False, continue_final_message=True
+    )
+    rendered = tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=False, continue_final_message=True
+    )
+    assert rendered == expected
+    assert rendered.endswith(conversation[-1]["content"]), "no end of turn after the message"
+    ids = tokenizer.encode_chat(
+        conversation, add_generation_prompt=False, continue_final_message=True
+    )
+    assert ids == tokenizer.encode(expected, add_special_tokens=False)
+
+
+def test_continue_final_message_refusals(tokenizer: Tokenizer) -> None:
+    conversation = [{"role": "assistant", "content": "x"}]
+    with pytest.raises(GatewayError) as raised:
+        tokenizer.apply_chat_template(conversation, continue_final_message=True)
+    assert raised.value.param == "continue_final_message"
+    # A template that does not write the final message out cannot have it continued.
+    dropping = _with_template(tokenizer, "{% for m in messages[:-1] %}{{ m.content }}{% endfor %}")
+    with pytest.raises(GatewayError) as raised:
+        dropping.apply_chat_template(
+            [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+            add_generation_prompt=False,
+            continue_final_message=True,
+        )
+    assert raised.value.param == "continue_final_message"
 
 
 def test_no_chat_template_is_invalid_argument(make_model_dir: ModelDirFactory) -> None:

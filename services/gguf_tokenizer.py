@@ -6,6 +6,10 @@ learned with (``tokenizer.ggml.pre``). This module builds the byte-level BPE tok
 describe (``tokenizer.ggml.model == "gpt2"``: GPT-2, SmolLM, Llama 3, Qwen2/3 files), splitting
 text as llama.cpp does for that pre-tokenizer. Other tokenizer models (SentencePiece ``llama``
 files) are refused by name.
+
+Torch-free, and shared by both sides of the torch line so that they agree on every token id: the
+gateway tokenizes and detokenizes with it (``gateway.text.tokenizer``), and the engine hands its
+``tokenizer.json`` form to llguidance for guided decoding (``services.engine.structured_output``).
 """
 
 from __future__ import annotations
@@ -75,7 +79,8 @@ _SPECIAL_TOKEN_IDS = {
 
 @dataclass(frozen=True)
 class GgufTokenizerParts:
-    """What ``gateway.text.tokenizer.Tokenizer`` needs, read from one GGUF file."""
+    """A GGUF file's tokenizer: what ``gateway.text.tokenizer.Tokenizer`` needs, and
+    ``backend.to_str()`` is the ``tokenizer.json`` llguidance takes."""
 
     backend: HfTokenizer
     special_tokens: dict[str, str]
@@ -88,13 +93,13 @@ def gguf_tokenizer_parts(gguf: GgufFile) -> GgufTokenizerParts:
     tokenizer_model = gguf.value("tokenizer.ggml.model")
     if tokenizer_model != "gpt2":
         raise ValueError(
-            f"GGUF file {gguf.path.name} has tokenizer model {tokenizer_model!r}; the gateway "
+            f"GGUF file {gguf.path.name} has tokenizer model {tokenizer_model!r}; pdserve "
             "builds byte-level BPE ('gpt2') tokenizers only"
         )
     pre = gguf.value("tokenizer.ggml.pre", "default")
     if pre not in _PRE_TOKENIZERS:
         raise ValueError(
-            f"GGUF file {gguf.path.name} has pre-tokenizer {pre!r}; the gateway knows "
+            f"GGUF file {gguf.path.name} has pre-tokenizer {pre!r}; pdserve knows "
             f"{', '.join(sorted(_PRE_TOKENIZERS))}"
         )
     tokens: list[str] = gguf.value("tokenizer.ggml.tokens")
