@@ -1,20 +1,36 @@
-"""What pdserve's native builds share: the tag that names a per-CPU build or cache, a one-line
-summary of a failed build for the fallback's log line and error, and the once-per-process guard
-around a build.
+"""What pdserve's native builds share: the tag that names a per-CPU build or cache, the root
+directory of builds and caches, the build itself under a lock that dies with its holder, a
+one-line summary of a failed build for the fallback's log line and error, and the
+once-per-process guard around a build.
 
 It lives in ``kv_transfer`` because that package imports nothing from the rest of pdserve: its
 own native copy (``native_copy.py``) and the engine's CPU kernels and per-CPU caches
 (``services/models/native_build.py``, ``services/engine/dtype_choice.py``) use this one copy.
-Standard library only.
+Standard library only, but for ``load_extension``, which imports torch when called.
+
+Life cycle of a build directory (``load_extension``): every process that loads an extension,
+built or not, first takes ``<root>/<name>.flock`` (``flock``: the kernel drops it when the
+holder dies, however it dies), then lets torch check, build if needed, and load. torch guards
+the same step with a lock *file* of its own (``<root>/<name>/lock``, created and deleted by its
+holder), and waits for it to vanish, for ever: a process killed inside that step (a node
+stopped during start-up, Ctrl-C on a first ``make run``) left every later start hung. Under the
+flock no live pdserve process can hold torch's file, so one found there is stale and removed.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
+import logging
+import os
 import platform
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 _CPUINFO = "/proc/cpuinfo"
 
@@ -35,6 +51,47 @@ def cpu_tag() -> str:
     except OSError:
         identity += platform.processor()
     return hashlib.sha256(identity.encode()).hexdigest()[:12]
+
+
+def extensions_root() -> Path:
+    """Where native builds and per-CPU caches live: ``TORCH_EXTENSIONS_DIR`` when set, else
+    ``~/.cache/torch_extensions/py<ver>_cpu`` (the builds are CPU code whatever torch's build)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return Path(root)
+    cache_home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    version = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return Path(cache_home) / "torch_extensions" / f"{version}_cpu"
+
+
+def load_extension(
+    name: str, sources: Sequence[Path], *, cflags: Sequence[str], ldflags: Sequence[str] = ()
+) -> str:
+    """Compiles (if needed) and loads a plain shared library (no pybind11) into
+    ``extensions_root() / name`` with ``torch.utils.cpp_extension.load``, under a lock that a
+    killed holder cannot leave behind (module docstring); returns the library's path. Raises
+    what ``load`` raises."""
+    from torch.utils.cpp_extension import load
+
+    root = extensions_root()
+    build_directory = root / name
+    build_directory.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{name}.flock", "a") as flock:
+        fcntl.flock(flock, fcntl.LOCK_EX)  # released on close, or by the kernel at death
+        stale = build_directory / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a process killed while it built", stale)
+            stale.unlink(missing_ok=True)
+        path = load(
+            name=name,
+            sources=[str(path) for path in sources],
+            extra_cflags=list(cflags),
+            extra_ldflags=list(ldflags),
+            build_directory=str(build_directory),
+            is_python_module=False,
+            verbose=False,
+        )
+    return str(path)
 
 
 def build_error_summary(exc: BaseException, max_part: int = 200) -> str:

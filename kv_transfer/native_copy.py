@@ -8,8 +8,8 @@ writes each page with streaming stores (the decode process reads it next, not th
 in one call that releases the GIL (``docs/benchmarks.md``, issue 15).
 
 Built the way the native attention kernel is (``services/models/native_build.py``):
-``torch.utils.cpp_extension.load`` on first use, cached under ``TORCH_EXTENSIONS_DIR`` or torch's
-default directory, with ``-march=native`` and the build named after a hash of this CPU's model
+``build_support.load_extension`` on first use, cached under ``build_support.extensions_root()``,
+with ``-march=native`` and the build named after a hash of this CPU's model
 and flags, so a cache shared with another machine never loads instructions this one lacks. The
 source is plain C++ with a C ABI (no torch headers: the build takes a few seconds) and is called
 through ctypes. ``native_copy_error`` says why the copy is unavailable instead of raising, and
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kv_transfer.build_support import BuildOnce, build_error_summary, cpu_tag
+from kv_transfer.build_support import BuildOnce, build_error_summary, cpu_tag, load_extension
 
 logger = logging.getLogger(__name__)
 
@@ -106,17 +106,8 @@ def _build_and_load() -> str | None:
     start = time.perf_counter()
     name = f"{_EXTENSION_BASE_NAME}_{cpu_tag()}"
     try:
-        from torch.utils.cpp_extension import load
-
-        # is_python_module=False: a plain shared library, loaded here and returned by path.
-        path = load(
-            name=name,
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native"],
-            is_python_module=False,
-            verbose=False,
-        )
-        function = ctypes.CDLL(str(path)).pdserve_copy_runs
+        path = load_extension(name, [_SOURCE], cflags=["-O3", "-march=native"])
+        function = ctypes.CDLL(path).pdserve_copy_runs
     except Exception as exc:  # no torch, no compiler, build or load error: all mean "fall back"
         logger.debug("building %s failed", name, exc_info=True)
         return build_error_summary(exc)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import sys
 from pathlib import Path
+
+from kv_transfer.build_support import extensions_root
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +33,6 @@ def cpu_flags() -> frozenset[str]:
 
 
 def cpu_cache_dir() -> Path:
-    """Where per-CPU caches live: beside the native kernel's build, in torch's extension root
-    (``TORCH_EXTENSIONS_DIR`` when set, else ``~/.cache/torch_extensions/py<ver>_cpu``)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root:
-        return Path(root)
-    cache_home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    version = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return Path(cache_home) / "torch_extensions" / f"{version}_cpu"
+    """Where per-CPU caches live: beside the native kernel's build
+    (``kv_transfer.build_support.extensions_root``)."""
+    return extensions_root()

@@ -15,11 +15,12 @@ forcing one the CPU cannot run raises ``UnsupportedIsaError`` naming what is mis
 checks cpuid again: never SIGILL).
 
 Life cycle: the extension is compiled on first use (``torch.utils.cpp_extension.load``, ~15-30 s,
-most of it ``torch/library.h``), then cached under ``TORCH_EXTENSIONS_DIR`` or torch's default
-directory under a name that hashes the sources; concurrent first builds from several processes
-wait on torch's lock file. ``native_kernel_error`` builds or loads it once per process and
-reports why it is unavailable instead of raising, so ``backends.make_attention_backend("auto",
-...)`` can fall back to the torch path.
+most of it ``torch/library.h``), then cached under ``build_support.extensions_root()`` under a
+name that hashes the sources; concurrent first builds from several processes wait on a lock
+that a process killed mid-build does not leave behind (``build_support.load_extension``).
+``native_kernel_error`` builds or loads it once per process and reports why it is unavailable
+instead of raising, so ``backends.make_attention_backend("auto", ...)`` can fall back to the
+torch path.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import platform
 import time
 from pathlib import Path
 
-from kv_transfer.build_support import BuildOnce, build_error_summary
+from kv_transfer.build_support import BuildOnce, build_error_summary, load_extension
 from services.models.cpu_features import cpu_flags
 
 logger = logging.getLogger(__name__)
@@ -131,19 +132,10 @@ def _build_and_load() -> str | None:
         # sources). A source missing from an installed package is a reason, like a failed build.
         digest = hashlib.sha256(b"".join(path.read_bytes() for path in _SOURCES + _HEADERS))
         name = f"{_EXTENSION_BASE_NAME}_{digest.hexdigest()[:12]}"
-        from torch.utils.cpp_extension import load
-
-        # is_python_module=False: the .so registers torch.ops.pdserve.* (TORCH_LIBRARY), no
-        # pybind11, which keeps the compile short.
-        load(
-            name=name,
-            sources=[str(path) for path in _SOURCES],
-            # No -march: each variant sets its own target; the op runs on any x86-64 / Arm.
-            extra_cflags=["-O3", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        # A plain library: the .so registers torch.ops.pdserve.* (TORCH_LIBRARY), no pybind11,
+        # which keeps the compile short. No -march: each variant sets its own target; the op
+        # runs on any x86-64 / Arm.
+        load_extension(name, _SOURCES, cflags=["-O3", "-fopenmp"], ldflags=["-fopenmp"])
     except Exception as exc:  # compiler missing, build error, load error: all mean "fall back"
         logger.debug("building %s failed", name, exc_info=True)
         return build_error_summary(exc)

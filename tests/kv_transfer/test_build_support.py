@@ -1,11 +1,22 @@
-"""The helpers the native builds share: the per-CPU tag and the one-line build error."""
+"""The helpers the native builds share: the per-CPU tag, the one-line build error, the
+once-per-process build and a build lock that a killed builder does not leave behind."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
+
+import pytest
 
 from kv_transfer.build_support import BuildOnce, build_error_summary, cpu_tag
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_cpu_tag_is_a_short_stable_hash() -> None:
@@ -56,3 +67,37 @@ def test_a_build_runs_once_for_threads_asking_together() -> None:
     assert calls == [1]
     assert errors == ["no compiler"] * 4
     assert once.error() == "no compiler" and calls == [1]
+
+
+def _build_copy(env: dict[str, str]) -> subprocess.Popen[str]:
+    """A process that builds (or loads) the native KV copy and prints why it is unusable."""
+    script = "from kv_transfer.native_copy import native_copy_error; print(native_copy_error())"
+    return subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
+    )
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+def test_a_build_killed_midway_leaves_nothing_that_hangs_the_next(tmp_path: Path) -> None:
+    """torch's own build lock is a file that waits for ever once its holder is killed; the next
+    start (a node restarted after Ctrl-C during its first build) must build instead."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    first = _build_copy(env)
+    torch_lock = tmp_path / f"pdserve_kv_copy_runs_{cpu_tag()}" / "lock"
+    deadline = time.monotonic() + 120
+    while not torch_lock.exists() and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert torch_lock.exists(), "the first process never reached torch's build"
+    first.kill()
+    first.wait()
+    assert torch_lock.exists()  # what a killed build leaves
+
+    second = _build_copy(env)
+    out, _ = second.communicate(timeout=240)
+    assert (second.returncode, out.strip()) == (0, "None")
+    assert not torch_lock.exists()
+
+    torch_lock.touch()  # however it got there: the next load is not held up by it either
+    third = _build_copy(env)
+    out, _ = third.communicate(timeout=240)
+    assert (third.returncode, out.strip()) == (0, "None")
