@@ -233,8 +233,9 @@ def _check_common(
     return stop
 
 
-def check_model(model: str, frontend: Frontend) -> None:
-    if model != frontend.served_model_name:
+def check_model(model: str | None, frontend: Frontend) -> None:
+    """A request names the served model or none (a route's path always names one)."""
+    if model is not None and model != frontend.served_model_name:
         raise GatewayError(
             ErrorKind.NOT_FOUND,
             f"model {model!r} does not exist; this server serves {frontend.served_model_name!r}",

@@ -77,7 +77,9 @@ class StreamOptions(_Request):
 class _GenerationParams(_Request):
     """Parameters shared by completions and chat completions."""
 
-    model: str
+    model: str | None = None
+    """The served model's name (``GET /v1/models``); left out or null, the served model (as
+    vLLM)."""
     n: Annotated[int, Field(ge=1), _null_means(1, Annotated[int, Field(ge=1)])] = 1
     """Choices to generate (concurrently). With a seed, choice ``i`` samples with ``seed + i``,
     so the choices differ and each one is reproducible."""
@@ -198,6 +200,12 @@ class ChatCompletionRequest(_GenerationParams):
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM extension: extra variables for the chat template, e.g. ``{"enable_thinking":
     false}``. Names the server sets itself (``messages``, ``tools``...) are refused."""
+    store: bool | None = None
+    """Accepted and ignored: nothing is stored."""
+    metadata: dict[str, str] | None = None
+    """Accepted and ignored (OpenAI keeps it with stored completions)."""
+    service_tier: str | None = None
+    """Accepted and ignored: every request is served alike."""
     echo: Flag = False
     """vLLM extension: when the last message has the response's role (``assistant`` with the
     generation prompt, else any), its content starts the response's content."""

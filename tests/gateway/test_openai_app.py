@@ -562,6 +562,27 @@ def test_null_means_the_default(serve: Callable[..., Served]) -> None:
     assert served.post("/v1/chat/completions", body).status_code == 200
 
 
+def test_model_may_be_left_out_and_fields_of_stored_completions_are_ignored(
+    serve: Callable[..., Served],
+) -> None:
+    """As vLLM: no ``model`` (or null) means the served one; ``store``, ``metadata`` and
+    ``service_tier``, which the ``openai`` SDK passes through, are accepted."""
+    served = serve()
+    for model in ({}, {"model": None}):
+        response = served.post("/v1/completions", {"prompt": "x", **model})
+        assert response.status_code == 200, response.text
+        assert response.json()["model"] == MODEL
+    chat = served.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        store=False,
+        metadata={"team": "a"},
+        service_tier="auto",
+    )
+    assert chat.model == MODEL and chat.choices[0].message.content == OUTPUT_TEXT
+    assert len(served.generator.requests) == 3
+
+
 def test_malformed_bodies_are_400s(serve: Callable[..., Served]) -> None:
     served = serve()
     url = f"{served.url}/v1/completions"
@@ -571,7 +592,7 @@ def test_malformed_bodies_are_400s(serve: Callable[..., Served]) -> None:
     assert_error(httpx.post(url, content=b"", headers=json_headers), 400, None)
     nested = b"[" * 100_000 + b"]" * 100_000
     assert_error(httpx.post(url, content=nested, headers=json_headers), 400, None)
-    error = assert_error(served.post("/v1/completions", {"prompt": "x"}), 400, "model")
+    error = assert_error(served.post("/v1/completions", {"prompt": {"a": 1}}), 400, "prompt")
     assert error["type"] == "invalid_request_error" and error["code"] == 400
     bad_id = {"X-Request-Id": "has spaces"}
     assert_error(served.post("/v1/completions", {"model": MODEL, "prompt": "x"}, headers=bad_id),
