@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import errno
 import shlex
+import shutil
 import signal
 import socket
 import sys
@@ -33,7 +34,14 @@ from deploy.certs import write_deployment
 from deploy.commands import ProcessSpec, connect_host, local_processes
 from deploy.restarts import RestartBook, RestartPolicy
 from deploy.supervisor import Output, Supervisor
-from deploy.topology import DTYPES, KV_TRANSPORTS, Role, Topology, load_topology
+from deploy.topology import (
+    DEFAULT_BASE_PORTS,
+    DTYPES,
+    KV_TRANSPORTS,
+    Role,
+    Topology,
+    load_topology,
+)
 
 LAUNCH = "launch"
 
@@ -46,25 +54,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--topology", type=Path, help="topology YAML (deploy/topology.example.yaml)")
-    add("--model", help="Hugging Face model directory (default: models/tiny-llama)")
-    add("--served-model-name", help="name clients send (default: the directory's name)")
-    add("--dtype", choices=DTYPES)
+    add("--model", help="Hugging Face model directory or GGUF file (default: models/tiny-llama)")
+    add("--served-model-name", help="name clients send (default: the directory's or file's name)")
+    add(
+        "--dtype",
+        choices=DTYPES,
+        help="compute dtype of every node; auto: on CPU the faster of bfloat16 and float32, "
+        "measured once per CPU (default auto)",
+    )
     add("--kv-cache-dtype", choices=DTYPES, help="dtype of every node's KV cache (default auto)")
     add("--kv-transport", choices=KV_TRANSPORTS, help="KV transport between nodes (default auto)")
-    add("--prefill", type=int, metavar="N", help="number of prefill nodes")
-    add("--decode", type=int, metavar="N", help="number of decode nodes")
-    add("--colocated", type=int, metavar="N", help="number of colocated nodes")
+    add("--prefill", type=int, metavar="N", help="number of prefill nodes (default 1)")
+    add("--decode", type=int, metavar="N", help="number of decode nodes (default 1)")
+    add("--colocated", type=int, metavar="N", help="number of colocated nodes (default 0)")
     add("--host", help="address every server binds (default 127.0.0.1)")
     add("--http-port", type=int, help="gateway OpenAI HTTP port (default 8000)")
     add("--grpc-port", type=int, help="gateway public gRPC port (default 50051)")
     for role in Role:
-        add(f"--{role}-port", type=int, metavar="PORT", help=f"first {role} node's gRPC port")
+        add(
+            f"--{role}-port",
+            type=int,
+            metavar="PORT",
+            help=f"first {role} node's gRPC port; node i listens on PORT + i "
+            f"(default {DEFAULT_BASE_PORTS[role]})",
+        )
     add("--no-gateway", action="store_true", help="run the nodes only (to develop the gateway)")
     add(
         "--startup-timeout-s",
         type=float,
         default=600.0,
-        help="how long every process may take to become healthy (model loading)",
+        help="how long every process may take to become healthy (model loading; default "
+        "%(default)g)",
     )
     add(
         "--tls",
@@ -72,26 +92,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="mutual TLS between all processes and TLS on the gateway's public ports, with "
         "certificates generated into --tls-dir",
     )
-    add("--tls-dir", type=Path, help="where --tls writes the CA and certificates (default: temp)")
+    add(
+        "--tls-dir",
+        type=Path,
+        help="where --tls writes the CA and certificates (default: a temporary directory, "
+        "removed at exit)",
+    )
     add(
         "--grace-s",
         type=float,
         default=40.0,
-        help="after SIGTERM, how long a process may drain before SIGKILL",
+        help="after SIGTERM, how long a process may drain before SIGKILL (default %(default)g)",
     )
     add(
         "--restart-budget",
         type=int,
         default=5,
         help="restarts of one process allowed within --restart-window-s; past it the process "
-        "is reported and left down (0: never restart)",
+        "is reported and left down (0: never restart; default %(default)d)",
     )
-    add("--restart-window-s", type=float, default=300.0)
+    add(
+        "--restart-window-s",
+        type=float,
+        default=300.0,
+        help="the window --restart-budget counts in (default %(default)g)",
+    )
     add(
         "--restart-backoff-s",
         type=float,
         default=1.0,
-        help="first delay before a restart; doubles with each death in the window, up to 30 s",
+        help="first delay before a restart; doubles with each death in the window, up to 30 s "
+        "(default %(default)g)",
     )
     return parser
 
@@ -299,23 +330,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     with_gateway = not args.no_gateway
-    if not Path(topology.model).is_dir():
+    if not Path(topology.model).exists():  # a checkpoint directory or a GGUF file, as the nodes
         parser.error(
-            f"model directory {topology.model} does not exist (make model builds the tiny one)"
+            f"model {topology.model} does not exist: give a model directory or a GGUF file "
+            "(make model builds the tiny one and fetches SmolLM2)"
         )
     taken = taken_ports(topology, with_gateway)
     if taken:
         parser.error(
             f"port(s) {taken} on {topology.host} are in use (another pdserve?); "
-            "choose others with --http-port/--grpc-port/--<role>-port or a topology"
+            "choose others with --http-port/--grpc-port/--<role>-port or a topology (make run: "
+            "HTTP_PORT=, GRPC_PORT=, PREFILL_PORT=, DECODE_PORT=, COLOCATED_PORT=)"
         )
-    tls_dir = None
-    if args.tls:
-        tls_dir = args.tls_dir or Path(tempfile.mkdtemp(prefix="pdserve-tls-"))
-        names = ["gateway", *(node.name for node in topology.nodes)]
-        write_deployment(tls_dir, names, sans=[connect_host(topology)])
-        print(f"[{LAUNCH}] TLS on: CA and certificates in {tls_dir}", flush=True)
-    specs = local_processes(topology, with_gateway=with_gateway, tls_dir=tls_dir)
     try:
         restarts = RestartPolicy(
             budget=args.restart_budget,
@@ -325,16 +351,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ValueError as exc:
         parser.error(str(exc))
-    launcher = Launcher(
-        topology,
-        specs,
-        grace_s=args.grace_s,
-        startup_timeout_s=args.startup_timeout_s,
-        output=Output(sys.stdout),
-        tls_dir=tls_dir,
-        restarts=restarts,
-    )
-    return launcher.run()
+    tls_dir = None
+    if args.tls:
+        # A directory of our own holds private keys that are good for this run only: it goes
+        # when the launcher exits. One the user named is theirs and stays.
+        tls_dir = args.tls_dir or Path(tempfile.mkdtemp(prefix="pdserve-tls-"))
+        names = ["gateway", *(node.name for node in topology.nodes)]
+        write_deployment(tls_dir, names, sans=[connect_host(topology)])
+        print(f"[{LAUNCH}] TLS on: CA and certificates in {tls_dir}", flush=True)
+    try:
+        specs = local_processes(topology, with_gateway=with_gateway, tls_dir=tls_dir)
+        launcher = Launcher(
+            topology,
+            specs,
+            grace_s=args.grace_s,
+            startup_timeout_s=args.startup_timeout_s,
+            output=Output(sys.stdout),
+            tls_dir=tls_dir,
+            restarts=restarts,
+        )
+        return launcher.run()
+    finally:
+        if tls_dir is not None and args.tls_dir is None:
+            shutil.rmtree(tls_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

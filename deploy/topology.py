@@ -210,10 +210,10 @@ class KubernetesSpec:
 @dataclass(frozen=True)
 class Topology:
     model: str = "models/tiny-llama"
-    """A Hugging Face model directory: a host path locally, the path inside the model volume
-    (``/models/<name>``) under compose."""
+    """A Hugging Face model directory or a GGUF file: a host path locally, the path inside the
+    model volume (``/models/<name>``) under compose."""
     served_model_name: str | None = None
-    """The name clients send; default: the model directory's name."""
+    """The name clients send; default: the model directory's (or file's) name."""
     dtype: str = "auto"
     """auto: each node measures bfloat16 against float32 on its CPU (bfloat16 on CUDA)."""
     kv_cache_dtype: str = "auto"
@@ -245,7 +245,7 @@ class Topology:
         if not isinstance(self.tls, bool) or not isinstance(self.envoy.tls, bool):
             raise ValueError("tls and envoy.tls must be true or false")
         if not self.model:
-            raise ValueError("model must name a model directory")
+            raise ValueError("model must name a model directory or a GGUF file")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in DTYPES:

@@ -164,6 +164,45 @@ def test_nodes_start_healthy_log_with_prefixes_and_stop_on_sigterm(launch) -> No
     assert_all_gone(pids, timeout_s=5)
 
 
+def test_a_gguf_file_is_served_and_a_missing_model_is_refused(launch, tiny_gguf_factory) -> None:
+    """``--model`` takes what the nodes take: a GGUF file as well as a directory."""
+    gguf = tiny_gguf_factory("llama")
+    port = free_ports(1)[0]
+    colocated_only = {
+        "prefill": {"count": 0},
+        "decode": {"count": 0},
+        "colocated": {"count": 1, "base_grpc_port": port, "args": NODE_ARGS},
+    }
+    launched = launch(colocated_only, "--no-gateway", "--model", str(gguf))
+    launched.wait_up()
+    assert grpc_serving(f"127.0.0.1:{port}")
+    launched.process.send_signal(signal.SIGTERM)
+    assert launched.wait() == 0, launched.output
+
+    missing = gguf.with_name("missing.gguf")
+    refused = launch(colocated_only, "--no-gateway", "--model", str(missing))
+    assert refused.wait() == 2
+    assert f"model {missing} does not exist" in refused.output
+    assert "started" not in refused.output
+
+
+def test_certificates_the_launcher_generated_for_itself_are_removed_at_exit(launch) -> None:
+    """``--tls`` without ``--tls-dir``: the private keys live as long as the run."""
+    port = free_ports(1)[0]
+    colocated_only = {
+        "prefill": {"count": 0},
+        "decode": {"count": 0},
+        "colocated": {"count": 1, "base_grpc_port": port, "args": NODE_ARGS},
+    }
+    launched = launch(colocated_only, "--no-gateway", "--tls")
+    launched.wait_up()
+    (tls_dir,) = re.findall(r"CA and certificates in (\S+)", launched.output)
+    assert (Path(tls_dir) / "ca.crt").is_file()
+    launched.process.send_signal(signal.SIGTERM)
+    assert launched.wait() == 0, launched.output
+    assert not Path(tls_dir).exists()
+
+
 def test_a_launcher_killed_outright_takes_its_children_with_it(launch) -> None:
     (port,) = free_ports(1)
     launched = launch({"prefill": {"count": 0}, "decode": {"count": 0},
