@@ -3,10 +3,13 @@ cached SmolLM2 GGUF, skipping GPU tests on CPU, and Triton's interpreter on CPU.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import re
 import shutil
+import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +29,36 @@ from deploy.fetch_model import SMOLLM2, FetchError, fetch_gguf  # noqa: E402 (af
 from services.models.tiny import build_tiny_model  # noqa: E402
 
 TinyModelFactory = Callable[..., Path]
+
+
+# Collection imports every test module, and some build the native kernels on import. One that
+# never ends (a build waiting on a lock, as torch's lock file once made it) would run into CI's
+# time limit with nothing printed: past this, every thread's stack goes to the real stderr and
+# the run exits 1. A cold build on a slow 2-core host takes minutes, not this.
+COLLECTION_LIMIT_S = 20 * 60
+_collection_watchdog: threading.Timer | None = None
+
+
+def pytest_collection(session: pytest.Session) -> None:
+    global _collection_watchdog
+
+    def give_up() -> None:
+        capture = session.config.pluginmanager.getplugin("capturemanager")
+        if capture is not None:
+            capture.suspend_global_capture(in_=True)  # else the dump goes to a capture file
+        print(f"collection still running after {COLLECTION_LIMIT_S} s:", file=sys.stderr)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(1)
+
+    _collection_watchdog = threading.Timer(COLLECTION_LIMIT_S, give_up)
+    _collection_watchdog.daemon = True
+    _collection_watchdog.start()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if _collection_watchdog is not None:
+        _collection_watchdog.cancel()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
