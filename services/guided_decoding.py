@@ -36,6 +36,12 @@ class GuidedKind(enum.StrEnum):
     """Text of the Lark grammar in ``spec`` (llguidance's dialect, ``start`` rule first)."""
 
 
+MAX_CHOICES = 16_384
+"""guided.choice entries at most. llguidance's grammars hold fewer than 65,535 symbols: 100,000
+choices passed its validation, then failed to compile against the tokenizer after ~16 s (a panic,
+on the node). 16,384 compile in ~0.3 s."""
+
+
 @dataclass(frozen=True)
 class GuidedDecoding:
     """One request's constraint. Construction checks the shape of ``spec`` (JSON parses, the
@@ -67,6 +73,8 @@ class GuidedDecoding:
                 or not all(isinstance(c, str) and c for c in choices)
             ):
                 raise ValueError("guided.choice must be a non-empty list of non-empty strings")
+            if len(choices) > MAX_CHOICES:
+                raise ValueError(f"guided.choice has {len(choices)} choices; at most {MAX_CHOICES}")
 
     @classmethod
     def json_schema(cls, schema: object) -> GuidedDecoding:
@@ -81,7 +89,18 @@ class GuidedDecoding:
         return f"guided.{self.kind}"
 
     def to_grammar(self) -> str:
-        """The llguidance grammar (its JSON form) that this constraint compiles to."""
+        """The llguidance grammar (its JSON form) that this constraint compiles to;
+        ``ValueError`` naming the field when llguidance cannot even translate it."""
+        try:
+            return self._grammar()
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{self.field_name} is invalid: {exc}") from None
+
+    def invalid(self, error: str) -> ValueError:
+        """The error for llguidance's refusal ``error``, naming the field."""
+        return ValueError(f"{self.field_name} is invalid: {_first_lines(error)}")
+
+    def _grammar(self) -> str:
         matcher = llguidance.LLMatcher
         if self.kind is GuidedKind.JSON_OBJECT:
             return matcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_WHITESPACE)
@@ -96,14 +115,11 @@ class GuidedDecoding:
         return matcher.grammar_from_lark(self.spec)
 
     def check(self) -> None:
-        """Raise ``ValueError`` naming the field when llguidance cannot compile the grammar."""
-        try:
-            grammar = self.to_grammar()
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"{self.field_name} is invalid: {exc}") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar)
+        """Raise ``ValueError`` naming the field when llguidance cannot compile the grammar
+        (without a tokenizer: the gateway's check before admission)."""
+        error = llguidance.LLMatcher.validate_grammar(self.to_grammar())
         if error:
-            raise ValueError(f"{self.field_name} is invalid: {_first_lines(error)}")
+            raise self.invalid(error)
 
 
 def _parse_json(text: str, kind: GuidedKind) -> object:

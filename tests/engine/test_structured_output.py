@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from services.engine import LLM, EngineCore, SamplingParams
 from services.engine.kv_layout import layer_copies
 from services.engine.sampler import Sampler, SamplingMetadata
-from services.guided_decoding import GuidedDecoding, GuidedKind
+from services.guided_decoding import MAX_CHOICES, GuidedDecoding, GuidedKind
 
 SCHEMA = {
     "type": "object",
@@ -105,9 +105,29 @@ def test_a_bad_grammar_is_refused_before_the_request_holds_anything(llm, guided,
     assert len(engine.structured_outputs) == 0
 
 
+def test_a_grammar_is_translated_and_compiled_once_per_request(llm, monkeypatch) -> None:
+    """The node's compile is the check: a validation before it cost half again its time."""
+    calls: list[GuidedKind] = []
+    to_grammar = GuidedDecoding.to_grammar
+
+    def counting(guided: GuidedDecoding) -> str:
+        calls.append(guided.kind)
+        return to_grammar(guided)
+
+    monkeypatch.setattr(GuidedDecoding, "to_grammar", counting)
+    engine = llm.engine
+    engine.add_request("once", PROMPT, SamplingParams(guided=GuidedDecoding.choice(["a", "b"])))
+    assert calls == [GuidedKind.CHOICE]
+    engine.abort("once")
+
+
 def test_spec_shapes_are_checked_at_construction() -> None:
     with pytest.raises(ValueError, match="guided.choice"):
         GuidedDecoding(GuidedKind.CHOICE, '["a", 3]')
+    # Past llguidance's symbol limit a grammar passes its validation and fails to compile.
+    with pytest.raises(ValueError, match=f"at most {MAX_CHOICES}"):
+        GuidedDecoding.choice([str(i) for i in range(MAX_CHOICES + 1)])
+    assert GuidedDecoding.choice([str(i) for i in range(MAX_CHOICES)]).kind is GuidedKind.CHOICE
     with pytest.raises(ValueError, match="guided.json_schema"):
         GuidedDecoding(GuidedKind.JSON_SCHEMA, "{not json")
     with pytest.raises(ValueError, match="logit_bias"):

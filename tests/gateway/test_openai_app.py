@@ -20,6 +20,7 @@ from gateway.errors import ErrorKind, GatewayError
 from gateway.generation import Finished, GenerationRequest, TokenChunk
 from gateway.text.tokenizer import Tokenizer
 from services.convert import sampling_params_to_proto
+from services.guided_decoding import MAX_CHOICES
 from services.types import FinishReason, SamplingParams, Usage
 from support.blocking_grammar import BlockingGrammarCheck
 from support.openai_app import (
@@ -495,6 +496,7 @@ def test_chat_logprobs_with_bytes_and_alternatives(serve: Callable[..., Served])
         ("/v1/completions", {"logit_bias": {"9" * 5000: 1.0}}, 400, "logit_bias"),
         ("/v1/completions", {"guided_regex": "[a-"}, 400, "guided_regex"),
         ("/v1/completions", {"guided_choice": []}, 400, "guided_choice"),
+        ("/v1/completions", {"guided_choice": ["a"] * (MAX_CHOICES + 1)}, 400, "guided_choice"),
         ("/v1/completions", {"guided_grammar": "start: nowhere"}, 400, "guided_grammar"),
         ("/v1/completions", {"guided_json": {"type": "objekt"}}, 400, "guided_json"),
         ("/v1/completions", {"guided_regex": "a", "guided_choice": ["a"]}, 400, "guided_choice"),
@@ -990,8 +992,8 @@ def test_a_stalled_body_is_answered_408(serve: Callable[..., Served]) -> None:
 def test_grammar_checks_do_not_stall_the_event_loop(
     serve: Callable[..., Served], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Compiling a request's grammar takes seconds for a large one (100,000 guided_choice
-    strings fit in the body limit); meanwhile the gateway must go on serving other requests."""
+    """Checking a request's grammar takes seconds for a large one (a Lark grammar of 60,000
+    alternatives fits in the body limit); meanwhile the gateway must go on serving others."""
     served = serve()
     grammar = BlockingGrammarCheck(monkeypatch, wait_s=10)
     responses: list[httpx.Response] = []
