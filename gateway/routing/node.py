@@ -82,9 +82,15 @@ class Node:
             self.load = load
         health = NodeHealth.HEALTHY if error is None else NodeHealth.UNHEALTHY
         if health is not self.health:
-            log = logger.info if health is NodeHealth.HEALTHY else logger.warning
-            log("node %s (%s): %s%s", self.address, self.role, health.value,
-                f" ({error})" if error else "")  # fmt: skip
+            if self.health is NodeHealth.UNKNOWN and error is not None:
+                # Nodes start alongside the gateway and load their model first: not yet
+                # reachable is the expected start, not a fault.
+                logger.info("node %s (%s): waiting for it to serve (%s)", self.address,
+                            self.role, error)  # fmt: skip
+            else:
+                log = logger.info if health is NodeHealth.HEALTHY else logger.warning
+                log("node %s (%s): %s%s", self.address, self.role, health.value,
+                    f" ({error})" if error else "")  # fmt: skip
         self.health = health
         self.last_error = error
         return was_unhealthy and health is NodeHealth.HEALTHY

@@ -29,6 +29,12 @@ class NodeClient:
             # Streams may be idle for long between tokens of a slow model; keep them alive.
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.max_receive_message_length", 64 * 2**20),
+            # A node that is not listening yet (starting, restarting) is redialled at most a
+            # poll apart: gRPC's default back-off grows to minutes, and after 15 s of refused
+            # connections at start-up the gateway saw a node 3-4 s after it listened.
+            ("grpc.initial_reconnect_backoff_ms", 250),
+            ("grpc.min_reconnect_backoff_ms", 250),
+            ("grpc.max_reconnect_backoff_ms", 1000),
         ]
         if tls is not None and tls_name is not None:
             options.append(("grpc.ssl_target_name_override", tls_name))

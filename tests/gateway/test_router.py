@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
 from gateway.config import RouterConfig
-from gateway.routing.node import NodeHealth, NodeLoad
+from gateway.routing.node import Node, NodeHealth, NodeLoad
 from gateway.routing.node_pool import NodePool
 from gateway.routing.prefix_affinity import PrefixAffinity
 from gateway.routing.router import Router
+from services.types import Role
 
 BLOCK = 4
 
@@ -155,3 +157,25 @@ def test_short_prompts_are_prefilled_on_the_least_loaded_decode_node(loop) -> No
 def test_without_a_threshold_every_prompt_goes_to_a_prefill_node(loop) -> None:
     router = make_router()
     assert router.pick([7]).kind == "disaggregated"
+
+
+def test_a_node_not_serving_yet_is_waited_for_and_a_lost_one_is_a_warning(caplog) -> None:
+    """Nodes start beside the gateway: refused polls before the first answer are the normal
+    start (INFO); a node that served and stops answering is a fault (WARNING)."""
+    node = Node("127.0.0.1:1", Role.DECODE)
+    refused = "UNAVAILABLE: connection refused"
+    with caplog.at_level(logging.INFO, logger="gateway.routing.node"):
+        assert not node.observe_poll(None, refused)
+        assert node.health is NodeHealth.UNHEALTHY and not node.is_healthy
+        assert not node.observe_poll(None, refused)  # logged once, not at every poll
+        node.observe_poll(NodeLoad(), None)
+        assert node.is_healthy
+        assert not node.observe_poll(None, refused)
+        assert node.observe_poll(NodeLoad(), None)  # back: it may have restarted empty
+    levels = [(record.levelno, record.getMessage().split(": ", 1)[1]) for record in caplog.records]
+    assert levels == [
+        (logging.INFO, f"waiting for it to serve ({refused})"),
+        (logging.INFO, "healthy"),
+        (logging.WARNING, f"unhealthy ({refused})"),
+        (logging.INFO, "healthy"),
+    ]
