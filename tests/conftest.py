@@ -27,6 +27,7 @@ if os.environ.get("TRITON_INTERPRET") is None and not torch.cuda.is_available():
 
 from deploy.fetch_model import SMOLLM2, FetchError, fetch_gguf  # noqa: E402 (after TRITON_INTERPRET)
 from services.models.tiny import build_tiny_model  # noqa: E402
+from support.gguf_files import close_gguf  # noqa: E402
 
 TinyModelFactory = Callable[..., Path]
 
@@ -185,10 +186,7 @@ def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> 
             writer.add_tensor(gguf_name, data.astype(np.float16))
         else:
             writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close_gguf(writer)
     return out
 
 

@@ -18,6 +18,7 @@ from services.engine.structured_output import StructuredOutputs
 from services.guided_decoding import GuidedDecoding, GuidedKind
 from services.models.config import ModelConfig
 from services.models.gguf_file import open_gguf
+from support.gguf_files import close_gguf, sentencepiece_gguf
 
 TEXTS = [
     "Hello, world! How are you?",
@@ -66,10 +67,7 @@ def write_tokenizer_gguf(path: Path, tokens: list[str], merges: list[str], pre: 
     writer.add_token_merges(merges)
     writer.add_eos_token_id(0)
     writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 4), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close_gguf(writer)
     return path
 
 
@@ -142,14 +140,6 @@ def test_a_model_without_a_tokenizer_is_named(tmp_path: Path) -> None:
     guided = GuidedDecoding(GuidedKind.JSON_OBJECT)
     with pytest.raises(ValueError, match=r"needs the model's tokenizer \(.*tokenizer\.json not"):
         StructuredOutputs(tmp_path, 100, [0]).compile(guided)
-    spm = tmp_path / "spm.gguf"
-    writer = gguf.GGUFWriter(spm, "llama")
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(["<unk>", "<s>", "</s>"])
-    writer.add_tensor("token_embd.weight", np.zeros((3, 4), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    spm = sentencepiece_gguf(tmp_path / "spm.gguf")
     with pytest.raises(ValueError, match=r"needs the model's tokenizer: .*tokenizer model 'llama'"):
         StructuredOutputs(spm, 3, [2]).compile(guided)

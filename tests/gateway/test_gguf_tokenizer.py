@@ -7,12 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gguf
-import numpy as np
 import pytest
 
 from gateway.config import model_max_len
 from gateway.text.tokenizer import Tokenizer
+from support.gguf_files import sentencepiece_gguf
 
 TEXTS = [
     "Hello, world! How are you?",
@@ -66,15 +65,7 @@ def test_smollm2_tokenizer_equals_transformers_gguf_tokenizer(smollm2_gguf: Path
 
 
 def test_a_sentencepiece_gguf_is_refused_by_name(tmp_path: Path) -> None:
-    path = tmp_path / "spm.gguf"
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(["<unk>", "<s>", "</s>"])
-    writer.add_tensor("token_embd.weight", np.zeros((3, 4), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = sentencepiece_gguf(tmp_path / "spm.gguf")
     with pytest.raises(ValueError, match=r"tokenizer model 'llama'.*'gpt2'"):
         Tokenizer.from_model_dir(path)
 

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from services.engine import LLM, SamplingParams
 from services.models.config import ModelConfig
 from services.models.gguf_file import find_gguf
+from support.gguf_files import close_gguf
 
 PROMPTS = [[0, 17, 230, 4000, 9, 88, 1024], [0, 5], [3000, 2999, 12, 12, 12, 7, 1, 64, 900, 33, 2]]
 NUM_TOKENS = 16
@@ -145,10 +146,7 @@ def test_an_unsupported_architecture_is_named(tmp_path: Path) -> None:
     writer = gguf.GGUFWriter(path, "gemma2")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close_gguf(writer)
     with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gemma2'.*llama"):
         ModelConfig.from_model_path(path)
 
@@ -180,9 +178,6 @@ def test_llama_3_1_rope_frequency_factors_are_refused(tmp_path: Path) -> None:
     writer.add_embedding_length(8)
     writer.add_head_count(2)
     writer.add_tensor("rope_freqs.weight", np.ones(2, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close_gguf(writer)
     with pytest.raises(ValueError, match=r"unsupported rope scaling.*rope_freqs"):
         ModelConfig.from_model_path(path)
