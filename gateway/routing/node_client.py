@@ -30,7 +30,7 @@ class NodeClient:
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.max_receive_message_length", 64 * 2**20),
             # A node that is not listening yet (starting, restarting) is redialled at most a
-            # poll apart: gRPC's default back-off grows to minutes, and after 15 s of refused
+            # poll apart: gRPC's default back-off grows to two minutes, and after 15 s of refused
             # connections at start-up the gateway saw a node 3-4 s after it listened.
             ("grpc.initial_reconnect_backoff_ms", 250),
             ("grpc.min_reconnect_backoff_ms", 250),
