@@ -3,6 +3,7 @@ cached SmolLM2 GGUF, skipping GPU tests on CPU, and Triton's interpreter on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -32,34 +33,46 @@ from support.gguf_files import close_gguf  # noqa: E402
 TinyModelFactory = Callable[..., Path]
 
 
-# Collection imports every test module, and some build the native kernels on import. One that
-# never ends (a build waiting on a lock, as torch's lock file once made it) would run into CI's
-# time limit with nothing printed: past this, every thread's stack goes to the real stderr and
-# the run exits 1. A cold build on a slow 2-core host takes minutes, not this.
+# Two phases of a run that no per-test time-out covers. Collection imports every test module, and
+# some build the native kernels on import; one that never ends (a build waiting on a lock, as
+# torch's lock file once made it) ran into CI's time limit with nothing printed. And once the
+# tests are done, the interpreter still joins what they left running. Past these limits every
+# thread's stack goes to the real stderr and the run exits 1. A cold build on a slow 2-core host
+# takes minutes, not this.
 COLLECTION_LIMIT_S = 20 * 60
+EXIT_LIMIT_S = 5 * 60
 _collection_watchdog: threading.Timer | None = None
 
 
-def pytest_collection(session: pytest.Session) -> None:
-    global _collection_watchdog
-
+def _watchdog(config: pytest.Config, limit_s: float, phase: str) -> threading.Timer:
     def give_up() -> None:
-        capture = session.config.pluginmanager.getplugin("capturemanager")
+        capture = config.pluginmanager.getplugin("capturemanager")
         if capture is not None:
-            capture.suspend_global_capture(in_=True)  # else the dump goes to a capture file
-        print(f"collection still running after {COLLECTION_LIMIT_S} s:", file=sys.stderr)
+            with contextlib.suppress(Exception):  # else the dump goes to a capture file
+                capture.suspend_global_capture(in_=True)
+        print(f"{phase} still running after {limit_s:.0f} s:", file=sys.stderr)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
         os._exit(1)
 
-    _collection_watchdog = threading.Timer(COLLECTION_LIMIT_S, give_up)
-    _collection_watchdog.daemon = True
-    _collection_watchdog.start()
+    timer = threading.Timer(limit_s, give_up)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def pytest_collection(session: pytest.Session) -> None:
+    global _collection_watchdog
+    _collection_watchdog = _watchdog(session.config, COLLECTION_LIMIT_S, "collection")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     if _collection_watchdog is not None:
         _collection_watchdog.cancel()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _watchdog(session.config, EXIT_LIMIT_S, "the end of the run")  # the process ends first
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
