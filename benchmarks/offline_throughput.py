@@ -45,6 +45,7 @@ def run_pdserve(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
     llm = LLM(
         args.model,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         max_model_len=args.input_len + args.output_len,
         max_num_seqs=args.max_num_seqs,
@@ -97,6 +98,10 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+        help="pdserve's KV cache dtype (auto: bfloat16 on CPU)",
+    )  # fmt: skip
     parser.add_argument(
         "--hf-dtype",
         default="same",
