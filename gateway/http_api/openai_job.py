@@ -123,7 +123,7 @@ def chat_job(body: ChatCompletionRequest, request: Request, frontend: Frontend) 
                     )
                 if part.text is None:
                     raise invalid(f"{where}: a text part needs 'text'", param=f"{where}.text")
-    _check_template_controls(body)
+    _check_template_kwargs(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -160,16 +160,9 @@ _RESERVED_TEMPLATE_KWARGS = {
 }
 
 
-def _check_template_controls(body: ChatCompletionRequest) -> None:
-    """vLLM's chat template controls: ``continue_final_message`` excludes the generation
-    prompt, and ``chat_template_kwargs`` cannot override what the request sets elsewhere."""
-    if body.continue_final_message and body.add_generation_prompt:
-        # vLLM (through transformers) refuses both too; add_generation_prompt defaults to true.
-        raise invalid(
-            "continue_final_message needs add_generation_prompt: false (the model continues "
-            "the last message instead of starting a new turn)",
-            param="continue_final_message",
-        )
+def _check_template_kwargs(body: ChatCompletionRequest) -> None:
+    """``chat_template_kwargs`` cannot override what the request sets elsewhere (the tokenizer
+    refuses ``continue_final_message`` with the generation prompt)."""
     for key in body.chat_template_kwargs or {}:
         if key in _RESERVED_TEMPLATE_KWARGS:
             field = _RESERVED_TEMPLATE_KWARGS[key]

@@ -459,8 +459,11 @@ class Tokenizer:
                 param="messages",
             )
         if continue_final_message and add_generation_prompt:
+            # vLLM (through transformers) refuses both too; add_generation_prompt defaults to
+            # true on the OpenAI bridge.
             raise invalid(
-                "continue_final_message cannot be used with add_generation_prompt",
+                "continue_final_message needs add_generation_prompt: false (the model continues "
+                "the last message instead of starting a new turn)",
                 param="continue_final_message",
             )
         normalized = normalize_messages(messages)
