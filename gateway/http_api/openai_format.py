@@ -30,6 +30,7 @@ from gateway.http_api.openai_protocol import (
     TopLogprob,
     UsageInfo,
 )
+from gateway.text.chat_template import message_text
 from gateway.text.text_stream import TextDelta, TextFinished
 from gateway.text.tokenizer import Tokenizer
 from gateway.tool_calls import ToolCallStream
@@ -193,10 +194,9 @@ class ChatFormat(OpenAIFormat):
         # that message has the response's role (vLLM's rule).
         self._echo = ""
         if body.echo and last.role == self._role:
-            content = last.content
-            if isinstance(content, list):
-                content = "\n".join(part.text or "" for part in content)
-            self._echo = content or ""
+            # The text the template was given for it.
+            content = last.model_dump()["content"]
+            self._echo = message_text(len(body.messages) - 1, last.role, content)
 
     def tool_stream(self, state: ChoiceState) -> ToolCallStream | None:
         """The choice's text → tool calls, when the request has tools."""

@@ -22,6 +22,7 @@ from gateway.frontend import Frontend
 from gateway.generation import CLIENT_REQUEST_ID, GenerationRequest
 from gateway.guided import check, guided_from_request
 from gateway.http_api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from gateway.text.chat_template import check_template_kwargs
 from gateway.text.tokenizer import Tokenizer
 from gateway.tool_calls import ToolMode, ToolPlan, tool_plan
 from services.guided_decoding import GuidedDecoding
@@ -96,6 +97,12 @@ def completion_job(body: CompletionRequest, request: Request, frontend: Frontend
     )
 
 
+# The chat request's own fields for the template variables chat_template_kwargs may not set.
+_OWN_TEMPLATE_FIELDS = {
+    name: name for name in ("messages", "tools", "add_generation_prompt", "continue_final_message")
+}
+
+
 def chat_job(body: ChatCompletionRequest, request: Request, frontend: Frontend) -> OpenAIJob:
     stop = _check_common(body, frontend)
     if body.functions:
@@ -123,7 +130,9 @@ def chat_job(body: ChatCompletionRequest, request: Request, frontend: Frontend) 
                     )
                 if part.text is None:
                     raise invalid(f"{where}: a text part needs 'text'", param=f"{where}.text")
-    _check_template_kwargs(body)
+    check_template_kwargs(
+        body.chat_template_kwargs or {}, "chat_template_kwargs", _OWN_TEMPLATE_FIELDS
+    )
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -146,31 +155,6 @@ def chat_job(body: ChatCompletionRequest, request: Request, frontend: Frontend) 
         logit_bias=_logit_bias(body, frontend),
         tools=plan if plan is not None and plan.mode is not ToolMode.NONE else None,
     )
-
-
-# Template variables the gateway sets itself, each from its own request field; vLLM refuses
-# chat_template and tokenize in chat_template_kwargs, and fails on a second messages or tools.
-_RESERVED_TEMPLATE_KWARGS = {
-    "messages": "messages",
-    "tools": "tools",
-    "add_generation_prompt": "add_generation_prompt",
-    "continue_final_message": "continue_final_message",
-    "chat_template": None,
-    "tokenize": None,
-}
-
-
-def _check_template_kwargs(body: ChatCompletionRequest) -> None:
-    """``chat_template_kwargs`` cannot override what the request sets elsewhere (the tokenizer
-    refuses ``continue_final_message`` with the generation prompt)."""
-    for key in body.chat_template_kwargs or {}:
-        if key in _RESERVED_TEMPLATE_KWARGS:
-            field = _RESERVED_TEMPLATE_KWARGS[key]
-            hint = f"; use the request's {field!r} field" if field is not None else ""
-            raise invalid(
-                f"chat_template_kwargs cannot set {key!r}: the server sets it{hint}",
-                param="chat_template_kwargs",
-            )
 
 
 def _logit_bias(

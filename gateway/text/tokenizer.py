@@ -7,39 +7,25 @@ gives ``tokenizer.json`` (read through the ``tokenizers`` library), ``tokenizer_
 for the named special tokens and the chat template (``chat_template.jinja`` wins when present, as
 in transformers 5), and ``generation_config.json`` for extra EOS ids. Encoding, decoding and
 template rendering match ``transformers.AutoTokenizer`` on the same model; the tests check it.
-
-Messages arrive as OpenAI chat messages and reach the template as vLLM passes them: content is a
-string (a list of ``{"type": "text"}`` parts is joined with newlines; an assistant turn that
-only called tools has ``""``), and an assistant turn's tool call arguments, JSON text on the
-wire, are parsed into the object templates iterate over. Anything the gateway cannot render is a
-``GatewayError`` naming ``messages``, raised before any node sees the request.
+How a conversation is rendered is ``chat_template``'s.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
-from datetime import datetime
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.parser
-import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HfTokenizer
 
 from gateway.errors import invalid
+from gateway.text.chat_template import ChatTemplate
 from services.gguf_tokenizer import gguf_tokenizer_parts
 from services.models.gguf_file import find_gguf, open_gguf
 
 logger = logging.getLogger(__name__)
-
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-"""Message roles the OpenAI chat API defines; any other is refused before rendering."""
 
 # The named special tokens transformers passes to every chat template (its
 # SPECIAL_TOKENS_ATTRIBUTES); extra special tokens are not passed.
@@ -56,8 +42,6 @@ _SPECIAL_TOKEN_NAMES = (
 _BYTE_FALLBACK_PREFIX = "<0x"
 # The word-boundary marker of SentencePiece-style vocabularies.
 _METASPACE = "\u2581"
-# Appended to the final message to find its end in the rendered text (transformers' marker).
-_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -75,87 +59,6 @@ def _byte_level_alphabet() -> dict[str, int]:
             stand_ins.append(256 + num_shifted)
             num_shifted += 1
     return {chr(char): byte for byte, char in zip(printable, stand_ins, strict=True)}
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}``: training templates mark assistant text with it.
-
-    transformers uses the marks to build an assistant mask; serving only needs the text inside.
-    """
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Callable[[], str]) -> str:
-        return caller()
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """``namespace()`` that refuses underscore names, which could reach CPython internals."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:
-        # Jinja's own signature trick, so that ``namespace(self=...)`` still works.
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name: object) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(
-                f"chat templates cannot store underscore-prefixed attributes, got {name!r}"
-            )
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # Jinja's own tojson escapes HTML characters; templates expect plain JSON (transformers').
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile ``source`` in the sandbox transformers renders chat templates in.
-
-    Templates come from model repositories and are untrusted code: the immutable sandbox keeps
-    them from mutating their inputs or reaching Python internals.
-    """
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["namespace"] = _TemplateNamespace
-    # NOTE: transformers' `dict` global is a restricted callable; a plain function is as safe.
-    env.globals["dict"] = lambda *args, **kwargs: dict(*args, **kwargs)
-    return env.from_string(source)
 
 
 def _token_content(value: object) -> str | None:
@@ -191,114 +94,6 @@ def _read_chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def _message_text(index: int, role: str, content: object) -> str:
-    """The text of one message's content; the offending message is named in the error."""
-    if content is None:
-        if role == "assistant":
-            # An assistant turn that only called tools (the OpenAI SDK replays it with content
-            # null). vLLM renders it as "": ChatML-style templates concatenate the content, and
-            # a missing key fails them (transformers would leave the key out).
-            return ""
-        raise invalid(f"messages[{index}] ({role}) has no content", param="messages")
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid(
-            f"messages[{index}].content must be a string or a list of text parts, "
-            f"got {type(content).__name__}",
-            param="messages",
-        )
-    texts = []
-    for part_index, part in enumerate(content):
-        where = f"messages[{index}].content[{part_index}]"
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise invalid(
-                f"{where} has type {kind!r}; this model accepts only text parts",
-                param="messages",
-            )
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise invalid(f"{where}.text must be a string", param="messages")
-        texts.append(text)
-    # vLLM joins text parts with newlines when a template takes string content.
-    return "\n".join(texts)
-
-
-def _template_tool_calls(index: int, tool_calls: object) -> list[dict[str, Any]] | None:
-    """An assistant turn's tool calls with their arguments as objects, as vLLM passes them.
-
-    OpenAI sends ``function.arguments`` as JSON text; tool-use templates (transformers' own
-    convention) iterate over it as a mapping (``arguments|items``). Text that is not JSON becomes
-    ``{}`` as in vLLM: a client replaying a call the model wrote badly keeps its conversation.
-    An empty list is dropped, so that templates take their plain assistant path.
-    """
-    if not isinstance(tool_calls, list):
-        raise invalid(f"messages[{index}].tool_calls must be a list", param="messages")
-    calls = []
-    for call_index, call in enumerate(tool_calls):
-        where = f"messages[{index}].tool_calls[{call_index}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise invalid(f"{where} needs a 'function' object with a 'name'", param="messages")
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                arguments = {}
-        elif not isinstance(arguments, (dict, list)):
-            arguments = {}
-        # Copies: the caller's message (and its JSON text) stays as it came.
-        calls.append({**call, "function": {**function, "arguments": arguments}})
-    return calls or None
-
-
-def _cut_at_continue_tag(rendered: str, final_text: str) -> str:
-    """The rendered conversation up to the end of its final message (``_CONTINUE_TAG``)."""
-    tag = _CONTINUE_TAG.strip()
-    if final_text.strip() not in rendered or tag not in rendered:
-        raise invalid(
-            "continue_final_message: the chat template does not render the final message as "
-            "it was given, so it cannot be continued",
-            param="continue_final_message",
-        )
-    tag_at = rendered.rindex(tag)
-    if rendered.startswith(_CONTINUE_TAG, tag_at):
-        return rendered[:tag_at]
-    # The template trimmed the message's trailing space (and the tag's): trim as it did.
-    return rendered[:tag_at].rstrip()
-
-
-def normalize_messages(messages: object) -> list[dict[str, Any]]:
-    """Messages as chat templates expect them: plain string content, tool call arguments as
-    objects, no ``None`` values (templates handle a missing key, not a None).
-    """
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages must be a non-empty list", param="messages")
-    normalized = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise invalid(
-                f"messages[{index}] must be an object, got {type(message).__name__}",
-                param="messages",
-            )
-        role = message.get("role")
-        if not isinstance(role, str) or role not in ROLES:
-            raise invalid(
-                f"messages[{index}] has role {role!r}; expected one of {sorted(ROLES)}",
-                param="messages",
-            )
-        fields = {key: value for key, value in message.items() if value is not None}
-        fields["content"] = _message_text(index, role, message.get("content"))
-        if role == "assistant" and "tool_calls" in fields:
-            tool_calls = _template_tool_calls(index, fields.pop("tool_calls"))
-            if tool_calls is not None:
-                fields["tool_calls"] = tool_calls
-        normalized.append(fields)
-    return normalized
-
-
 class Tokenizer:
     """Text to token ids and back for one model, and its chat template."""
 
@@ -313,7 +108,7 @@ class Tokenizer:
         self._special_tokens = special_tokens
         self._eos_token_ids = eos_token_ids
         self._chat_template = (
-            None if chat_template is None else compile_chat_template(chat_template)
+            None if chat_template is None else ChatTemplate(chat_template, special_tokens)
         )
         decoder = json.loads(backend.to_str()).get("decoder") or {}
         decoder_json = json.dumps(decoder, ensure_ascii=False)
@@ -445,54 +240,15 @@ class Tokenizer:
         continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> str:
-        """Render ``messages`` with the model's chat template, as transformers does.
-
-        ``continue_final_message``: the text ends inside the last message, without what the
-        template writes after it (end of turn), so the model continues it; it excludes the
-        generation prompt. ``template_kwargs`` reach the template as variables (``tools``,
-        ``enable_thinking``...; any name, ``self`` included: the parameters before them are
-        positional-only) and override the special tokens of the same name.
-        """
+        """Render ``messages`` with the model's chat template (``ChatTemplate.render``)."""
         if self._chat_template is None:
             raise invalid(
                 "this model has no chat template; use the completions API with a plain prompt",
                 param="messages",
             )
-        if continue_final_message and add_generation_prompt:
-            # vLLM (through transformers) refuses both too; add_generation_prompt defaults to
-            # true on the OpenAI bridge.
-            raise invalid(
-                "continue_final_message needs add_generation_prompt: false (the model continues "
-                "the last message instead of starting a new turn)",
-                param="continue_final_message",
-            )
-        normalized = normalize_messages(messages)
-        final_text = normalized[-1]["content"]
-        if continue_final_message:
-            # transformers' way: mark the end of the final message, render, cut at the mark.
-            normalized[-1]["content"] = final_text + _CONTINUE_TAG
-        variables: dict[str, Any] = {"tools": None, "documents": None}
-        variables.update(self._special_tokens)
-        variables.update(template_kwargs)
-        try:
-            # One mapping, not keywords: a variable may be named like render's own "self".
-            variables.update(messages=normalized, add_generation_prompt=add_generation_prompt)
-            rendered = self._chat_template.render(variables)
-        except jinja2.TemplateError as exc:
-            # raise_exception() in a template is how models refuse a conversation they cannot
-            # take (e.g. roles that do not alternate): the client's request is at fault.
-            raise invalid(f"the chat template rejected the messages: {exc}", "messages") from exc
-        except Exception as exc:
-            # The template is untrusted code run on the client's values (messages, tool call
-            # arguments, chat_template_kwargs): "'a' + none" or "3|items" fail it in plain
-            # Python. vLLM answers any failure of it with a 400, and so does the gateway.
-            raise invalid(
-                f"the chat template rejected the messages: {type(exc).__name__}: {exc}",
-                "messages",
-            ) from exc
-        if continue_final_message:
-            rendered = _cut_at_continue_tag(rendered, final_text)
-        return rendered
+        return self._chat_template.render(
+            messages, add_generation_prompt, continue_final_message, **template_kwargs
+        )
 
     def encode_chat(
         self,
