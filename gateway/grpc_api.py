@@ -9,10 +9,12 @@ A cancelled call (client gone, deadline) closes the generator, which cancels bot
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import grpc
@@ -22,6 +24,7 @@ from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
 from gateway.generation import CLIENT_REQUEST_ID, GenerationRequest
 from gateway.pipeline import TextOptions, admitted, generate_text, tokenize
+from gateway.text.chat_template import check_template_kwargs
 from gateway.text.text_stream import TextDelta
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.convert import (
@@ -43,6 +46,31 @@ _GenerateContext: TypeAlias = (
 _ListModelsContext: TypeAlias = (
     "grpc.aio.ServicerContext[gateway_pb2.ListModelsRequest, gateway_pb2.ListModelsResponse]"
 )
+
+# The request's fields for the template variables chat_template_kwargs may not set.
+_OWN_TEMPLATE_FIELDS = {
+    "messages": "chat.messages",
+    "add_generation_prompt": "chat.add_generation_prompt",
+    "continue_final_message": "chat.continue_final_message",
+}
+
+
+@dataclass(frozen=True)
+class _ChatInput:
+    """``ChatMessages`` as the chat template takes them (``Tokenizer.encode_chat``)."""
+
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool
+    continue_final_message: bool
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """What ``_check`` found valid before admission."""
+
+    sampling: SamplingParams
+    chat: _ChatInput | None
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -127,8 +155,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             authorization if isinstance(authorization, str) else None
         )
 
-    def _check(self, request: gateway_pb2.GatewayGenerateRequest) -> SamplingParams:
-        """What needs no tokenizer, before admission: model, input kind, sampling, stop."""
+    def _check(self, request: gateway_pb2.GatewayGenerateRequest) -> _Checked:
+        """What needs no tokenizer, before admission: model, input kind, sampling, stop, the
+        chat fields."""
         frontend = self.frontend
         if request.model and request.model != frontend.served_model_name:
             raise GatewayError(
@@ -146,13 +175,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         sampling = _sampling_from_proto(request.sampling)
         frontend.limits.check_logprobs(sampling.logprobs, "sampling.logprobs")
         frontend.limits.check_stop(request.stop)
-        return sampling
+        chat = _chat_input(request.chat) if request.WhichOneof("input") == "chat" else None
+        return _Checked(sampling, chat)
 
     def _generation_request(
-        self, request: gateway_pb2.GatewayGenerateRequest, sampling: SamplingParams, arrival: float
+        self, request: gateway_pb2.GatewayGenerateRequest, checked: _Checked, arrival: float
     ) -> GenerationRequest:
         """Tokenizes (after admission, in a thread) and checks what needs the token count."""
         frontend, limits = self.frontend, self.frontend.limits
+        sampling = checked.sampling
         kind = request.WhichOneof("input")
         if kind == "text":
             prompt = frontend.tokenizer.encode(request.text)
@@ -162,8 +193,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             if any(token >= vocab for token in prompt):
                 raise invalid(f"token_ids: ids must be < vocab size {vocab}", param="token_ids")
         else:
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            prompt = frontend.tokenizer.encode_chat(messages)
+            assert checked.chat is not None
+            chat = checked.chat
+            prompt = frontend.tokenizer.encode_chat(
+                chat.messages,
+                add_generation_prompt=chat.add_generation_prompt,
+                continue_final_message=chat.continue_final_message,
+                **chat.template_kwargs,
+            )
         if not prompt:
             raise invalid(f"{kind}: the prompt is empty", param=kind)
         limits.check_max_tokens(
@@ -196,3 +233,61 @@ def _sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
         except ValueError as exc:
             raise invalid(str(exc), param="sampling.guided") from None
     return sampling
+
+
+def _chat_input(chat: gateway_pb2.ChatMessages) -> _ChatInput:
+    """The chat fields checked (INVALID_ARGUMENT naming the field) and turned into the OpenAI
+    message dicts the template renders: roles and content are the template's to check."""
+    messages: list[dict[str, Any]] = []
+    for index, message in enumerate(chat.messages):
+        where = f"chat.messages[{index}]"
+        fields: dict[str, Any] = {"role": message.role, "content": message.content}
+        if message.name:
+            fields["name"] = message.name
+        if message.tool_calls:
+            if message.role != "assistant":
+                raise invalid(
+                    f"{where}.tool_calls: only an assistant turn makes tool calls",
+                    param=f"{where}.tool_calls",
+                )
+            calls = []
+            for call_index, call in enumerate(message.tool_calls):
+                if not call.name:
+                    param = f"{where}.tool_calls[{call_index}].name"
+                    raise invalid(f"{param}: a call names its function", param=param)
+                function = {"name": call.name, "arguments": call.arguments}
+                calls.append({"id": call.id, "type": "function", "function": function})
+            fields["tool_calls"] = calls
+        if message.role == "tool":
+            if not message.tool_call_id:
+                # As on the OpenAI bridge: templates that render tool results read the id.
+                param = f"{where}.tool_call_id"
+                raise invalid(f"{param}: a tool message needs the id of the call it answers", param)
+            fields["tool_call_id"] = message.tool_call_id
+        elif message.tool_call_id:
+            param = f"{where}.tool_call_id"
+            raise invalid(f"{param}: only a tool message answers a call", param=param)
+        messages.append(fields)
+    return _ChatInput(
+        messages=messages,
+        add_generation_prompt=(
+            chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        ),
+        continue_final_message=chat.continue_final_message,
+        template_kwargs=_template_kwargs(chat.chat_template_kwargs),
+    )
+
+
+def _template_kwargs(text: str) -> dict[str, Any]:
+    """``chat_template_kwargs``: empty, or a JSON object without the names the gateway sets."""
+    param = "chat.chat_template_kwargs"
+    if not text:
+        return {}
+    try:
+        kwargs = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past the parser's depth
+        raise invalid(f"{param} is not valid JSON: {exc}", param=param) from None
+    if not isinstance(kwargs, dict):
+        raise invalid(f"{param} must be a JSON object, got {type(kwargs).__name__}", param=param)
+    check_template_kwargs(kwargs, param, _OWN_TEMPLATE_FIELDS)
+    return kwargs

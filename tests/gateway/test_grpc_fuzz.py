@@ -4,8 +4,6 @@ and no request is left running on the node behind it (a fake node, so examples a
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import math
 from pathlib import Path
 
@@ -14,10 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.config import parse_gateway_config
-from gateway.server import GatewayServer
-from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from support import fake_node
+from pdserve.v1 import common_pb2, gateway_pb2
+from support.fake_gateway import FakeGateway
 
 ALLOWED = {
     grpc.StatusCode.OK,
@@ -71,55 +67,41 @@ def requests(draw) -> gateway_pb2.GatewayGenerateRequest:
         message.token_ids.ids.extend(draw(st.lists(uint32, max_size=32)))
     elif kind == "chat":
         roles = st.sampled_from(["user", "system", "assistant", "tool", "", "robot"])
+        arguments = st.sampled_from(["", "{}", '{"city": "Oslo"}', "[1]", "null", "{"])
         for _ in range(draw(st.integers(0, 3))):
-            message.chat.messages.add(role=draw(roles), content=draw(st.text(max_size=16)))
+            turn = message.chat.messages.add(
+                role=draw(roles),
+                content=draw(st.text(max_size=16)),
+                name=draw(st.sampled_from(["", "ann"])),
+                tool_call_id=draw(st.sampled_from(["", "call-1"])),
+            )
+            for _ in range(draw(st.integers(0, 2))):
+                turn.tool_calls.add(
+                    id="call-1", name=draw(st.sampled_from(["", "f"])), arguments=draw(arguments)
+                )
+        if draw(st.booleans()):
+            message.chat.add_generation_prompt = draw(st.booleans())
+        message.chat.continue_final_message = draw(st.booleans())
+        message.chat.chat_template_kwargs = draw(
+            st.sampled_from(
+                ["", "{}", '{"enable_thinking": false}', '{"tools": []}', "[]", "{", "[" * 10_000]
+            )
+        )
     return message
 
 
 @pytest.mark.slow
 def test_any_request_gets_ok_or_a_client_error(tiny_llama_dir: Path) -> None:
-    loop = asyncio.new_event_loop()
-
-    async def start():
-        args = argparse.Namespace(
-            role="colocated", port=0, ttft_ms=0.0, itl_ms=0.0, fail_after_tokens=None, refuse=False
-        )
-        node = fake_node.FakeNode(args)
-        server = grpc.aio.server()
-        fake_node.decode_pb2_grpc.add_DecodeServiceServicer_to_server(node, server)
-        health = fake_node.health.aio.HealthServicer()
-        fake_node.health_pb2_grpc.add_HealthServicer_to_server(health, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        config = parse_gateway_config(
-            ["--model", str(tiny_llama_dir), "--served-model-name", "tiny", "--host",
-             "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--max-model-len", "256",
-             "--max-tokens-limit", "64", "--colocated", f"127.0.0.1:{port}"],
-            {},
-        )  # fmt: skip
-        gateway = GatewayServer(config)
-        await gateway.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{gateway.grpc_port}")
-        return node, server, gateway, channel
-
-    node, server, gateway, channel = loop.run_until_complete(start())
-    stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-
-    async def call(request) -> grpc.StatusCode:
-        try:
-            async for _ in stub.Generate(request, timeout=10):
-                pass
-        except grpc.aio.AioRpcError as exc:
-            assert exc.details(), exc.code()
-            return exc.code()
-        return grpc.StatusCode.OK
+    served = FakeGateway.start(tiny_llama_dir)
 
     @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
     @given(requests())
     def check(request) -> None:
-        code = loop.run_until_complete(call(request))
+        code, details, _ = served.call(request)
         assert code in ALLOWED, (code, request)
-        if code is grpc.StatusCode.OK:
+        if code is not grpc.StatusCode.OK:
+            assert details, code
+        else:
             # What the gateway accepted is valid for a node.
             sampling = request.sampling
             if sampling.HasField("temperature"):
@@ -127,9 +109,6 @@ def test_any_request_gets_ok_or_a_client_error(tiny_llama_dir: Path) -> None:
 
     try:
         check()
-        assert node.running == 0
+        assert served.node.running == 0
     finally:
-        loop.run_until_complete(channel.close())
-        loop.run_until_complete(gateway.stop(grace_s=0.5))
-        loop.run_until_complete(server.stop(0))
-        loop.close()
+        served.close()

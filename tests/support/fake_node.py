@@ -47,6 +47,8 @@ class FakeNode(prefill_pb2_grpc.PrefillServiceServicer, decode_pb2_grpc.DecodeSe
         self.args = args
         self.commits: dict[str, asyncio.Future[kv_pb2.KvCommit]] = {}
         self.running = 0
+        self.prompts: list[list[int]] = []
+        """Every Generate call's prompt, in arrival order (what the gateway made of a request)."""
 
     def _token(self, prompt: list[int], i: int) -> int:
         return (prompt[-1] + i) % VOCAB if prompt else i % VOCAB
@@ -79,6 +81,7 @@ class FakeNode(prefill_pb2_grpc.PrefillServiceServicer, decode_pb2_grpc.DecodeSe
                 grpc.StatusCode.RESOURCE_EXHAUSTED, "fake node: full unless the caller waits"
             )
         prompt = list(request.prompt_token_ids)
+        self.prompts.append(prompt)
         max_tokens = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16
         self.running += 1
         try:

@@ -1,0 +1,170 @@
+"""The gRPC API's chat input: every field of ``ChatMessages`` reaches the chat template as the
+OpenAI bridge's field of the same name does (the prompt the node got equals the tokenizer's
+rendering of the same conversation), and a bad field is INVALID_ARGUMENT naming it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from pdserve.v1 import gateway_pb2
+from support.fake_gateway import FakeGateway
+
+# Renders every field a message may carry, and one template variable of the client's.
+TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}{% if m.name %} name={{ m.name }}{% endif %}>"
+    "{{ m.content }}"
+    "{% for call in m.tool_calls or [] %}[{{ call.id }} {{ call.function.name }}"
+    "{% for key, value in call.function.arguments|items %} {{ key }}={{ value }}{% endfor %}]"
+    "{% endfor %}"
+    "{% if m.tool_call_id %}(answers {{ m.tool_call_id }}){% endif %}</{{ m.role }}>\n"
+    "{% endfor %}"
+    "{% if enable_thinking is defined and not enable_thinking %}/no_think\n{% endif %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGateway]:
+    model = tmp_path_factory.mktemp("templated")
+    for item in tiny_llama_dir.iterdir():
+        (model / item.name).symlink_to(item)
+    (model / "chat_template.jinja").write_text(TEMPLATE)  # wins over tokenizer_config's
+    gateway = FakeGateway.start(model)
+    yield gateway
+    gateway.close()
+
+
+def _prompt(served: FakeGateway, chat: gateway_pb2.ChatMessages) -> list[int]:
+    code, details, _ = served.call(gateway_pb2.GatewayGenerateRequest(chat=chat))
+    assert code is grpc.StatusCode.OK, details
+    return served.node.prompts[-1]
+
+
+def _rendered(served: FakeGateway, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+    return served.gateway.frontend.tokenizer.encode_chat(messages, **options)
+
+
+def test_every_message_field_reaches_the_template(served: FakeGateway) -> None:
+    chat = gateway_pb2.ChatMessages(
+        messages=[
+            gateway_pb2.ChatMessage(role="user", content="Weather?", name="ann"),
+            gateway_pb2.ChatMessage(
+                role="assistant",
+                tool_calls=[
+                    gateway_pb2.ChatToolCall(id="c1", name="get", arguments='{"city": "Oslo"}')
+                ],
+            ),
+            gateway_pb2.ChatMessage(role="tool", content="12 C", tool_call_id="c1"),
+        ]
+    )
+    expected = _rendered(
+        served,
+        [
+            {"role": "user", "content": "Weather?", "name": "ann"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get", "arguments": '{"city": "Oslo"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "content": "12 C", "tool_call_id": "c1"},
+        ],
+    )
+    assert _prompt(served, chat) == expected
+    text = served.gateway.frontend.tokenizer.decode(expected)
+    for piece in ("name=ann", "[c1 get city=Oslo]", "(answers c1)", "<assistant>"):
+        assert piece in text, text
+
+
+def test_template_controls_reach_the_template(served: FakeGateway) -> None:
+    messages = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi th"}]
+    turns = [gateway_pb2.ChatMessage(**m) for m in messages]
+
+    default = _prompt(served, gateway_pb2.ChatMessages(messages=turns))
+    assert default == _rendered(served, messages)
+
+    no_prompt = _prompt(
+        served, gateway_pb2.ChatMessages(messages=turns, add_generation_prompt=False)
+    )
+    assert no_prompt == _rendered(served, messages, add_generation_prompt=False)
+    assert no_prompt != default
+
+    continued = _prompt(
+        served,
+        gateway_pb2.ChatMessages(
+            messages=turns, add_generation_prompt=False, continue_final_message=True
+        ),
+    )
+    expected = _rendered(served, messages, add_generation_prompt=False, continue_final_message=True)
+    assert continued == expected
+    assert served.gateway.frontend.tokenizer.decode(continued).endswith("Hi th")
+
+    kwargs = json.dumps({"enable_thinking": False})
+    thinking = _prompt(
+        served, gateway_pb2.ChatMessages(messages=turns, chat_template_kwargs=kwargs)
+    )
+    assert thinking == _rendered(served, messages, enable_thinking=False)
+    assert "/no_think" in served.gateway.frontend.tokenizer.decode(thinking)
+
+
+@pytest.mark.parametrize(
+    ("chat", "needle"),
+    [
+        (dict(messages=[dict(role="tool", content="12 C")]), "chat.messages[0].tool_call_id"),
+        (
+            dict(messages=[dict(role="user", content="hi", tool_call_id="c1")]),
+            "chat.messages[0].tool_call_id",
+        ),
+        (
+            dict(messages=[dict(role="user", content="hi", tool_calls=[dict(name="f")])]),
+            "chat.messages[0].tool_calls",
+        ),
+        (
+            dict(messages=[dict(role="assistant", tool_calls=[dict(id="c1")])]),
+            "chat.messages[0].tool_calls[0].name",
+        ),
+        (dict(messages=[dict(role="user", content="hi")], chat_template_kwargs="{"), "not valid"),
+        (
+            dict(messages=[dict(role="user", content="hi")], chat_template_kwargs="[" * 10_000),
+            "not valid",
+        ),
+        (dict(messages=[dict(role="user", content="hi")], chat_template_kwargs="[]"), "object"),
+        (
+            dict(messages=[dict(role="user", content="hi")], chat_template_kwargs='{"tools": []}'),
+            "cannot set 'tools'",
+        ),
+        (
+            dict(
+                messages=[dict(role="user", content="hi")],
+                chat_template_kwargs='{"add_generation_prompt": false}',
+            ),
+            "chat.add_generation_prompt",
+        ),
+        (
+            dict(messages=[dict(role="user", content="hi")], continue_final_message=True),
+            "continue_final_message",
+        ),
+        (dict(messages=[]), "messages"),
+    ],
+)
+def test_bad_chat_fields_are_invalid_argument(
+    served: FakeGateway, chat: dict[str, Any], needle: str
+) -> None:
+    before = len(served.node.prompts)
+    code, details, _ = served.call(
+        gateway_pb2.GatewayGenerateRequest(chat=gateway_pb2.ChatMessages(**chat))
+    )
+    assert code is grpc.StatusCode.INVALID_ARGUMENT, details
+    assert needle in details
+    assert len(served.node.prompts) == before  # refused before any node saw it
