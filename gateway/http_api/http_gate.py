@@ -15,6 +15,8 @@ from gateway.http_api.client_send import send_json
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 """The routes a key's limits count (each request starts generations)."""
+KEYED_PATHS_OUTSIDE_V1 = frozenset({"/tokenize", "/detokenize"})
+"""vLLM's paths for the tokenizer (``tokenize_api.py``): keyed as ``/v1/*`` is."""
 
 
 class ClientDisconnected(Exception):
@@ -22,8 +24,9 @@ class ClientDisconnected(Exception):
 
 
 class HttpGate:
-    """ASGI middleware: arrival time, the API key on ``/v1/*``, the key's limits on the
-    generation routes (held until the response has been sent), and the body-size bound.
+    """ASGI middleware: arrival time, the API key on ``/v1/*`` and the tokenizer's paths, the
+    key's limits on the generation routes (held until the response has been sent), and the
+    body-size bound.
 
     The body is read here, whole, so that its size is known before FastAPI parses it (a client
     may lie in Content-Length or send chunked); the app then receives it as one message.
@@ -42,7 +45,7 @@ class HttpGate:
         with contextlib.ExitStack() as held:
             try:
                 path = scope["path"]
-                if path == "/v1" or path.startswith("/v1/"):
+                if path == "/v1" or path.startswith("/v1/") or path in KEYED_PATHS_OUTSIDE_V1:
                     authorization = headers.get(b"authorization")
                     key = self._frontend.api_keys.check(
                         None if authorization is None else authorization.decode("latin-1")

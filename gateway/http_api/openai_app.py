@@ -48,6 +48,7 @@ from gateway.http_api.openai_protocol import (
     ModelList,
 )
 from gateway.http_api.sse import MEDIA_TYPE
+from gateway.http_api.tokenize_api import tokenize_router
 
 _ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     status: {"model": ErrorResponse, "description": description}
@@ -71,7 +72,8 @@ _STREAM_RESPONSE: dict[int | str, dict[str, object]] = {
 
 
 def build_openai_app(frontend: Frontend) -> FastAPI:
-    """The HTTP API of one gateway: OpenAI routes under ``/v1``, ``/health`` and ``/metrics``."""
+    """The HTTP API of one gateway: OpenAI routes under ``/v1``, vLLM's ``/tokenize`` and
+    ``/detokenize``, ``/health`` and ``/metrics``."""
     app = FastAPI(
         title="pdserve",
         summary="OpenAI-compatible API of a disaggregated prefill/decode LLM server",
@@ -130,6 +132,7 @@ def build_openai_app(frontend: Frontend) -> FastAPI:
         return model_card()
 
     app.include_router(v1)
+    app.include_router(tokenize_router(frontend, bearer))
 
     @app.get(
         "/health",

@@ -55,18 +55,18 @@ FinishReasonName = Literal["stop", "length", "abort", "error", "tool_calls"]
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
-class _Request(BaseModel):
+class RequestModel(BaseModel):
     # use_attribute_docstrings: the docstrings below become the OpenAPI document's descriptions.
     model_config = ConfigDict(
         extra="forbid", strict=True, allow_inf_nan=False, use_attribute_docstrings=True
     )
 
 
-class _Response(BaseModel):
+class ResponseModel(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True)
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     include_usage: bool = False
     """Send a last chunk with ``choices: []`` and the usage of the whole request."""
     continuous_usage_stats: Flag = False
@@ -74,7 +74,7 @@ class StreamOptions(_Request):
     choice's completion tokens)."""
 
 
-class _GenerationParams(_Request):
+class _GenerationParams(RequestModel):
     """Parameters shared by completions and chat completions."""
 
     model: str | None = None
@@ -145,7 +145,7 @@ class ContentPart(BaseModel):
     text: Text | None = None
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestModel):
     role: Role
     content: Text | list[ContentPart] | None = None
     """Text parts of a list are joined with newlines. An assistant turn may leave it null (it
@@ -211,22 +211,22 @@ class ChatCompletionRequest(_GenerationParams):
     generation prompt, else any), its content starts the response's content."""
 
 
-class ErrorDetail(_Response):
+class ErrorDetail(ResponseModel):
     message: str
     type: str
     param: str | None = None
     code: int | str | None = None
 
 
-class ErrorResponse(_Response):
+class ErrorResponse(ResponseModel):
     error: ErrorDetail
 
 
-class PromptTokensDetails(_Response):
+class PromptTokensDetails(ResponseModel):
     cached_tokens: int = 0
 
 
-class UsageInfo(_Response):
+class UsageInfo(ResponseModel):
     prompt_tokens: int
     """Counted once per prompt, however many choices it has (as OpenAI counts)."""
     completion_tokens: int
@@ -235,7 +235,7 @@ class UsageInfo(_Response):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-class CompletionLogprobs(_Response):
+class CompletionLogprobs(ResponseModel):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
@@ -243,7 +243,7 @@ class CompletionLogprobs(_Response):
     """Characters into the choice's text where each token starts."""
 
 
-class CompletionChoice(_Response):
+class CompletionChoice(ResponseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -252,7 +252,7 @@ class CompletionChoice(_Response):
     """vLLM extension: the stop string or stop token id that ended the choice."""
 
 
-class CompletionResponse(_Response):
+class CompletionResponse(ResponseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
@@ -261,7 +261,7 @@ class CompletionResponse(_Response):
     usage: UsageInfo | None = None
 
 
-class TopLogprob(_Response):
+class TopLogprob(ResponseModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
@@ -271,28 +271,28 @@ class TokenLogprobInfo(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
-class ChatLogprobs(_Response):
+class ChatLogprobs(ResponseModel):
     content: list[TokenLogprobInfo] | None = None
 
 
-class FunctionCall(_Response):
+class FunctionCall(ResponseModel):
     name: str
     arguments: str
     """The arguments as JSON text, as OpenAI sends them."""
 
 
-class ToolCall(_Response):
+class ToolCall(ResponseModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class FunctionCallDelta(_Response):
+class FunctionCallDelta(ResponseModel):
     name: str | None = None
     arguments: str | None = None
 
 
-class ToolCallDelta(_Response):
+class ToolCallDelta(ResponseModel):
     index: int
     """Which call of the choice this fragment belongs to."""
     id: str | None = None
@@ -300,7 +300,7 @@ class ToolCallDelta(_Response):
     function: FunctionCallDelta
 
 
-class ChatResponseMessage(_Response):
+class ChatResponseMessage(ResponseModel):
     role: Role = "assistant"
     """``assistant``; without the generation prompt, the last message's role (as vLLM)."""
     content: str | None = None
@@ -308,7 +308,7 @@ class ChatResponseMessage(_Response):
     """Left out of the JSON when the message has none, as OpenAI does."""
 
 
-class ChatChoice(_Response):
+class ChatChoice(ResponseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
@@ -316,7 +316,7 @@ class ChatChoice(_Response):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(_Response):
+class ChatCompletionResponse(ResponseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -325,7 +325,7 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo | None = None
 
 
-class ChatDelta(_Response):
+class ChatDelta(ResponseModel):
     role: Role | None = None
     """Sent once, in a choice's first chunk, together with its first content."""
     content: str | None = None
@@ -334,7 +334,7 @@ class ChatDelta(_Response):
     )
 
 
-class ChatChunkChoice(_Response):
+class ChatChunkChoice(ResponseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
@@ -342,7 +342,7 @@ class ChatChunkChoice(_Response):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(_Response):
+class ChatCompletionChunk(ResponseModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -351,7 +351,7 @@ class ChatCompletionChunk(_Response):
     usage: UsageInfo | None = None
 
 
-class ModelCard(_Response):
+class ModelCard(ResponseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -359,6 +359,6 @@ class ModelCard(_Response):
     max_model_len: int
 
 
-class ModelList(_Response):
+class ModelList(ResponseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]

@@ -1,0 +1,106 @@
+"""vLLM's ``/tokenize`` and ``/detokenize`` on the gateway: the token ids are the ones a
+completion or chat request becomes (the same tokenizer and template calls), bad input is a 400
+or 404 naming the field, and the API key guards both as it guards ``/v1``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from gateway.text.tokenizer import Tokenizer
+from support.openai_app import MODEL, Served, assert_error, start
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def served(tokenizer: Tokenizer) -> Iterator[Served]:
+    served, server = start(tokenizer)
+    yield served
+    server.stop()
+
+
+def test_a_prompt_tokenizes_as_a_completion_request_would(served: Served) -> None:
+    tokenizer = served.tokenizer
+    body = served.post("/tokenize", {"model": MODEL, "prompt": "Hello world"}).json()
+    expected = tokenizer.encode("Hello world")
+    assert body == {"count": len(expected), "max_model_len": 256, "tokens": expected,
+                    "token_strs": None}  # fmt: skip
+    # ... which is what the completions route hands the generator.
+    served.client().completions.create(model=MODEL, prompt="Hello world", max_tokens=1)
+    assert list(served.generator.requests[-1].prompt_token_ids) == expected
+
+    plain = served.post("/tokenize", {"prompt": "Hello world", "add_special_tokens": False})
+    assert plain.json()["tokens"] == tokenizer.encode("Hello world", add_special_tokens=False)
+    assert len(expected) == len(plain.json()["tokens"]) + 1  # the BOS
+
+    pieces = served.post("/tokenize", {"prompt": "Hello world", "return_token_strs": True}).json()
+    assert pieces["token_strs"] == [tokenizer.backend.id_to_token(t) for t in expected]
+
+
+def test_a_chat_tokenizes_as_a_chat_request_would(served: Served) -> None:
+    body = served.post("/tokenize", {"messages": MESSAGES}).json()
+    served.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)  # type: ignore[arg-type]
+    assert body["tokens"] == list(served.generator.requests[-1].prompt_token_ids)
+    assert body["count"] == len(body["tokens"])
+
+    continued = [*MESSAGES, {"role": "assistant", "content": "It is"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    body = served.post("/tokenize", {"messages": continued, **options}).json()
+    assert body["tokens"] == served.tokenizer.encode_chat(continued, **options)
+    assert served.tokenizer.decode(body["tokens"]).endswith("It is")
+
+
+def test_detokenize_inverts_tokenize(served: Served) -> None:
+    tokens = served.post("/tokenize", {"prompt": "Hello world", "add_special_tokens": False})
+    body = served.post("/detokenize", {"model": MODEL, "tokens": tokens.json()["tokens"]}).json()
+    assert body == {"prompt": "Hello world"}
+    assert served.post("/detokenize", {"tokens": []}).json() == {"prompt": ""}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/tokenize", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
+        ("/tokenize", {}, 400, None),
+        ("/tokenize", {"prompt": "x", "temperature": 1}, 400, None),
+        ("/tokenize", {"messages": []}, 400, None),
+        ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, None),
+        (
+            "/tokenize",
+            {"messages": MESSAGES, "chat_template_kwargs": {"tools": []}},
+            400,
+            "chat_template_kwargs",
+        ),
+        (
+            "/tokenize",
+            {"messages": MESSAGES, "continue_final_message": True},
+            400,
+            "continue_final_message",
+        ),
+        ("/detokenize", {"tokens": [10**9]}, 400, "tokens[0]"),
+        ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]"),
+        ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+        ("/detokenize", {"tokens": [1], "model": "gpt-9"}, 404, "model"),
+    ],
+)
+def test_bad_input_is_a_client_error(
+    served: Served, path: str, body: dict[str, object], status: int, param: str | None
+) -> None:
+    response = served.post(path, body)
+    error = assert_error(response, status, response.json()["error"]["param"])
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_the_api_key_guards_both(tokenizer: Tokenizer) -> None:
+    served, server = start(tokenizer, api_keys=("sesame",))
+    try:
+        assert_error(served.post("/tokenize", {"prompt": "x"}), 401, None)
+        assert_error(served.post("/detokenize", {"tokens": [1]}), 401, None)
+        key = {"Authorization": "Bearer sesame"}
+        assert served.post("/tokenize", {"prompt": "x"}, headers=key).status_code == 200
+        assert served.post("/detokenize", {"tokens": [1]}, headers=key).status_code == 200
+    finally:
+        server.stop()
