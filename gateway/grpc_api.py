@@ -71,6 +71,8 @@ class _Checked:
 
     sampling: SamplingParams
     chat: _ChatInput | None
+    prompt_tokens_kept: int | None
+    """``truncate_prompt_tokens``, resolved (``RequestLimits.prompt_tokens_kept``)."""
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -176,7 +178,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         frontend.limits.check_logprobs(sampling.logprobs, "sampling.logprobs")
         frontend.limits.check_stop(request.stop)
         chat = _chat_input(request.chat) if request.WhichOneof("input") == "chat" else None
-        return _Checked(sampling, chat)
+        keep = frontend.limits.prompt_tokens_kept(
+            request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None,
+            "truncate_prompt_tokens",
+        )
+        return _Checked(sampling, chat, keep)
 
     def _generation_request(
         self, request: gateway_pb2.GatewayGenerateRequest, checked: _Checked, arrival: float
@@ -201,6 +207,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 continue_final_message=chat.continue_final_message,
                 **chat.template_kwargs,
             )
+        if checked.prompt_tokens_kept is not None:  # vLLM's left truncation
+            prompt = prompt[-checked.prompt_tokens_kept :]
         if not prompt:
             raise invalid(f"{kind}: the prompt is empty", param=kind)
         limits.check_max_tokens(

@@ -68,6 +68,19 @@ class RequestLimits:
                 f"{param} must be <= {self.max_logprobs}, got {num_logprobs}", param=param
             )
 
+    def prompt_tokens_kept(self, keep: int | None, param: str) -> int | None:
+        """vLLM's ``truncate_prompt_tokens``, checked: how many of a prompt's last tokens to
+        keep (-1: ``max_model_len``); None keeps the whole prompt."""
+        if keep is None:
+            return None
+        if keep == 0 or keep < -1:
+            raise invalid(f"{param} must be -1 or at least 1, got {keep}", param=param)
+        if keep > self.max_model_len:
+            raise invalid(
+                f"{param} is {keep}, more than max_model_len={self.max_model_len}", param=param
+            )
+        return self.max_model_len if keep == -1 else keep
+
     def output_room(self, prompt_len: int, prompt_param: str) -> int:
         """Tokens left for output after a prompt of ``prompt_len``; refused when none are."""
         room = self.max_model_len - prompt_len

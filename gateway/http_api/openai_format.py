@@ -101,6 +101,8 @@ class CompletionFormat(OpenAIFormat):
         if not getattr(body, "echo", False):
             return ""
         prompt = body.prompt  # type: ignore[union-attr]
+        if self.job.prompt_tokens_kept is not None:  # truncated: the text of what was kept
+            return self.tokenizer.decode(state.prompt_token_ids, body.skip_special_tokens)
         if isinstance(prompt, str):
             return prompt
         if isinstance(prompt, list) and isinstance(prompt[0], str):

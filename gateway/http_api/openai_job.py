@@ -52,6 +52,8 @@ class OpenAIJob:
     logit_bias: tuple[tuple[int, float], ...] = ()
     tools: ToolPlan | None = None
     """Chat: the request's tools and how they may be called; None without tools."""
+    prompt_tokens_kept: int | None = None
+    """``truncate_prompt_tokens``, resolved: each prompt's last tokens kept; None: all."""
 
     @property
     def is_chat(self) -> bool:
@@ -88,7 +90,7 @@ def completion_job(body: CompletionRequest, request: Request, frontend: Frontend
         )
     num_logprobs = body.logprobs
     frontend.limits.check_logprobs(num_logprobs, "logprobs")
-    job = _new_job(body, request, "cmpl", stop, num_logprobs)
+    job = _new_job(body, request, "cmpl", stop, num_logprobs, frontend)
     guided = guided_from_request(body)
     return dataclasses.replace(
         job,
@@ -137,7 +139,7 @@ def chat_job(body: ChatCompletionRequest, request: Request, frontend: Frontend) 
         raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     frontend.limits.check_logprobs(num_logprobs, "top_logprobs")
-    job = _new_job(body, request, "chatcmpl", stop, num_logprobs)
+    job = _new_job(body, request, "chatcmpl", stop, num_logprobs, frontend)
     plan = tool_plan(body)
     guided = guided_from_request(body)
     forced = None if plan is None else plan.guided()
@@ -226,6 +228,7 @@ def _new_job(
     id_prefix: str,
     stop: tuple[str, ...],
     num_logprobs: int | None,
+    frontend: Frontend,
 ) -> OpenAIJob:
     request_id = request.headers.get("x-request-id")
     if request_id is None:
@@ -239,6 +242,9 @@ def _new_job(
         created=int(time.time()),
         stop=stop,
         num_logprobs=num_logprobs,
+        prompt_tokens_kept=frontend.limits.prompt_tokens_kept(
+            body.truncate_prompt_tokens, "truncate_prompt_tokens"
+        ),
     )
 
 
@@ -272,6 +278,8 @@ def prompt_token_ids(job: OpenAIJob, tokenizer: Tokenizer) -> list[tuple[int, ..
             prompts = [list(prompt)]
         else:
             prompts = [list(ids) for ids in prompt]
+    if job.prompt_tokens_kept is not None:  # vLLM's left truncation
+        prompts = [ids[-job.prompt_tokens_kept :] for ids in prompts]
     vocab_size = tokenizer.vocab_size
     for index, ids in enumerate(prompts):
         where = param if len(prompts) == 1 else f"{param}[{index}]"

@@ -110,6 +110,9 @@ class _GenerationParams(RequestModel):
     """vLLM extension: the output is exactly one of these strings."""
     guided_grammar: str | None = None
     """vLLM extension: constrain the output to this Lark grammar (llguidance's dialect)."""
+    truncate_prompt_tokens: int | None = None
+    """vLLM extension: keep only the prompt's last k tokens (left truncation); -1 keeps
+    ``max_model_len`` of them."""
     user: str | None = None
     """Accepted and ignored (OpenAI uses it for abuse monitoring)."""
 
