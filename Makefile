@@ -71,7 +71,10 @@ $(MODEL_DIR)/config.json:
 #          [KV_TRANSPORT=auto|shm|ucx|cuda_ipc] [PREFILL=1]
 #          [DECODE=1] [COLOCATED=0] [HOST=127.0.0.1]
 #          [HTTP_PORT=8000] [GRPC_PORT=50051] [PREFILL_PORT=50061] [DECODE_PORT=50071]
-#          [COLOCATED_PORT=50081] [TOPOLOGY=deploy/topology.example.yaml] [TLS=1]
+#          [COLOCATED_PORT=50081] [PREFILL_METRICS_PORT=] [DECODE_METRICS_PORT=]
+#          [COLOCATED_METRICS_PORT=] [TOPOLOGY=deploy/topology.example.yaml] [TLS=1]
+# A *_METRICS_PORT is the first node's Prometheus /metrics port (node i on port + i); without
+# one (and without base_metrics_port in the topology) the nodes serve no metrics.
 # Variables given override the topology file; without MODEL or TOPOLOGY, SmolLM2 is served.
 RUN_ARGS = $(if $(TOPOLOGY),--topology $(TOPOLOGY)) \
 	$(if $(MODEL),--model $(MODEL),$(if $(TOPOLOGY),,--model $(DEFAULT_MODEL))) \
@@ -82,7 +85,11 @@ RUN_ARGS = $(if $(TOPOLOGY),--topology $(TOPOLOGY)) \
 	$(if $(HOST),--host $(HOST)) $(if $(HTTP_PORT),--http-port $(HTTP_PORT)) \
 	$(if $(GRPC_PORT),--grpc-port $(GRPC_PORT)) $(if $(PREFILL_PORT),--prefill-port $(PREFILL_PORT)) \
 	$(if $(DECODE_PORT),--decode-port $(DECODE_PORT)) \
-	$(if $(COLOCATED_PORT),--colocated-port $(COLOCATED_PORT)) $(if $(TLS),--tls)
+	$(if $(COLOCATED_PORT),--colocated-port $(COLOCATED_PORT)) \
+	$(if $(PREFILL_METRICS_PORT),--prefill-metrics-port $(PREFILL_METRICS_PORT)) \
+	$(if $(DECODE_METRICS_PORT),--decode-metrics-port $(DECODE_METRICS_PORT)) \
+	$(if $(COLOCATED_METRICS_PORT),--colocated-metrics-port $(COLOCATED_METRICS_PORT)) \
+	$(if $(TLS),--tls)
 
 run: protos $(if $(MODEL),,model)
 	$(PY) -m deploy.launch $(strip $(RUN_ARGS))

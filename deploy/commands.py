@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy.health import GrpcHealth, HealthTarget, HttpHealth
+from deploy.health import GatewayNodesHealth, GrpcHealth, HealthTarget, HttpHealth
 from deploy.topology import EnvVars, FlagArgs, NodeInstance, Role, Topology
 from services.tls import TlsFiles
 
@@ -27,7 +27,10 @@ class ProcessSpec:
     env: EnvVars
     """Set on top of the launcher's own environment."""
     health: tuple[HealthTarget, ...]
-    """All must pass before the process counts as up."""
+    """All must pass before the process counts as up, at start and after a restart."""
+    startup: tuple[HealthTarget, ...] = ()
+    """Must pass too, after ``health``, before the launcher's banner; not after a restart,
+    where a node left down must not keep the restarted process from counting as up."""
 
 
 def connect_host(topology: Topology) -> str:
@@ -106,11 +109,13 @@ def gateway_process(topology: Topology, python: str, tls_dir: Path | None = None
     argv += flag_argv(gateway.args)
     host = connect_host(topology)
     scheme, ca = ("http", None) if tls is None else ("https", tls.ca)
-    health = (
-        HttpHealth(f"{scheme}://{host}:{gateway.http_port}/health", ca),
-        GrpcHealth(f"{host}:{gateway.grpc_port}", tls=tls),
-    )
-    return ProcessSpec("gateway", tuple(argv), gateway.env, health)
+    health_url = f"{scheme}://{host}:{gateway.http_port}/health"
+    health = (HttpHealth(health_url, ca), GrpcHealth(f"{host}:{gateway.grpc_port}", tls=tls))
+    # /health is 200 once one pair serves; the banner waits until the gateway has polled every
+    # node healthy, or the first requests all land on the first pair.
+    counts = tuple((str(g.role), g.count) for g in map(topology.group, Role) if g.count)
+    startup = (GatewayNodesHealth(health_url, counts, ca),)
+    return ProcessSpec("gateway", tuple(argv), gateway.env, health, startup)
 
 
 def local_processes(

@@ -1,6 +1,7 @@
 """``python -m deploy.launch``: runs a topology on this machine — nodes and gateway as child
-processes — waits until each is healthy, prints where to reach it, supervises them, and stops
-everything on Ctrl-C / SIGTERM / SIGHUP (a second Ctrl-C skips the drain).
+processes — waits until each is healthy and the gateway sees every node healthy, prints where
+to reach it, supervises them, and stops everything on Ctrl-C / SIGTERM / SIGHUP (a second Ctrl-C
+skips the drain).
 
 Supervising: a process that dies once everything was up is restarted with back-off while the
 others keep serving (the gateway fails over meanwhile); one that keeps dying (``--restart-budget``
@@ -78,13 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"first {role} node's gRPC port; node i listens on PORT + i "
             f"(default {DEFAULT_BASE_PORTS[role]})",
         )
+        add(
+            f"--{role}-metrics-port",
+            type=int,
+            metavar="PORT",
+            help=f"first {role} node's Prometheus /metrics port; node i serves on PORT + i "
+            "(default: none served)",
+        )
     add("--no-gateway", action="store_true", help="run the nodes only (to develop the gateway)")
     add(
         "--startup-timeout-s",
         type=float,
         default=600.0,
-        help="how long every process may take to become healthy (model loading; default "
-        "%(default)g)",
+        help="how long every process may take to become healthy, and the gateway to see every "
+        "node healthy (model loading; default %(default)g)",
     )
     add(
         "--tls",
@@ -141,9 +149,13 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
     if gateway:
         top["gateway"] = dataclasses.replace(topology.gateway, **gateway)
     for role in Role:
-        port = getattr(args, f"{role}_port")
-        if port is not None:
-            top[str(role)] = dataclasses.replace(topology.group(role), base_grpc_port=port)
+        ports = {
+            "base_grpc_port": getattr(args, f"{role}_port"),
+            "base_metrics_port": getattr(args, f"{role}_metrics_port"),
+        }
+        given: dict[str, Any] = {key: port for key, port in ports.items() if port is not None}
+        if given:
+            top[str(role)] = dataclasses.replace(topology.group(role), **given)
     topology = dataclasses.replace(topology, **top)
     return topology.with_counts(prefill=args.prefill, decode=args.decode, colocated=args.colocated)
 
@@ -222,7 +234,8 @@ class Launcher:
 
     def wait_healthy(self) -> bool:
         start = time.monotonic()
-        pending = {spec.name: list(spec.health) for spec in self.specs}
+        pending = {spec.name: [*spec.health, *spec.startup] for spec in self.specs}
+        waiting_for: dict[str, str] = {}  # name -> what its first pending target said last
         while pending:
             if self.stop_requested.is_set():
                 return False
@@ -235,11 +248,17 @@ class Launcher:
                     )
                 return False
             if time.monotonic() - start > self.startup_timeout_s:
-                waiting = ", ".join(f"{n} ({', '.join(map(str, t))})" for n, t in pending.items())
+                waiting = "; ".join(
+                    f"{name} (waiting for {waiting_for.get(name) or targets[0]})"
+                    for name, targets in pending.items()
+                )
                 self.log(f"not healthy after {self.startup_timeout_s:.0f} s: {waiting}")
                 return False
             for name, targets in list(pending.items()):
-                while targets and targets[0].check(timeout_s=1.0):
+                while targets:
+                    waiting_for[name] = targets[0].waiting_for(timeout_s=1.0)
+                    if waiting_for[name]:
+                        break
                     targets.pop(0)
                 if not targets:
                     del pending[name]
@@ -339,8 +358,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if taken:
         parser.error(
             f"port(s) {taken} on {topology.host} are in use (another pdserve?); "
-            "choose others with --http-port/--grpc-port/--<role>-port or a topology (make run: "
-            "HTTP_PORT=, GRPC_PORT=, PREFILL_PORT=, DECODE_PORT=, COLOCATED_PORT=)"
+            "choose others with --http-port/--grpc-port/--<role>-port/--<role>-metrics-port or "
+            "a topology (make run: HTTP_PORT=, GRPC_PORT=, PREFILL_PORT=, DECODE_PORT=, "
+            "COLOCATED_PORT=, PREFILL_METRICS_PORT=, DECODE_METRICS_PORT=, "
+            "COLOCATED_METRICS_PORT=)"
         )
     try:
         restarts = RestartPolicy(

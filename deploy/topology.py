@@ -95,6 +95,8 @@ class NodeGroup:
         _check_port(f"{self.role}.last grpc port", self.first_grpc_port + max(self.count - 1, 0))
         if self.base_metrics_port is not None:
             _check_port(f"{self.role}.base_metrics_port", self.base_metrics_port)
+            last = self.base_metrics_port + max(self.count - 1, 0)
+            _check_port(f"{self.role}.last metrics port", last)
         if self.gpu_ids and len(self.gpu_ids) != self.count:
             raise ValueError(
                 f"{self.role}.gpu_ids names {len(self.gpu_ids)} GPUs for {self.count} nodes; "

@@ -15,6 +15,7 @@ from gateway.generation import Generator
 from gateway.key_limiter import KeyLimiter
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
+from gateway.routing.node_census import NodeCensus
 from gateway.text.tokenizer import Tokenizer
 
 
@@ -28,8 +29,8 @@ class Frontend:
     api_keys: ApiKeys
     limits: RequestLimits
     metrics: GatewayMetrics
-    is_ready: Callable[[], bool]
-    """True while at least one healthy prefill+decode pair or colocated node is available."""
+    node_census: Callable[[], NodeCensus]
+    """The node pool's counts now: readiness and the ``/health`` body come from one call."""
     request_timeout_s: float | None = 600.0
     """Deadline of one request from its arrival; None: no deadline."""
     client_send_timeout_s: float | None = 30.0
@@ -37,3 +38,7 @@ class Frontend:
     is aborted (a client that stopped reading); None: no bound."""
     key_limiter: KeyLimiter = field(default_factory=lambda: KeyLimiter(CollectorRegistry()))
     """Per-key limits of the keys in ``api_keys``; the gateway gives it its metrics registry."""
+
+    def is_ready(self) -> bool:
+        """True while at least one healthy prefill+decode pair or colocated node is available."""
+        return self.node_census().is_ready

@@ -34,6 +34,7 @@ from gateway.text.tokenizer import Tokenizer
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.listen import add_grpc_port, bind_tcp
 from services.tls import edge_server_credentials
+from services.types import Role
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class GatewayServer:
             api_keys=ApiKeys(config.api_keys),
             limits=config.limits,
             metrics=self.metrics,
-            is_ready=self.pool.is_ready,
+            node_census=self.pool.census,
             request_timeout_s=config.request_timeout_s,
             client_send_timeout_s=config.client_send_timeout_s,
             key_limiter=KeyLimiter(self.metrics.registry),
@@ -150,21 +151,16 @@ class GatewayServer:
         scrape time (``build_openai_app``).
         """
         while True:
+            census = self.pool.census()
             status = (
                 health_pb2.HealthCheckResponse.SERVING
-                if self.pool.is_ready()
+                if census.is_ready
                 else health_pb2.HealthCheckResponse.NOT_SERVING
             )
             await self.health.set("", status)
             await self.health.set("pdserve.v1.GatewayService", status)
-            for role, nodes in (
-                ("prefill", self.pool.prefill),
-                ("decode", self.pool.decode),
-                ("colocated", self.pool.colocated),
-            ):
-                self.metrics.healthy_nodes.labels(role=role).set(
-                    sum(node.is_healthy for node in nodes)
-                )
+            for role in Role:
+                self.metrics.healthy_nodes.labels(role=str(role)).set(census.role(role).num_healthy)
             await asyncio.sleep(self.pool.interval_s)
             for node in await self.pool.poll_once():
                 self.router.forget(node)  # soft state: a restarted node's cache is empty

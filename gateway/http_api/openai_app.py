@@ -138,10 +138,14 @@ def build_openai_app(frontend: Frontend) -> FastAPI:
         "/health",
         responses={503: {"model": ErrorResponse, "description": "No healthy node"}},
     )
-    async def health() -> dict[str, str]:
-        if not frontend.is_ready():
+    async def health() -> dict[str, object]:
+        """200 while a pair or a colocated node can serve (what load balancers and probes read);
+        the body also counts the healthy and known nodes of each role, since one ready pair is
+        not every pair ready (the local launcher waits for all of them)."""
+        census = frontend.node_census()
+        if not census.is_ready:
             raise GatewayError(ErrorKind.UNAVAILABLE, "no healthy prefill/decode pair or node")
-        return {"status": "ok"}
+        return {"status": "ok", "nodes": census.as_json()}
 
     @app.get(
         "/metrics",

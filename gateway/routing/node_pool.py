@@ -20,6 +20,7 @@ import asyncio
 import logging
 
 from gateway.routing.node import Node
+from gateway.routing.node_census import NodeCensus, RoleCensus
 from gateway.routing.node_client import NodeClient
 from gateway.routing.node_discovery import DnsResolver, ResolveError, Resolver, parse_target
 from services.tls import TlsFiles
@@ -82,12 +83,17 @@ class NodePool:
     def nodes(self) -> list[Node]:
         return [*self.prefill, *self.decode, *self.colocated]
 
+    def census(self) -> NodeCensus:
+        """How many nodes of each role are routed to, and how many of them are healthy now."""
+
+        def count(nodes: list[Node]) -> RoleCensus:
+            return RoleCensus(num_healthy=sum(n.is_healthy for n in nodes), num_total=len(nodes))
+
+        return NodeCensus(count(self.prefill), count(self.decode), count(self.colocated))
+
     def is_ready(self) -> bool:
         """At least one healthy prefill + decode pair, or one healthy colocated node."""
-        has_pair = any(n.is_healthy for n in self.prefill) and any(
-            n.is_healthy for n in self.decode
-        )
-        return has_pair or any(n.is_healthy for n in self.colocated)
+        return self.census().is_ready
 
     async def refresh(self) -> None:
         """Resolves every DNS entry again: adds the nodes that appeared, retires those gone, and

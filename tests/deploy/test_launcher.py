@@ -21,7 +21,7 @@ import grpc
 import pytest
 import yaml
 
-from deploy.health import grpc_serving
+from deploy.health import grpc_serving, http_json
 from deploy.local_ports import free_ports
 
 pytestmark = pytest.mark.slow
@@ -247,6 +247,10 @@ def test_a_killed_node_of_either_role_is_restarted_and_the_survivors_keep_servin
     }  # fmt: skip
     launched = launch(topology, "--restart-backoff-s", "0.2")
     launched.wait_up()
+    # The banner waits until the gateway has polled both pairs healthy, not only the first.
+    body = http_json(f"http://127.0.0.1:{http_port}/health")
+    assert isinstance(body, dict), body
+    assert body["nodes"]["prefill"] == body["nodes"]["decode"] == {"healthy": 2, "total": 2}
     pids = launched.child_pids()
     assert complete_once(http_port)
     for victim in ("decode-0", "prefill-1"):

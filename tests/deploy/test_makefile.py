@@ -30,6 +30,8 @@ def test_run_passes_every_variable_to_the_launcher() -> None:
     lines = dry_run("run", "MODEL=/m/qwen", "DTYPE=float32", "PREFILL=2", "DECODE=3",
                     "COLOCATED=1", "HOST=0.0.0.0", "HTTP_PORT=9000", "GRPC_PORT=9051",
                     "PREFILL_PORT=60061", "DECODE_PORT=60071", "COLOCATED_PORT=60081",
+                    "PREFILL_METRICS_PORT=9101", "DECODE_METRICS_PORT=9111",
+                    "COLOCATED_METRICS_PORT=9121",
                     "TOPOLOGY=deploy/topology.example.yaml")  # fmt: skip
     (launch,) = [line for line in lines if "-m deploy.launch" in line]
     assert launch.split()[3:] == [
@@ -37,6 +39,8 @@ def test_run_passes_every_variable_to_the_launcher() -> None:
         "--dtype", "float32", "--prefill", "2", "--decode", "3", "--colocated", "1",
         "--host", "0.0.0.0", "--http-port", "9000", "--grpc-port", "9051",
         "--prefill-port", "60061", "--decode-port", "60071", "--colocated-port", "60081",
+        "--prefill-metrics-port", "9101", "--decode-metrics-port", "9111",
+        "--colocated-metrics-port", "9121",
     ]  # fmt: skip
     # MODEL given: neither the tiny model nor SmolLM2 is built or fetched.
     assert not any("services.models.tiny" in line or "fetch_model" in line for line in lines)

@@ -3,6 +3,8 @@ the processes the launcher builds from it."""
 
 from __future__ import annotations
 
+import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -60,6 +62,7 @@ def test_the_example_files_load() -> None:
         ({"prefill": {"count": 2, "gpu_ids": [0]}}, "one per node"),
         ({"prefill": {"gpu_ids": [0]}, "decode": {"gpu_ids": [0]}}, "a GPU is pinned to two"),
         ({"prefill": {"count": 11}}, "port 50071 is used by both"),
+        ({"decode": {"count": 2, "base_metrics_port": 65535}}, "decode.last metrics port"),
         ({"gateway": {"http_port": 50061}}, "port 50061"),
         ({"dtype": "fp8"}, "dtype"),
         ({"kv_transport": "tcp"}, "kv_transport"),
@@ -136,3 +139,64 @@ def test_kv_transport_comes_from_the_topology_and_the_launcher_flag() -> None:
     ucx = topology_from_dict({"kv_transport": "ucx"})
     node = ucx.nodes[0]
     assert "pid" not in node_service(ucx, ucx.group(node.role), node)
+
+
+def test_metrics_port_flags_number_every_node_of_their_role(tmp_path: Path) -> None:
+    from deploy.launch import build_parser, topology_from_args
+
+    path = tmp_path / "t.yaml"
+    path.write_text("prefill: {base_grpc_port: 52061, base_metrics_port: 9001}\n")
+    args = build_parser().parse_args([
+        "--topology", str(path), "--prefill", "2", "--decode", "2", "--colocated", "1",
+        "--prefill-metrics-port", "9101", "--colocated-metrics-port", "9121",
+    ])  # fmt: skip
+    topology = topology_from_args(args)
+    # The flag wins over the file's base_metrics_port and keeps its base_grpc_port.
+    assert [(n.name, n.grpc_port, n.metrics_port) for n in topology.nodes] == [
+        ("prefill-0", 52061, 9101),
+        ("prefill-1", 52062, 9102),
+        ("decode-0", 50071, None),
+        ("decode-1", 50072, None),
+        ("colocated-0", 50081, 9121),
+    ]
+    prefill_1 = local_processes(topology, python="py")[1]
+    assert "--metrics-port 9102" in " ".join(prefill_1.argv)
+    decode = build_parser().parse_args(["--decode-metrics-port", "9111"])
+    assert topology_from_args(decode).decode.base_metrics_port == 9111
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--prefill-metrics-port", "0"], "prefill.base_metrics_port must be in [1, 65535]"),
+        (["--decode", "2", "--decode-metrics-port", "65535"], "decode.last metrics port"),
+        (["--colocated", "1", "--colocated-metrics-port", "50071"], "port 50071 is used by both"),
+        (["--decode-metrics-port", "x"], "argument --decode-metrics-port: invalid int value"),
+    ],
+)
+def test_a_bad_metrics_port_flag_exits_2_naming_it(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from deploy.launch import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(flags)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_taken_metrics_port_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from deploy.launch import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as exited:
+            main(["--model", str(tmp_path), "--no-gateway", "--decode-metrics-port", str(port)])
+    assert exited.value.code == 2
+    assert re.search(
+        rf"port\(s\) \[[^]]*\b{port}\b[^]]*\] on 127.0.0.1 are in use", capsys.readouterr().err
+    )

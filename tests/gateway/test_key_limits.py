@@ -24,6 +24,7 @@ from gateway.http_api.openai_app import build_openai_app
 from gateway.key_limiter import KeyLimiter, KeyMeteredGenerator
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
+from gateway.routing.node_census import NodeCensus, RoleCensus
 from gateway.text.tokenizer import Tokenizer
 from services.types import FinishReason, Usage
 
@@ -231,7 +232,7 @@ def test_a_key_over_its_rate_gets_429_while_others_do_not(
         api_keys=keys,
         limits=RequestLimits(max_model_len=256, max_tokens=100),
         metrics=metrics,
-        is_ready=lambda: True,
+        node_census=lambda: NodeCensus(colocated=RoleCensus(1, 1)),
         key_limiter=KeyLimiter(metrics.registry, clock),
     )
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2}

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from gateway.errors import ErrorKind, GatewayError
 from gateway.generation import Finished, GenerationRequest, TokenChunk
+from gateway.routing.node_census import NodeCensus, RoleCensus
 from gateway.text.tokenizer import Tokenizer
 from services.convert import sampling_params_to_proto
 from services.guided_decoding import MAX_CHOICES
@@ -26,6 +27,7 @@ from support.blocking_grammar import BlockingGrammarCheck
 from support.openai_app import (
     HANG,
     MODEL,
+    NO_HEALTHY_PAIR,
     OUTPUT_TEXT,
     TOOL,
     Script,
@@ -43,7 +45,7 @@ from support.openai_app import (
 
 @pytest.fixture
 def serve(tokenizer: Tokenizer) -> Iterator[Callable[..., Served]]:
-    """``serve(script=None, api_keys=(), max_concurrent=8, max_queued=8, ready=True,
+    """``serve(script=None, api_keys=(), max_concurrent=8, max_queued=8, nodes=ONE_PAIR,
     **limits) -> Served``: a fresh app on its own port."""
     servers: list[ThreadedUvicorn] = []
 
@@ -834,13 +836,35 @@ def test_models_health_and_metrics(serve: Callable[..., Served]) -> None:
     assert model.id == MODEL and model.owned_by == "pdserve"
     assert served.client().models.retrieve(MODEL).id == MODEL
     assert_error(httpx.get(f"{served.url}/v1/models/other"), 404, "model")
-    assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{served.url}/health").json()["status"] == "ok"
     metrics = httpx.get(f"{served.url}/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
     assert "pdserve:request_queue_time_seconds" in metrics.text
 
-    not_ready = serve(ready=False)
+    not_ready = serve(nodes=NO_HEALTHY_PAIR)
     assert_error(httpx.get(f"{not_ready.url}/health"), 503, None)
+
+
+def test_health_counts_the_healthy_and_known_nodes_of_each_role(
+    serve: Callable[..., Served],
+) -> None:
+    # One pair of two is enough to serve (200), and the body says the other is not up yet: what
+    # the launcher waits for before its banner.
+    half_up = NodeCensus(prefill=RoleCensus(2, 2), decode=RoleCensus(1, 2))
+    response = httpx.get(f"{serve(nodes=half_up).url}/health")
+    assert response.status_code == 200
+    assert response.json() == {
+        "status": "ok",
+        "nodes": {
+            "prefill": {"healthy": 2, "total": 2},
+            "decode": {"healthy": 1, "total": 2},
+            "colocated": {"healthy": 0, "total": 0},
+        },
+    }
+    colocated_only = NodeCensus(prefill=RoleCensus(0, 1), colocated=RoleCensus(1, 1))
+    nodes = httpx.get(f"{serve(nodes=colocated_only).url}/health").json()["nodes"]
+    assert nodes["colocated"] == {"healthy": 1, "total": 1}
+    assert_error(httpx.get(f"{serve(nodes=NodeCensus()).url}/health"), 503, None)
 
 
 def test_openapi_document(serve: Callable[..., Served]) -> None:
@@ -952,7 +976,7 @@ def test_no_body_gets_a_5xx(serve: Callable[..., Served]) -> None:
 def test_health_polls_are_not_request_errors(serve: Callable[..., Served]) -> None:
     # Start-up: /health answers 503 until the nodes are up; a load balancer polls it. Those
     # polls used to count in pdserve:request_errors_total{reason="unavailable"}.
-    not_ready = serve(ready=False)
+    not_ready = serve(nodes=NO_HEALTHY_PAIR)
     for _ in range(3):
         assert_error(httpx.get(f"{not_ready.url}/health"), 503, None)
     errors = not_ready.frontend.metrics.request_errors

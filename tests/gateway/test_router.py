@@ -9,6 +9,7 @@ import pytest
 
 from gateway.config import RouterConfig
 from gateway.routing.node import Node, NodeHealth, NodeLoad
+from gateway.routing.node_census import RoleCensus
 from gateway.routing.node_pool import NodePool
 from gateway.routing.prefix_affinity import PrefixAffinity
 from gateway.routing.router import Router
@@ -124,6 +125,18 @@ def test_readiness_needs_a_pair_or_a_colocated_node(loop) -> None:
     assert not pool.is_ready()
     pool.colocated[0].health = NodeHealth.HEALTHY
     assert pool.is_ready()
+
+
+def test_the_census_counts_routable_nodes_of_each_role(loop) -> None:
+    pool = make_router(prefill=2, decode=2).pool
+    pool.prefill[1].health = NodeHealth.UNKNOWN  # not polled yet
+    pool.decode[0].load = NodeLoad(draining=True)  # healthy, but no new requests
+    census = pool.census()
+    assert census.prefill == RoleCensus(num_healthy=1, num_total=2)
+    assert census.decode == RoleCensus(num_healthy=1, num_total=2)
+    assert census.colocated == RoleCensus(num_healthy=0, num_total=0)
+    assert census.is_ready  # one pair serves while the others come up
+    assert census.as_json()["prefill"] == {"healthy": 1, "total": 2}
 
 
 def test_a_node_that_comes_back_loses_its_prefix_affinity(loop) -> None:

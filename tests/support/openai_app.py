@@ -23,6 +23,7 @@ from gateway.generation import Finished, GenerationEvent, GenerationRequest, Tok
 from gateway.http_api.openai_app import build_openai_app
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
+from gateway.routing.node_census import NodeCensus, RoleCensus
 from gateway.text.tokenizer import Tokenizer
 from services.types import FinishReason, TokenLogprob, Usage
 
@@ -30,6 +31,9 @@ MODEL = "tiny-llama"
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 OUTPUT_TEXT = "Hello world, this is a test of the gateway; it streams tokens back one at a time."
 HANG = "hang"  # a script step: wait until cancelled
+# What the gateway's node pool reports: one pair that serves, and one that does not yet.
+ONE_PAIR = NodeCensus(prefill=RoleCensus(1, 1), decode=RoleCensus(1, 1))
+NO_HEALTHY_PAIR = NodeCensus(prefill=RoleCensus(0, 1), decode=RoleCensus(1, 1))
 
 
 # --- the fake generator -----------------------------------------------------------------------
@@ -138,7 +142,7 @@ def start(
     api_keys: tuple[str, ...] = (),
     max_concurrent: int = 8,
     max_queued: int = 8,
-    ready: bool = True,
+    nodes: NodeCensus = ONE_PAIR,
     client_send_timeout_s: float | None = 30.0,
     send_buffer_bytes: int | None = None,
     **limits: Any,
@@ -152,7 +156,7 @@ def start(
         api_keys=ApiKeys(api_keys),
         limits=RequestLimits(**{"max_model_len": 256, "max_tokens": 100, **limits}),
         metrics=GatewayMetrics(),
-        is_ready=lambda: ready,
+        node_census=lambda: nodes,
         request_timeout_s=30.0,
         client_send_timeout_s=client_send_timeout_s,
     )
