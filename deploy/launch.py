@@ -317,7 +317,11 @@ class Launcher:
         counts = ", ".join(
             f"{g.count} {g.role}" for g in (t.prefill, t.decode, t.colocated) if g.count
         )
-        lines = [f"pdserve is up: {counts}, model {t.model_name} ({t.dtype})", f"  nodes: {nodes}"]
+        # With dtype auto each node chooses on its own host; its log says what ("compute dtype").
+        lines = [
+            f"pdserve is up: {counts}, model {t.model_name}, dtype {t.dtype}",
+            f"  nodes: {nodes}",
+        ]
         if any(spec.name == "gateway" for spec in self.specs):
             scheme = "http" if self.tls_dir is None else "https"
             http = f"{scheme}://{host}:{t.gateway.http_port}"
