@@ -175,6 +175,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if request.WhichOneof("input") is None:
             raise invalid("input: set one of text, token_ids or chat", param="input")
         sampling = _sampling_from_proto(request.sampling)
+        vocab = frontend.tokenizer.vocab_size
+        if sampling.allowed_token_ids and sampling.allowed_token_ids[-1] >= vocab:  # sorted
+            raise invalid(
+                f"sampling.allowed_token_ids: token id {sampling.allowed_token_ids[-1]} is "
+                f"outside the vocabulary [0, {vocab})",
+                param="sampling.allowed_token_ids",
+            )
+        conflict = sampling.min_tokens_conflict(frontend.tokenizer.eos_token_ids)
+        if conflict is not None:
+            raise invalid(f"sampling.{conflict}", param="sampling.allowed_token_ids")
         frontend.limits.check_logprobs(sampling.logprobs, "sampling.logprobs")
         frontend.limits.check_stop(request.stop)
         chat = _chat_input(request.chat) if request.WhichOneof("input") == "chat" else None

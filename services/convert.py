@@ -69,6 +69,7 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
         ignore_eos=message.ignore_eos,
         priority=message.priority,
         logit_bias=tuple(sorted(message.logit_bias.items())),
+        allowed_token_ids=tuple(message.allowed_token_ids),
     )
     try:
         if message.HasField("guided"):
@@ -94,6 +95,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         priority=params.priority,
+        allowed_token_ids=list(params.allowed_token_ids),
     )
     message.logit_bias.update(dict(params.logit_bias))
     if params.guided is not None:

@@ -203,12 +203,13 @@ def _check_common(
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     limits.check_stop(stop)
     vocab_size = frontend.tokenizer.vocab_size
-    for token_id in body.stop_token_ids or ():
-        if token_id >= vocab_size:
-            raise invalid(
-                f"stop token id {token_id} is outside the vocabulary [0, {vocab_size})",
-                param="stop_token_ids",
-            )
+    for param in ("stop_token_ids", "allowed_token_ids"):
+        for token_id in getattr(body, param) or ():
+            if token_id >= vocab_size:
+                raise invalid(
+                    f"{param}: token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                    param=param,
+                )
     return stop
 
 
@@ -352,7 +353,7 @@ def sampling_params(
         "repetition_penalty": body.repetition_penalty,
     }
     try:
-        return SamplingParams(
+        params = SamplingParams(
             max_tokens=max_tokens,
             min_tokens=body.min_tokens or 0,
             min_p=body.min_p or 0.0,
@@ -364,7 +365,12 @@ def sampling_params(
             logprobs=job.num_logprobs,
             guided=job.guided,
             logit_bias=job.logit_bias,
+            allowed_token_ids=tuple(body.allowed_token_ids or ()),
             **{name: value for name, value in given.items() if value is not None},
         )
     except SamplingParamError as exc:
         raise invalid(str(exc), param=exc.param) from None
+    conflict = params.min_tokens_conflict(frontend.tokenizer.eos_token_ids)
+    if conflict is not None:
+        raise invalid(conflict, param="allowed_token_ids")
+    return params

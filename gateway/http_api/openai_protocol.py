@@ -102,6 +102,8 @@ class _GenerationParams(RequestModel):
     include_stop_str_in_output: Flag = False
     logit_bias: dict[str, float] | None = None
     """Token id (as a string) → bias in [-100, 100], added to that token's logit."""
+    allowed_token_ids: TokenIds | None = None
+    """vLLM extension: only these token ids may be sampled."""
     guided_json: dict[str, Any] | None = None
     """vLLM extension: constrain the output to this JSON schema."""
     guided_regex: str | None = None

@@ -235,11 +235,20 @@ class EngineCore:
                 raise ValueError(
                     f"stop_token_ids contains {token_id}, outside the vocabulary [0, {vocab_size})"
                 )
+        for token_id in params.allowed_token_ids[-1:]:  # sorted: the largest is last
+            if token_id >= vocab_size:
+                raise ValueError(
+                    f"allowed_token_ids contains {token_id}, outside the vocabulary "
+                    f"[0, {vocab_size})"
+                )
         for token_id, _ in params.logit_bias:
             if token_id >= vocab_size:
                 raise ValueError(
                     f"logit_bias has token id {token_id}, outside the vocabulary [0, {vocab_size})"
                 )
+        conflict = params.min_tokens_conflict(tuple(self.model_config.eos_token_ids))
+        if conflict is not None:
+            raise ValueError(conflict)
         if params.logprobs is not None and params.logprobs > vocab_size:
             raise ValueError(f"logprobs must be <= vocab size {vocab_size}, got {params.logprobs}")
 

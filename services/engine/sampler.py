@@ -4,7 +4,8 @@ What happens to the logits of a step, ``[num_rows, vocab_size]``:
 
 1. Raw logprobs: ``log_softmax`` of the unprocessed float32 logits, for rows that asked for them.
 2. ``min_tokens``: EOS and the row's stop ids go to -inf while the row is short of ``min_tokens``.
-3. ``logit_bias``: each row's biases are added to their tokens' logits.
+3. ``allowed_token_ids``: every other token of the row goes to -inf; then ``logit_bias``: each
+   row's biases are added to their tokens' logits.
 4. Penalties: repetition (prompt and output tokens), then frequency and presence (output only).
 5. Grammar: constrained rows (``params.guided``) set the tokens their grammar forbids to -inf.
 6. Greedy rows take the argmax of what steps 2-5 left.
@@ -190,6 +191,17 @@ def _bit_table(device: torch.device) -> torch.Tensor:
         table = torch.where(bits.bool(), 0.0, float("-inf")).to(device)
         _BIT_TABLES[device] = table
     return table
+
+
+def _keep_allowed_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """In place: -inf for every token outside the row's ``params.allowed_token_ids``."""
+    for i, p in enumerate(metadata.params):
+        if p.allowed_token_ids:
+            allowed = torch.tensor(p.allowed_token_ids, device=logits.device)
+            kept = logits[i, allowed]  # [num_allowed]
+            logits[i].fill_(float("-inf"))
+            logits[i, allowed] = kept
+    return logits
 
 
 def _add_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -549,6 +561,10 @@ _LOGITS_STEPS = (
             for p, output in zip(m.params, m.output_token_ids, strict=True)
         ),
         apply=_mask_stop_tokens,
+    ),
+    _LogitsStep(
+        applies=lambda m: any(p.allowed_token_ids for p in m.params),
+        apply=lambda logits, m, _: _keep_allowed_tokens(logits, m),
     ),
     _LogitsStep(
         applies=lambda m: any(p.logit_bias for p in m.params),

@@ -62,6 +62,8 @@ class SamplingParams:
     """Constrain the output to a grammar (JSON schema, regex, choice, Lark); None: free text."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs: the bias, in [-100, 100], is added to that token's logit."""
+    allowed_token_ids: tuple[int, ...] = ()
+    """Only these tokens may be sampled (vLLM's ``allowed_token_ids``); empty: every token."""
 
     def __post_init__(self) -> None:
         # Accept any iterable of ints for stop_token_ids, but store an immutable tuple.
@@ -122,9 +124,27 @@ class SamplingParams:
                     "logit_bias", f"logit_bias values must be in [-100, 100], got {value}"
                 )
 
+        for token_id in self.allowed_token_ids:
+            _check_int("allowed_token_ids", token_id, minimum=0)
+        # Sorted and unique: one canonical form, whatever order or repeats a client sent.
+        object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(self.allowed_token_ids))))
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS or self.top_k == 1
+
+    def min_tokens_conflict(self, eos_token_ids: tuple[int, ...]) -> str | None:
+        """Why no token could ever be sampled before ``min_tokens`` (every allowed token is EOS
+        or a stop id, which ``min_tokens`` masks), or None. The engine and the gateway refuse
+        such a request: the sampler would have nothing to draw from."""
+        if not self.min_tokens or not self.allowed_token_ids:
+            return None
+        if set(self.allowed_token_ids) <= {*eos_token_ids, *self.stop_token_ids}:
+            return (
+                "allowed_token_ids holds only EOS or stop token ids, which min_tokens "
+                f"({self.min_tokens}) forbids: no token could be sampled"
+            )
+        return None
 
     @property
     def has_penalties(self) -> bool:

@@ -100,6 +100,8 @@ def test_prompt_of_max_model_len_is_accepted(llm: LLM) -> None:
         ({"logprobs": -1}, "logprobs"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
         ({"stop_token_ids": ["7"]}, "stop_token_ids"),
+        ({"allowed_token_ids": [-3]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [3, "7"]}, "allowed_token_ids"),
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"seed": 1.0}, "seed"),
         ({"priority": "high"}, "priority"),
@@ -115,10 +117,31 @@ def test_bad_sampling_params_are_refused(kwargs: dict, field: str) -> None:
     [
         ({"stop_token_ids": [VOCAB_SIZE]}, r"stop_token_ids contains 4096, outside the vocabulary"),
         ({"logprobs": VOCAB_SIZE + 1}, r"logprobs must be <= vocab size 4096"),
+        ({"allowed_token_ids": [5, VOCAB_SIZE]}, r"allowed_token_ids contains 4096, outside"),
     ],
 )
 def test_params_beyond_the_vocabulary_are_refused(llm: LLM, kwargs: dict, match: str) -> None:
     assert_refused(llm, [PROMPT], SamplingParams(**kwargs), match)
+
+
+def test_allowed_token_ids_are_all_the_engine_samples(llm: LLM) -> None:
+    allowed = (7, 11, 300, 4095)
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=3, allowed_token_ids=allowed)
+    (output,) = llm.generate([PROMPT], params)
+    assert len(output.token_ids) == 24 and set(output.token_ids) <= set(allowed)
+    assert_engine_clean(llm)
+
+
+def test_allowed_tokens_that_min_tokens_forbids_are_refused(llm: LLM) -> None:
+    # The sampler would have nothing to draw from before min_tokens.
+    eos = llm.engine.model_config.eos_token_ids[0]
+    for params in (
+        SamplingParams(min_tokens=2, allowed_token_ids=[eos]),
+        SamplingParams(min_tokens=2, stop_token_ids=[9], allowed_token_ids=[eos, 9]),
+    ):
+        assert_refused(llm, [PROMPT], params, "no token could be sampled")
+    (output,) = llm.generate([PROMPT], SamplingParams(max_tokens=2, allowed_token_ids=[eos]))
+    assert output.token_ids == [eos]  # without min_tokens it is simply the only choice
 
 
 def test_params_list_of_the_wrong_length_is_refused(llm: LLM) -> None:

@@ -263,7 +263,7 @@ def test_penalties_change_the_greedy_choice() -> None:
     assert make_sampler()(logits, metadata).token_ids == [2, 2, 1]
 
 
-@pytest.mark.parametrize("step", ["min_tokens", "logit_bias", "penalty", "grammar"])
+@pytest.mark.parametrize("step", ["min_tokens", "allowed", "logit_bias", "penalty", "grammar"])
 def test_each_logits_step_alone_changes_an_all_greedy_batch(step: str) -> None:
     # Every row greedy: the sampler takes the raw logits' argmax unless a step applies, so a
     # step it failed to notice would leave token 1 (the raw maximum) chosen.
@@ -273,6 +273,7 @@ def test_each_logits_step_alone_changes_an_all_greedy_batch(step: str) -> None:
         min_tokens=2 if step == "min_tokens" else 0,
         stop_token_ids=[1] if step == "min_tokens" else [],
         logit_bias={1: -1.0} if step == "logit_bias" else {},
+        allowed_token_ids=(0, 2, 3) if step == "allowed" else (),
         presence_penalty=1.0 if step == "penalty" else 0.0,
     )
     metadata = make_metadata([params, params], output_token_ids=[[1], [1]])
@@ -283,6 +284,23 @@ def test_each_logits_step_alone_changes_an_all_greedy_batch(step: str) -> None:
     expected = process_logits(logits, metadata, [EOS_TOKEN_ID]).argmax(dim=-1).tolist()
     assert expected[0] != 1
     assert make_sampler()(logits, metadata).token_ids == expected
+
+
+def test_allowed_token_ids_are_all_a_row_may_sample() -> None:
+    # Token 1 is the most likely by far; rows limited to {3, 7} (given unsorted and repeated)
+    # sample only those, greedy or random, beside a row without a limit.
+    logits = torch.zeros(1, 10)
+    logits[0, 1] = 10.0
+    logits[0, 3] = 2.0
+    limited = [SamplingParams(temperature=t, allowed_token_ids=[7, 3, 7]) for t in (0.0, 1.0)]
+    assert limited[0].allowed_token_ids == (3, 7)
+    free = SamplingParams(temperature=0.0)
+    torch.manual_seed(0)
+    metadata = make_metadata([limited[0], free] + [limited[1]] * 300)
+    tokens = make_sampler()(logits.expand(302, -1), metadata).token_ids
+    assert tokens[0] == 3  # the allowed maximum
+    assert tokens[1] == 1  # no limit: untouched
+    assert set(tokens[2:]) == {3, 7}  # both drawn (e^2 : 1), nothing else
 
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:

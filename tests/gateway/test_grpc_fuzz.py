@@ -37,6 +37,7 @@ def sampling(draw) -> common_pb2.SamplingParams:
         presence_penalty=draw(floats),
         frequency_penalty=draw(floats),
         stop_token_ids=draw(st.lists(uint32, max_size=4)),
+        allowed_token_ids=draw(st.lists(st.one_of(uint32, st.integers(0, 100)), max_size=4)),
         ignore_eos=draw(st.booleans()),
         priority=draw(st.integers(min_value=-(2**31), max_value=2**31 - 1)),
     )
@@ -109,6 +110,31 @@ def test_any_request_gets_ok_or_a_client_error(tiny_llama_dir: Path) -> None:
 
     try:
         check()
+        assert served.node.running == 0
+    finally:
+        served.close()
+
+
+def test_allowed_token_ids_past_the_vocabulary_or_against_min_tokens_are_invalid(
+    tiny_llama_dir: Path,
+) -> None:
+    served = FakeGateway.start(tiny_llama_dir)
+    try:
+        vocab = served.gateway.frontend.tokenizer.vocab_size
+        request = gateway_pb2.GatewayGenerateRequest(
+            text="hi", sampling=common_pb2.SamplingParams(allowed_token_ids=[5, vocab])
+        )
+        code, details, _ = served.call(request)
+        assert code is grpc.StatusCode.INVALID_ARGUMENT
+        assert "sampling.allowed_token_ids" in details and str(vocab) in details
+        request.sampling.allowed_token_ids[:] = [5, vocab - 1]
+        assert served.call(request)[0] is grpc.StatusCode.OK
+        # Only EOS allowed, yet min_tokens forbids EOS: nothing could be sampled.
+        eos = served.gateway.frontend.tokenizer.eos_token_ids[0]
+        request.sampling.allowed_token_ids[:] = [eos]
+        request.sampling.min_tokens = 1
+        code, details, _ = served.call(request)
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in details
         assert served.node.running == 0
     finally:
         served.close()

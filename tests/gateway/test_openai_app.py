@@ -506,6 +506,10 @@ def test_chat_logprobs_with_bytes_and_alternatives(serve: Callable[..., Served])
         ("/v1/completions", {"top_k": -2}, 400, "top_k"),
         ("/v1/completions", {"seed": 2**63}, 400, "seed"),
         ("/v1/completions", {"stop_token_ids": [10**6]}, 400, "stop_token_ids"),
+        ("/v1/completions", {"allowed_token_ids": [10**6]}, 400, "allowed_token_ids"),
+        ("/v1/completions", {"allowed_token_ids": []}, 400, "allowed_token_ids"),
+        ("/v1/completions", {"allowed_token_ids": [-1]}, 400, "allowed_token_ids[0]"),
+        ("/v1/completions", {"truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
         ("/v1/completions", {"stream_options": {"include_usage": True}}, 400, "stream_options"),
         ("/v1/completions", {"frobnicate": 1}, 400, "frobnicate"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
@@ -551,6 +555,17 @@ def test_bad_requests_name_their_param(
     body.update(change)
     assert_error(served.post(path, body), status, param)
     assert served.generator.requests == [], "no node is asked for a refused request"
+
+
+def test_allowed_token_ids_reach_the_nodes(serve: Callable[..., Served]) -> None:
+    served = serve()
+    body = {"model": MODEL, "prompt": "x", "allowed_token_ids": [9, 5, 9]}
+    assert served.post("/v1/completions", body).status_code == 200
+    assert served.generator.requests[-1].sampling.allowed_token_ids == (5, 9)
+    eos = served.tokenizer.eos_token_ids[0]
+    conflict = {"model": MODEL, "prompt": "x", "allowed_token_ids": [eos], "min_tokens": 1}
+    assert_error(served.post("/v1/completions", conflict), 400, "allowed_token_ids")
+    assert len(served.generator.requests) == 1
 
 
 def test_null_means_the_default(serve: Callable[..., Served]) -> None:
@@ -907,7 +922,8 @@ _FIELDS = (
     "min_tokens ignore_eos stop_token_ids skip_special_tokens include_stop_str_in_output "
     "logprobs top_logprobs echo suffix best_of logit_bias user tools tool_choice response_format "
     "guided_json guided_regex guided_choice guided_grammar parallel_tool_calls "
-    "add_generation_prompt continue_final_message chat_template_kwargs"
+    "add_generation_prompt continue_final_message chat_template_kwargs allowed_token_ids "
+    "truncate_prompt_tokens"
 ).split()
 
 

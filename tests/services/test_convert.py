@@ -58,6 +58,7 @@ def test_explicit_zero_temperature_is_greedy_not_default() -> None:
             guided=GuidedDecoding.json_schema({"type": "object"}), logit_bias=((3, -1.5), (9, 2))
         ),
         SamplingParams(guided=GuidedDecoding.choice(["a", "b"])),
+        SamplingParams(allowed_token_ids=(5, 2, 9)),
         SamplingParams(guided=GuidedDecoding(GuidedKind.JSON_OBJECT)),
         SamplingParams(guided=GuidedDecoding(GuidedKind.GRAMMAR, 'start: "x"')),
     ],
