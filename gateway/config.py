@@ -20,6 +20,7 @@ from pathlib import Path
 from gateway.api_key_file import load_api_key_file
 from gateway.auth import ApiKey, ApiKeys
 from gateway.limits import RequestLimits
+from gateway.reasoning import ReasoningParser
 from services.cli import ENV_PREFIX, apply_env_defaults, parse_bytes
 from services.models.gguf_file import find_gguf, open_gguf
 from services.tls import EdgeTlsFiles, TlsFiles, add_tls_flags, tls_from_args
@@ -103,6 +104,8 @@ class GatewayConfig:
     """Mutual TLS to the nodes (``services/tls.py``); None: plaintext."""
     public_tls: EdgeTlsFiles | None = None
     """TLS on the public HTTP and gRPC ports; None: plaintext."""
+    reasoning_parser: ReasoningParser | None = None
+    """How chat completions split a thinking model's reasoning from its answer; None: not."""
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):
@@ -198,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--health-interval-s", type=float, default=1.0)
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add(
+        "--reasoning-parser",
+        default=None,
+        choices=list(ReasoningParser),
+        help="chat completions return a thinking model's <think> text as reasoning_content: "
+        "qwen3 (the model opens <think>), deepseek_r1 (the template does); default: none",
+    )
     add_tls_flags(parser)
     add("--public-tls-cert", type=Path, default=None, help="TLS certificate of the public ports")
     add("--public-tls-key", type=Path, default=None, help="its private key (PEM)")
@@ -258,6 +268,9 @@ def parse_gateway_config(
             client_send_timeout_s=args.client_send_timeout_s or None,
             tls=tls_from_args(args),
             public_tls=public_tls,
+            reasoning_parser=(
+                None if args.reasoning_parser is None else ReasoningParser(args.reasoning_parser)
+            ),
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -15,6 +15,7 @@ from gateway.generation import Generator
 from gateway.key_limiter import KeyLimiter
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
+from gateway.reasoning import ReasoningParser
 from gateway.routing.node_census import NodeCensus
 from gateway.text.tokenizer import Tokenizer
 
@@ -38,6 +39,8 @@ class Frontend:
     is aborted (a client that stopped reading); None: no bound."""
     key_limiter: KeyLimiter = field(default_factory=lambda: KeyLimiter(CollectorRegistry()))
     """Per-key limits of the keys in ``api_keys``; the gateway gives it its metrics registry."""
+    reasoning_parser: ReasoningParser | None = None
+    """``--reasoning-parser``: chat completions split reasoning from content; None: they do not."""
 
     def is_ready(self) -> bool:
         """True while at least one healthy prefill+decode pair or colocated node is available."""

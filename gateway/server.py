@@ -75,6 +75,7 @@ class GatewayServer:
             request_timeout_s=config.request_timeout_s,
             client_send_timeout_s=config.client_send_timeout_s,
             key_limiter=KeyLimiter(self.metrics.registry),
+            reasoning_parser=config.reasoning_parser,
         )
         self.health = health.aio.HealthServicer()
         self.http_port = 0

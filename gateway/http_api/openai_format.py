@@ -30,6 +30,7 @@ from gateway.http_api.openai_protocol import (
     TopLogprob,
     UsageInfo,
 )
+from gateway.reasoning import ReasoningStream, split_reasoning
 from gateway.text.chat_template import message_text
 from gateway.text.text_stream import TextDelta, TextFinished
 from gateway.text.tokenizer import Tokenizer
@@ -186,6 +187,7 @@ class ChatFormat(OpenAIFormat):
     def __init__(self, job: OpenAIJob, tokenizer: Tokenizer, model: str) -> None:
         super().__init__(job, tokenizer, model)
         self._tool_streams: dict[int, ToolCallStream] = {}
+        self._reasoning_streams: dict[int, ReasoningStream] = {}
         body = job.body
         assert isinstance(body, ChatCompletionRequest)
         last = body.messages[-1]
@@ -210,15 +212,41 @@ class ChatFormat(OpenAIFormat):
             stream = self._tool_streams[state.index] = ToolCallStream(self.job.tools, parser)
         return stream
 
+    def reasoning_stream(self, state: ChoiceState) -> ReasoningStream | None:
+        """The choice's text → reasoning and content, with a reasoning parser."""
+        if self.job.reasoning is None:
+            return None
+        stream = self._reasoning_streams.get(state.index)
+        if stream is None:
+            stream = self._reasoning_streams[state.index] = ReasoningStream(self.job.reasoning)
+        return stream
+
+    def _reasoning_field(self, reasoning: str | None) -> str | None:
+        """``reasoning_content`` as sent: None when empty or not asked for."""
+        body = self.job.body
+        assert isinstance(body, ChatCompletionRequest)
+        return reasoning if reasoning and body.include_reasoning else None
+
     def delta_chunk(self, state: ChoiceState, delta: TextDelta) -> BaseModel | None:
-        content: str | None = delta.text
+        text, reasoning = delta.text, None
+        thinking = self.reasoning_stream(state)
+        if thinking is not None:
+            reasoning, text = thinking.feed(delta.text)
+            reasoning = self._reasoning_field(reasoning)
+        content: str | None = text
         tool_calls = None
         tools = self.tool_stream(state)
         if tools is not None:
-            content, tool_calls = tools.feed(delta.text)
+            content, tool_calls = tools.feed(text)
         # The first chunk of a choice carries the role with its first content, so a client's
         # TTFT is measured at a real token.
-        if state.is_started and not content and not tool_calls and not self.has_logprobs(delta):
+        if (
+            state.is_started
+            and not content
+            and not reasoning
+            and not tool_calls
+            and not self.has_logprobs(delta)
+        ):
             return None
         if not state.is_started and self._echo:
             content = self._echo + (content or "")
@@ -227,7 +255,8 @@ class ChatFormat(OpenAIFormat):
             index=state.index,
             delta=ChatDelta(
                 role=None if state.is_started else self._role,
-                content=content if content or not tool_calls else None,
+                reasoning_content=reasoning,
+                content=content if content or not (tool_calls or reasoning) else None,
                 tool_calls=tool_calls or None,
             ),
             logprobs=logprobs,
@@ -237,12 +266,20 @@ class ChatFormat(OpenAIFormat):
     def finish_chunk(self, state: ChoiceState) -> BaseModel:
         assert state.finished is not None
         delta = ChatDelta() if state.is_started else ChatDelta(role=self._role, content=self._echo)
+        # What the reasoning parser held back (a tail that might have begun a tag) goes out now.
+        held = ""
+        thinking = self.reasoning_stream(state)
+        if thinking is not None:
+            reasoning, held = thinking.finish()
+            delta.reasoning_content = self._reasoning_field(reasoning)
         tools = self.tool_stream(state)
         if tools is not None:
+            fed, fed_calls = tools.feed(held) if held else (None, [])
             content, tool_calls = tools.finish()
-            if content:
-                delta.content = (delta.content or "") + content
-            delta.tool_calls = tool_calls or None
+            held = (fed or "") + (content or "")
+            delta.tool_calls = [*fed_calls, *(tool_calls or [])] or None
+        if held:
+            delta.content = (delta.content or "") + held
         return self._chunk(
             [
                 ChatChunkChoice(
@@ -282,6 +319,10 @@ class ChatFormat(OpenAIFormat):
             if self.job.num_logprobs is not None:
                 logprobs = self.chat_logprobs(state.logprobs)
             content: str | None = "".join(state.texts)
+            reasoning = None
+            if self.job.reasoning is not None:
+                reasoning, content = split_reasoning(self.job.reasoning, content or "")
+                reasoning = self._reasoning_field(reasoning)
             tool_calls = None
             tools = self.tool_stream(state)
             if tools is not None:
@@ -294,7 +335,10 @@ class ChatFormat(OpenAIFormat):
                 ChatChoice(
                     index=state.index,
                     message=ChatResponseMessage(
-                        role=self._role, content=content, tool_calls=tool_calls
+                        role=self._role,
+                        reasoning_content=reasoning,
+                        content=content,
+                        tool_calls=tool_calls,
                     ),
                     logprobs=logprobs,
                     finish_reason=self._finish_reason(state, tools),

@@ -22,6 +22,7 @@ from gateway.frontend import Frontend
 from gateway.generation import CLIENT_REQUEST_ID, GenerationRequest
 from gateway.guided import check, guided_from_request
 from gateway.http_api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from gateway.reasoning import ReasoningParser
 from gateway.text.chat_template import check_template_kwargs
 from gateway.text.tokenizer import Tokenizer
 from gateway.tool_calls import ToolMode, ToolPlan, tool_plan
@@ -54,6 +55,9 @@ class OpenAIJob:
     """Chat: the request's tools and how they may be called; None without tools."""
     prompt_tokens_kept: int | None = None
     """``truncate_prompt_tokens``, resolved: each prompt's last tokens kept; None: all."""
+    reasoning: ReasoningParser | None = None
+    """Chat: how to split reasoning from content; None without ``--reasoning-parser``, or when
+    a grammar constrains the whole output (it leaves no room for reasoning)."""
 
     @property
     def is_chat(self) -> bool:
@@ -156,6 +160,7 @@ def chat_job(body: ChatCompletionRequest, request: Request, frontend: Frontend) 
         guided=None if guided is None else guided[0],
         logit_bias=_logit_bias(body, frontend),
         tools=plan if plan is not None and plan.mode is not ToolMode.NONE else None,
+        reasoning=frontend.reasoning_parser if guided is None else None,
     )
 
 

@@ -211,6 +211,9 @@ class ChatCompletionRequest(_GenerationParams):
     """Accepted and ignored (OpenAI keeps it with stored completions)."""
     service_tier: str | None = None
     """Accepted and ignored: every request is served alike."""
+    include_reasoning: TrueFlag = True
+    """vLLM extension, with ``--reasoning-parser``: false leaves ``reasoning_content`` out (the
+    reasoning is still generated, and counted)."""
     echo: Flag = False
     """vLLM extension: when the last message has the response's role (``assistant`` with the
     generation prompt, else any), its content starts the response's content."""
@@ -308,6 +311,8 @@ class ToolCallDelta(ResponseModel):
 class ChatResponseMessage(ResponseModel):
     role: Role = "assistant"
     """``assistant``; without the generation prompt, the last message's role (as vLLM)."""
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda value: value is None)
+    """vLLM extension, with ``--reasoning-parser``: the model's ``<think>`` text."""
     content: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda value: value is None)
     """Left out of the JSON when the message has none, as OpenAI does."""
@@ -333,6 +338,8 @@ class ChatCompletionResponse(ResponseModel):
 class ChatDelta(ResponseModel):
     role: Role | None = None
     """Sent once, in a choice's first chunk, together with its first content."""
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda value: value is None)
+    """vLLM extension, with ``--reasoning-parser``: the next piece of the ``<think>`` text."""
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = Field(
         default=None, exclude_if=lambda value: value is None

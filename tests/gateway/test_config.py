@@ -34,3 +34,13 @@ def test_local_prefill_max_tokens_from_flag_env_or_default(tiny_llama_dir, capsy
     with pytest.raises(SystemExit):
         parse(tiny_llama_dir, "--local-prefill-max-tokens", "-1")
     assert "local_prefill_max_tokens must be >= 0" in capsys.readouterr().err
+
+
+def test_reasoning_parser_from_flag_env_or_default(tiny_llama_dir: Path, capsys) -> None:
+    assert parse(tiny_llama_dir).reasoning_parser is None
+    assert parse(tiny_llama_dir, "--reasoning-parser", "qwen3").reasoning_parser == "qwen3"
+    from_env = parse(tiny_llama_dir, PDSERVE_REASONING_PARSER="deepseek_r1")
+    assert from_env.reasoning_parser == "deepseek_r1"
+    with pytest.raises(SystemExit):
+        parse(tiny_llama_dir, "--reasoning-parser", "o1")
+    assert "invalid choice: 'o1'" in capsys.readouterr().err

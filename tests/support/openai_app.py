@@ -23,6 +23,7 @@ from gateway.generation import Finished, GenerationEvent, GenerationRequest, Tok
 from gateway.http_api.openai_app import build_openai_app
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
+from gateway.reasoning import ReasoningParser
 from gateway.routing.node_census import NodeCensus, RoleCensus
 from gateway.text.tokenizer import Tokenizer
 from services.types import FinishReason, TokenLogprob, Usage
@@ -145,6 +146,7 @@ def start(
     nodes: NodeCensus = ONE_PAIR,
     client_send_timeout_s: float | None = 30.0,
     send_buffer_bytes: int | None = None,
+    reasoning_parser: ReasoningParser | None = None,
     **limits: Any,
 ) -> tuple[Served, ThreadedUvicorn]:
     generator = FakeGenerator(script or output_script(tokenizer))
@@ -159,6 +161,7 @@ def start(
         node_census=lambda: nodes,
         request_timeout_s=30.0,
         client_send_timeout_s=client_send_timeout_s,
+        reasoning_parser=reasoning_parser,
     )
     server = ThreadedUvicorn(build_openai_app(frontend), send_buffer_bytes)
     return Served(f"http://127.0.0.1:{server.port}", frontend, generator, tokenizer), server

@@ -1,0 +1,122 @@
+"""``--reasoning-parser``: a thinking model's ``<think>`` text as ``reasoning_content``, apart
+from ``content``, streamed or whole, as vLLM's qwen3 and deepseek_r1 parsers give it: the
+splitter on its own (every way of cutting the text into deltas gives the same split), then
+chat completions over a scripted generator that streams one token per chunk (so the tags
+arrive cut into pieces)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from gateway.reasoning import ReasoningParser, ReasoningStream, split_reasoning
+from gateway.text.tokenizer import Tokenizer
+from support.openai_app import MODEL, TOOL, Served, output_script, sse_chunks
+from support.openai_app import start as start_app
+
+QWEN3, R1 = ReasoningParser.QWEN3, ReasoningParser.DEEPSEEK_R1
+THOUGHT = "<think>\nThe user wants a city. Paris </ fits.\n</think>\n\nParis."
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "reasoning", "content"),
+    [
+        (QWEN3, THOUGHT, "\nThe user wants a city. Paris </ fits.\n", "\n\nParis."),
+        (QWEN3, "Paris.", None, "Paris."),  # thinking switched off
+        (QWEN3, "  <think>cut off by max_tokens", "cut off by max_tokens", None),
+        (QWEN3, "a <think> later is text", None, "a <think> later is text"),
+        (QWEN3, "<thin", None, "<thin"),
+        (R1, "weighing it</think>Paris.", "weighing it", "Paris."),
+        (R1, "<think>weighing it</think>Paris.", "weighing it", "Paris."),
+        (R1, "all of it reasoning </thi", "all of it reasoning </thi", None),
+        (R1, "</think>", None, None),
+    ],
+)
+def test_split(parser: ReasoningParser, text: str, reasoning: str | None, content: str | None):
+    assert split_reasoning(parser, text) == (reasoning, content)
+    for size in range(1, 9):  # streamed in pieces of every size: the same split
+        stream = ReasoningStream(parser)
+        pieces = [stream.feed(text[i : i + size]) for i in range(0, len(text), size)]
+        pieces.append(stream.finish())
+        streamed = "".join(r for r, _ in pieces), "".join(c for _, c in pieces)
+        assert (streamed[0] or None, streamed[1] or None) == (reasoning, content), size
+
+
+@pytest.fixture
+def start(tokenizer: Tokenizer) -> Iterator[Any]:
+    servers = []
+
+    def make(text: str, parser: ReasoningParser | None = QWEN3) -> Served:
+        served, server = start_app(
+            tokenizer, output_script(tokenizer, text), reasoning_parser=parser, max_tokens=200
+        )
+        servers.append(server)
+        return served
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+def _chat(served: Served, **extra: Any) -> dict[str, Any]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "A city?"}], **extra}
+    response = served.post("/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _streamed(served: Served, **extra: Any) -> tuple[str, str, list[dict[str, Any]]]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "A city?"}], "stream": True}
+    response = served.post("/v1/chat/completions", {**body, **extra})
+    assert response.status_code == 200, response.text
+    deltas = [chunk["choices"][0]["delta"] for chunk in sse_chunks(response) if chunk["choices"]]
+    reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+    content = "".join(d.get("content") or "" for d in deltas)
+    return reasoning, content, deltas
+
+
+def test_chat_returns_reasoning_apart(start: Any) -> None:
+    served = start(THOUGHT)
+    text = served.tokenizer.decode(served.tokenizer.encode(THOUGHT, add_special_tokens=False))
+    expected = split_reasoning(QWEN3, text)
+    message = _chat(served)["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == expected
+    reasoning, content, deltas = _streamed(served)
+    assert (reasoning, content) == expected
+    assert deltas[0]["role"] == "assistant"  # with the first token, whatever it holds back
+    first_reasoning = next(i for i, d in enumerate(deltas) if d.get("reasoning_content"))
+    first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
+    assert first_reasoning < first_content
+    assert not any("think>" in (d.get("content") or "") for d in deltas)
+
+
+def test_include_reasoning_false_leaves_it_out(start: Any) -> None:
+    served = start(THOUGHT)
+    message = _chat(served, include_reasoning=False)["choices"][0]["message"]
+    assert "reasoning_content" not in message and message["content"].endswith("Paris.")
+    reasoning, content, _ = _streamed(served, include_reasoning=False)
+    assert reasoning == "" and content == message["content"]
+
+
+def test_without_a_parser_or_with_a_grammar_the_text_is_content(start: Any) -> None:
+    plain = _chat(start(THOUGHT, parser=None))["choices"][0]["message"]
+    assert "reasoning_content" not in plain and "<think>" in plain["content"]
+    # A grammar constrains the whole output: there is no reasoning to split off.
+    served = start("weighing it</think>Paris.", parser=R1)
+    guided = _chat(served, guided_regex=".*")["choices"][0]["message"]
+    assert "reasoning_content" not in guided and "</think>" in guided["content"]
+
+
+def test_tool_calls_after_the_reasoning(start: Any) -> None:
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    served = start(f"<think>Use the tool.</think>{call}")
+    choice = _chat(served, tools=[TOOL])["choices"][0]
+    assert choice["message"]["reasoning_content"] == "Use the tool."
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert choice["finish_reason"] == "tool_calls"
+    reasoning, content, deltas = _streamed(served, tools=[TOOL])
+    assert reasoning == "Use the tool." and content == ""
+    calls = [call for d in deltas for call in d.get("tool_calls") or []]
+    assert calls[0]["function"]["name"] == "get_weather"
