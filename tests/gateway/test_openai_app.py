@@ -923,7 +923,7 @@ _FIELDS = (
     "logprobs top_logprobs echo suffix best_of logit_bias user tools tool_choice response_format "
     "guided_json guided_regex guided_choice guided_grammar parallel_tool_calls "
     "add_generation_prompt continue_final_message chat_template_kwargs allowed_token_ids "
-    "truncate_prompt_tokens"
+    "include_reasoning truncate_prompt_tokens"
 ).split()
 
 
