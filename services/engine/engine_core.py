@@ -249,6 +249,10 @@ class EngineCore:
         conflict = params.min_tokens_conflict(tuple(self.model_config.eos_token_ids))
         if conflict is not None:
             raise ValueError(conflict)
+        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab_size:
+            raise ValueError(
+                f"prompt_logprobs must be <= vocab size {vocab_size}, got {params.prompt_logprobs}"
+            )
         if params.logprobs is not None and params.logprobs > vocab_size:
             raise ValueError(f"logprobs must be <= vocab size {vocab_size}, got {params.logprobs}")
 
@@ -267,7 +271,11 @@ class EngineCore:
         for chunk in scheduler_output.chunks:
             if chunk.request.first_scheduled_time is None:
                 chunk.request.first_scheduled_time = now
-        sampled = self.runner.execute(scheduler_output)
+        sampled, prompt_logprobs = self.runner.execute(scheduler_output)
+        for request_id, entries in prompt_logprobs.items():
+            request = self.scheduler.requests[request_id]
+            for position, entry in entries:
+                request.prompt_logprobs[position] = entry
         if len(self.structured_outputs):
             self._accept_grammar_tokens(sampled)
         updated = self.scheduler.update_from_output(scheduler_output, sampled)
@@ -286,7 +294,13 @@ class EngineCore:
         if finish_reason is not None:
             self.runner.release(request.request_id)
             self.structured_outputs.remove(request.request_id)
+        is_first = request.num_output_tokens == 1
         return EngineCoreOutput(
+            prompt_logprobs=(
+                list(request.prompt_logprobs)
+                if is_first and request.params.prompt_logprobs is not None
+                else None
+            ),
             request_id=request.request_id,
             new_token_ids=request.output_token_ids[-1:],
             new_logprobs=(

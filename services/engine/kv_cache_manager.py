@@ -84,7 +84,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
         """Cached blocks that hold a prefix of ``request.token_ids``, and the tokens they cover."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
+            # Cached positions get no logits: a prompt whose logprobs are asked for is computed.
             return [], 0
         # NOTE: a fully cached prompt still recomputes its last token to get logits.
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

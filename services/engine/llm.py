@@ -108,6 +108,8 @@ class LLM:
                     if out.new_logprobs is not None and result.logprobs is not None:
                         result.logprobs.extend(out.new_logprobs)
                     result.num_cached_tokens = out.num_cached_tokens
+                    if out.prompt_logprobs is not None:
+                        result.prompt_logprobs = out.prompt_logprobs
                     if out.finished:
                         result.finish_reason = out.finish_reason
                         pending -= 1

@@ -19,6 +19,8 @@ class EngineCoreOutput:
     """Prompt tokens served by the prefix cache."""
     first_scheduled_time: float | None = None
     """time.monotonic() of the request's first scheduled step (None: never scheduled)."""
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """With the request's first token, when it asked for them: ``Request.prompt_logprobs``."""
 
     @property
     def finished(self) -> bool:
@@ -36,6 +38,9 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None
     """Per generated token: {sampled id: logprob, plus the top-n ids}; None unless asked."""
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """Per prompt token (the first None): {its id: logprob, plus the top-n ids}; None unless
+    asked."""
 
     @property
     def finished(self) -> bool:

@@ -75,6 +75,9 @@ class Request:
     is_grammar_complete: bool = False
     """Its grammar (``params.guided``) admits no further token but EOS: it stops with ``stop``.
     Set by the engine's structured outputs after each accepted token."""
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    """With ``params.prompt_logprobs``: entry i is prompt token i's {id: logprob, plus the top-n
+    ids}, given the tokens before it (entry 0 stays None); filled as its chunks are computed."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Chained hashes of the full blocks of ``token_ids``, extended as tokens are added."""
     token_ids: list[int] = field(init=False)
@@ -82,6 +85,13 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its prompt logprobs are still to be computed (they come before its first token)."""
+        return self.params.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def num_tokens(self) -> int:

@@ -56,6 +56,9 @@ class SamplingParams:
     logprobs: int | None = None
     """Return the sampled token's log-probability plus this many most likely alternatives (at
     most the vocabulary; the gateway's API allows ``MAX_LOGPROBS``); None: no logprobs."""
+    prompt_logprobs: int | None = None
+    """Return each prompt token's log-probability given the tokens before it, plus this many
+    most likely alternatives; None: none. Such a prompt is computed whole: no prefix-cache hit."""
     priority: int = 0
     """Scheduling priority under the ``priority`` policy: lower values are served first."""
     guided: GuidedDecoding | None = None
@@ -109,6 +112,8 @@ class SamplingParams:
             )
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
         _check_int("priority", self.priority, minimum=-(2**63))
         if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
             raise SamplingParamError(

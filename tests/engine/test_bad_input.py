@@ -98,6 +98,7 @@ def test_prompt_of_max_model_len_is_accepted(llm: LLM) -> None:
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
         ({"min_tokens": -1}, "min_tokens"),
         ({"logprobs": -1}, "logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
         ({"stop_token_ids": ["7"]}, "stop_token_ids"),
         ({"allowed_token_ids": [-3]}, "allowed_token_ids"),
@@ -117,6 +118,7 @@ def test_bad_sampling_params_are_refused(kwargs: dict, field: str) -> None:
     [
         ({"stop_token_ids": [VOCAB_SIZE]}, r"stop_token_ids contains 4096, outside the vocabulary"),
         ({"logprobs": VOCAB_SIZE + 1}, r"logprobs must be <= vocab size 4096"),
+        ({"prompt_logprobs": VOCAB_SIZE + 1}, r"prompt_logprobs must be <= vocab size 4096"),
         ({"allowed_token_ids": [5, VOCAB_SIZE]}, r"allowed_token_ids contains 4096, outside"),
     ],
 )

@@ -1,0 +1,81 @@
+"""Prompt logprobs (``SamplingParams.prompt_logprobs``) equal a Hugging Face forward pass over
+the same prompt (fp32): every prompt token's logprob given the tokens before it, and the top-n
+alternatives; whole prompts, prompts cut into chunks (one of a single token), and a prompt whose
+prefix sits in the prefix cache (it must still be computed, not skipped)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from services.engine import LLM, SamplingParams
+
+PROMPT_LENS = (15, 17, 1, 2, 45)  # at a budget of 16 the 17 starts with a 1-token chunk
+TOP = 3
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir: Path) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """The prompts, and for each its HF logprobs ``[len, vocab]``: row p predicts token p + 1."""
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_llama_dir, dtype=torch.float32, local_files_only=True
+    ).eval()
+    rng = random.Random(7)
+    prompts = [[rng.randrange(5, 4000) for _ in range(n)] for n in PROMPT_LENS]
+    with torch.inference_mode():
+        logprobs = [model(torch.tensor([p])).logits[0].log_softmax(-1) for p in prompts]
+    return prompts, logprobs
+
+
+def check(prompt: list[int], expected: torch.Tensor, got: list[dict[int, float] | None]) -> None:
+    assert len(got) == len(prompt) and got[0] is None
+    for position in range(1, len(prompt)):
+        entry = got[position]
+        assert entry is not None
+        row = expected[position - 1]
+        token = prompt[position]
+        assert entry[token] == pytest.approx(row[token].item(), abs=1e-4)
+        top_values, top_ids = row.topk(TOP)
+        for token_id, value in zip(top_ids.tolist(), top_values.tolist(), strict=True):
+            assert entry[token_id] == pytest.approx(value, abs=1e-4)
+        assert set(entry) == {token, *top_ids.tolist()}
+
+
+@pytest.mark.parametrize("budget", [2048, 16])  # 16: every prompt but the short ones chunked
+def test_prompt_logprobs_match_hf(tiny_llama_dir: Path, reference, budget: int) -> None:
+    prompts, expected = reference
+    llm = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        kv_cache_dtype="float32",
+        max_model_len=128,
+        max_num_batched_tokens=budget,
+    )
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=TOP)
+    for prompt, logprobs, output in zip(
+        prompts, expected, llm.generate(prompts, params), strict=True
+    ):
+        assert output.prompt_logprobs is not None
+        check(prompt, logprobs, output.prompt_logprobs)
+    # Without the option there are none, and the cache is as it was.
+    (plain,) = llm.generate(prompts[:1], SamplingParams(max_tokens=1))
+    assert plain.prompt_logprobs is None
+    assert llm.engine.stats().num_blocks_used == 0
+
+
+def test_a_cached_prefix_is_computed_for_its_logprobs(tiny_llama_dir: Path, reference) -> None:
+    prompts, expected = reference
+    prompt, logprobs = prompts[-1], expected[-1]
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_dtype="float32", max_model_len=128)
+    llm.generate([prompt], SamplingParams(max_tokens=1))  # its blocks now in the prefix cache
+    (warm,) = llm.generate([prompt], SamplingParams(max_tokens=1))
+    assert warm.num_cached_tokens > 0
+    params = SamplingParams(max_tokens=1, prompt_logprobs=TOP)
+    (output,) = llm.generate([prompt], params)
+    assert output.num_cached_tokens == 0
+    assert output.prompt_logprobs is not None
+    check(prompt, logprobs, output.prompt_logprobs)
