@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import TypeAlias
 
 import grpc
@@ -46,6 +46,7 @@ from services.convert import (
     logprobs_from_proto,
     logprobs_to_proto,
     prompt_from_proto,
+    prompt_logprobs_to_proto,
     sampling_params_from_proto,
     stage_timings_from_proto,
     stage_timings_to_proto,
@@ -136,7 +137,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     last = out
                     num_generated += len(out.new_token_ids)
                     if out.new_token_ids:
-                        yield decode_pb2.GenerateResponse(tokens=_delta(out))
+                        yield decode_pb2.GenerateResponse(tokens=_delta(out, prompt))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineDeadError as exc:
@@ -197,7 +198,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     last = out
                     num_generated += len(out.new_token_ids)
                     if out.new_token_ids:
-                        yield decode_pb2.GenerateResponse(tokens=_delta(out))
+                        yield decode_pb2.GenerateResponse(tokens=_delta(out, prompt))
             if transfer.state is TransferState.FREED or transfer.state is TransferState.ABORTED:
                 # Fenced and freed before its commit (the stream ends only after the fence).
                 cause = transfer.abort_cause
@@ -365,8 +366,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return await load_report(self.config, self.engine, self.server, context)
 
 
-def _delta(out: EngineCoreOutput) -> decode_pb2.TokenDelta:
+def _delta(out: EngineCoreOutput, prompt: Sequence[int]) -> decode_pb2.TokenDelta:
     delta = decode_pb2.TokenDelta(token_ids=out.new_token_ids)
+    if out.prompt_logprobs is not None:  # the first token's, when this node computed the prompt
+        delta.prompt_logprobs.extend(prompt_logprobs_to_proto(prompt, out.prompt_logprobs))
     if out.new_logprobs is not None:
         for token_id, logprobs in zip(out.new_token_ids, out.new_logprobs, strict=True):
             delta.logprobs.append(logprobs_to_proto(token_id, logprobs))

@@ -40,6 +40,9 @@ class TokenChunk:
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None = None
     """One per token when ``sampling.logprobs`` was set."""
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    """In the first chunk, with ``sampling.prompt_logprobs``: prompt tokens 1, 2, ... (the first
+    has none), each with its alternatives."""
 
 
 @dataclass(frozen=True)

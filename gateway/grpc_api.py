@@ -108,6 +108,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                                     logprobs=[
                                         token_logprob_to_proto(lp) for lp in item.logprobs or ()
                                     ],
+                                    prompt_logprobs=[
+                                        token_logprob_to_proto(lp)
+                                        for lp in item.prompt_logprobs or ()
+                                    ],
                                 )
                             )
                         else:
@@ -186,6 +190,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if conflict is not None:
             raise invalid(f"sampling.{conflict}", param="sampling.allowed_token_ids")
         frontend.limits.check_logprobs(sampling.logprobs, "sampling.logprobs")
+        frontend.limits.check_logprobs(sampling.prompt_logprobs, "sampling.prompt_logprobs")
         frontend.limits.check_stop(request.stop)
         chat = _chat_input(request.chat) if request.WhichOneof("input") == "chat" else None
         keep = frontend.limits.prompt_tokens_kept(

@@ -35,6 +35,7 @@ from services.convert import (
     finish_reason_to_proto,
     logprobs_to_proto,
     prompt_from_proto,
+    prompt_logprobs_to_proto,
     sampling_params_from_proto,
     stage_timings_to_proto,
 )
@@ -170,6 +171,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if first.new_logprobs:
             result.first_logprobs.CopyFrom(
                 logprobs_to_proto(first.new_token_ids[0], first.new_logprobs[0])
+            )
+        if first.prompt_logprobs is not None:
+            result.prompt_logprobs.extend(
+                prompt_logprobs_to_proto(request.prompt_token_ids, first.prompt_logprobs)
             )
         # The first token may already end the request (EOS, max_tokens=1).
         if first.finish_reason is not None and _stops_for_good(first, params.max_tokens):

@@ -51,6 +51,7 @@ _OPTIONAL_FIELDS = (
     "seed",
     "repetition_penalty",
     "logprobs",
+    "prompt_logprobs",
 )
 
 
@@ -104,6 +105,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         message.seed = params.seed
     if params.logprobs is not None:
         message.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        message.prompt_logprobs = params.prompt_logprobs
     return message
 
 
@@ -142,6 +145,17 @@ def logprobs_to_proto(token_id: int, logprobs: dict[int, float]) -> common_pb2.T
         top_token_ids=[t for t, _ in top],
         top_logprobs=[lp for _, lp in top],
     )
+
+
+def prompt_logprobs_to_proto(
+    prompt_token_ids: Sequence[int], entries: Sequence[dict[int, float] | None]
+) -> list[common_pb2.TokenLogprobs]:
+    """The engine's prompt logprobs (entry 0 None) as prompt tokens 1, 2, ...'s messages."""
+    return [
+        logprobs_to_proto(token_id, entry)
+        for token_id, entry in zip(prompt_token_ids[1:], entries[1:], strict=True)
+        if entry is not None
+    ]
 
 
 def logprobs_from_proto(message: common_pb2.TokenLogprobs) -> dict[int, float]:

@@ -245,6 +245,8 @@ class GenerationResponse(Response):
         for lp in item.logprobs or ():
             state.text_offsets.append(min(offset, end))
             offset += len(self._frontend.tokenizer.token_text(lp.token_id))
+        if item.prompt_logprobs is not None:
+            state.prompt_logprobs = item.prompt_logprobs
         state.texts.append(item.text)
         state.logprobs.extend(item.logprobs or ())
         state.num_chars = end

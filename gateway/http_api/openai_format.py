@@ -25,6 +25,8 @@ from gateway.http_api.openai_protocol import (
     CompletionLogprobs,
     CompletionResponse,
     FinishReasonName,
+    PromptLogprob,
+    PromptLogprobs,
     Role,
     TokenLogprobInfo,
     TopLogprob,
@@ -54,6 +56,8 @@ class ChoiceState:
     is_started: bool = False
     """A chunk of this choice went out (chat: the role was sent)."""
     finished: TextFinished | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    """Prompt tokens 1, 2, ...'s, from the first delta, when the request asked for them."""
 
 
 def _finite(logprob: float) -> float:
@@ -83,6 +87,29 @@ class OpenAIFormat:
     def has_logprobs(self, delta: TextDelta) -> bool:
         return self.job.num_logprobs is not None and bool(delta.token_ids) and bool(delta.logprobs)
 
+    def prompt_logprobs(self, state: ChoiceState) -> PromptLogprobs | None:
+        """vLLM's ``prompt_logprobs`` field: None unless the request set ``prompt_logprobs``."""
+        num_top = self.job.body.prompt_logprobs
+        if num_top is None:
+            return None
+        text = self.tokenizer.token_text
+        entries: PromptLogprobs = [None]
+        for lp in state.prompt_logprobs or ():
+            ranked = {
+                token_id: PromptLogprob(
+                    logprob=_finite(value),
+                    rank=rank + 1 if rank < num_top else None,
+                    decoded_token=text(token_id),
+                )
+                for rank, (token_id, value) in enumerate(lp.top)
+            }
+            if lp.token_id not in ranked:
+                ranked[lp.token_id] = PromptLogprob(
+                    logprob=_finite(lp.logprob), decoded_token=text(lp.token_id)
+                )
+            entries.append(ranked)
+        return entries
+
 
 class CompletionFormat(OpenAIFormat):
     def legacy_logprobs(
@@ -95,6 +122,44 @@ class CompletionFormat(OpenAIFormat):
             top_logprobs=[{text(t): _finite(lp_) for t, lp_ in lp.top} for lp in logprobs],
             text_offset=list(offsets),
         )
+
+    def echo_logprobs(self, state: ChoiceState) -> CompletionLogprobs | None:
+        """With ``echo`` and ``logprobs``: the legacy logprobs of the echoed prompt's tokens (the
+        first has none), which the choice's own tokens' follow; their offsets count the token
+        texts from 0, and the choice's own are shifted past the echoed text."""
+        body = self.job.body
+        if not getattr(body, "echo", False) or self.job.num_logprobs is None:
+            return None
+        text = self.tokenizer.token_text
+        prompt = state.prompt_token_ids
+        known = {lp_index + 1: lp for lp_index, lp in enumerate(state.prompt_logprobs or ())}
+        logprobs = CompletionLogprobs()
+        offset = 0
+        for position, token_id in enumerate(prompt):
+            lp = known.get(position)
+            logprobs.tokens.append(text(token_id))
+            logprobs.token_logprobs.append(None if lp is None else _finite(lp.logprob))
+            logprobs.top_logprobs.append(
+                None if lp is None else {text(t): _finite(v) for t, v in lp.top}
+            )
+            logprobs.text_offset.append(offset)
+            offset += len(text(token_id))
+        return logprobs
+
+    def with_echo_logprobs(
+        self, state: ChoiceState, logprobs: CompletionLogprobs | None
+    ) -> CompletionLogprobs | None:
+        """``logprobs`` (the choice's own tokens') after the echoed prompt's, when echoed."""
+        echoed = self.echo_logprobs(state)
+        if echoed is None:
+            return logprobs
+        if logprobs is not None:
+            shift = len(self.echo_text(state))
+            echoed.tokens += logprobs.tokens
+            echoed.token_logprobs += logprobs.token_logprobs
+            echoed.top_logprobs += logprobs.top_logprobs
+            echoed.text_offset += [offset + shift for offset in logprobs.text_offset]
+        return echoed
 
     def echo_text(self, state: ChoiceState) -> str:
         """With ``echo``: the choice's prompt, which its text starts with; else nothing."""
@@ -118,8 +183,19 @@ class CompletionFormat(OpenAIFormat):
             logprobs = self.legacy_logprobs(
                 delta.logprobs or (), state.text_offsets[-len(delta.logprobs or ()) :]
             )
-        text = delta.text if state.is_started else self.echo_text(state) + delta.text
-        return self._chunk(CompletionChoice(index=state.index, text=text, logprobs=logprobs))
+        if state.is_started:
+            return self._chunk(
+                CompletionChoice(index=state.index, text=delta.text, logprobs=logprobs)
+            )
+        # The choice's first chunk: the echoed prompt (and its logprobs), vLLM's prompt_logprobs.
+        return self._chunk(
+            CompletionChoice(
+                index=state.index,
+                text=self.echo_text(state) + delta.text,
+                logprobs=self.with_echo_logprobs(state, logprobs),
+                prompt_logprobs=self.prompt_logprobs(state),
+            )
+        )
 
     def finish_chunk(self, state: ChoiceState) -> BaseModel:
         assert state.finished is not None
@@ -154,7 +230,8 @@ class CompletionFormat(OpenAIFormat):
                 CompletionChoice(
                     index=state.index,
                     text=self.echo_text(state) + "".join(state.texts),
-                    logprobs=logprobs,
+                    logprobs=self.with_echo_logprobs(state, logprobs),
+                    prompt_logprobs=self.prompt_logprobs(state),
                     finish_reason=state.finished.finish_reason.value,
                     stop_reason=state.finished.stop_reason,
                 )
@@ -347,5 +424,5 @@ class ChatFormat(OpenAIFormat):
             )
         return ChatCompletionResponse(
             id=self.job.request_id, created=self.job.created, model=self.model, choices=choices,
-            usage=usage,
+            usage=usage, prompt_logprobs=self.prompt_logprobs(states[0]),
         )  # fmt: skip

@@ -48,6 +48,9 @@ class OpenAIJob:
     stop: tuple[str, ...]
     num_logprobs: int | None
     """Alternatives per token to ask the nodes for; None: no logprobs."""
+    num_prompt_logprobs: int | None = None
+    """Alternatives per prompt token to ask the nodes for (``prompt_logprobs``, or ``logprobs``
+    with ``echo``); None: no prompt logprobs."""
     guided: GuidedDecoding | None = None
     """The grammar every choice's output must follow (structured output or a forced tool call)."""
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -77,8 +80,6 @@ class OpenAIJob:
 
 def completion_job(body: CompletionRequest, request: Request, frontend: Frontend) -> OpenAIJob:
     stop = _check_common(body, frontend)
-    if body.echo and body.logprobs is not None:
-        raise invalid("echo with logprobs needs prompt logprobs, which are not supported", "echo")
     if body.suffix:
         raise invalid("suffix is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -96,8 +97,12 @@ def completion_job(body: CompletionRequest, request: Request, frontend: Frontend
     frontend.limits.check_logprobs(num_logprobs, "logprobs")
     job = _new_job(body, request, "cmpl", stop, num_logprobs, frontend)
     guided = guided_from_request(body)
+    num_prompt_logprobs = body.prompt_logprobs
+    if body.echo and num_logprobs is not None:  # the echoed prompt's tokens get logprobs too
+        num_prompt_logprobs = max(num_logprobs, num_prompt_logprobs or 0)
     return dataclasses.replace(
         job,
+        num_prompt_logprobs=num_prompt_logprobs,
         guided=None if guided is None else guided[0],
         logit_bias=_logit_bias(body, frontend),
     )
@@ -144,6 +149,12 @@ def chat_job(body: ChatCompletionRequest, request: Request, frontend: Frontend) 
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     frontend.limits.check_logprobs(num_logprobs, "top_logprobs")
     job = _new_job(body, request, "chatcmpl", stop, num_logprobs, frontend)
+    if body.prompt_logprobs is not None and body.stream:
+        raise invalid(
+            "prompt_logprobs is returned with the whole chat response, not streamed",
+            param="prompt_logprobs",
+        )
+    job = dataclasses.replace(job, num_prompt_logprobs=body.prompt_logprobs)
     plan = tool_plan(body)
     guided = guided_from_request(body)
     forced = None if plan is None else plan.guided()
@@ -368,6 +379,7 @@ def sampling_params(
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             logprobs=job.num_logprobs,
+            prompt_logprobs=job.num_prompt_logprobs,
             guided=job.guided,
             logit_bias=job.logit_bias,
             allowed_token_ids=tuple(body.allowed_token_ids or ()),

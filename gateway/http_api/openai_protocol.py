@@ -104,6 +104,10 @@ class _GenerationParams(RequestModel):
     """Token id (as a string) → bias in [-100, 100], added to that token's logit."""
     allowed_token_ids: TokenIds | None = None
     """vLLM extension: only these token ids may be sampled."""
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    """vLLM extension: each prompt token's logprob given the tokens before it, with this many
+    alternatives (``prompt_logprobs`` of a completion choice, of a chat response). Such a prompt
+    is computed whole, past the prefix cache."""
     guided_json: dict[str, Any] | None = None
     """vLLM extension: constrain the output to this JSON schema."""
     guided_regex: str | None = None
@@ -133,7 +137,8 @@ class CompletionRequest(_GenerationParams):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """Top-n alternatives per token, in the legacy completions format."""
     echo: Flag = False
-    """Start each choice's text with its prompt (not with ``logprobs``: no prompt logprobs)."""
+    """Start each choice's text with its prompt; with ``logprobs``, the legacy logprobs start
+    with the prompt's tokens too (the first has none), as lm-evaluation-harness reads them."""
     suffix: str | None = None
     """Unsupported: only null or empty."""
     best_of: int | None = Field(None, ge=1)
@@ -251,10 +256,28 @@ class CompletionLogprobs(ResponseModel):
     """Characters into the choice's text where each token starts."""
 
 
+class PromptLogprob(ResponseModel):
+    """vLLM's ``Logprob``: one token's logprob at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    """Its place among the alternatives returned (1 = most likely); None when not among them."""
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+"""Per prompt token (the first None): the token's and its alternatives' logprobs, by id."""
+
+
 class CompletionChoice(ResponseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(
+        default=None, exclude_if=lambda value: value is None
+    )
+    """vLLM extension, with the request's ``prompt_logprobs`` (streamed: in the choice's first
+    chunk)."""
     finish_reason: FinishReasonName | None = None
     stop_reason: int | str | None = None
     """vLLM extension: the stop string or stop token id that ended the choice."""
@@ -333,6 +356,10 @@ class ChatCompletionResponse(ResponseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(
+        default=None, exclude_if=lambda value: value is None
+    )
+    """vLLM extension, with the request's ``prompt_logprobs``: the conversation's prompt."""
 
 
 class ChatDelta(ResponseModel):

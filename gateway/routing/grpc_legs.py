@@ -171,7 +171,9 @@ class GrpcDecodeLeg(DecodeLeg):
             kind = event.WhichOneof("event")
             if kind == "tokens":
                 logprobs = tuple(token_logprob_from_proto(lp) for lp in event.tokens.logprobs)
-                return TokenChunk(tuple(event.tokens.token_ids), logprobs or None)
+                # Present when this node computed the prompt (colocated, local prefill).
+                prompt = tuple(token_logprob_from_proto(lp) for lp in event.tokens.prompt_logprobs)
+                return TokenChunk(tuple(event.tokens.token_ids), logprobs or None, prompt or None)
             if kind == "finished":
                 return _finished_from_proto(event.finished, self.node)
             if kind == "recomputing":
@@ -236,6 +238,7 @@ class GrpcPrefillLeg(PrefillLeg):
                 (token_logprob_from_proto(result.first_logprobs),)
                 if result.HasField("first_logprobs")
                 else None,
+                tuple(token_logprob_from_proto(lp) for lp in result.prompt_logprobs) or None,
             ),
             cached_prompt_tokens=result.cached_prompt_tokens,
             timings=_timings(result.timings, self.node),

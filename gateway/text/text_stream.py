@@ -46,6 +46,8 @@ class TextDelta:
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None
     """One per token id when logprobs were asked for."""
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    """In the first delta, with ``sampling.prompt_logprobs``: prompt tokens 1, 2, ..."""
 
 
 @dataclass(frozen=True)
@@ -139,11 +141,11 @@ async def stream_text(
             token_ids = event.token_ids[: chunk.num_tokens]
             logprobs = None if event.logprobs is None else event.logprobs[: chunk.num_tokens]
             if chunk.matched is None:
-                yield TextDelta(chunk.text, token_ids, logprobs)
+                yield TextDelta(chunk.text, token_ids, logprobs, event.prompt_logprobs)
                 continue
             # Cancel the node legs before the client sees anything: they are still decoding.
             await _close(events)
-            yield TextDelta(chunk.text, token_ids, logprobs)
+            yield TextDelta(chunk.text, token_ids, logprobs, event.prompt_logprobs)
             yield TextFinished(
                 finish_reason=FinishReason.STOP,
                 usage=Usage(len(prompt_token_ids), num_output_tokens),

@@ -487,7 +487,10 @@ def test_chat_logprobs_with_bytes_and_alternatives(serve: Callable[..., Served])
         ("/v1/completions", {"stop": ["a"] * 17}, 400, "stop"),
         ("/v1/completions", {"stop": ""}, 400, "stop"),
         ("/v1/completions", {"logprobs": 21}, 400, "logprobs"),
-        ("/v1/completions", {"echo": True, "logprobs": 1}, 400, "echo"),
+        ("/v1/completions", {"prompt_logprobs": 21}, 400, "prompt_logprobs"),
+        ("/v1/completions", {"prompt_logprobs": -1}, 400, "prompt_logprobs"),
+        ("/v1/chat/completions", {"prompt_logprobs": 1, "stream": True}, 400,
+         "prompt_logprobs"),
         ("/v1/completions", {"suffix": "end"}, 400, "suffix"),
         ("/v1/completions", {"best_of": 3}, 400, "best_of"),
         ("/v1/completions", {"logit_bias": {"five": 1.0}}, 400, "logit_bias"),
@@ -923,7 +926,7 @@ _FIELDS = (
     "logprobs top_logprobs echo suffix best_of logit_bias user tools tool_choice response_format "
     "guided_json guided_regex guided_choice guided_grammar parallel_tool_calls "
     "add_generation_prompt continue_final_message chat_template_kwargs allowed_token_ids "
-    "include_reasoning truncate_prompt_tokens"
+    "include_reasoning truncate_prompt_tokens prompt_logprobs"
 ).split()
 
 

@@ -1,0 +1,93 @@
+"""Prompt logprobs through the whole stack: the prefill node (disaggregated) or the colocated
+node computes them, the gateway carries them to the gRPC API's first delta, to the OpenAI
+completions' legacy logprobs with ``echo`` (what lm-evaluation-harness sends for loglikelihood
+tasks) and to vLLM's ``prompt_logprobs`` field; each equals the single-process engine's."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdserve.v1 import common_pb2, gateway_pb2
+from services.engine import LLM, SamplingParams
+from support.inprocess_stack import MAX_MODEL_LEN, Stack, run_stack
+
+TOP = 2
+
+
+@pytest.fixture(scope="module")
+def case(tiny_llama_dir: Path) -> tuple[list[int], list[dict[int, float] | None]]:
+    """A prompt and the offline engine's prompt logprobs for it (the nodes' settings)."""
+    prompt = [random.Random(3).randrange(5, 4000) for _ in range(70)]  # two 64-token chunks
+    llm = LLM(
+        tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64
+    )
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=TOP)
+    (output,) = llm.generate([prompt], params)
+    assert output.prompt_logprobs is not None
+    return prompt, output.prompt_logprobs
+
+
+@pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
+def test_prompt_logprobs_reach_both_apis(tiny_llama_dir: Path, case, colocated: bool) -> None:
+    prompt, expected = case
+
+    def logprob_of(position: int) -> float:
+        entry = expected[position]
+        assert entry is not None
+        return entry[prompt[position]]
+
+    async def body(stack: Stack) -> None:
+        # gRPC: the first delta carries prompt tokens 1.. with their alternatives.
+        sampling = common_pb2.SamplingParams(
+            max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=TOP
+        )
+        request = gateway_pb2.GatewayGenerateRequest(
+            token_ids=gateway_pb2.TokenIds(ids=prompt), sampling=sampling
+        )
+        deltas = [
+            e.delta async for e in stack.stub.Generate(request, timeout=60) if e.delta.token_ids
+        ]
+        first = deltas[0].prompt_logprobs
+        assert [lp.token_id for lp in first] == prompt[1:]
+        for position, lp in enumerate(first, start=1):
+            assert lp.logprob == pytest.approx(logprob_of(position), abs=1e-3)
+            assert len(lp.top_token_ids) >= TOP
+        assert not any(d.prompt_logprobs for d in deltas[1:])
+
+        base = f"http://127.0.0.1:{stack.gateway.http_port}"
+        model = stack.gateway.frontend.served_model_name
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            # lm-evaluation-harness's loglikelihood request: echo the prompt with logprobs.
+            response = await http.post(
+                "/v1/completions",
+                json={"model": model, "prompt": prompt, "max_tokens": 1, "logprobs": 1,
+                      "echo": True, "temperature": 0},
+            )  # fmt: skip
+            assert response.status_code == 200, response.text
+            legacy = response.json()["choices"][0]["logprobs"]
+            assert len(legacy["token_logprobs"]) == len(prompt) + 1
+            assert legacy["token_logprobs"][0] is None and legacy["top_logprobs"][0] is None
+            for position in range(1, len(prompt)):
+                value = legacy["token_logprobs"][position]
+                assert value == pytest.approx(logprob_of(position), abs=1e-3)
+            # vLLM's prompt_logprobs field, keyed by token id.
+            response = await http.post(
+                "/v1/completions",
+                json={"model": model, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": TOP},
+            )
+            field = response.json()["choices"][0]["prompt_logprobs"]
+            assert field[0] is None and len(field) == len(prompt)
+            for position in range(1, len(prompt)):
+                entry = field[position][str(prompt[position])]
+                assert entry["logprob"] == pytest.approx(logprob_of(position), abs=1e-3)
+            ranked = sorted(
+                (v for v in field[1].values() if v["rank"] is not None), key=lambda v: v["rank"]
+            )
+            assert [v["rank"] for v in ranked] == list(range(1, TOP + 1))
+        await stack.wait_all_free()
+
+    run_stack(tiny_llama_dir, body, colocated=colocated)
