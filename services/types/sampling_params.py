@@ -128,7 +128,6 @@ class SamplingParams:
                 raise SamplingParamError(
                     "logit_bias", f"logit_bias values must be in [-100, 100], got {value}"
                 )
-
         for token_id in self.allowed_token_ids:
             _check_int("allowed_token_ids", token_id, minimum=0)
         # Sorted and unique: one canonical form, whatever order or repeats a client sent.
