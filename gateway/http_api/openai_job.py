@@ -23,7 +23,7 @@ from gateway.generation import CLIENT_REQUEST_ID, GenerationRequest
 from gateway.guided import check, guided_from_request
 from gateway.http_api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from gateway.reasoning import ReasoningParser
-from gateway.text.chat_template import check_template_kwargs
+from gateway.text.chat_template import OPENAI_TEMPLATE_FIELDS, check_template_kwargs
 from gateway.text.tokenizer import Tokenizer
 from gateway.tool_calls import ToolMode, ToolPlan, tool_plan
 from services.guided_decoding import GuidedDecoding
@@ -108,12 +108,6 @@ def completion_job(body: CompletionRequest, request: Request, frontend: Frontend
     )
 
 
-# The chat request's own fields for the template variables chat_template_kwargs may not set.
-_OWN_TEMPLATE_FIELDS = {
-    name: name for name in ("messages", "tools", "add_generation_prompt", "continue_final_message")
-}
-
-
 def chat_job(body: ChatCompletionRequest, request: Request, frontend: Frontend) -> OpenAIJob:
     stop = _check_common(body, frontend)
     if body.functions:
@@ -142,7 +136,7 @@ def chat_job(body: ChatCompletionRequest, request: Request, frontend: Frontend) 
                 if part.text is None:
                     raise invalid(f"{where}: a text part needs 'text'", param=f"{where}.text")
     check_template_kwargs(
-        body.chat_template_kwargs or {}, "chat_template_kwargs", _OWN_TEMPLATE_FIELDS
+        body.chat_template_kwargs or {}, "chat_template_kwargs", OPENAI_TEMPLATE_FIELDS
     )
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")

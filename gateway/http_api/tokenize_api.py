@@ -35,7 +35,7 @@ from gateway.http_api.openai_protocol import (
     TokenId,
     TrueFlag,
 )
-from gateway.text.chat_template import check_template_kwargs
+from gateway.text.chat_template import OPENAI_TEMPLATE_FIELDS, check_template_kwargs
 
 
 class TokenizeCompletionRequest(RequestModel):
@@ -75,12 +75,6 @@ class DetokenizeResponse(ResponseModel):
     prompt: str
 
 
-# The tokenize request's fields for the template variables chat_template_kwargs may not set.
-_OWN_TEMPLATE_FIELDS = {
-    name: name for name in ("messages", "tools", "add_generation_prompt", "continue_final_message")
-}
-
-
 def tokenize_router(frontend: Frontend, bearer: HTTPBearer) -> APIRouter:
     router = APIRouter(dependencies=[Security(bearer)])
 
@@ -116,7 +110,7 @@ def _tokenize(
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
         kwargs = body.chat_template_kwargs or {}
-        check_template_kwargs(kwargs, "chat_template_kwargs", _OWN_TEMPLATE_FIELDS)
+        check_template_kwargs(kwargs, "chat_template_kwargs", OPENAI_TEMPLATE_FIELDS)
         text = tokenizer.apply_chat_template(
             [message.model_dump(exclude_none=True) for message in body.messages],
             add_generation_prompt=body.add_generation_prompt,

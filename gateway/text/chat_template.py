@@ -235,6 +235,13 @@ from a field of its own (vLLM refuses ``chat_template`` and ``tokenize`` there, 
 second ``messages`` or ``tools``)."""
 
 
+OPENAI_TEMPLATE_FIELDS = {
+    name: name for name in ("messages", "tools", "add_generation_prompt", "continue_final_message")
+}
+"""The OpenAI-style request's own fields for the reserved variables (the chat route and
+``/tokenize``): ``check_template_kwargs``'s ``own_fields`` there."""
+
+
 def check_template_kwargs(
     kwargs: Mapping[str, Any], param: str, own_fields: Mapping[str, str]
 ) -> None:
