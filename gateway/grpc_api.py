@@ -9,6 +9,7 @@ A cancelled call (client gone, deadline) closes the generator, which cancels bot
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -23,9 +24,12 @@ from gateway.auth import ApiKey
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
 from gateway.generation import CLIENT_REQUEST_ID, GenerationRequest
+from gateway.guided import check
 from gateway.pipeline import TextOptions, admitted, generate_text, tokenize
 from gateway.text.chat_template import check_template_kwargs
 from gateway.text.text_stream import TextDelta
+from gateway.tool_calls import ToolCallStream, ToolMode, ToolPlan, plan_tools
+from gateway.tool_parsers import parser_for
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.convert import (
     finish_reason_to_proto,
@@ -63,6 +67,8 @@ class _ChatInput:
     add_generation_prompt: bool
     continue_final_message: bool
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: ToolPlan | None = None
+    """The request's tools and how they may be called; None without tools."""
 
 
 @dataclass(frozen=True)
@@ -96,14 +102,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     request.skip_special_tokens if request.HasField("skip_special_tokens") else True
                 ),
             )
+            tools = self._tool_stream(checked)
             async with admitted(frontend):
                 generation = await tokenize(self._generation_request, request, checked, arrival)
                 async with generate_text(frontend, generation, options) as texts:
                     async for item in texts:
                         if isinstance(item, TextDelta):
+                            text = item.text
+                            if tools is not None:  # the calls' text is held back, then parsed
+                                text = tools.feed(item.text)[0] or ""
                             yield gateway_pb2.GatewayGenerateResponse(
                                 delta=gateway_pb2.GatewayTextDelta(
-                                    text=item.text,
+                                    text=text,
                                     token_ids=item.token_ids,
                                     logprobs=[
                                         token_logprob_to_proto(lp) for lp in item.logprobs or ()
@@ -115,8 +125,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                                 )
                             )
                         else:
+                            calls: list[gateway_pb2.ChatToolCall] = []
+                            if tools is not None:
+                                rest = tools.finish()[0]
+                                if rest:  # what was held back and turned out to be no call
+                                    yield gateway_pb2.GatewayGenerateResponse(
+                                        delta=gateway_pb2.GatewayTextDelta(text=rest)
+                                    )
+                                calls = [
+                                    gateway_pb2.ChatToolCall(
+                                        id=call.id,
+                                        name=call.function.name,
+                                        arguments=call.function.arguments,
+                                    )
+                                    for call in tools.calls
+                                ]
                             yield gateway_pb2.GatewayGenerateResponse(
                                 finished=gateway_pb2.GatewayFinished(
+                                    tool_calls=calls,
                                     finish_reason=finish_reason_to_proto(item.finish_reason),
                                     usage=usage_to_proto(item.usage),
                                     timings=stage_timings_to_proto(item.timings),
@@ -161,6 +187,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             authorization if isinstance(authorization, str) else None
         )
 
+    def _tool_stream(self, checked: _Checked) -> ToolCallStream | None:
+        """The output's text → content and tool calls, for a chat with tools to call."""
+        plan = None if checked.chat is None else checked.chat.tools
+        if plan is None or plan.mode is ToolMode.NONE:
+            return None
+        return ToolCallStream(plan, parser_for(self.frontend.tokenizer.backend.token_to_id))
+
     def _check(self, request: gateway_pb2.GatewayGenerateRequest) -> _Checked:
         """What needs no tokenizer, before admission: model, input kind, sampling, stop, the
         chat fields."""
@@ -193,6 +226,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         frontend.limits.check_logprobs(sampling.prompt_logprobs, "sampling.prompt_logprobs")
         frontend.limits.check_stop(request.stop)
         chat = _chat_input(request.chat) if request.WhichOneof("input") == "chat" else None
+        forced = None if chat is None or chat.tools is None else chat.tools.guided()
+        if forced is not None:  # tool_choice required or named: a grammar forces the calls
+            if sampling.guided is not None:
+                raise invalid(
+                    "chat.tool_choice forces the output; sampling.guided cannot be added",
+                    param="sampling.guided",
+                )
+            check(forced, "chat.tools")
+            sampling = dataclasses.replace(sampling, guided=forced)
         keep = frontend.limits.prompt_tokens_kept(
             request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None,
             "truncate_prompt_tokens",
@@ -216,11 +258,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         else:
             assert checked.chat is not None
             chat = checked.chat
+            tools = None if chat.tools is None else chat.tools.template_tools
             prompt = frontend.tokenizer.encode_chat(
                 chat.messages,
                 add_generation_prompt=chat.add_generation_prompt,
                 continue_final_message=chat.continue_final_message,
-                **chat.template_kwargs,
+                **{**chat.template_kwargs, "tools": tools},
             )
         if checked.prompt_tokens_kept is not None:  # vLLM's left truncation
             prompt = prompt[-checked.prompt_tokens_kept :]
@@ -298,7 +341,29 @@ def _chat_input(chat: gateway_pb2.ChatMessages) -> _ChatInput:
         ),
         continue_final_message=chat.continue_final_message,
         template_kwargs=_template_kwargs(chat.chat_template_kwargs),
+        tools=_tool_plan(chat),
     )
+
+
+def _tool_plan(chat: gateway_pb2.ChatMessages) -> ToolPlan | None:
+    """``tools`` and ``tool_choice`` as the OpenAI bridge's, checked (``plan_tools``)."""
+    tools = []
+    for index, tool in enumerate(chat.tools):
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description:
+            function["description"] = tool.description
+        if tool.parameters:
+            param = f"chat.tools[{index}].parameters"
+            try:
+                function["parameters"] = json.loads(tool.parameters)
+            except (ValueError, RecursionError) as exc:
+                raise invalid(f"{param} is not valid JSON: {exc}", param=param) from None
+        tools.append({"type": "function", "function": function})
+    choice: str | dict[str, Any] | None = chat.tool_choice or None
+    if choice not in (None, "auto", "none", "required"):
+        choice = {"type": "function", "function": {"name": choice}}
+    parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else None
+    return plan_tools(tools, choice, parallel, prefix="chat.")
 
 
 def _template_kwargs(text: str) -> dict[str, Any]:

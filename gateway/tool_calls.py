@@ -90,15 +90,26 @@ class ToolPlan:
 
 def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
     """The request's tool plan, checked; None when it has no tools. 400s name the field."""
-    tools = body.tools or []
-    choice = body.tool_choice
+    return plan_tools(body.tools or [], body.tool_choice, body.parallel_tool_calls)
+
+
+def plan_tools(
+    tools: list[dict[str, Any]],
+    choice: str | dict[str, Any] | None,
+    parallel_tool_calls: bool | None,
+    prefix: str = "",
+) -> ToolPlan | None:
+    """Tools (OpenAI's ``{"type": "function", "function": {...}}``) and ``tool_choice``, checked
+    into a plan; None without tools. Errors name the field, after ``prefix`` (the gRPC API's
+    ``chat.``)."""
+    choice_param = f"{prefix}tool_choice"
     if not tools:
         if choice not in (None, "none"):
-            raise invalid("tool_choice needs tools", param="tool_choice")
+            raise invalid(f"{choice_param} needs tools", param=choice_param)
         return None
     names = set()
     for index, tool in enumerate(tools):
-        where = f"tools[{index}]"
+        where = f"{prefix}tools[{index}]"
         function = tool.get("function")
         if tool.get("type") != "function" or not isinstance(function, dict):
             raise invalid(f"{where} must be {{'type': 'function', 'function': {{...}}}}", where)
@@ -111,7 +122,7 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise invalid(f"{where}.function.parameters must be a JSON schema object", where)
-    is_parallel = body.parallel_tool_calls is not False
+    is_parallel = parallel_tool_calls is not False
     if choice is None or choice == "auto":
         return ToolPlan(ToolMode.AUTO, tuple(tools), is_parallel=is_parallel)
     if choice == "none":
@@ -123,14 +134,14 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
         name = function.get("name") if isinstance(function, dict) else None
         if choice.get("type") != "function" or not isinstance(name, str):
             raise invalid(
-                "tool_choice must be none, auto, required or "
+                f"{choice_param} must be none, auto, required or "
                 "{'type': 'function', 'function': {'name': ...}}",
-                param="tool_choice",
+                param=choice_param,
             )
         if name not in names:
-            raise invalid(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
+            raise invalid(f"{choice_param} names {name!r}, which is not in tools", choice_param)
         return ToolPlan(ToolMode.NAMED, tuple(tools), named=name)
-    raise invalid(f"tool_choice {choice!r} is not none, auto or required", "tool_choice")
+    raise invalid(f"{choice_param} {choice!r} is not none, auto or required", choice_param)
 
 
 def _call_id() -> str:

@@ -12,11 +12,12 @@ from typing import Any
 import grpc
 import pytest
 
-from pdserve.v1 import gateway_pb2
+from pdserve.v1 import common_pb2, gateway_pb2
 from support.fake_gateway import FakeGateway
 
 # Renders every field a message may carry, and one template variable of the client's.
 TEMPLATE = (
+    "{% if tools %}TOOLS:{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
     "{% for m in messages %}<{{ m.role }}{% if m.name %} name={{ m.name }}{% endif %}>"
     "{{ m.content }}"
     "{% for call in m.tool_calls or [] %}[{{ call.id }} {{ call.function.name }}"
@@ -30,11 +31,17 @@ TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def served(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGateway]:
+def model(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with TEMPLATE as its chat template."""
     model = tmp_path_factory.mktemp("templated")
     for item in tiny_llama_dir.iterdir():
         (model / item.name).symlink_to(item)
     (model / "chat_template.jinja").write_text(TEMPLATE)  # wins over tokenizer_config's
+    return model
+
+
+@pytest.fixture(scope="module")
+def served(model: Path) -> Iterator[FakeGateway]:
     gateway = FakeGateway.start(model)
     yield gateway
     gateway.close()
@@ -168,3 +175,105 @@ def test_bad_chat_fields_are_invalid_argument(
     assert code is grpc.StatusCode.INVALID_ARGUMENT, details
     assert needle in details
     assert len(served.node.prompts) == before  # refused before any node saw it
+
+
+WEATHER = gateway_pb2.ChatTool(
+    name="get_weather",
+    description="The weather in a city",
+    parameters=json.dumps({"type": "object", "properties": {"city": {"type": "string"}}}),
+)
+WEATHER_DICT = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+ASK = [gateway_pb2.ChatMessage(role="user", content="Weather in Oslo?")]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+def _answer(model: Path, output: str, chat: gateway_pb2.ChatMessages, **sampling: Any):
+    """(node prompt, node sampling, text of the deltas, finished) of one chat whose output the
+    node scripts."""
+    served = FakeGateway.start(model)
+    try:
+        tokenizer = served.gateway.frontend.tokenizer
+        served.node.script = tokenizer.encode(output, add_special_tokens=False)
+        request = gateway_pb2.GatewayGenerateRequest(
+            chat=chat, sampling=common_pb2.SamplingParams(max_tokens=64, **sampling)
+        )
+        code, details, responses = served.call(request)
+        assert code is grpc.StatusCode.OK, details
+        text = "".join(r.delta.text for r in responses if r.WhichOneof("event") == "delta")
+        return served.node.prompts[-1], served.node.samplings[-1], text, responses[-1].finished
+    finally:
+        served.close()
+
+
+def test_tools_are_rendered_and_the_calls_parsed(model: Path) -> None:
+    chat = gateway_pb2.ChatMessages(messages=ASK, tools=[WEATHER])
+    prompt, sampling, text, finished = _answer(model, f"Let me look. {CALL}", chat)
+    served = FakeGateway.start(model)
+    try:
+        tokenizer = served.gateway.frontend.tokenizer
+        expected = tokenizer.encode_chat([{"role": "user", "content": "Weather in Oslo?"}],
+                                         tools=[WEATHER_DICT])  # fmt: skip
+    finally:
+        served.close()
+    assert prompt == expected and "TOOLS: get_weather" in tokenizer.decode(prompt)
+    assert not sampling.HasField("guided")  # auto: the model chooses
+    assert text.strip() == "Let me look."  # the call's text is not streamed as content
+    (call,) = finished.tool_calls
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Oslo"}
+    assert call.id.startswith("call_")
+    # Text without a call comes through whole; tool_choice none renders no tools.
+    _, _, text, finished = _answer(model, "No call here.", chat)
+    assert text == "No call here." and not finished.tool_calls
+    chat.tool_choice = "none"
+    prompt, _, text, finished = _answer(model, CALL, chat)
+    assert "TOOLS" not in tokenizer.decode(prompt) and text == CALL and not finished.tool_calls
+
+
+def test_a_forced_tool_choice_sends_a_grammar(model: Path) -> None:
+    arguments = '{"city": "Oslo"}'
+    chat = gateway_pb2.ChatMessages(messages=ASK, tools=[WEATHER], tool_choice="get_weather")
+    _, sampling, text, finished = _answer(model, arguments, chat)
+    assert sampling.guided.kind == common_pb2.GUIDED_KIND_JSON_SCHEMA
+    assert json.loads(sampling.guided.spec)["properties"] == {"city": {"type": "string"}}
+    assert text == ""  # the output is the call's arguments
+    (call,) = finished.tool_calls
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Oslo"}
+    chat.tool_choice = "required"
+    required = json.dumps([{"name": "get_weather", "parameters": {"city": "Oslo"}}])
+    _, sampling, text, finished = _answer(model, required, chat)
+    assert sampling.guided.kind == common_pb2.GUIDED_KIND_JSON_SCHEMA and text == ""
+    assert [c.name for c in finished.tool_calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize(
+    ("chat", "sampling", "needle"),
+    [
+        (dict(tools=[WEATHER], tool_choice="get_time"), {}, "chat.tool_choice"),
+        (dict(tool_choice="required"), {}, "chat.tool_choice"),
+        (dict(tools=[gateway_pb2.ChatTool(name="f", parameters="{")]), {}, "chat.tools[0]"),
+        (dict(tools=[WEATHER, WEATHER]), {}, "chat.tools[1]"),
+        (dict(tools=[gateway_pb2.ChatTool(name="no spaces")]), {}, "chat.tools[0]"),
+        (
+            dict(tools=[WEATHER], tool_choice="required"),
+            dict(guided=common_pb2.GuidedDecoding(kind=common_pb2.GUIDED_KIND_JSON_OBJECT)),
+            "sampling.guided",
+        ),
+    ],
+)
+def test_bad_tools_are_invalid_argument(
+    served: FakeGateway, chat: dict[str, Any], sampling: dict[str, Any], needle: str
+) -> None:
+    request = gateway_pb2.GatewayGenerateRequest(
+        chat=gateway_pb2.ChatMessages(messages=ASK, **chat),
+        sampling=common_pb2.SamplingParams(**sampling),
+    )
+    code, details, _ = served.call(request)
+    assert code is grpc.StatusCode.INVALID_ARGUMENT, details
+    assert needle in details

@@ -80,6 +80,12 @@ def requests(draw) -> gateway_pb2.GatewayGenerateRequest:
                 turn.tool_calls.add(
                     id="call-1", name=draw(st.sampled_from(["", "f"])), arguments=draw(arguments)
                 )
+        for _ in range(draw(st.integers(0, 2))):
+            message.chat.tools.add(
+                name=draw(st.sampled_from(["f", "", "no spaces"])),
+                parameters=draw(st.sampled_from(["", "{}", "{", '{"type": "object"}', "[]"])),
+            )
+        message.chat.tool_choice = draw(st.sampled_from(["", "auto", "none", "required", "f", "g"]))
         if draw(st.booleans()):
             message.chat.add_generation_prompt = draw(st.booleans())
         message.chat.continue_final_message = draw(st.booleans())

@@ -31,13 +31,14 @@ class FakeGateway:
     stub: gateway_pb2_grpc.GatewayServiceStub
 
     @classmethod
-    def start(cls, model_dir: Path) -> FakeGateway:
+    def start(cls, model_dir: Path, script: list[int] | None = None) -> FakeGateway:
+        """``script``: the token ids the node answers every request with (then it stops)."""
         loop = asyncio.new_event_loop()
 
         async def start() -> FakeGateway:
             args = argparse.Namespace(
                 role="colocated", port=0, ttft_ms=0.0, itl_ms=0.0, fail_after_tokens=None,
-                refuse=False,
+                refuse=False, script=script,
             )  # fmt: skip
             node = fake_node.FakeNode(args)
             server = grpc.aio.server()

@@ -49,8 +49,17 @@ class FakeNode(prefill_pb2_grpc.PrefillServiceServicer, decode_pb2_grpc.DecodeSe
         self.running = 0
         self.prompts: list[list[int]] = []
         """Every Generate call's prompt, in arrival order (what the gateway made of a request)."""
+        self.samplings: list[common_pb2.SamplingParams] = []
+        """Every Generate call's sampling parameters, in the same order."""
+        self.script: list[int] | None = getattr(args, "script", None)
+        """Token ids to answer every request with (then stop) instead of the counting ones."""
+
+    def _limit(self, max_tokens: int) -> int:
+        return max_tokens if self.script is None else min(max_tokens, len(self.script))
 
     def _token(self, prompt: list[int], i: int) -> int:
+        if self.script is not None:
+            return self.script[i]
         return (prompt[-1] + i) % VOCAB if prompt else i % VOCAB
 
     async def Prefill(self, request, context):
@@ -82,7 +91,9 @@ class FakeNode(prefill_pb2_grpc.PrefillServiceServicer, decode_pb2_grpc.DecodeSe
             )
         prompt = list(request.prompt_token_ids)
         self.prompts.append(prompt)
+        self.samplings.append(request.sampling)
         max_tokens = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16
+        max_tokens = self._limit(max_tokens)
         self.running += 1
         try:
             start = 0
@@ -114,7 +125,11 @@ class FakeNode(prefill_pb2_grpc.PrefillServiceServicer, decode_pb2_grpc.DecodeSe
                 )
             yield decode_pb2.GenerateResponse(
                 finished=decode_pb2.Finished(
-                    finish_reason=common_pb2.FINISH_REASON_LENGTH,
+                    finish_reason=(
+                        common_pb2.FINISH_REASON_LENGTH
+                        if self.script is None
+                        else common_pb2.FINISH_REASON_STOP
+                    ),
                     usage=common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=max_tokens),
                 )
             )
