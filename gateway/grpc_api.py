@@ -21,6 +21,7 @@ from typing import Any, TypeAlias
 import grpc
 
 from gateway.auth import ApiKey
+from gateway.chat_output import ChatOutput
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
 from gateway.generation import CLIENT_REQUEST_ID, GenerationRequest
@@ -102,18 +103,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     request.skip_special_tokens if request.HasField("skip_special_tokens") else True
                 ),
             )
-            tools = self._tool_stream(checked)
+            output = self._chat_output(checked)
             async with admitted(frontend):
                 generation = await tokenize(self._generation_request, request, checked, arrival)
                 async with generate_text(frontend, generation, options) as texts:
                     async for item in texts:
                         if isinstance(item, TextDelta):
-                            text = item.text
-                            if tools is not None:  # the calls' text is held back, then parsed
-                                text = tools.feed(item.text)[0] or ""
+                            text, reasoning = item.text, ""
+                            if output is not None:  # reasoning and calls split off the text
+                                piece = output.feed(item.text)
+                                text, reasoning = piece.content or "", piece.reasoning
                             yield gateway_pb2.GatewayGenerateResponse(
                                 delta=gateway_pb2.GatewayTextDelta(
                                     text=text,
+                                    reasoning=reasoning,
                                     token_ids=item.token_ids,
                                     logprobs=[
                                         token_logprob_to_proto(lp) for lp in item.logprobs or ()
@@ -126,11 +129,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                             )
                         else:
                             calls: list[gateway_pb2.ChatToolCall] = []
-                            if tools is not None:
-                                rest = tools.finish()[0]
-                                if rest:  # what was held back and turned out to be no call
+                            if output is not None:
+                                piece = output.finish()  # what the parsers held back
+                                if piece.content or piece.reasoning:
                                     yield gateway_pb2.GatewayGenerateResponse(
-                                        delta=gateway_pb2.GatewayTextDelta(text=rest)
+                                        delta=gateway_pb2.GatewayTextDelta(
+                                            text=piece.content or "", reasoning=piece.reasoning
+                                        )
                                     )
                                 calls = [
                                     gateway_pb2.ChatToolCall(
@@ -138,7 +143,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                                         name=call.function.name,
                                         arguments=call.function.arguments,
                                     )
-                                    for call in tools.calls
+                                    for call in output.tool_calls
                                 ]
                             yield gateway_pb2.GatewayGenerateResponse(
                                 finished=gateway_pb2.GatewayFinished(
@@ -187,12 +192,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             authorization if isinstance(authorization, str) else None
         )
 
-    def _tool_stream(self, checked: _Checked) -> ToolCallStream | None:
-        """The output's text → content and tool calls, for a chat with tools to call."""
-        plan = None if checked.chat is None else checked.chat.tools
-        if plan is None or plan.mode is ToolMode.NONE:
+    def _chat_output(self, checked: _Checked) -> ChatOutput | None:
+        """A chat's text → reasoning (with ``--reasoning-parser``, no grammar), content and tool
+        calls (with tools to call); None when there is nothing to split."""
+        if checked.chat is None:
             return None
-        return ToolCallStream(plan, parser_for(self.frontend.tokenizer.backend.token_to_id))
+        plan = checked.chat.tools
+        tools = None
+        if plan is not None and plan.mode is not ToolMode.NONE:
+            tools = ToolCallStream(plan, parser_for(self.frontend.tokenizer.backend.token_to_id))
+        # A grammar (sampling.guided, a forced call) covers the whole output: no reasoning.
+        reasoning = self.frontend.reasoning_parser if checked.sampling.guided is None else None
+        if tools is None and reasoning is None:
+            return None
+        return ChatOutput(reasoning, tools)
 
     def _check(self, request: gateway_pb2.GatewayGenerateRequest) -> _Checked:
         """What needs no tokenizer, before admission: model, input kind, sampling, stop, the

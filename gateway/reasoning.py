@@ -1,5 +1,6 @@
 """Reasoning output of thinking models (Qwen3, DeepSeek-R1 and its distills) as the chat API's
-``reasoning_content``, apart from ``content``: vLLM's ``--reasoning-parser``.
+``reasoning_content`` (the gRPC API's ``reasoning``), apart from ``content``: vLLM's
+``--reasoning-parser``.
 
 These models write their reasoning between ``<think>`` and ``</think>``, then the answer. Two
 conventions, by where ``<think>`` is written:

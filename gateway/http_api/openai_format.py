@@ -11,6 +11,7 @@ from typing import cast
 
 from pydantic import BaseModel
 
+from gateway.chat_output import ChatOutput
 from gateway.http_api.openai_job import OpenAIJob
 from gateway.http_api.openai_protocol import (
     ChatChoice,
@@ -32,7 +33,7 @@ from gateway.http_api.openai_protocol import (
     TopLogprob,
     UsageInfo,
 )
-from gateway.reasoning import ReasoningStream, split_reasoning
+from gateway.reasoning import split_reasoning
 from gateway.text.chat_template import message_text
 from gateway.text.text_stream import TextDelta, TextFinished
 from gateway.text.tokenizer import Tokenizer
@@ -264,7 +265,7 @@ class ChatFormat(OpenAIFormat):
     def __init__(self, job: OpenAIJob, tokenizer: Tokenizer, model: str) -> None:
         super().__init__(job, tokenizer, model)
         self._tool_streams: dict[int, ToolCallStream] = {}
-        self._reasoning_streams: dict[int, ReasoningStream] = {}
+        self._outputs: dict[int, ChatOutput] = {}
         body = job.body
         assert isinstance(body, ChatCompletionRequest)
         last = body.messages[-1]
@@ -289,14 +290,13 @@ class ChatFormat(OpenAIFormat):
             stream = self._tool_streams[state.index] = ToolCallStream(self.job.tools, parser)
         return stream
 
-    def reasoning_stream(self, state: ChoiceState) -> ReasoningStream | None:
-        """The choice's text → reasoning and content, with a reasoning parser."""
-        if self.job.reasoning is None:
-            return None
-        stream = self._reasoning_streams.get(state.index)
-        if stream is None:
-            stream = self._reasoning_streams[state.index] = ReasoningStream(self.job.reasoning)
-        return stream
+    def output(self, state: ChoiceState) -> ChatOutput:
+        """The streamed choice's text → reasoning, content and tool call deltas."""
+        output = self._outputs.get(state.index)
+        if output is None:
+            output = ChatOutput(self.job.reasoning, self.tool_stream(state))
+            self._outputs[state.index] = output
+        return output
 
     def _reasoning_field(self, reasoning: str | None) -> str | None:
         """``reasoning_content`` as sent: None when empty or not asked for."""
@@ -305,16 +305,9 @@ class ChatFormat(OpenAIFormat):
         return reasoning if reasoning and body.include_reasoning else None
 
     def delta_chunk(self, state: ChoiceState, delta: TextDelta) -> BaseModel | None:
-        text, reasoning = delta.text, None
-        thinking = self.reasoning_stream(state)
-        if thinking is not None:
-            reasoning, text = thinking.feed(delta.text)
-            reasoning = self._reasoning_field(reasoning)
-        content: str | None = text
-        tool_calls = None
-        tools = self.tool_stream(state)
-        if tools is not None:
-            content, tool_calls = tools.feed(text)
+        piece = self.output(state).feed(delta.text)
+        reasoning = self._reasoning_field(piece.reasoning)
+        content, tool_calls = piece.content, piece.tool_calls
         # The first chunk of a choice carries the role with its first content, so a client's
         # TTFT is measured at a real token.
         if (
@@ -343,20 +336,14 @@ class ChatFormat(OpenAIFormat):
     def finish_chunk(self, state: ChoiceState) -> BaseModel:
         assert state.finished is not None
         delta = ChatDelta() if state.is_started else ChatDelta(role=self._role, content=self._echo)
-        # What the reasoning parser held back (a tail that might have begun a tag) goes out now.
-        held = ""
-        thinking = self.reasoning_stream(state)
-        if thinking is not None:
-            reasoning, held = thinking.finish()
-            delta.reasoning_content = self._reasoning_field(reasoning)
+        # What the parsers held back (a tail that might have begun a tag or a call's marker),
+        # and the calls parsed whole.
+        piece = self.output(state).finish()
+        delta.reasoning_content = self._reasoning_field(piece.reasoning)
+        delta.tool_calls = piece.tool_calls or None
+        if piece.content:
+            delta.content = (delta.content or "") + piece.content
         tools = self.tool_stream(state)
-        if tools is not None:
-            fed, fed_calls = tools.feed(held) if held else (None, [])
-            content, tool_calls = tools.finish()
-            held = (fed or "") + (content or "")
-            delta.tool_calls = [*fed_calls, *(tool_calls or [])] or None
-        if held:
-            delta.content = (delta.content or "") + held
         return self._chunk(
             [
                 ChatChunkChoice(

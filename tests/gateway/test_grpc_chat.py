@@ -194,19 +194,28 @@ ASK = [gateway_pb2.ChatMessage(role="user", content="Weather in Oslo?")]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 
 
-def _answer(model: Path, output: str, chat: gateway_pb2.ChatMessages, **sampling: Any):
+def _answer(
+    model: Path,
+    output: str,
+    chat: gateway_pb2.ChatMessages,
+    extra: tuple[str, ...] = (),
+    **sampling: Any,
+):
     """(node prompt, node sampling, text of the deltas, finished) of one chat whose output the
-    node scripts."""
-    served = FakeGateway.start(model)
+    node scripts; with ``--reasoning-parser`` in ``extra``, the text is (reasoning, content)."""
+    served = FakeGateway.start(model, extra=extra)
     try:
         tokenizer = served.gateway.frontend.tokenizer
         served.node.script = tokenizer.encode(output, add_special_tokens=False)
         request = gateway_pb2.GatewayGenerateRequest(
-            chat=chat, sampling=common_pb2.SamplingParams(max_tokens=64, **sampling)
+            chat=chat, sampling=common_pb2.SamplingParams(**{"max_tokens": 64, **sampling})
         )
         code, details, responses = served.call(request)
         assert code is grpc.StatusCode.OK, details
-        text = "".join(r.delta.text for r in responses if r.WhichOneof("event") == "delta")
+        deltas = [r.delta for r in responses if r.WhichOneof("event") == "delta"]
+        text: Any = "".join(d.text for d in deltas)
+        if extra:
+            text = ("".join(d.reasoning for d in deltas), text)
         return served.node.prompts[-1], served.node.samplings[-1], text, responses[-1].finished
     finally:
         served.close()
@@ -277,3 +286,21 @@ def test_bad_tools_are_invalid_argument(
     code, details, _ = served.call(request)
     assert code is grpc.StatusCode.INVALID_ARGUMENT, details
     assert needle in details
+
+
+def test_reasoning_is_split_off_before_the_calls(model: Path) -> None:
+    # The reasoning and the call together are past the fake gateway's 64-token limit.
+    qwen3 = ("--reasoning-parser", "qwen3", "--max-tokens-limit", "128")
+    chat = gateway_pb2.ChatMessages(messages=ASK, tools=[WEATHER])
+    _, _, (reasoning, content), finished = _answer(
+        model, f"<think>Use the tool.</think>{CALL}", chat, qwen3, max_tokens=128
+    )
+    assert reasoning == "Use the tool." and content == ""
+    assert [c.name for c in finished.tool_calls] == ["get_weather"]
+    plain = gateway_pb2.ChatMessages(messages=ASK)
+    _, _, (reasoning, content), _ = _answer(model, "<think>\nHm.\n</think>\n\nOslo.", plain, qwen3)
+    assert (reasoning, content) == ("\nHm.\n", "\n\nOslo.")
+    # A grammar covers the whole output: nothing is split off.
+    guided = common_pb2.GuidedDecoding(kind=common_pb2.GUIDED_KIND_REGEX, spec=".*")
+    _, _, (reasoning, content), _ = _answer(model, "<think>x</think>y", plain, qwen3, guided=guided)
+    assert (reasoning, content) == ("", "<think>x</think>y")

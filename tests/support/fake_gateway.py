@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,8 +32,11 @@ class FakeGateway:
     stub: gateway_pb2_grpc.GatewayServiceStub
 
     @classmethod
-    def start(cls, model_dir: Path, script: list[int] | None = None) -> FakeGateway:
-        """``script``: the token ids the node answers every request with (then it stops)."""
+    def start(
+        cls, model_dir: Path, script: list[int] | None = None, extra: Sequence[str] = ()
+    ) -> FakeGateway:
+        """``script``: the token ids the node answers every request with (then it stops);
+        ``extra``: more gateway flags."""
         loop = asyncio.new_event_loop()
 
         async def start() -> FakeGateway:
@@ -50,7 +54,7 @@ class FakeGateway:
             config = parse_gateway_config(
                 ["--model", str(model_dir), "--served-model-name", "tiny", "--host",
                  "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--max-model-len", "256",
-                 "--max-tokens-limit", "64", "--colocated", f"127.0.0.1:{port}"],
+                 "--max-tokens-limit", "64", "--colocated", f"127.0.0.1:{port}", *extra],
                 {},
             )  # fmt: skip
             gateway = GatewayServer(config)
