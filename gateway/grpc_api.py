@@ -27,7 +27,7 @@ from gateway.generation import CLIENT_REQUEST_ID, GenerationRequest
 from gateway.grpc_chat import ChatInput, chat_input
 from gateway.guided import check
 from gateway.pipeline import TextOptions, admitted, generate_text, tokenize
-from gateway.text.text_stream import TextDelta
+from gateway.text.text_stream import TextDelta, TextFinished
 from gateway.tool_calls import ToolCallStream, ToolMode
 from gateway.tool_parsers import parser_for
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -89,56 +89,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 async with generate_text(frontend, generation, options) as texts:
                     async for item in texts:
                         if isinstance(item, TextDelta):
-                            text, reasoning = item.text, ""
-                            if output is not None:  # reasoning and calls split off the text
-                                piece = output.feed(item.text)
-                                text, reasoning = piece.content or "", piece.reasoning
-                            yield gateway_pb2.GatewayGenerateResponse(
-                                delta=gateway_pb2.GatewayTextDelta(
-                                    text=text,
-                                    reasoning=reasoning,
-                                    token_ids=item.token_ids,
-                                    logprobs=[
-                                        token_logprob_to_proto(lp) for lp in item.logprobs or ()
-                                    ],
-                                    prompt_logprobs=[
-                                        token_logprob_to_proto(lp)
-                                        for lp in item.prompt_logprobs or ()
-                                    ],
-                                )
-                            )
+                            yield _delta_response(item, output)
                         else:
-                            calls: list[gateway_pb2.ChatToolCall] = []
-                            if output is not None:
-                                piece = output.finish()  # what the parsers held back
-                                if piece.content or piece.reasoning:
-                                    yield gateway_pb2.GatewayGenerateResponse(
-                                        delta=gateway_pb2.GatewayTextDelta(
-                                            text=piece.content or "", reasoning=piece.reasoning
-                                        )
-                                    )
-                                calls = [
-                                    gateway_pb2.ChatToolCall(
-                                        id=call.id,
-                                        name=call.function.name,
-                                        arguments=call.function.arguments,
-                                    )
-                                    for call in output.tool_calls
-                                ]
-                            yield gateway_pb2.GatewayGenerateResponse(
-                                finished=gateway_pb2.GatewayFinished(
-                                    tool_calls=calls,
-                                    finish_reason=finish_reason_to_proto(item.finish_reason),
-                                    usage=usage_to_proto(item.usage),
-                                    timings=stage_timings_to_proto(item.timings),
-                                    error=item.error or "",
-                                    stop_reason=item.stop_reason
-                                    if isinstance(item.stop_reason, str)
-                                    else "",
-                                    request_id=generation.request_id,
-                                    num_retries=item.num_retries,
-                                )
-                            )
+                            for response in _final_responses(item, output, generation.request_id):
+                                yield response
         except GatewayError as exc:
             frontend.metrics.request_errors.labels(reason=exc.kind.name.lower()).inc()
             if exc.retry_after_s is not None:
@@ -292,3 +246,54 @@ def _sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
         except ValueError as exc:
             raise invalid(str(exc), param="sampling.guided") from None
     return sampling
+
+
+def _delta_response(
+    item: TextDelta, output: ChatOutput | None
+) -> gateway_pb2.GatewayGenerateResponse:
+    text, reasoning = item.text, ""
+    if output is not None:  # reasoning and tool calls split off the text
+        piece = output.feed(item.text)
+        text, reasoning = piece.content or "", piece.reasoning
+    return gateway_pb2.GatewayGenerateResponse(
+        delta=gateway_pb2.GatewayTextDelta(
+            text=text,
+            reasoning=reasoning,
+            token_ids=item.token_ids,
+            logprobs=[token_logprob_to_proto(lp) for lp in item.logprobs or ()],
+            prompt_logprobs=[token_logprob_to_proto(lp) for lp in item.prompt_logprobs or ()],
+        )
+    )
+
+
+def _final_responses(
+    item: TextFinished, output: ChatOutput | None, request_id: str
+) -> list[gateway_pb2.GatewayGenerateResponse]:
+    """What the parsers held back (a delta, if any), then ``finished`` with the tool calls."""
+    responses = []
+    calls: list[gateway_pb2.ChatToolCall] = []
+    if output is not None:
+        piece = output.finish()
+        if piece.content or piece.reasoning:
+            delta = gateway_pb2.GatewayTextDelta(
+                text=piece.content or "", reasoning=piece.reasoning
+            )
+            responses.append(gateway_pb2.GatewayGenerateResponse(delta=delta))
+        calls = [
+            gateway_pb2.ChatToolCall(
+                id=call.id, name=call.function.name, arguments=call.function.arguments
+            )
+            for call in output.tool_calls
+        ]
+    finished = gateway_pb2.GatewayFinished(
+        tool_calls=calls,
+        finish_reason=finish_reason_to_proto(item.finish_reason),
+        usage=usage_to_proto(item.usage),
+        timings=stage_timings_to_proto(item.timings),
+        error=item.error or "",
+        stop_reason=item.stop_reason if isinstance(item.stop_reason, str) else "",
+        request_id=request_id,
+        num_retries=item.num_retries,
+    )
+    responses.append(gateway_pb2.GatewayGenerateResponse(finished=finished))
+    return responses
