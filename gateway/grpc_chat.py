@@ -10,17 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.errors import invalid
-from gateway.text.chat_template import check_template_kwargs
+from gateway.text.chat_template import OPENAI_TEMPLATE_FIELDS, check_template_kwargs
 from gateway.tool_calls import ToolPlan, plan_tools
 from pdserve.v1 import gateway_pb2
 
-# The request's fields for the template variables chat_template_kwargs may not set.
-_OWN_TEMPLATE_FIELDS = {
-    "tools": "chat.tools",
-    "messages": "chat.messages",
-    "add_generation_prompt": "chat.add_generation_prompt",
-    "continue_final_message": "chat.continue_final_message",
-}
+# The request's fields for the template variables chat_template_kwargs may not set: the
+# OpenAI bridge's, inside ChatMessages.
+_OWN_TEMPLATE_FIELDS = {name: f"chat.{field}" for name, field in OPENAI_TEMPLATE_FIELDS.items()}
 
 
 @dataclass(frozen=True)

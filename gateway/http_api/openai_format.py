@@ -138,13 +138,14 @@ class CompletionFormat(OpenAIFormat):
         offset = 0
         for position, token_id in enumerate(prompt):
             lp = known.get(position)
-            logprobs.tokens.append(text(token_id))
+            token = text(token_id)
+            logprobs.tokens.append(token)
             logprobs.token_logprobs.append(None if lp is None else _finite(lp.logprob))
             logprobs.top_logprobs.append(
                 None if lp is None else {text(t): _finite(v) for t, v in lp.top}
             )
             logprobs.text_offset.append(offset)
-            offset += len(text(token_id))
+            offset += len(token)
         return logprobs
 
     def with_echo_logprobs(

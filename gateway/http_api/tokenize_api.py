@@ -36,6 +36,7 @@ from gateway.http_api.openai_protocol import (
     TrueFlag,
 )
 from gateway.text.chat_template import OPENAI_TEMPLATE_FIELDS, check_template_kwargs
+from gateway.tool_calls import plan_tools
 
 
 class TokenizeCompletionRequest(RequestModel):
@@ -111,6 +112,7 @@ def _tokenize(
     else:
         kwargs = body.chat_template_kwargs or {}
         check_template_kwargs(kwargs, "chat_template_kwargs", OPENAI_TEMPLATE_FIELDS)
+        plan_tools(body.tools or [], None, None)  # the chat route's checks of each tool
         text = tokenizer.apply_chat_template(
             [message.model_dump(exclude_none=True) for message in body.messages],
             add_generation_prompt=body.add_generation_prompt,

@@ -266,13 +266,16 @@ class ModelRunner:
             self.backend.prepare(metadata)
             hidden = self.model(input_ids, positions, self.kv_caches, metadata)
             spans = metadata.prefills
-        # hidden: [num_tokens, hidden_size]; the decodes' rows first, then each prefill span's.
-        first_rows = [*range(len(decodes)), *(span.token_start for span in spans)]
-        prompt_logprobs = {
-            chunk.request.request_id: self._prompt_logprobs(hidden, chunk, first_row)
-            for chunk, first_row in zip([*decodes, *prefills], first_rows, strict=True)
-            if chunk.request.needs_prompt_logprobs
-        }
+        prompt_logprobs: dict[str, PromptLogprobs] = {}
+        if any(chunk.request.needs_prompt_logprobs for chunk in output.chunks):
+            # hidden: [num_tokens, hidden_size]; the decodes' rows first, then each prefill
+            # span's.
+            first_rows = [*range(len(decodes)), *(span.token_start for span in spans)]
+            prompt_logprobs = {
+                chunk.request.request_id: self._prompt_logprobs(hidden, chunk, first_row)
+                for chunk, first_row in zip([*decodes, *prefills], first_rows, strict=True)
+                if chunk.request.needs_prompt_logprobs
+            }
 
         sampled_chunks: list[ScheduledChunk] = []
         rows: list[int] = []

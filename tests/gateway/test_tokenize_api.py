@@ -104,3 +104,13 @@ def test_the_api_key_guards_both(tokenizer: Tokenizer) -> None:
         assert served.post("/detokenize", {"tokens": [1]}, headers=key).status_code == 200
     finally:
         server.stop()
+
+
+def test_tools_are_checked_as_the_chat_route_checks_them(served: Served) -> None:
+    body = {
+        "messages": MESSAGES,
+        "tools": [{"type": "function", "function": {"name": "no spaces"}}],
+    }
+    assert_error(served.post("/tokenize", body), 400, "tools[0]")
+    good = {"type": "function", "function": {"name": "get_weather"}}
+    assert served.post("/tokenize", {"messages": MESSAGES, "tools": [good]}).status_code == 200
