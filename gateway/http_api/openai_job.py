@@ -377,6 +377,7 @@ def sampling_params(
             guided=job.guided,
             logit_bias=job.logit_bias,
             allowed_token_ids=tuple(body.allowed_token_ids or ()),
+            priority=body.priority or 0,
             **{name: value for name, value in given.items() if value is not None},
         )
     except SamplingParamError as exc:

@@ -116,6 +116,9 @@ class _GenerationParams(RequestModel):
     """vLLM extension: the output is exactly one of these strings."""
     guided_grammar: str | None = None
     """vLLM extension: constrain the output to this Lark grammar (llguidance's dialect)."""
+    priority: int | None = Field(None, ge=-(2**31), lt=2**31)
+    """vLLM extension: lower values are scheduled first, on nodes started with
+    ``--scheduling-policy priority``; a non-zero priority is refused (400) under ``fcfs``."""
     truncate_prompt_tokens: int | None = None
     """vLLM extension: keep only the prompt's last k tokens (left truncation); -1 keeps
     ``max_model_len`` of them."""

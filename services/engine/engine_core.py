@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from services.engine.config import EngineConfig
+from services.engine.config import EngineConfig, SchedulingPolicy
 from services.engine.dtype_choice import (
     choose_compute_dtype,
     choose_kv_cache_dtype,
@@ -249,6 +249,12 @@ class EngineCore:
         conflict = params.min_tokens_conflict(tuple(self.model_config.eos_token_ids))
         if conflict is not None:
             raise ValueError(conflict)
+        if params.priority != 0 and self.config.scheduler.policy is not SchedulingPolicy.PRIORITY:
+            # As vLLM: a priority the scheduler would ignore is refused, not silently dropped.
+            raise ValueError(
+                f"priority {params.priority} needs the priority scheduling policy "
+                f"(--scheduling-policy priority); this engine runs {self.config.scheduler.policy}"
+            )
         if params.prompt_logprobs is not None and params.prompt_logprobs > vocab_size:
             raise ValueError(
                 f"prompt_logprobs must be <= vocab size {vocab_size}, got {params.prompt_logprobs}"

@@ -146,6 +146,23 @@ def test_allowed_tokens_that_min_tokens_forbids_are_refused(llm: LLM) -> None:
     assert output.token_ids == [eos]  # without min_tokens it is simply the only choice
 
 
+def test_priority_is_refused_unless_the_engine_schedules_by_it(
+    llm: LLM, tiny_llama_dir: Path
+) -> None:
+    # Under fcfs a priority would be silently ignored (vLLM refuses it the same way).
+    assert_refused(llm, [PROMPT], SamplingParams(max_tokens=2, priority=-3), "priority -3 needs")
+    by_priority = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_memory=KV_CACHE_MEMORY,
+        scheduling_policy="priority",
+    )
+    (output,) = by_priority.generate([PROMPT], SamplingParams(max_tokens=2, priority=-3))
+    assert len(output.token_ids) == 2
+    assert_engine_clean(by_priority)
+
+
 def test_params_list_of_the_wrong_length_is_refused(llm: LLM) -> None:
     params = [SamplingParams(max_tokens=2)] * 3
     assert_refused(llm, [PROMPT, PROMPT], params, r"got 3 SamplingParams for 2 prompts")

@@ -571,6 +571,19 @@ def test_allowed_token_ids_reach_the_nodes(serve: Callable[..., Served]) -> None
     assert len(served.generator.requests) == 1
 
 
+def test_priority_reaches_the_nodes(serve: Callable[..., Served]) -> None:
+    served = serve()
+    body = {"model": MODEL, "prompt": "x", "priority": -7}
+    assert served.post("/v1/completions", body).status_code == 200
+    assert served.generator.requests[-1].sampling.priority == -7
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "priority": 3}
+    assert served.post("/v1/chat/completions", chat).status_code == 200
+    assert served.generator.requests[-1].sampling.priority == 3
+    # The nodes' protobuf field is int32.
+    assert_error(served.post("/v1/completions", {**body, "priority": 2**31}), 400, "priority")
+    assert len(served.generator.requests) == 2
+
+
 def test_null_means_the_default(serve: Callable[..., Served]) -> None:
     served = serve()
     names = "n stream echo ignore_eos skip_special_tokens stop include_stop_str_in_output logprobs"

@@ -166,6 +166,9 @@ def test_bad_requests_get_clear_statuses(tiny_llama_dir: Path) -> None:
             (dict(text="hi", sampling=common_pb2.SamplingParams(max_tokens=10_000)),
              grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
             (dict(text="hi", model="gpt-9"), grpc.StatusCode.NOT_FOUND, "gpt-9"),
+            # The nodes schedule fcfs: a priority they would ignore is refused by them.
+            (dict(text="hi", sampling=common_pb2.SamplingParams(priority=2)),
+             grpc.StatusCode.INVALID_ARGUMENT, "priority 2 needs"),
             (dict(), grpc.StatusCode.INVALID_ARGUMENT, "input"),
             (dict(chat=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="x")])),
              grpc.StatusCode.INVALID_ARGUMENT, "role"),
