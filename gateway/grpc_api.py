@@ -27,6 +27,7 @@ from gateway.generation import CLIENT_REQUEST_ID, GenerationRequest
 from gateway.grpc_chat import ChatInput, chat_input
 from gateway.guided import check
 from gateway.pipeline import TextOptions, admitted, generate_text, tokenize
+from gateway.text.bad_words import bad_words_token_ids
 from gateway.text.text_stream import TextDelta, TextFinished
 from gateway.tool_calls import ToolCallStream, ToolMode
 from gateway.tool_parsers import parser_for
@@ -166,12 +167,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 f"outside the vocabulary [0, {vocab})",
                 param="sampling.allowed_token_ids",
             )
+        for index, word in enumerate(sampling.bad_words_token_ids):
+            if max(word) >= vocab:
+                raise invalid(
+                    f"sampling.bad_words_token_ids[{index}]: token id {max(word)} is outside the "
+                    f"vocabulary [0, {vocab})",
+                    param="sampling.bad_words_token_ids",
+                )
         conflict = sampling.min_tokens_conflict(frontend.tokenizer.eos_token_ids)
         if conflict is not None:
             raise invalid(f"sampling.{conflict}", param="sampling.allowed_token_ids")
         frontend.limits.check_logprobs(sampling.logprobs, "sampling.logprobs")
         frontend.limits.check_logprobs(sampling.prompt_logprobs, "sampling.prompt_logprobs")
         frontend.limits.check_stop(request.stop)
+        frontend.limits.check_bad_words(request.bad_words)
         chat = chat_input(request.chat) if request.WhichOneof("input") == "chat" else None
         forced = None if chat is None or chat.tools is None else chat.tools.guided()
         if forced is not None:  # tool_choice required or named: a grammar forces the calls
@@ -214,6 +223,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             )
         if checked.prompt_tokens_kept is not None:  # vLLM's left truncation
             prompt = prompt[-checked.prompt_tokens_kept :]
+        if request.bad_words:
+            words = bad_words_token_ids(frontend.tokenizer, request.bad_words)
+            sampling = dataclasses.replace(
+                sampling, bad_words_token_ids=sampling.bad_words_token_ids + words
+            )
         if not prompt:
             raise invalid(f"{kind}: the prompt is empty", param=kind)
         limits.check_max_tokens(

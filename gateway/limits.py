@@ -25,6 +25,8 @@ class RequestLimits:
     max_n: int = 16
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
+    max_bad_words: int = 64
+    max_bad_word_chars: int = 256
     max_logprobs: int = MAX_LOGPROBS
     """Alternatives per token a request may ask for; at most what the nodes allow."""
     max_prompts: int = 64
@@ -39,7 +41,7 @@ class RequestLimits:
                 f"got {self.max_tokens}"
             )
         for name in ("max_body_bytes", "max_n", "max_stop_strings", "max_stop_string_chars",
-                     "max_prompts"):  # fmt: skip
+                     "max_bad_words", "max_bad_word_chars", "max_prompts"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.body_read_timeout_s is not None and self.body_read_timeout_s <= 0:
@@ -59,6 +61,20 @@ class RequestLimits:
                 raise invalid(
                     f"each stop string must have 1 to {self.max_stop_string_chars} characters, "
                     f"got {len(text)}",
+                    param=param,
+                )
+
+    def check_bad_words(self, words: Sequence[str], param: str = "bad_words") -> None:
+        """vLLM's ``bad_words``: each is tokenized and checked at every step of its request."""
+        if len(words) > self.max_bad_words:
+            raise invalid(f"at most {self.max_bad_words} bad words, got {len(words)}", param=param)
+        for index, word in enumerate(words):
+            if not word:
+                raise invalid(f"{param}[{index}] is empty", param=param)
+            if len(word) > self.max_bad_word_chars:
+                raise invalid(
+                    f"each bad word must have at most {self.max_bad_word_chars} characters, "
+                    f"got {len(word)}",
                     param=param,
                 )
 

@@ -71,6 +71,7 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
         priority=message.priority,
         logit_bias=tuple(sorted(message.logit_bias.items())),
         allowed_token_ids=tuple(message.allowed_token_ids),
+        bad_words_token_ids=tuple(tuple(word.ids) for word in message.bad_words_token_ids),
     )
     try:
         if message.HasField("guided"):
@@ -97,6 +98,9 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         ignore_eos=params.ignore_eos,
         priority=params.priority,
         allowed_token_ids=list(params.allowed_token_ids),
+        bad_words_token_ids=[
+            common_pb2.TokenSequence(ids=word) for word in params.bad_words_token_ids
+        ],
     )
     message.logit_bias.update(dict(params.logit_bias))
     if params.guided is not None:

@@ -23,6 +23,7 @@ from gateway.generation import CLIENT_REQUEST_ID, GenerationRequest
 from gateway.guided import check, guided_from_request
 from gateway.http_api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from gateway.reasoning import ReasoningParser
+from gateway.text.bad_words import bad_words_token_ids
 from gateway.text.chat_template import OPENAI_TEMPLATE_FIELDS, check_template_kwargs
 from gateway.text.tokenizer import Tokenizer
 from gateway.tool_calls import ToolMode, ToolPlan, tool_plan
@@ -212,6 +213,7 @@ def _check_common(
         )
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     limits.check_stop(stop)
+    limits.check_bad_words(body.bad_words or ())
     vocab_size = frontend.tokenizer.vocab_size
     for param in ("stop_token_ids", "allowed_token_ids"):
         for token_id in getattr(body, param) or ():
@@ -314,6 +316,8 @@ def choice_requests(
     num_choices = len(prompts) * n
     timeout_s = frontend.request_timeout_s
     deadline = None if timeout_s is None else job.arrival + timeout_s
+    # Tokenized here, on the event loop: at most max_bad_words short words (limits.py).
+    bad_words = bad_words_token_ids(frontend.tokenizer, job.body.bad_words or ())
     requests = []
     for prompt_index, prompt in enumerate(prompts):
         for choice in range(n):
@@ -322,7 +326,7 @@ def choice_requests(
                 GenerationRequest(
                     request_id=job.request_id if num_choices == 1 else f"{job.request_id}-{index}",
                     prompt_token_ids=prompt,
-                    sampling=sampling_params(job, len(prompt), choice, frontend),
+                    sampling=sampling_params(job, len(prompt), choice, frontend, bad_words),
                     deadline=deadline,
                     arrival=job.arrival,
                 )
@@ -331,8 +335,13 @@ def choice_requests(
 
 
 def sampling_params(
-    job: OpenAIJob, prompt_len: int, choice: int, frontend: Frontend
+    job: OpenAIJob,
+    prompt_len: int,
+    choice: int,
+    frontend: Frontend,
+    bad_words: tuple[tuple[int, ...], ...],
 ) -> SamplingParams:
+    """``bad_words``: the request's ``bad_words`` as token sequences (``bad_words.py``)."""
     body = job.body
     limits = frontend.limits
     param = "messages" if job.is_chat else "prompt"
@@ -378,6 +387,7 @@ def sampling_params(
             logit_bias=job.logit_bias,
             allowed_token_ids=tuple(body.allowed_token_ids or ()),
             priority=body.priority or 0,
+            bad_words_token_ids=bad_words,
             **{name: value for name, value in given.items() if value is not None},
         )
     except SamplingParamError as exc:

@@ -6,7 +6,8 @@ an unknown field is refused rather than silently ignored, and non-finite floats 
 Static ranges are declared here so the OpenAPI document states them; the bounds that depend on
 the deployment (``RequestLimits``, the prompt's length) are checked by the app. vLLM's sampling
 extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``) are accepted.
+``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``, ``bad_words``,
+``priority``) are accepted.
 Structured outputs: ``response_format`` (json_object, json_schema) and vLLM's ``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar``; tools with ``tool_choice``; and
 ``logit_bias``. Chat takes vLLM's template controls too: ``add_generation_prompt``,
@@ -116,6 +117,9 @@ class _GenerationParams(RequestModel):
     """vLLM extension: the output is exactly one of these strings."""
     guided_grammar: str | None = None
     """vLLM extension: constrain the output to this Lark grammar (llguidance's dialect)."""
+    bad_words: list[NonEmptyText] | None = None
+    """vLLM extension: words never to generate, at the start of the output or after a space
+    (each word's token spellings are banned where they would complete)."""
     priority: int | None = Field(None, ge=-(2**31), lt=2**31)
     """vLLM extension: lower values are scheduled first, on nodes started with
     ``--scheduling-policy priority``; a non-zero priority is refused (400) under ``fcfs``."""

@@ -241,6 +241,12 @@ class EngineCore:
                     f"allowed_token_ids contains {token_id}, outside the vocabulary "
                     f"[0, {vocab_size})"
                 )
+        for index, word in enumerate(params.bad_words_token_ids):
+            if max(word) >= vocab_size:
+                raise ValueError(
+                    f"bad_words_token_ids[{index}] has token id {max(word)}, outside the "
+                    f"vocabulary [0, {vocab_size})"
+                )
         for token_id, _ in params.logit_bias:
             if token_id >= vocab_size:
                 raise ValueError(

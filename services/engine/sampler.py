@@ -4,8 +4,9 @@ What happens to the logits of a step, ``[num_rows, vocab_size]``:
 
 1. Raw logprobs: ``log_softmax`` of the unprocessed float32 logits, for rows that asked for them.
 2. ``min_tokens``: EOS and the row's stop ids go to -inf while the row is short of ``min_tokens``.
-3. ``allowed_token_ids``: every other token of the row goes to -inf; then ``logit_bias``: each
-   row's biases are added to their tokens' logits.
+3. ``allowed_token_ids``: every other token of the row goes to -inf; ``bad_words_token_ids``:
+   the last token of each sequence whose other tokens end the row's output goes to -inf; then
+   ``logit_bias``: each row's biases are added to their tokens' logits.
 4. Penalties: repetition (prompt and output tokens), then frequency and presence (output only).
 5. Grammar: constrained rows (``params.guided``) set the tokens their grammar forbids to -inf.
 6. Greedy rows take the argmax of what steps 2-5 left.
@@ -201,6 +202,27 @@ def _keep_allowed_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> to
             kept = logits[i, allowed]  # [num_allowed]
             logits[i].fill_(float("-inf"))
             logits[i, allowed] = kept
+    return logits
+
+
+def _ban_bad_words(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """In place: -inf for each token that would complete one of the row's bad words, i.e. the
+    last token of every ``params.bad_words_token_ids`` sequence whose other tokens end the row's
+    output (vLLM's ``bad_words``: the prompt does not count, so a word can begin the output)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, (p, output) in enumerate(zip(metadata.params, metadata.output_token_ids, strict=True)):
+        for word in p.bad_words_token_ids:
+            prefix = len(word) - 1
+            if prefix > len(output):
+                continue
+            if prefix == 0 or tuple(output[-prefix:]) == word[:-1]:
+                rows.append(i)
+                cols.append(word[-1])
+    if rows:
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        logits.index_put_(index, torch.tensor(float("-inf"), device=device))
     return logits
 
 
@@ -565,6 +587,10 @@ _LOGITS_STEPS = (
     _LogitsStep(
         applies=lambda m: any(p.allowed_token_ids for p in m.params),
         apply=lambda logits, m, _: _keep_allowed_tokens(logits, m),
+    ),
+    _LogitsStep(
+        applies=lambda m: any(p.bad_words_token_ids for p in m.params),
+        apply=lambda logits, m, _: _ban_bad_words(logits, m),
     ),
     _LogitsStep(
         applies=lambda m: any(p.logit_bias for p in m.params),

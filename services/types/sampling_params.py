@@ -6,6 +6,7 @@ The one set of range checks: the engine, the nodes' servicers and the gateway (w
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from services.guided_decoding import GuidedDecoding
@@ -67,6 +68,10 @@ class SamplingParams:
     """(token id, bias) pairs: the bias, in [-100, 100], is added to that token's logit."""
     allowed_token_ids: tuple[int, ...] = ()
     """Only these tokens may be sampled (vLLM's ``allowed_token_ids``); empty: every token."""
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    """Token sequences never to generate (vLLM's ``bad_words``, tokenized by the gateway): a
+    sequence's last token is forbidden whenever the output so far ends with the tokens before
+    it (a one-token sequence: always)."""
 
     def __post_init__(self) -> None:
         # Accept any iterable of ints for stop_token_ids, but store an immutable tuple.
@@ -132,6 +137,7 @@ class SamplingParams:
             _check_int("allowed_token_ids", token_id, minimum=0)
         # Sorted and unique: one canonical form, whatever order or repeats a client sent.
         object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(self.allowed_token_ids))))
+        object.__setattr__(self, "bad_words_token_ids", _token_sequences(self.bad_words_token_ids))
 
     @property
     def is_greedy(self) -> bool:
@@ -157,6 +163,24 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def _token_sequences(words: object) -> tuple[tuple[int, ...], ...]:
+    """``bad_words_token_ids`` as tuples, each a non-empty sequence of token ids."""
+    name = "bad_words_token_ids"
+    if isinstance(words, (str, bytes)) or not isinstance(words, Iterable):
+        raise SamplingParamError(name, f"{name} must be a list of token-id lists, got {words!r}")
+    sequences = []
+    for index, word in enumerate(words):
+        if isinstance(word, (str, bytes)) or not isinstance(word, Iterable):
+            raise SamplingParamError(name, f"{name}[{index}] must be a list of token ids")
+        sequence = tuple(word)
+        if not sequence:
+            raise SamplingParamError(name, f"{name}[{index}] is empty")
+        for token_id in sequence:
+            _check_int(name, token_id, minimum=0)
+        sequences.append(sequence)
+    return tuple(sequences)
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -106,6 +107,10 @@ def test_prompt_of_max_model_len_is_accepted(llm: LLM) -> None:
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"seed": 1.0}, "seed"),
         ({"priority": "high"}, "priority"),
+        ({"bad_words_token_ids": [[]]}, r"bad_words_token_ids\[0\] is empty"),
+        ({"bad_words_token_ids": [[1, -2]]}, "bad_words_token_ids"),
+        ({"bad_words_token_ids": [5]}, r"bad_words_token_ids\[0\] must be a list"),
+        ({"bad_words_token_ids": ["ab"]}, r"bad_words_token_ids\[0\] must be a list"),
     ],
 )
 def test_bad_sampling_params_are_refused(kwargs: dict, field: str) -> None:
@@ -120,6 +125,7 @@ def test_bad_sampling_params_are_refused(kwargs: dict, field: str) -> None:
         ({"logprobs": VOCAB_SIZE + 1}, r"logprobs must be <= vocab size 4096"),
         ({"prompt_logprobs": VOCAB_SIZE + 1}, r"prompt_logprobs must be <= vocab size 4096"),
         ({"allowed_token_ids": [5, VOCAB_SIZE]}, r"allowed_token_ids contains 4096, outside"),
+        ({"bad_words_token_ids": [[5], [6, VOCAB_SIZE]]}, r"bad_words_token_ids\[1\] has token"),
     ],
 )
 def test_params_beyond_the_vocabulary_are_refused(llm: LLM, kwargs: dict, match: str) -> None:
@@ -131,6 +137,21 @@ def test_allowed_token_ids_are_all_the_engine_samples(llm: LLM) -> None:
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=3, allowed_token_ids=allowed)
     (output,) = llm.generate([PROMPT], params)
     assert len(output.token_ids) == 24 and set(output.token_ids) <= set(allowed)
+    assert_engine_clean(llm)
+
+
+def test_bad_words_change_the_greedy_output_where_they_would_complete(llm: LLM) -> None:
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    (plain,) = llm.generate([PROMPT], greedy)
+    first, second = plain.token_ids[:2]
+    # The first token (sampled in the prefill step) can be banned as a word of one token.
+    banned = dataclasses.replace(greedy, bad_words_token_ids=((first,),))
+    (output,) = llm.generate([PROMPT], banned)
+    assert first not in output.token_ids
+    # A word of two: its first token is still free, the second not after it.
+    banned = dataclasses.replace(greedy, bad_words_token_ids=((first, second),))
+    (output,) = llm.generate([PROMPT], banned)
+    assert output.token_ids[0] == first and output.token_ids[1] != second
     assert_engine_clean(llm)
 
 

@@ -263,7 +263,9 @@ def test_penalties_change_the_greedy_choice() -> None:
     assert make_sampler()(logits, metadata).token_ids == [2, 2, 1]
 
 
-@pytest.mark.parametrize("step", ["min_tokens", "allowed", "logit_bias", "penalty", "grammar"])
+@pytest.mark.parametrize(
+    "step", ["min_tokens", "allowed", "bad_words", "logit_bias", "penalty", "grammar"]
+)
 def test_each_logits_step_alone_changes_an_all_greedy_batch(step: str) -> None:
     # Every row greedy: the sampler takes the raw logits' argmax unless a step applies, so a
     # step it failed to notice would leave token 1 (the raw maximum) chosen.
@@ -274,6 +276,7 @@ def test_each_logits_step_alone_changes_an_all_greedy_batch(step: str) -> None:
         stop_token_ids=[1] if step == "min_tokens" else [],
         logit_bias={1: -1.0} if step == "logit_bias" else {},
         allowed_token_ids=(0, 2, 3) if step == "allowed" else (),
+        bad_words_token_ids=((1,),) if step == "bad_words" else (),
         presence_penalty=1.0 if step == "penalty" else 0.0,
     )
     metadata = make_metadata([params, params], output_token_ids=[[1], [1]])
@@ -301,6 +304,25 @@ def test_allowed_token_ids_are_all_a_row_may_sample() -> None:
     assert tokens[0] == 3  # the allowed maximum
     assert tokens[1] == 1  # no limit: untouched
     assert set(tokens[2:]) == {3, 7}  # both drawn (e^2 : 1), nothing else
+
+
+def test_bad_words_forbid_the_token_that_would_complete_them() -> None:
+    # Token 1 is the most likely, then 2. Bad words: [1] alone, and [5, 6, 2].
+    logits = torch.zeros(1, 10)
+    logits[0, 1] = 10.0
+    logits[0, 2] = 9.0
+    params = SamplingParams(temperature=0.0, bad_words_token_ids=[[5, 6, 2], [1]])
+    outputs = [[], [6], [5, 6], [4, 5, 6], [5, 6, 7], [6, 5, 6, 0]]
+    metadata = make_metadata([params] * len(outputs), output_token_ids=outputs)
+    tokens = make_sampler()(logits.expand(len(outputs), -1), metadata).token_ids
+    # A one-token word is never sampled; [5, 6, 2] only where the output ends with 5, 6.
+    assert tokens == [2, 2, 0, 0, 2, 2]
+    # Random rows too: with every other token at -inf only token 3 is left.
+    logits = torch.full((1, 4), float("-inf"))
+    logits[0, 1:] = 0.0
+    params = SamplingParams(temperature=1.0, bad_words_token_ids=[[1], [9, 2]])
+    metadata = make_metadata([params] * 50, output_token_ids=[[9]] * 50)
+    assert set(make_sampler()(logits.expand(50, -1), metadata).token_ids) == {3}
 
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:

@@ -40,6 +40,10 @@ def sampling(draw) -> common_pb2.SamplingParams:
         allowed_token_ids=draw(st.lists(st.one_of(uint32, st.integers(0, 100)), max_size=4)),
         ignore_eos=draw(st.booleans()),
         priority=draw(st.integers(min_value=-(2**31), max_value=2**31 - 1)),
+        bad_words_token_ids=[
+            common_pb2.TokenSequence(ids=ids)
+            for ids in draw(st.lists(st.lists(st.one_of(uint32, st.integers(0, 100))), max_size=3))
+        ],
     )
     optional = {
         "max_tokens": small_uint, "temperature": floats, "top_k": st.integers(-(2**31), 2**31 - 1),
@@ -58,6 +62,7 @@ def requests(draw) -> gateway_pb2.GatewayGenerateRequest:
         model=draw(st.sampled_from(["", "tiny", "other", "\x00"])),
         sampling=draw(sampling()),
         stop=draw(st.lists(st.text(max_size=8), max_size=4)),
+        bad_words=draw(st.lists(st.text(max_size=8), max_size=3)),
         include_stop_str_in_output=draw(st.booleans()),
         request_id=draw(st.text(max_size=8)),
     )

@@ -55,6 +55,27 @@ def test_disaggregated_greedy_equals_the_single_engine(tiny_llama_dir: Path, exp
     run_stack(tiny_llama_dir, body)
 
 
+def test_bad_words_are_banned_on_both_legs(tiny_llama_dir: Path, expected) -> None:
+    """The prefill node samples the first token, the decode node the rest: both apply them."""
+    prompts, tokens = expected
+    first, second = tokens[3][:2]
+
+    def banning(*words: list[int]) -> common_pb2.SamplingParams:
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(GREEDY)
+        sampling.bad_words_token_ids.extend(common_pb2.TokenSequence(ids=w) for w in words)
+        return sampling
+
+    async def body(stack: Stack) -> None:
+        banned_first, _, _ = await stack.generate(prompts[3], banning([first]))
+        assert first not in banned_first
+        banned_pair, _, _ = await stack.generate(prompts[3], banning([first, second]))
+        assert banned_pair[0] == first and banned_pair[1] != second
+        await stack.wait_all_free()
+
+    run_stack(tiny_llama_dir, body)
+
+
 def test_colocated_greedy_equals_the_single_engine(tiny_llama_dir: Path, expected) -> None:
     prompts, tokens = expected
 

@@ -59,6 +59,7 @@ def test_explicit_zero_temperature_is_greedy_not_default() -> None:
         ),
         SamplingParams(guided=GuidedDecoding.choice(["a", "b"])),
         SamplingParams(allowed_token_ids=(5, 2, 9)),
+        SamplingParams(bad_words_token_ids=((7,), (3, 4, 5))),
         SamplingParams(guided=GuidedDecoding(GuidedKind.JSON_OBJECT)),
         SamplingParams(guided=GuidedDecoding(GuidedKind.GRAMMAR, 'start: "x"')),
     ],
