@@ -73,6 +73,20 @@ class OpenAIFormat:
         self.tokenizer = tokenizer
         self.model = model
 
+    def token_text(self, token_id: int) -> str:
+        """A token as logprobs show it: its text, or vLLM's ``token_id:<id>`` with
+        ``return_tokens_as_token_ids`` (a token that is a byte of a multi-byte character has no
+        text of its own, so a client cannot tell such tokens apart by text)."""
+        if self.job.body.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
+        return self.tokenizer.token_text(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The chat logprobs' ``bytes``: the token's, or those of ``token_text`` (as vLLM)."""
+        if self.job.body.return_tokens_as_token_ids:
+            return self.token_text(token_id).encode()
+        return self.tokenizer.token_bytes(token_id)
+
     def delta_chunk(self, state: ChoiceState, delta: TextDelta) -> BaseModel | None:
         raise NotImplementedError
 
@@ -93,7 +107,7 @@ class OpenAIFormat:
         num_top = self.job.body.prompt_logprobs
         if num_top is None:
             return None
-        text = self.tokenizer.token_text
+        text = self.token_text
         entries: PromptLogprobs = [None]
         for lp in state.prompt_logprobs or ():
             ranked = {
@@ -116,7 +130,7 @@ class CompletionFormat(OpenAIFormat):
     def legacy_logprobs(
         self, logprobs: Sequence[TokenLogprob], offsets: Sequence[int]
     ) -> CompletionLogprobs:
-        text = self.tokenizer.token_text
+        text = self.token_text
         return CompletionLogprobs(
             tokens=[text(lp.token_id) for lp in logprobs],
             token_logprobs=[_finite(lp.logprob) for lp in logprobs],
@@ -131,7 +145,7 @@ class CompletionFormat(OpenAIFormat):
         body = self.job.body
         if not getattr(body, "echo", False) or self.job.num_logprobs is None:
             return None
-        text = self.tokenizer.token_text
+        text = self.token_text
         prompt = state.prompt_token_ids
         known = {lp_index + 1: lp for lp_index, lp in enumerate(state.prompt_logprobs or ())}
         logprobs = CompletionLogprobs()
@@ -145,7 +159,7 @@ class CompletionFormat(OpenAIFormat):
                 None if lp is None else {text(t): _finite(v) for t, v in lp.top}
             )
             logprobs.text_offset.append(offset)
-            offset += len(token)
+            offset += len(self.tokenizer.token_text(token_id))  # offsets index the text
         return logprobs
 
     def with_echo_logprobs(
@@ -248,9 +262,9 @@ class ChatFormat(OpenAIFormat):
     def chat_logprobs(self, logprobs: Sequence[TokenLogprob]) -> ChatLogprobs:
         def top(token_id: int, logprob: float) -> TopLogprob:
             return TopLogprob(
-                token=self.tokenizer.token_text(token_id),
+                token=self.token_text(token_id),
                 logprob=_finite(logprob),
-                bytes=list(self.tokenizer.token_bytes(token_id)),
+                bytes=list(self.token_bytes(token_id)),
             )
 
         content = []

@@ -7,7 +7,7 @@ Static ranges are declared here so the OpenAPI document states them; the bounds 
 the deployment (``RequestLimits``, the prompt's length) are checked by the app. vLLM's sampling
 extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``, ``bad_words``,
-``priority``) are accepted.
+``priority``, ``return_tokens_as_token_ids``) are accepted.
 Structured outputs: ``response_format`` (json_object, json_schema) and vLLM's ``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar``; tools with ``tool_choice``; and
 ``logit_bias``. Chat takes vLLM's template controls too: ``add_generation_prompt``,
@@ -117,6 +117,8 @@ class _GenerationParams(RequestModel):
     """vLLM extension: the output is exactly one of these strings."""
     guided_grammar: str | None = None
     """vLLM extension: constrain the output to this Lark grammar (llguidance's dialect)."""
+    return_tokens_as_token_ids: Flag = False
+    """vLLM extension: logprobs name each token ``token_id:<id>`` instead of by its text."""
     bad_words: list[NonEmptyText] | None = None
     """vLLM extension: words never to generate, at the start of the output or after a space
     (each word's token spellings are banned where they would complete)."""

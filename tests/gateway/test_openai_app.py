@@ -462,6 +462,34 @@ def test_chat_logprobs_with_bytes_and_alternatives(serve: Callable[..., Served])
         assert [top.logprob for top in entry.top_logprobs] == [-0.25, -1.5, -9999.0]
 
 
+def test_return_tokens_as_token_ids_names_tokens_by_id(serve: Callable[..., Served]) -> None:
+    served = serve()
+    output_ids = served.tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False)[:3]
+    named = [f"token_id:{t}" for t in output_ids]
+    body = {"model": MODEL, "max_tokens": 3, "return_tokens_as_token_ids": True}
+    completion = served.post(
+        "/v1/completions", {**body, "prompt": "x", "logprobs": 1, "echo": True}
+    ).json()
+    logprobs = completion["choices"][0]["logprobs"]
+    prompt_ids = served.generator.requests[-1].prompt_token_ids
+    assert logprobs["tokens"] == [f"token_id:{t}" for t in prompt_ids] + named
+    assert logprobs["top_logprobs"][-3] == {named[0]: -0.25}
+    # The offsets still index the text.
+    text, offsets = completion["choices"][0]["text"], logprobs["text_offset"]
+    pieces = [text[a:b] for a, b in zip(offsets, [*offsets[1:], len(text)], strict=True)]
+    assert pieces[-3:] == [served.tokenizer.token_text(t) for t in output_ids]
+
+    chat = served.post(
+        "/v1/chat/completions",
+        {**body, "messages": [{"role": "user", "content": "Hi"}], "logprobs": True,
+         "top_logprobs": 2},
+    ).json()  # fmt: skip
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [entry["token"] for entry in content] == named
+    assert [entry["bytes"] for entry in content] == [list(name.encode()) for name in named]
+    assert content[0]["top_logprobs"][1]["token"] == f"token_id:{output_ids[0] + 1}"
+
+
 # --- refusals --------------------------------------------------------------------------------
 
 
