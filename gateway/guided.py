@@ -1,5 +1,6 @@
-"""The constraint an OpenAI request asks for, from ``response_format``, vLLM's ``guided_*``
-fields or a forced tool call, checked before admission.
+"""The constraint an OpenAI request asks for, from ``response_format``, vLLM's
+``structured_outputs`` or older ``guided_*`` fields, or a forced tool call, checked before
+admission.
 
 At most one source may constrain a request; a grammar llguidance cannot compile is a 400 that
 names the request's own field (``response_format``, ``guided_regex``, ...), never a node error.
@@ -7,10 +8,16 @@ names the request's own field (``response_format``, ``guided_regex``, ...), neve
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
 
 from gateway.errors import invalid
-from gateway.http_api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from gateway.http_api.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    StructuredOutputs,
+)
 from services.guided_decoding import GuidedDecoding, GuidedKind
 
 logger = logging.getLogger(__name__)
@@ -45,6 +52,8 @@ def guided_from_request(
         except ValueError as exc:
             raise invalid(f"{name}: {exc}", param=name) from None
         found.append((guided, name))
+    if body.structured_outputs is not None:
+        found.append(_from_structured_outputs(body.structured_outputs))
     if len(found) > 1:
         names = ", ".join(name for _, name in found)
         raise invalid(f"only one of {names} may constrain a request", param=found[1][1])
@@ -87,3 +96,59 @@ def _from_response_format(body: ChatCompletionRequest) -> GuidedDecoding | None:
         f"response_format type {kind!r} is not supported; use text, json_object or json_schema",
         param="response_format.type",
     )
+
+
+def _from_structured_outputs(options: StructuredOutputs) -> tuple[GuidedDecoding, str]:
+    """vLLM's ``structured_outputs``: its one constraint and the field that set it."""
+    param = "structured_outputs"
+    for name in ("whitespace_pattern", "structural_tag"):
+        if getattr(options, name) is not None:
+            raise invalid(f"{param}.{name} is not supported", param=f"{param}.{name}")
+    given = {
+        "json": options.json_spec,
+        "regex": options.regex,
+        "choice": options.choice,
+        "grammar": options.grammar,
+        "json_object": options.json_object,
+    }
+    named = [name for name, value in given.items() if value is not None]
+    if len(named) != 1:
+        raise invalid(
+            f"{param} takes exactly one of json, regex, choice, grammar and json_object, "
+            f"got {', '.join(named) or 'none'}",
+            param=param,
+        )
+    (name,) = named
+    value, where = given[name], f"{param}.{name}"
+    if name == "json_object":
+        if value is not True:
+            raise invalid(f"{where} must be true (or left out)", param=where)
+        return GuidedDecoding(GuidedKind.JSON_OBJECT), where
+    try:
+        if name == "json":
+            schema = json.loads(value) if isinstance(value, str) else copy.deepcopy(value)
+            if options.disable_additional_properties:
+                _close_objects(schema)
+            guided = GuidedDecoding.json_schema(schema)
+        elif name == "choice":
+            guided = GuidedDecoding.choice(value)  # type: ignore[arg-type]
+        else:
+            guided = GuidedDecoding(GuidedKind(name), value)  # type: ignore[arg-type]
+    except (ValueError, RecursionError) as exc:
+        raise invalid(f"{where}: {exc}", param=where) from None
+    return guided, where
+
+
+def _close_objects(schema: object) -> None:
+    """In place, as vLLM's ``disable_additional_properties``: every object schema with
+    ``properties`` (or ``patternProperties``) and no ``additionalProperties`` gets it false."""
+    if isinstance(schema, dict):
+        for value in schema.values():
+            _close_objects(value)
+        if "additionalProperties" not in schema and (
+            "properties" in schema or "patternProperties" in schema
+        ):
+            schema["additionalProperties"] = False
+    elif isinstance(schema, list):
+        for item in schema:
+            _close_objects(item)

@@ -4,17 +4,18 @@
 Requests are strict: a wrong JSON type is refused, not coerced (``"max_tokens": "5"`` is a 400),
 an unknown field is refused rather than silently ignored, and non-finite floats are refused.
 Static ranges are declared here so the OpenAPI document states them; the bounds that depend on
-the deployment (``RequestLimits``, the prompt's length) are checked by the app. vLLM's sampling
-extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``, ``bad_words``,
-``priority``, ``return_tokens_as_token_ids``) are accepted.
-Structured outputs: ``response_format`` (json_object, json_schema) and vLLM's ``guided_json``,
-``guided_regex``, ``guided_choice``, ``guided_grammar``; tools with ``tool_choice``; and
-``logit_bias``. Chat takes vLLM's template controls too: ``add_generation_prompt``,
-``continue_final_message``, ``chat_template_kwargs`` and ``echo``; streams take
-``stream_options.continuous_usage_stats``. Fields that exist only to be refused (``suffix``,
-``functions``, ...) are declared so that the refusal names them with a message saying what is
-unsupported.
+the deployment (``RequestLimits``, the prompt's length) are checked by the app.
+
+vLLM's sampling extensions are accepted: ``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
+``include_stop_str_in_output``, ``bad_words``, ``priority``, ``return_tokens_as_token_ids``.
+Structured outputs: ``response_format`` (json_object, json_schema), vLLM's
+``structured_outputs`` and its older ``guided_json``, ``guided_regex``, ``guided_choice``,
+``guided_grammar``; tools with ``tool_choice``; and ``logit_bias``. Chat takes vLLM's template
+controls too: ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``
+and ``echo``; streams take ``stream_options.continuous_usage_stats``. Fields that exist only to
+be refused (``suffix``, ``functions``, ...) are declared so that the refusal names them with a
+message saying what is unsupported.
 """
 
 from __future__ import annotations
@@ -75,6 +76,28 @@ class StreamOptions(RequestModel):
     choice's completion tokens)."""
 
 
+class StructuredOutputs(RequestModel):
+    """vLLM's ``structured_outputs`` (which replaced its ``guided_*`` fields in v0.12): exactly one
+    of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``."""
+
+    json_spec: dict[str, Any] | Text | None = Field(None, alias="json")
+    """A JSON schema, as an object or as JSON text."""
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    """A Lark grammar (llguidance's dialect)."""
+    json_object: bool | None = None
+    """True: any JSON object."""
+    disable_any_whitespace: Flag = False
+    """Accepted either way: JSON output here never has whitespace between its tokens."""
+    disable_additional_properties: Flag = False
+    """Objects of the schema that do not say otherwise take no properties beyond theirs."""
+    whitespace_pattern: str | None = None
+    """Unsupported: only null."""
+    structural_tag: str | None = None
+    """Unsupported: only null."""
+
+
 class _GenerationParams(RequestModel):
     """Parameters shared by completions and chat completions."""
 
@@ -117,6 +140,8 @@ class _GenerationParams(RequestModel):
     """vLLM extension: the output is exactly one of these strings."""
     guided_grammar: str | None = None
     """vLLM extension: constrain the output to this Lark grammar (llguidance's dialect)."""
+    structured_outputs: StructuredOutputs | None = None
+    """vLLM extension (its current form of the ``guided_*`` fields): one constraint."""
     return_tokens_as_token_ids: Flag = False
     """vLLM extension: logprobs name each token ``token_id:<id>`` instead of by its text."""
     bad_words: list[NonEmptyText] | None = None

@@ -967,7 +967,8 @@ _FIELDS = (
     "logprobs top_logprobs echo suffix best_of logit_bias user tools tool_choice response_format "
     "guided_json guided_regex guided_choice guided_grammar parallel_tool_calls "
     "add_generation_prompt continue_final_message chat_template_kwargs allowed_token_ids "
-    "include_reasoning truncate_prompt_tokens prompt_logprobs"
+    "include_reasoning truncate_prompt_tokens prompt_logprobs structured_outputs bad_words "
+    "priority return_tokens_as_token_ids"
 ).split()
 
 

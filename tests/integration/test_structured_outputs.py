@@ -263,6 +263,15 @@ def _constrained_outputs(stack: Stack) -> list[str]:
         extra_body={"guided_regex": "[a-f]{4}-[0-9]{2}"},
     )
     texts.append(completion.choices[0].text)
+    completion = client.completions.create(  # vLLM's current form of the same constraint
+        model=model,
+        prompt="id:",
+        seed=4,
+        max_tokens=20,
+        extra_body={"structured_outputs": {"regex": "[a-f]{4}-[0-9]{2}"}},
+    )
+    assert re.fullmatch("[a-f]{4}-[0-9]{2}", completion.choices[0].text)
+    texts.append(completion.choices[0].text)
     return texts
 
 
@@ -276,7 +285,7 @@ def test_constrained_output_is_the_same_colocated_disaggregated_and_recomputed(
             results[name] = await asyncio.to_thread(_constrained_outputs, stack)
             if name == "recomputed":
                 retries = stack.gateway.metrics.retries.labels(cause="kv_recompute")
-                assert retries._value.get() == 3  # every request took the recompute path
+                assert retries._value.get() == 4  # every request took the recompute path
             await stack.wait_all_free()
 
         return body
