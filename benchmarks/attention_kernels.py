@@ -1,13 +1,15 @@
 """Decode attention over the paged KV cache: the torch path against the native CPU kernel.
 
     python benchmarks/attention_kernels.py [--dtype bfloat16] [--threads N] [--repeats 20]
-        [--layers 1]
+        [--layers 1] [--block-size 16] [--contiguous-blocks]
 
 Times one layer's decode attention (``_decode`` of ``TorchPagedAttention`` and of
 ``NativePagedAttention``) on the small model's shapes: 12 query heads, 4 KV heads, head_dim 64,
-block size 16. Each batch has ``num_seqs`` decodes whose contexts are ``context`` tokens long,
-in blocks scattered at random over a cache twice the batch's size. Prints milliseconds per call
-(the best of several timed runs, as the machine may be shared) and the speedup.
+block size 16 (``--block-size``). Each batch has ``num_seqs`` decodes whose contexts are
+``context`` tokens long, in blocks scattered at random over a cache twice the batch's size
+(``--contiguous-blocks``: each sequence's blocks in a row, one sequence after another). Prints
+milliseconds per call (the best of several timed runs, as the machine may be shared) and the
+speedup.
 
 NOTE: one layer's cache here may fit in the CPU's last-level cache, where a model's 12 layers
 do not. ``--layers 12`` gives each of 12 layers its own cache and cycles the calls over them, as
@@ -38,16 +40,24 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 4, 64, 16
 
 
 def make_batch(
-    num_seqs: int, context: int, dtype: torch.dtype, seed: int = 0
+    num_seqs: int,
+    context: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    block_size: int = BLOCK_SIZE,
+    contiguous: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """query [num_seqs, heads, dim], kv_cache [2, blocks, block, kv_heads, dim], metadata."""
     gen = torch.Generator().manual_seed(seed)
-    num_blocks_per_seq = -(-context // BLOCK_SIZE)
+    num_blocks_per_seq = -(-context // block_size)
     num_blocks = 2 * num_seqs * num_blocks_per_seq
-    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(
+    kv_cache = torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(
         dtype
     )
-    block_ids = torch.randperm(num_blocks, generator=gen)[: num_seqs * num_blocks_per_seq]
+    if contiguous:
+        block_ids = torch.arange(num_seqs * num_blocks_per_seq)
+    else:
+        block_ids = torch.randperm(num_blocks, generator=gen)[: num_seqs * num_blocks_per_seq]
     query = torch.randn(num_seqs, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
     metadata = AttentionMetadata(
         slot_mapping=torch.zeros(0, dtype=torch.int64),
@@ -95,9 +105,15 @@ def main() -> None:
     parser.add_argument(
         "--layers", type=int, default=1, help="separate caches the calls cycle over"
     )
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="tokens per block")
+    parser.add_argument(
+        "--contiguous-blocks",
+        action="store_true",
+        help="each sequence's blocks in a row instead of scattered at random",
+    )
     args = parser.parse_args()
-    if args.layers < 1 or args.repeats < 1:
-        parser.error("--layers and --repeats must be at least 1")
+    if args.layers < 1 or args.repeats < 1 or args.block_size < 1:
+        parser.error("--layers, --repeats and --block-size must be at least 1")
 
     error = native_kernel_error()
     if error is not None:
@@ -106,12 +122,13 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     scale = HEAD_DIM**-0.5
-    reference = TorchPagedAttention(BLOCK_SIZE, scale)
-    native = NativePagedAttention(BLOCK_SIZE, scale)
+    reference = TorchPagedAttention(args.block_size, scale)
+    native = NativePagedAttention(args.block_size, scale)
 
     print(
         f"{args.dtype}, {torch.get_num_threads()} threads, {NUM_HEADS} q heads / "
-        f"{NUM_KV_HEADS} kv heads x {HEAD_DIM}, block {BLOCK_SIZE}, {args.layers} layer(s); "
+        f"{NUM_KV_HEADS} kv heads x {HEAD_DIM}, block {args.block_size}"
+        f"{' (contiguous)' if args.contiguous_blocks else ''}, {args.layers} layer(s); "
         "ms per layer call"
     )
     print(
@@ -119,7 +136,10 @@ def main() -> None:
         f"{'native GB/s':>12}"
     )
     for num_seqs, context in CASES:
-        layers = [make_batch(num_seqs, context, dtype, seed=layer) for layer in range(args.layers)]
+        layers = [
+            make_batch(num_seqs, context, dtype, layer, args.block_size, args.contiguous_blocks)
+            for layer in range(args.layers)
+        ]
         torch_ms = time_decode(reference, layers, args.repeats)
         native_ms = time_decode(native, layers, args.repeats)
         kv_bytes = 2 * num_seqs * context * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
