@@ -21,6 +21,7 @@ from gateway.api_key_file import load_api_key_file
 from gateway.auth import ApiKey, ApiKeys
 from gateway.limits import RequestLimits
 from gateway.reasoning import ReasoningParser
+from gateway.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from services.cli import ENV_PREFIX, apply_env_defaults, parse_bytes
 from services.models.gguf_file import find_gguf, open_gguf
 from services.tls import EdgeTlsFiles, TlsFiles, add_tls_flags, tls_from_args
@@ -106,6 +107,8 @@ class GatewayConfig:
     """TLS on the public HTTP and gRPC ports; None: plaintext."""
     reasoning_parser: ReasoningParser | None = None
     """How chat completions split a thinking model's reasoning from its answer; None: not."""
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    """What a request's unset sampling fields take (``--generation-config``)."""
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):
@@ -208,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="chat completions return a thinking model's <think> text as reasoning_content: "
         "qwen3 (the model opens <think>), deepseek_r1 (the template does); default: none",
     )
+    add(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults for what a request leaves unset: auto (the model dir's "
+        "generation_config.json, when it has one), none, or a directory holding one",
+    )
     add_tls_flags(parser)
     add("--public-tls-cert", type=Path, default=None, help="TLS certificate of the public ports")
     add("--public-tls-key", type=Path, default=None, help="its private key (PEM)")
@@ -271,6 +280,7 @@ def parse_gateway_config(
             reasoning_parser=(
                 None if args.reasoning_parser is None else ReasoningParser(args.reasoning_parser)
             ),
+            sampling_defaults=load_sampling_defaults(args.generation_config, args.model),
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -17,6 +17,7 @@ from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
 from gateway.reasoning import ReasoningParser
 from gateway.routing.node_census import NodeCensus
+from gateway.sampling_defaults import SamplingDefaults
 from gateway.text.tokenizer import Tokenizer
 
 
@@ -41,6 +42,8 @@ class Frontend:
     """Per-key limits of the keys in ``api_keys``; the gateway gives it its metrics registry."""
     reasoning_parser: ReasoningParser | None = None
     """``--reasoning-parser``: chat completions split reasoning from content; None: they do not."""
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    """The model's sampling defaults (``--generation-config``): what unset fields take."""
 
     def is_ready(self) -> bool:
         """True while at least one healthy prefill+decode pair or colocated node is available."""

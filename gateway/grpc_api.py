@@ -41,6 +41,8 @@ from services.convert import (
 )
 from services.types import SamplingParamError, SamplingParams
 
+_DEFAULT_MAX_TOKENS = 16  # a request's max_tokens when neither it nor the model sets one
+
 logger = logging.getLogger(__name__)
 
 # Strings: grpc.aio.ServicerContext is generic in its stubs only, not at run time.
@@ -159,7 +161,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             )
         if request.WhichOneof("input") is None:
             raise invalid("input: set one of text, token_ids or chat", param="input")
-        sampling = _sampling_from_proto(request.sampling)
+        sampling = _sampling_from_proto(_with_model_defaults(request.sampling, frontend))
         vocab = frontend.tokenizer.vocab_size
         if sampling.allowed_token_ids and sampling.allowed_token_ids[-1] >= vocab:  # sorted
             raise invalid(
@@ -230,9 +232,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             )
         if not prompt:
             raise invalid(f"{kind}: the prompt is empty", param=kind)
-        limits.check_max_tokens(
-            sampling.max_tokens, len(prompt), prompt_param=kind, max_param="sampling.max_tokens"
-        )
+        if request.sampling.HasField("max_tokens"):
+            limits.check_max_tokens(
+                sampling.max_tokens, len(prompt), prompt_param=kind, max_param="sampling.max_tokens"
+            )
+        else:  # the model's default (or 16), within what the prompt leaves
+            default = frontend.sampling_defaults.max_tokens or _DEFAULT_MAX_TOKENS
+            room = limits.output_room(len(prompt), kind)
+            try:
+                sampling = dataclasses.replace(
+                    sampling, max_tokens=min(default, room, limits.max_tokens)
+                )
+            except SamplingParamError as exc:  # min_tokens past what is left
+                raise invalid(f"sampling.{exc}", param=f"sampling.{exc.param}") from None
         deadline = (
             arrival + frontend.request_timeout_s if frontend.request_timeout_s is not None else None
         )
@@ -243,6 +255,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             deadline=deadline,
             arrival=arrival,
         )
+
+
+def _with_model_defaults(
+    message: common_pb2.SamplingParams, frontend: Frontend
+) -> common_pb2.SamplingParams:
+    """A copy whose unset sampling fields hold the model's defaults (``--generation-config``);
+    ``max_tokens`` is settled after tokenization, where the prompt's length is known."""
+    defaults = frontend.sampling_defaults
+    filled = common_pb2.SamplingParams()
+    filled.CopyFrom(message)
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        value = getattr(defaults, name)
+        if value is not None and not message.HasField(name):
+            setattr(filled, name, value)
+    return filled
 
 
 def _sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:

@@ -76,7 +76,14 @@ class GatewayServer:
             client_send_timeout_s=config.client_send_timeout_s,
             key_limiter=KeyLimiter(self.metrics.registry),
             reasoning_parser=config.reasoning_parser,
+            sampling_defaults=config.sampling_defaults,
         )
+        if config.sampling_defaults.as_dict():
+            logger.info(
+                "sampling defaults from the model's generation config (requests that leave "
+                "them unset): %s",
+                config.sampling_defaults.as_dict(),
+            )
         self.health = health.aio.HealthServicer()
         self.http_port = 0
         self.grpc_port = 0

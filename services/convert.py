@@ -48,6 +48,7 @@ _OPTIONAL_FIELDS = (
     "temperature",
     "top_k",
     "top_p",
+    "min_p",
     "seed",
     "repetition_penalty",
     "logprobs",
@@ -63,7 +64,6 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
     }
     kwargs.update(
         min_tokens=message.min_tokens,
-        min_p=message.min_p,
         presence_penalty=message.presence_penalty,
         frequency_penalty=message.frequency_penalty,
         stop_token_ids=tuple(message.stop_token_ids),

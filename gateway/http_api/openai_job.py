@@ -348,9 +348,12 @@ def sampling_params(
     requested, max_param = body.max_tokens, "max_tokens"
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         requested, max_param = body.max_completion_tokens, "max_completion_tokens"
+    defaults = frontend.sampling_defaults  # the model's, for what the request leaves unset
     if requested is None:
         room = limits.output_room(prompt_len, param)
         default = limits.max_tokens if job.is_chat else _COMPLETIONS_DEFAULT_MAX_TOKENS
+        if defaults.max_tokens is not None:
+            default = defaults.max_tokens
         max_tokens = min(default, room, limits.max_tokens)
     else:
         limits.check_max_tokens(requested, prompt_len, prompt_param=param, max_param=max_param)
@@ -361,21 +364,25 @@ def sampling_params(
         seed = (body.seed + choice + _INT64) % (2 * _INT64) - _INT64
     # 0, or a top_k the vocabulary cannot fill, filters nothing: -1, the engine's "off" (a top_k
     # past int32 would fail the nodes' protobuf field, after the request was accepted).
-    top_k = body.top_k
+    top_k = body.top_k if body.top_k is not None else defaults.top_k
     if top_k is not None and (top_k == 0 or top_k >= frontend.tokenizer.vocab_size):
         top_k = -1
-    # A field the client left out (or sent as null) takes the engine's default.
+    # A field the client left out (or sent as null) takes the model's default, else the engine's.
     given: dict[str, Any] = {
-        "temperature": body.temperature,
+        "temperature": body.temperature if body.temperature is not None else defaults.temperature,
         "top_k": top_k,
-        "top_p": body.top_p,
-        "repetition_penalty": body.repetition_penalty,
+        "top_p": body.top_p if body.top_p is not None else defaults.top_p,
+        "repetition_penalty": (
+            body.repetition_penalty
+            if body.repetition_penalty is not None
+            else defaults.repetition_penalty
+        ),
+        "min_p": body.min_p if body.min_p is not None else defaults.min_p,
     }
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
             min_tokens=body.min_tokens or 0,
-            min_p=body.min_p or 0.0,
             seed=seed,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,

@@ -25,6 +25,7 @@ from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
 from gateway.reasoning import ReasoningParser
 from gateway.routing.node_census import NodeCensus, RoleCensus
+from gateway.sampling_defaults import SamplingDefaults
 from gateway.text.tokenizer import Tokenizer
 from services.types import FinishReason, TokenLogprob, Usage
 
@@ -147,6 +148,7 @@ def start(
     client_send_timeout_s: float | None = 30.0,
     send_buffer_bytes: int | None = None,
     reasoning_parser: ReasoningParser | None = None,
+    sampling_defaults: SamplingDefaults | None = None,
     **limits: Any,
 ) -> tuple[Served, ThreadedUvicorn]:
     generator = FakeGenerator(script or output_script(tokenizer))
@@ -162,6 +164,7 @@ def start(
         request_timeout_s=30.0,
         client_send_timeout_s=client_send_timeout_s,
         reasoning_parser=reasoning_parser,
+        sampling_defaults=sampling_defaults or SamplingDefaults(),
     )
     server = ThreadedUvicorn(build_openai_app(frontend), send_buffer_bytes)
     return Served(f"http://127.0.0.1:{server.port}", frontend, generator, tokenizer), server
