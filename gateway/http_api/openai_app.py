@@ -25,6 +25,7 @@ Life of one ``/v1/completions`` or ``/v1/chat/completions`` request here:
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import time
 
 from fastapi import APIRouter, FastAPI, Request, Security
@@ -49,6 +50,11 @@ from gateway.http_api.openai_protocol import (
 )
 from gateway.http_api.sse import MEDIA_TYPE
 from gateway.http_api.tokenize_api import tokenize_router
+
+try:
+    _VERSION = importlib.metadata.version("pdserve")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+    _VERSION = "unknown"
 
 _ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     status: {"model": ErrorResponse, "description": description}
@@ -146,6 +152,11 @@ def build_openai_app(frontend: Frontend) -> FastAPI:
         if not census.is_ready:
             raise GatewayError(ErrorKind.UNAVAILABLE, "no healthy prefill/decode pair or node")
         return {"status": "ok", "nodes": census.as_json()}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """vLLM's ``/version``: the version of the pdserve package serving (no key needed)."""
+        return {"version": _VERSION}
 
     @app.get(
         "/metrics",

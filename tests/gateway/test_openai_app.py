@@ -3,6 +3,7 @@ client and by raw httpx, over a scripted fake generator and the real tiny-model 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import socket
 import threading
@@ -610,6 +611,13 @@ def test_priority_reaches_the_nodes(serve: Callable[..., Served]) -> None:
     # The nodes' protobuf field is int32.
     assert_error(served.post("/v1/completions", {**body, "priority": 2**31}), 400, "priority")
     assert len(served.generator.requests) == 2
+
+
+def test_version_needs_no_key(serve: Callable[..., Served]) -> None:
+    served = serve(api_keys=("sesame",))
+    response = httpx.get(f"{served.url}/version", timeout=5)
+    assert response.status_code == 200
+    assert response.json() == {"version": importlib.metadata.version("pdserve")}
 
 
 def test_null_means_the_default(serve: Callable[..., Served]) -> None:
