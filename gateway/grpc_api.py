@@ -169,6 +169,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 f"outside the vocabulary [0, {vocab})",
                 param="sampling.allowed_token_ids",
             )
+        if len(sampling.bad_words_token_ids) > frontend.limits.max_bad_words:
+            raise invalid(  # each is checked against every row's output at every step
+                f"at most {frontend.limits.max_bad_words} sampling.bad_words_token_ids, got "
+                f"{len(sampling.bad_words_token_ids)}",
+                param="sampling.bad_words_token_ids",
+            )
         for index, word in enumerate(sampling.bad_words_token_ids):
             if max(word) >= vocab:
                 raise invalid(

@@ -81,7 +81,7 @@ _KEYS = {
 _CHECKS: dict[str, Callable[[Any], bool]] = {
     "temperature": _finite(0.0, math.inf),
     "top_p": _finite(0.0, 1.0, low_open=True),
-    "top_k": lambda value: isinstance(value, int) and value >= -1,
+    "top_k": lambda value: isinstance(value, int) and -1 <= value < 2**31,  # the proto's int32
     "min_p": _finite(0.0, 1.0),
     "repetition_penalty": _finite(0.0, math.inf, low_open=True),
     "max_tokens": lambda value: isinstance(value, int) and value >= 1,

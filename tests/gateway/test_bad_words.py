@@ -91,13 +91,13 @@ def test_grpc_takes_words_and_token_sequences(tiny_llama_dir: Path) -> None:
         code, details, _ = served.call(request)
         assert code is grpc.StatusCode.INVALID_ARGUMENT
         assert "sampling.bad_words_token_ids[0]" in details and str(vocab) in details
-        for bad in ([common_pb2.TokenSequence()], []):
+        for bad in ([common_pb2.TokenSequence()], [common_pb2.TokenSequence(ids=[5])] * 65, []):
             del request.sampling.bad_words_token_ids[:]
             request.sampling.bad_words_token_ids.extend(bad)
             request.bad_words[:] = [""] if not bad else ["ok"]
             code, details, _ = served.call(request)
             assert code is grpc.StatusCode.INVALID_ARGUMENT
-            assert "bad_words" in details
+            assert "bad_words" in details, details
         assert served.node.running == 0
     finally:
         served.close()

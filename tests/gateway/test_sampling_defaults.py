@@ -44,7 +44,7 @@ def test_the_file_is_read_and_checked(tmp_path: Path) -> None:
     assert defaults == SamplingDefaults(0.7, 0.8, 20, 0.05, 1.05, 12)
     path.write_text(json.dumps({"top_k": 0, "temperature": 0}))  # top_k 0 is "off"
     assert SamplingDefaults.from_generation_config(path) == SamplingDefaults(temperature=0)
-    bad = [("temperature", -1), ("top_p", 0), ("top_k", "20"), ("min_p", 2),
+    bad = [("temperature", -1), ("top_p", 0), ("top_k", "20"), ("top_k", 2**31), ("min_p", 2),
            ("repetition_penalty", 0), ("max_new_tokens", 0), ("top_p", True)]  # fmt: skip
     for key, value in bad:
         path.write_text(json.dumps({key: value}))
