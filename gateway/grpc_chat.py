@@ -16,7 +16,11 @@ from pdserve.v1 import gateway_pb2
 
 # The request's fields for the template variables chat_template_kwargs may not set: the
 # OpenAI bridge's, inside ChatMessages.
-_OWN_TEMPLATE_FIELDS = {name: f"chat.{field}" for name, field in OPENAI_TEMPLATE_FIELDS.items()}
+_OWN_TEMPLATE_FIELDS = {
+    name: f"chat.{field}"
+    for name, field in OPENAI_TEMPLATE_FIELDS.items()
+    if name != "add_special_tokens"  # the bridge's alone: the gRPC chat has no such field
+}
 
 
 @dataclass(frozen=True)

@@ -276,6 +276,7 @@ def prompt_token_ids(job: OpenAIJob, tokenizer: Tokenizer) -> list[tuple[int, ..
                 messages,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
+                add_special_tokens=body.add_special_tokens,
                 **template_kwargs,
             )
         ]
@@ -283,10 +284,11 @@ def prompt_token_ids(job: OpenAIJob, tokenizer: Tokenizer) -> list[tuple[int, ..
     else:
         prompt = body.prompt
         param = "prompt"
+        special = body.add_special_tokens
         if isinstance(prompt, str):
-            prompts = [tokenizer.encode(prompt)]
+            prompts = [tokenizer.encode(prompt, special)]
         elif isinstance(prompt[0], str):
-            prompts = [tokenizer.encode(text) for text in prompt]
+            prompts = [tokenizer.encode(text, special) for text in prompt]
         elif isinstance(prompt[0], int):
             prompts = [list(prompt)]
         else:

@@ -8,7 +8,8 @@ the deployment (``RequestLimits``, the prompt's length) are checked by the app.
 
 vLLM's sampling extensions are accepted: ``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
-``include_stop_str_in_output``, ``bad_words``, ``priority``, ``return_tokens_as_token_ids``.
+``include_stop_str_in_output``, ``bad_words``, ``priority``, ``return_tokens_as_token_ids``,
+``add_special_tokens``.
 Structured outputs: ``response_format`` (json_object, json_schema), vLLM's
 ``structured_outputs`` and its older ``guided_json``, ``guided_regex``, ``guided_choice``,
 ``guided_grammar``; tools with ``tool_choice``; and ``logit_bias``. Chat takes vLLM's template
@@ -173,6 +174,9 @@ class CompletionRequest(_GenerationParams):
     echo: Flag = False
     """Start each choice's text with its prompt; with ``logprobs``, the legacy logprobs start
     with the prompt's tokens too (the first has none), as lm-evaluation-harness reads them."""
+    add_special_tokens: TrueFlag = True
+    """vLLM extension: a text prompt is tokenized with the tokenizer's special tokens (BOS);
+    false for a prompt that already holds them."""
     suffix: str | None = None
     """Unsupported: only null or empty."""
     best_of: int | None = Field(None, ge=1)
@@ -217,6 +221,9 @@ class ChatCompletionRequest(_GenerationParams):
     """Deprecated by OpenAI in favour of ``max_completion_tokens``, which wins when both are set.
     Default: what is left of the context after the prompt, capped by the server's limit."""
     max_completion_tokens: int | None = Field(None, ge=1)
+    add_special_tokens: Flag = False
+    """vLLM extension: add the tokenizer's special tokens (BOS) on top of what the chat
+    template writes (most templates write their own)."""
     logprobs: Flag = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """Alternatives per token; needs ``logprobs: true``."""

@@ -228,6 +228,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
         "continue_final_message",
         "chat_template",
         "tokenize",
+        "add_special_tokens",
     }
 )
 """Template variables a client's ``chat_template_kwargs`` may not set: the gateway sets each
@@ -236,7 +237,14 @@ second ``messages`` or ``tools``)."""
 
 
 OPENAI_TEMPLATE_FIELDS = {
-    name: name for name in ("messages", "tools", "add_generation_prompt", "continue_final_message")
+    name: name
+    for name in (
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "continue_final_message",
+        "add_special_tokens",
+    )
 }
 """The OpenAI-style request's own fields for the reserved variables (the chat route and
 ``/tokenize``): ``check_template_kwargs``'s ``own_fields`` there."""

@@ -256,14 +256,15 @@ class Tokenizer:
         /,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        add_special_tokens: bool = False,
         **template_kwargs: Any,
     ) -> list[int]:
         """Token ids of the rendered conversation.
 
-        The template writes its own BOS, so encoding adds no special tokens (vLLM and
-        transformers do the same; adding them would double the BOS).
+        The template writes its own BOS, so encoding adds no special tokens unless asked (vLLM
+        and transformers do the same; adding them would double the BOS).
         """
         text = self.apply_chat_template(
             messages, add_generation_prompt, continue_final_message, **template_kwargs
         )
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=add_special_tokens)

@@ -166,6 +166,7 @@ def test_continue_final_message_and_echo(tokenizer: Tokenizer, start: Any) -> No
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
         ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"add_special_tokens": True}}, "chat_template_kwargs"),
         ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
         ({"add_generation_prompt": "no"}, "add_generation_prompt"),
         (
@@ -183,6 +184,26 @@ def test_template_control_refusals(
     assert not served.generator.requests
     if param == "chat_template_kwargs" and isinstance(changes[param], dict):
         assert repr(next(iter(changes[param]))) in error["message"]
+
+
+def test_add_special_tokens_on_both_routes(tokenizer: Tokenizer, start: Any) -> None:
+    """vLLM's defaults: completions add the BOS, chat leaves it to the template."""
+    served = start(tokenizer)
+    bos = tokenizer.encode("x")[0]
+    assert tokenizer.encode("x", add_special_tokens=False)[0] != bos  # else nothing is tested
+    prompts = []
+    for body in ({"prompt": "x"}, {"prompt": ["x"], "add_special_tokens": False}):
+        assert served.post("/v1/completions", {"model": MODEL, **body}).status_code == 200
+        prompts.append(served.generator.requests[-1].prompt_token_ids)
+    assert list(prompts[0]) == tokenizer.encode("x")
+    assert list(prompts[1]) == tokenizer.encode("x", add_special_tokens=False)
+    messages = [{"role": "user", "content": "hi"}]
+    for extra in ({}, {"add_special_tokens": True}):
+        body = {"model": MODEL, "messages": messages, **extra}
+        assert served.post("/v1/chat/completions", body).status_code == 200
+        prompts.append(served.generator.requests[-1].prompt_token_ids)
+    assert list(prompts[2]) == tokenizer.encode_chat(messages)
+    assert list(prompts[3]) == [bos, *prompts[2]]  # on top of the template's own
 
 
 def test_chat_template_kwargs_reach_the_template(tokenizer: Tokenizer, start: Any) -> None:

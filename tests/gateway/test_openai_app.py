@@ -976,7 +976,7 @@ _FIELDS = (
     "guided_json guided_regex guided_choice guided_grammar parallel_tool_calls "
     "add_generation_prompt continue_final_message chat_template_kwargs allowed_token_ids "
     "include_reasoning truncate_prompt_tokens prompt_logprobs structured_outputs bad_words "
-    "priority return_tokens_as_token_ids"
+    "priority return_tokens_as_token_ids add_special_tokens"
 ).split()
 
 
