@@ -88,6 +88,7 @@ class GatewayConfig:
     model_dir: Path
     """Tokenizer, chat template and config.json come from here (no weights are read)."""
     served_model_name: str
+    """The name responses carry; requests may name it or any of ``served_model_aliases``."""
     host: str
     http_port: int
     grpc_port: int
@@ -109,8 +110,13 @@ class GatewayConfig:
     """How chat completions split a thinking model's reasoning from its answer; None: not."""
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     """What a request's unset sampling fields take (``--generation-config``)."""
+    served_model_aliases: tuple[str, ...] = ()
+    """``--served-model-name``'s further names (vLLM's): accepted, and listed by ``/v1/models``."""
 
     def __post_init__(self) -> None:
+        names = (self.served_model_name, *self.served_model_aliases)
+        if not all(names) or len(set(names)) != len(names):
+            raise ValueError(f"served model names must be non-empty and distinct, got {names}")
         for name in ("http_port", "grpc_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
@@ -140,7 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path("models/tiny-llama"),
         help="Hugging Face model dir (tokenizer, chat template, config.json) or GGUF file",
     )
-    add("--served-model-name", default=None, help="model id clients use (default: dir name)")
+    add(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model id(s) clients use (default: the model dir's name); with several (env: "
+        "comma-separated), requests may name any and responses carry the first",
+    )
     add("--host", default="0.0.0.0", help="address both servers bind")
     add("--http-port", type=int, default=8000, help="OpenAI API, /health, /metrics")
     add("--grpc-port", type=int, default=50051, help="public gRPC API")
@@ -261,9 +273,13 @@ def parse_gateway_config(
             local_prefill_max_tokens=args.local_prefill_max_tokens,
             health_interval_s=args.health_interval_s,
         )
+        names = args.served_model_name or [args.model.resolve().name]
+        if isinstance(names, str):  # PDSERVE_SERVED_MODEL_NAME: one string
+            names = [name.strip() for name in names.split(",")]
         return GatewayConfig(
             model_dir=args.model,
-            served_model_name=args.served_model_name or args.model.resolve().name,
+            served_model_name=names[0],
+            served_model_aliases=tuple(names[1:]),
             host=args.host,
             http_port=args.http_port,
             grpc_port=args.grpc_port,

@@ -24,7 +24,7 @@ from gateway.text.tokenizer import Tokenizer
 @dataclass(frozen=True)
 class Frontend:
     served_model_name: str
-    """The one model id clients name (``GET /v1/models``); another name is 404."""
+    """The model id responses carry; a request naming neither it nor an alias is 404."""
     tokenizer: Tokenizer
     generator: Generator
     admission: Admission
@@ -44,6 +44,13 @@ class Frontend:
     """``--reasoning-parser``: chat completions split reasoning from content; None: they do not."""
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     """The model's sampling defaults (``--generation-config``): what unset fields take."""
+    served_model_aliases: tuple[str, ...] = ()
+    """Further names a request may give the model (``--served-model-name a b``)."""
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every name of the model, the one responses carry first (``GET /v1/models``)."""
+        return (self.served_model_name, *self.served_model_aliases)
 
     def is_ready(self) -> bool:
         """True while at least one healthy prefill+decode pair or colocated node is available."""

@@ -114,10 +114,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             await context.abort(exc.kind.grpc_code, exc.message)
         return gateway_pb2.ListModelsResponse(
             models=[
-                gateway_pb2.ModelCard(
-                    id=self.frontend.served_model_name,
-                    max_model_len=self.frontend.limits.max_model_len,
-                )
+                gateway_pb2.ModelCard(id=name, max_model_len=self.frontend.limits.max_model_len)
+                for name in self.frontend.served_model_names
             ]
         )
 
@@ -148,11 +146,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         """What needs no tokenizer, before admission: model, input kind, sampling, stop, the
         chat fields."""
         frontend = self.frontend
-        if request.model and request.model != frontend.served_model_name:
+        if request.model and request.model not in frontend.served_model_names:
             raise GatewayError(
                 ErrorKind.NOT_FOUND,
                 f"model {request.model!r} does not exist; this gateway serves "
-                f"{frontend.served_model_name!r}",
+                f"{', '.join(map(repr, frontend.served_model_names))}",
                 param="model",
             )
         if request.request_id and not CLIENT_REQUEST_ID.fullmatch(request.request_id):

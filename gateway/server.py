@@ -77,6 +77,7 @@ class GatewayServer:
             key_limiter=KeyLimiter(self.metrics.registry),
             reasoning_parser=config.reasoning_parser,
             sampling_defaults=config.sampling_defaults,
+            served_model_aliases=config.served_model_aliases,
         )
         if config.sampling_defaults.as_dict():
             logger.info(

@@ -117,16 +117,12 @@ def build_openai_app(frontend: Frontend) -> FastAPI:
         job = await asyncio.to_thread(chat_job, body, request, frontend)
         return GenerationResponse(frontend, job)
 
-    def model_card() -> ModelCard:
-        return ModelCard(
-            id=frontend.served_model_name,
-            created=created,
-            max_model_len=frontend.limits.max_model_len,
-        )
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=created, max_model_len=frontend.limits.max_model_len)
 
     @v1.get("/models", response_model=ModelList, responses={401: _ERROR_RESPONSES[401]})
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card()])
+        return ModelList(data=[model_card(name) for name in frontend.served_model_names])
 
     @v1.get(
         "/models/{model}",
@@ -135,7 +131,7 @@ def build_openai_app(frontend: Frontend) -> FastAPI:
     )
     async def retrieve_model(model: str) -> ModelCard:
         check_model(model, frontend)
-        return model_card()
+        return model_card(model)
 
     app.include_router(v1)
     app.include_router(tokenize_router(frontend, bearer))

@@ -227,10 +227,11 @@ def _check_common(
 
 def check_model(model: str | None, frontend: Frontend) -> None:
     """A request names the served model or none (a route's path always names one)."""
-    if model is not None and model != frontend.served_model_name:
+    if model is not None and model not in frontend.served_model_names:
         raise GatewayError(
             ErrorKind.NOT_FOUND,
-            f"model {model!r} does not exist; this server serves {frontend.served_model_name!r}",
+            f"model {model!r} does not exist; this server serves "
+            f"{', '.join(map(repr, frontend.served_model_names))}",
             param="model",
         )
 

@@ -44,3 +44,15 @@ def test_reasoning_parser_from_flag_env_or_default(tiny_llama_dir: Path, capsys)
     with pytest.raises(SystemExit):
         parse(tiny_llama_dir, "--reasoning-parser", "o1")
     assert "invalid choice: 'o1'" in capsys.readouterr().err
+
+
+def test_served_model_names_from_flag_env_or_default(tiny_llama_dir: Path, capsys) -> None:
+    default = parse(tiny_llama_dir)
+    assert (default.served_model_name, default.served_model_aliases) == (tiny_llama_dir.name, ())
+    several = parse(tiny_llama_dir, "--served-model-name", "tiny", "gpt-4o-mini")
+    assert (several.served_model_name, several.served_model_aliases) == ("tiny", ("gpt-4o-mini",))
+    from_env = parse(tiny_llama_dir, PDSERVE_SERVED_MODEL_NAME="tiny, alias")
+    assert (from_env.served_model_name, from_env.served_model_aliases) == ("tiny", ("alias",))
+    with pytest.raises(SystemExit):
+        parse(tiny_llama_dir, "--served-model-name", "tiny", "tiny")
+    assert "distinct" in capsys.readouterr().err

@@ -149,6 +149,7 @@ def start(
     send_buffer_bytes: int | None = None,
     reasoning_parser: ReasoningParser | None = None,
     sampling_defaults: SamplingDefaults | None = None,
+    aliases: tuple[str, ...] = (),
     **limits: Any,
 ) -> tuple[Served, ThreadedUvicorn]:
     generator = FakeGenerator(script or output_script(tokenizer))
@@ -165,6 +166,7 @@ def start(
         client_send_timeout_s=client_send_timeout_s,
         reasoning_parser=reasoning_parser,
         sampling_defaults=sampling_defaults or SamplingDefaults(),
+        served_model_aliases=aliases,
     )
     server = ThreadedUvicorn(build_openai_app(frontend), send_buffer_bytes)
     return Served(f"http://127.0.0.1:{server.port}", frontend, generator, tokenizer), server
