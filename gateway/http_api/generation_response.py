@@ -27,7 +27,13 @@ from gateway.frontend import Frontend
 from gateway.http_api.choice_fanout import ChoiceEvent, ChoiceFanout
 from gateway.http_api.client_send import SlowClientError, bounded_send, send_json
 from gateway.http_api.openai_errors import internal_error_body
-from gateway.http_api.openai_format import ChatFormat, ChoiceState, CompletionFormat, OpenAIFormat
+from gateway.http_api.openai_format import (
+    ChatFormat,
+    ChoiceState,
+    Chunk,
+    CompletionFormat,
+    OpenAIFormat,
+)
 from gateway.http_api.openai_job import OpenAIJob, choice_requests, prompt_token_ids
 from gateway.http_api.openai_protocol import PromptTokensDetails, UsageInfo
 from gateway.http_api.sse import DONE, MEDIA_TYPE, sse_event
@@ -42,14 +48,18 @@ class GenerationResponse(Response):
     """An ASGI response that runs the request: its status is known only once every choice has
     its first event, so the admission, the generation and the sending all happen here."""
 
-    def __init__(self, frontend: Frontend, job: OpenAIJob) -> None:
+    def __init__(
+        self, frontend: Frontend, job: OpenAIJob, output: OpenAIFormat | None = None
+    ) -> None:
+        """``output``: how the response is shaped; by default the job's route's (completions
+        or chat)."""
         super().__init__()
         self._frontend = frontend
         self._job = job
         self._is_started = False
         self._is_client_gone = False
         self._n = job.body.n
-        self._format: OpenAIFormat = (ChatFormat if job.is_chat else CompletionFormat)(
+        self._format: OpenAIFormat = output or (ChatFormat if job.is_chat else CompletionFormat)(
             job, frontend.tokenizer, frontend.served_model_name
         )
 
@@ -111,9 +121,10 @@ class GenerationResponse(Response):
             metrics.request_errors.labels(reason="slow_client").inc()
         except GatewayError as error:
             metrics.request_errors.labels(reason=error.kind.name.lower()).inc()
+            refusal = self._job.renamed(error)  # as the client named the field
             if not self._is_started:
                 await self._send_json(
-                    send, error.kind.http_status, error.openai_body(), error.http_headers()
+                    send, refusal.kind.http_status, refusal.openai_body(), refusal.http_headers()
                 )
         except Exception:
             logger.exception("request %s failed", self._job.request_id)
@@ -145,10 +156,9 @@ class GenerationResponse(Response):
                 chunk = self._format.delta_chunk(state, event)
                 if chunk is not None:
                     state.is_started = True
-                    await self._send_body(send, sse_event(self._with_usage(chunk, state)))
+                    await self._send_chunk(send, chunk, state)
                 return
-            chunk = self._with_usage(self._format.finish_chunk(state), state)
-            await self._send_body(send, sse_event(chunk))
+            await self._send_chunk(send, self._format.finish_chunk(state), state)
             if event.finish_reason == FinishReason.ERROR:
                 errors.append(f"choice {index} failed: {event.error or 'unknown error'}")
 
@@ -159,7 +169,7 @@ class GenerationResponse(Response):
                 await emit(*await choices.next())
             if self._job.include_usage:
                 await self._send_body(
-                    send, sse_event(self._format.usage_chunk(self._usage(states)))
+                    send, self._format.encode_event(self._format.usage_chunk(self._usage(states)))
                 )
         except asyncio.CancelledError:
             # Cancelled with the client still there (the server shutting down): end each open
@@ -174,8 +184,9 @@ class GenerationResponse(Response):
                             error=None,
                             stop_reason=None,
                         )
-                        await self._send_body(send, sse_event(self._format.finish_chunk(state)))
-                await self._send_body(send, DONE)
+                        await self._send_chunk(send, self._format.finish_chunk(state), state)
+                if self._format.ends_with_done:
+                    await self._send_body(send, DONE)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             raise
         except SlowClientError:
@@ -188,7 +199,8 @@ class GenerationResponse(Response):
             self._frontend.metrics.request_errors.labels(reason="generation_failed").inc()
             error = GatewayError(ErrorKind.UNAVAILABLE, "; ".join(errors))
             await self._send_body(send, sse_event(error.openai_body()))
-        await self._send_body(send, DONE)
+        if self._format.ends_with_done:
+            await self._send_body(send, DONE)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _respond(
@@ -252,6 +264,13 @@ class GenerationResponse(Response):
         state.num_chars = end
         state.num_tokens += len(item.token_ids)
         return item
+
+    async def _send_chunk(self, send: Send, chunk: Chunk, state: ChoiceState) -> None:
+        if isinstance(chunk, BaseModel):
+            await self._send_body(send, self._format.encode_event(self._with_usage(chunk, state)))
+            return
+        # Several events (the Responses API's opening ones): one send, so they leave together.
+        await self._send_body(send, b"".join(self._format.encode_event(event) for event in chunk))
 
     def _with_usage(self, chunk: BaseModel, state: ChoiceState) -> BaseModel:
         """With ``continuous_usage_stats``: the chunk carries its choice's usage so far (vLLM

@@ -48,6 +48,8 @@ from gateway.http_api.openai_protocol import (
     ModelCard,
     ModelList,
 )
+from gateway.http_api.responses_api import ResponsesFormat, responses_job
+from gateway.http_api.responses_protocol import ResponseObject, ResponsesRequest
 from gateway.http_api.sse import MEDIA_TYPE
 from gateway.http_api.tokenize_api import tokenize_router
 
@@ -72,6 +74,14 @@ _STREAM_RESPONSE: dict[int | str, dict[str, object]] = {
     200: {
         "description": "JSON, or with `stream: true` server-sent events: `data: {chunk}` "
         "lines, then `data: [DONE]`",
+        "content": {MEDIA_TYPE: {"schema": {"type": "string"}}},
+    }
+}
+
+_RESPONSES_STREAM: dict[int | str, dict[str, object]] = {
+    200: {
+        "description": "A response object, or with `stream: true` its events as server-sent "
+        "events (`event: <type>` and `data: {event}` lines, no `[DONE]`)",
         "content": {MEDIA_TYPE: {"schema": {"type": "string"}}},
     }
 }
@@ -116,6 +126,17 @@ def build_openai_app(frontend: Frontend) -> FastAPI:
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         job = await asyncio.to_thread(chat_job, body, request, frontend)
         return GenerationResponse(frontend, job)
+
+    @v1.post(
+        "/responses",
+        response_model=ResponseObject,
+        responses={**_RESPONSES_STREAM, **_ERROR_RESPONSES},
+    )
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API over the chat pipeline (``responses_api.py``)."""
+        job = await asyncio.to_thread(responses_job, body, request, frontend)
+        output = ResponsesFormat(job, frontend.tokenizer, frontend.served_model_name, body)
+        return GenerationResponse(frontend, job, output)
 
     def model_card(name: str) -> ModelCard:
         return ModelCard(id=name, created=created, max_model_len=frontend.limits.max_model_len)

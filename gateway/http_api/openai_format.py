@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 from pydantic import BaseModel
 
@@ -33,6 +33,7 @@ from gateway.http_api.openai_protocol import (
     TopLogprob,
     UsageInfo,
 )
+from gateway.http_api.sse import sse_event
 from gateway.reasoning import split_reasoning
 from gateway.text.chat_template import message_text
 from gateway.text.text_stream import TextDelta, TextFinished
@@ -65,13 +66,24 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else _MIN_LOGPROB
 
 
+Chunk = BaseModel | list[dict[str, Any]]
+"""What one step of a stream sends: a chunk, or several events (the Responses API's)."""
+
+
 class OpenAIFormat:
     """How one API shapes chunks and responses; one subclass per route."""
+
+    ends_with_done = True
+    """The stream ends with ``data: [DONE]`` (completions and chat; not the Responses API)."""
 
     def __init__(self, job: OpenAIJob, tokenizer: Tokenizer, model: str) -> None:
         self.job = job
         self.tokenizer = tokenizer
         self.model = model
+
+    def encode_event(self, payload: BaseModel | dict[str, Any]) -> bytes:
+        """One chunk or event as the stream's SSE bytes."""
+        return sse_event(payload)
 
     def token_text(self, token_id: int) -> str:
         """A token as logprobs show it: its text, or vLLM's ``token_id:<id>`` with
@@ -87,10 +99,10 @@ class OpenAIFormat:
             return self.token_text(token_id).encode()
         return self.tokenizer.token_bytes(token_id)
 
-    def delta_chunk(self, state: ChoiceState, delta: TextDelta) -> BaseModel | None:
+    def delta_chunk(self, state: ChoiceState, delta: TextDelta) -> Chunk | None:
         raise NotImplementedError
 
-    def finish_chunk(self, state: ChoiceState) -> BaseModel:
+    def finish_chunk(self, state: ChoiceState) -> Chunk:
         raise NotImplementedError
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:

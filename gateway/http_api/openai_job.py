@@ -62,6 +62,16 @@ class OpenAIJob:
     reasoning: ReasoningParser | None = None
     """Chat: how to split reasoning from content; None without ``--reasoning-parser``, or when
     a grammar constrains the whole output (it leaves no room for reasoning)."""
+    param_names: tuple[tuple[str, str], ...] = ()
+    """(the chat request's field, the client's name for it): a request translated into a chat
+    (the Responses API) has its errors name what the client sent."""
+
+    def with_param_names(self, names: tuple[tuple[str, str], ...]) -> OpenAIJob:
+        return dataclasses.replace(self, param_names=names)
+
+    def renamed(self, error: GatewayError) -> GatewayError:
+        """``error`` naming the client's fields (``param_names``)."""
+        return renamed(error, self.param_names)
 
     @property
     def is_chat(self) -> bool:
@@ -77,6 +87,18 @@ class OpenAIJob:
         """Every streamed chunk carries the usage so far (vLLM's ``continuous_usage_stats``)."""
         options = self.body.stream_options
         return options is not None and options.include_usage and options.continuous_usage_stats
+
+
+def renamed(error: GatewayError, names: tuple[tuple[str, str], ...]) -> GatewayError:
+    """``error`` with its param (and the name in its message) as the client called the field:
+    ``names`` maps the chat request's names to the client's; itself when none applies."""
+    for ours, theirs in names:
+        param = error.param
+        if param is not None and (param == ours or param.startswith((f"{ours}.", f"{ours}["))):
+            # theirs alone: an index into the chat's messages is not one into the input.
+            message = error.message.replace(ours, theirs)
+            return GatewayError(error.kind, message, theirs, retry_after_s=error.retry_after_s)
+    return error
 
 
 def completion_job(body: CompletionRequest, request: Request, frontend: Frontend) -> OpenAIJob:
@@ -109,7 +131,9 @@ def completion_job(body: CompletionRequest, request: Request, frontend: Frontend
     )
 
 
-def chat_job(body: ChatCompletionRequest, request: Request, frontend: Frontend) -> OpenAIJob:
+def chat_job(
+    body: ChatCompletionRequest, request: Request, frontend: Frontend, id_prefix: str = "chatcmpl"
+) -> OpenAIJob:
     stop = _check_common(body, frontend)
     if body.functions:
         raise invalid("functions are not supported", param="functions")
@@ -143,7 +167,7 @@ def chat_job(body: ChatCompletionRequest, request: Request, frontend: Frontend) 
         raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     frontend.limits.check_logprobs(num_logprobs, "top_logprobs")
-    job = _new_job(body, request, "chatcmpl", stop, num_logprobs, frontend)
+    job = _new_job(body, request, id_prefix, stop, num_logprobs, frontend)
     if body.prompt_logprobs is not None and body.stream:
         raise invalid(
             "prompt_logprobs is returned with the whole chat response, not streamed",

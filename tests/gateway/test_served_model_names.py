@@ -33,9 +33,11 @@ def test_a_request_may_name_any_alias(tokenizer: Tokenizer) -> None:
 def test_grpc_api_takes_every_served_name(tiny_llama_dir: Path) -> None:
     served = FakeGateway.start(tiny_llama_dir, extra=("--served-model-name", "tiny", "alias"))
     try:
-        listed = served.loop.run_until_complete(
-            served.stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=10)
-        )
+
+        async def list_models() -> gateway_pb2.ListModelsResponse:  # on the gateway's loop
+            return await served.stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=10)
+
+        listed = served.loop.run_until_complete(list_models())
         assert [card.id for card in listed.models] == ["tiny", "alias"]
         request = gateway_pb2.GatewayGenerateRequest(model="alias", text="hi")
         assert served.call(request)[0] is grpc.StatusCode.OK

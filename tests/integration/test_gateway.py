@@ -254,6 +254,19 @@ def test_openai_client_through_the_disaggregated_stack(tiny_llama_dir: Path, exp
         )
         assert chat.choices[0].message.role == "assistant"
         assert chat.usage.completion_tokens == 8
+        # The Responses API is the same chat, answered as a response (streamed too).
+        greedy_chat = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0
+        )
+        response = await client.responses.create(
+            model=model, input="hi", max_output_tokens=8, temperature=0
+        )
+        assert response.output_text == greedy_chat.choices[0].message.content
+        streamed_response = await client.responses.create(
+            model=model, input="hi", max_output_tokens=8, temperature=0, stream=True
+        )
+        events = [event async for event in streamed_response]
+        assert events[-1].response.output_text == response.output_text
 
         # A client that hangs up mid-stream frees the blocks on every node.
         async with httpx.AsyncClient(base_url=base, timeout=30) as http:

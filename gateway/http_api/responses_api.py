@@ -1,0 +1,260 @@
+"""OpenAI's Responses API (``POST /v1/responses``) over the chat pipeline: a request becomes the
+chat request it means (``instructions`` a system message, ``input`` the messages,
+``max_output_tokens`` the chat's ``max_completion_tokens``, ``text.format`` its
+``response_format``), runs as a chat completion, and is answered as a response object, or
+streamed as its events:
+
+    response.created, response.in_progress, response.output_item.added,
+    response.content_part.added, response.output_text.delta (one per piece of text),
+    response.output_text.done, response.content_part.done, response.output_item.done,
+    response.completed (or response.incomplete at max_output_tokens)
+
+each with its ``sequence_number``, as ``event: <type>`` and ``data: <json>`` lines (no
+``[DONE]``). An error names the Responses field the client sent (``input``, not ``messages``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from gateway.errors import GatewayError, invalid
+from gateway.frontend import Frontend
+from gateway.http_api.openai_format import ChoiceState, OpenAIFormat
+from gateway.http_api.openai_job import OpenAIJob, chat_job, renamed
+from gateway.http_api.openai_protocol import ChatCompletionRequest, UsageInfo
+from gateway.http_api.responses_protocol import (
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputMessage,
+    OutputText,
+    ResponseError,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStatus,
+    ResponseUsage,
+)
+from gateway.text.text_stream import TextDelta
+from gateway.text.tokenizer import Tokenizer
+from services.types import FinishReason
+
+# What the chat request calls the fields a Responses request names otherwise (error params).
+_PARAM_NAMES = (
+    ("max_completion_tokens", "max_output_tokens"),
+    ("response_format", "text.format"),
+    ("messages", "input"),
+)
+
+
+def responses_job(body: ResponsesRequest, request: Request, frontend: Frontend) -> OpenAIJob:
+    """The request checked (what needs no tokenizer) as the chat job it means."""
+    for name in ("tools", "include"):
+        if getattr(body, name):
+            raise invalid(f"{name} is not supported by this server's /v1/responses", param=name)
+    if body.previous_response_id is not None:
+        raise invalid(
+            "previous_response_id is not supported: responses are not stored; send the "
+            "conversation as input",
+            param="previous_response_id",
+        )
+    if body.reasoning is not None:
+        raise invalid("reasoning options are not supported", param="reasoning")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise invalid("tool_choice: there are no tools to choose", param="tool_choice")
+    if body.truncation == "auto":
+        raise invalid(
+            "truncation 'auto' is not supported: a prompt past the context is refused",
+            param="truncation",
+        )
+    try:
+        job = chat_job(_chat_request(body), request, frontend, id_prefix="resp")
+    except GatewayError as error:
+        raise renamed(error, _PARAM_NAMES) from None
+    return job.with_param_names(_PARAM_NAMES)
+
+
+def _chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+    messages: list[dict[str, Any]] = []
+    if body.instructions is not None:
+        messages.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        messages.append({"role": "user", "content": body.input})
+    else:
+        for item in body.input:
+            content: str | list[dict[str, str]] = (
+                item.content
+                if isinstance(item.content, str)
+                else [{"type": "text", "text": part.text} for part in item.content]
+            )
+            messages.append({"role": item.role, "content": content})
+    chat: dict[str, Any] = {
+        "model": body.model,
+        "messages": messages,
+        "max_completion_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "stream": body.stream,
+        "user": body.user,
+    }
+    text_format = None if body.text is None else body.text.format
+    if text_format is not None:
+        if text_format.type == "json_schema":
+            if text_format.schema_ is None:
+                raise invalid("text.format: json_schema needs a 'schema'", param="text.format")
+            spec = {"name": text_format.name or "response", "schema": text_format.schema_}
+            chat["response_format"] = {"type": "json_schema", "json_schema": spec}
+        else:
+            chat["response_format"] = {"type": text_format.type}
+    return ChatCompletionRequest.model_validate(chat)
+
+
+class ResponsesFormat(OpenAIFormat):
+    """A chat completion's one choice as a response object or its stream of events."""
+
+    ends_with_done = False
+
+    def __init__(
+        self, job: OpenAIJob, tokenizer: Tokenizer, model: str, body: ResponsesRequest
+    ) -> None:
+        super().__init__(job, tokenizer, model)
+        self._body = body
+        self._message_id = f"msg_{uuid.uuid4().hex}"
+        self._sequence = 0
+
+    def encode_event(self, payload: BaseModel | dict[str, Any]) -> bytes:
+        """``event: <type>`` before the data line, as OpenAI streams a response."""
+        kind = payload.get("type") if isinstance(payload, dict) else None
+        prefix = b"" if kind is None else b"event: " + str(kind).encode() + b"\n"
+        return prefix + super().encode_event(payload)
+
+    def delta_chunk(self, state: ChoiceState, delta: TextDelta) -> list[dict[str, Any]] | None:
+        if not delta.text:
+            return None
+        events = [] if state.is_started else self._opening_events(state)
+        events.append(
+            self._event(
+                "response.output_text.delta",
+                item_id=self._message_id,
+                output_index=0,
+                content_index=0,
+                delta=delta.text,
+                logprobs=[],
+            )
+        )
+        return events
+
+    def finish_chunk(self, state: ChoiceState) -> list[dict[str, Any]]:
+        # A response without text still opens its message before closing it.
+        events = [] if state.is_started else self._opening_events(state)
+        final = self._response(state, self._status(state))
+        text = "".join(state.texts)
+        where = {"item_id": self._message_id, "output_index": 0, "content_index": 0}
+        events += [
+            self._event("response.output_text.done", **where, text=text, logprobs=[]),
+            self._event(
+                "response.content_part.done", **where, part=OutputText(text=text).model_dump()
+            ),
+            self._event(
+                "response.output_item.done", output_index=0, item=final.output[0].model_dump()
+            ),
+            self._event(f"response.{final.status}", response=final.model_dump()),
+        ]
+        return events
+
+    def usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        raise AssertionError("a Responses stream carries its usage in its last event")
+
+    def response(self, states: Sequence[ChoiceState], usage: UsageInfo) -> BaseModel:
+        (state,) = states
+        return self._response(state, self._status(state))
+
+    def _opening_events(self, state: ChoiceState) -> list[dict[str, Any]]:
+        opened = self._response(state, "in_progress").model_dump()
+        return [
+            self._event("response.created", response=opened),
+            self._event("response.in_progress", response=opened),
+            self._event(
+                "response.output_item.added",
+                output_index=0,
+                item=OutputMessage(
+                    id=self._message_id, status="in_progress", content=[]
+                ).model_dump(),
+            ),
+            self._event(
+                "response.content_part.added",
+                item_id=self._message_id,
+                output_index=0,
+                content_index=0,
+                part=OutputText(text="").model_dump(),
+            ),
+        ]
+
+    def _status(self, state: ChoiceState) -> ResponseStatus:
+        assert state.finished is not None
+        return _STATUS.get(state.finished.finish_reason, "completed")
+
+    def _response(self, state: ChoiceState, status: ResponseStatus) -> ResponseObject:
+        """The response object as it stands: no output or usage while in progress."""
+        body, finished = self._body, state.finished
+        output, usage = [], None
+        if status != "in_progress" and finished is not None:
+            text = OutputText(text="".join(state.texts))
+            output = [
+                OutputMessage(
+                    id=self._message_id,
+                    status="incomplete" if status == "incomplete" else "completed",
+                    content=[text],
+                )
+            ]
+            prompt, completion = len(state.prompt_token_ids), finished.usage.completion_tokens
+            usage = ResponseUsage(
+                input_tokens=prompt,
+                input_tokens_details=InputTokensDetails(
+                    cached_tokens=finished.usage.cached_prompt_tokens
+                ),
+                output_tokens=completion,
+                total_tokens=prompt + completion,
+            )
+        text_format = None if body.text is None else body.text.format
+        return ResponseObject(
+            id=self.job.request_id,
+            created_at=self.job.created,
+            status=status,
+            incomplete_details=(
+                IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None
+            ),
+            error=(
+                ResponseError(code="server_error", message=finished.error or "generation failed")
+                if status == "failed" and finished is not None
+                else None
+            ),
+            model=self.model,
+            output=output,
+            instructions=body.instructions,
+            max_output_tokens=body.max_output_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            text={
+                "format": {"type": "text"}
+                if text_format is None
+                else text_format.model_dump(by_alias=True, exclude_none=True)
+            },
+            metadata=body.metadata or {},
+            usage=usage,
+        )
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return event
+
+
+_STATUS: dict[FinishReason, ResponseStatus] = {
+    FinishReason.LENGTH: "incomplete",
+    FinishReason.ERROR: "failed",
+    FinishReason.ABORT: "cancelled",
+}

@@ -1,0 +1,150 @@
+"""OpenAI's Responses API wire format (``POST /v1/responses``), the part this server takes: text
+in (a string, or messages of text parts, with ``instructions``), text or JSON out, whole or
+streamed as events.
+
+Requests are strict like the other routes' (``openai_protocol.py``). Fields of OpenAI's API
+that need what this server does not have (stored responses and ``previous_response_id``, tools,
+reasoning summaries) are declared so that their refusal names them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from gateway.http_api.openai_protocol import (
+    Flag,
+    NonEmptyText,
+    RequestModel,
+    ResponseModel,
+    Text,
+)
+
+
+class InputTextPart(RequestModel):
+    type: Literal["input_text", "output_text"]
+    """``output_text``: a part of an earlier response's message, sent back as context."""
+    text: Text
+    annotations: list[Any] | None = None
+    """Of an ``output_text`` part sent back: ignored."""
+    logprobs: list[Any] | None = None
+    """Of an ``output_text`` part sent back: ignored."""
+
+
+class InputMessage(RequestModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Text | Annotated[list[InputTextPart], Field(min_length=1)]
+    id: str | None = None
+    """Of an earlier response's message sent back: ignored."""
+    status: str | None = None
+    """Of an earlier response's message sent back: ignored."""
+
+
+class TextFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    """With ``json_schema``: the schema the output follows."""
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(RequestModel):
+    format: TextFormat | None = None
+    verbosity: str | None = None
+    """Accepted and ignored."""
+
+
+class ResponsesRequest(RequestModel):
+    model: str | None = None
+    input: NonEmptyText | Annotated[list[InputMessage], Field(min_length=1)]
+    instructions: Text | None = None
+    """A system message before the input."""
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: Flag = False
+    text: TextConfig | None = None
+    store: bool | None = None
+    """Accepted either way: nothing is stored (as vLLM without ``--enable-store``)."""
+    metadata: dict[str, str] | None = None
+    """Returned with the response."""
+    user: str | None = None
+    parallel_tool_calls: bool | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    """Only ``none`` or ``auto``, without tools."""
+    tools: list[dict[str, Any]] | None = None
+    """Unsupported: only empty."""
+    previous_response_id: str | None = None
+    """Unsupported (nothing is stored): only null."""
+    reasoning: dict[str, Any] | None = None
+    """Unsupported: only null."""
+    include: list[str] | None = None
+    """Unsupported: only empty."""
+    truncation: Literal["disabled", "auto"] | None = None
+    """Only ``disabled``: a prompt past the context is refused, never cut."""
+
+
+class OutputText(ResponseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+
+
+class OutputMessage(ResponseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+class InputTokensDetails(ResponseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(ResponseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(ResponseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(ResponseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseError(ResponseModel):
+    code: str
+    message: str
+
+
+ResponseStatus = Literal["in_progress", "completed", "incomplete", "failed", "cancelled"]
+
+
+class ResponseObject(ResponseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: ResponseStatus
+    incomplete_details: IncompleteDetails | None = None
+    error: ResponseError | None = None
+    model: str
+    output: list[OutputMessage]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    parallel_tool_calls: bool = False
+    tool_choice: str = "none"
+    tools: list[Any] = Field(default_factory=list)
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    metadata: dict[str, str] = Field(default_factory=dict)
+    usage: ResponseUsage | None = None
