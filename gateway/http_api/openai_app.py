@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP/SSE front end: ``build_openai_app(frontend) -> FastAPI``.
 
-Life of one ``/v1/completions`` or ``/v1/chat/completions`` request here:
+Life of one ``/v1/completions``, ``/v1/chat/completions`` or ``/v1/responses`` request here
+(a Responses request runs as the chat it means, ``responses_api.py``):
 
 1. ``HttpGate`` (ASGI middleware, ``http_gate.py``): arrival time; the API key on ``/v1/*``
    (401); the body read whole and bounded by ``limits.max_body_bytes``, by Content-Length and by
