@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP/SSE front end: ``build_openai_app(frontend) -> FastAPI``.
 
 Life of one ``/v1/completions``, ``/v1/chat/completions`` or ``/v1/responses`` request here
-(a Responses request runs as the chat it means, ``responses_api.py``):
+(a Responses request runs as the chat it means, ``responses_job.py``):
 
 1. ``HttpGate`` (ASGI middleware, ``http_gate.py``): arrival time; the API key on ``/v1/*``
    (401); the body read whole and bounded by ``limits.max_body_bytes``, by Content-Length and by
@@ -49,7 +49,8 @@ from gateway.http_api.openai_protocol import (
     ModelCard,
     ModelList,
 )
-from gateway.http_api.responses_api import ResponsesFormat, responses_job
+from gateway.http_api.responses_format import ResponsesFormat
+from gateway.http_api.responses_job import responses_job
 from gateway.http_api.responses_protocol import ResponseObject, ResponsesRequest
 from gateway.http_api.sse import MEDIA_TYPE
 from gateway.http_api.tokenize_api import tokenize_router
@@ -134,7 +135,7 @@ def build_openai_app(frontend: Frontend) -> FastAPI:
         responses={**_RESPONSES_STREAM, **_ERROR_RESPONSES},
     )
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
-        """OpenAI's Responses API over the chat pipeline (``responses_api.py``)."""
+        """OpenAI's Responses API over the chat pipeline (``responses_job.py``)."""
         job = await asyncio.to_thread(responses_job, body, request, frontend)
         output = ResponsesFormat(job, frontend.tokenizer, frontend.served_model_name, body)
         return GenerationResponse(frontend, job, output)

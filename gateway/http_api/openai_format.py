@@ -1,6 +1,6 @@
 """The OpenAI output formats of ``/v1/completions`` and ``/v1/chat/completions``: chunks (SSE)
 and whole responses, rendered from the ``ChoiceState`` each choice accumulates. The Responses
-API's format (``responses_api.py``) derives from the same base.
+API's format (``responses_format.py``) derives from the same base.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""OpenAI's Responses API (``POST /v1/responses``) over the chat pipeline: a request becomes the
-chat request it means (``instructions`` a system message, ``input`` the messages,
-``max_output_tokens`` the chat's ``max_completion_tokens``, ``text.format`` its
-``response_format``), runs as a chat completion, and is answered as a response object, or
-streamed as its events:
+"""A Responses API request's one chat choice as OpenAI answers it: a response object, or streamed
+as its events
 
     response.created, response.in_progress, response.output_item.added,
     response.content_part.added, response.output_text.delta (one per piece of text),
@@ -10,7 +7,7 @@ streamed as its events:
     response.completed (or response.incomplete at max_output_tokens)
 
 each with its ``sequence_number``, as ``event: <type>`` and ``data: <json>`` lines (no
-``[DONE]``). An error names the Responses field the client sent (``input``, not ``messages``).
+``[DONE]``).
 """
 
 from __future__ import annotations
@@ -19,14 +16,11 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from fastapi import Request
 from pydantic import BaseModel
 
-from gateway.errors import GatewayError, invalid
-from gateway.frontend import Frontend
 from gateway.http_api.openai_format import ChoiceState, OpenAIFormat
-from gateway.http_api.openai_job import OpenAIJob, chat_job, renamed
-from gateway.http_api.openai_protocol import ChatCompletionRequest, UsageInfo
+from gateway.http_api.openai_job import OpenAIJob
+from gateway.http_api.openai_protocol import UsageInfo
 from gateway.http_api.responses_protocol import (
     IncompleteDetails,
     InputTokensDetails,
@@ -41,75 +35,6 @@ from gateway.http_api.responses_protocol import (
 from gateway.text.text_stream import TextDelta
 from gateway.text.tokenizer import Tokenizer
 from services.types import FinishReason
-
-# What the chat request calls the fields a Responses request names otherwise (error params).
-_PARAM_NAMES = (
-    ("max_completion_tokens", "max_output_tokens"),
-    ("response_format", "text.format"),
-    ("messages", "input"),
-)
-
-
-def responses_job(body: ResponsesRequest, request: Request, frontend: Frontend) -> OpenAIJob:
-    """The request checked (what needs no tokenizer) as the chat job it means."""
-    for name in ("tools", "include"):
-        if getattr(body, name):
-            raise invalid(f"{name} is not supported by this server's /v1/responses", param=name)
-    if body.previous_response_id is not None:
-        raise invalid(
-            "previous_response_id is not supported: responses are not stored; send the "
-            "conversation as input",
-            param="previous_response_id",
-        )
-    if body.reasoning is not None:
-        raise invalid("reasoning options are not supported", param="reasoning")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise invalid("tool_choice: there are no tools to choose", param="tool_choice")
-    if body.truncation == "auto":
-        raise invalid(
-            "truncation 'auto' is not supported: a prompt past the context is refused",
-            param="truncation",
-        )
-    try:
-        job = chat_job(_chat_request(body), request, frontend, id_prefix="resp")
-    except GatewayError as error:
-        raise renamed(error, _PARAM_NAMES) from None
-    return job.with_param_names(_PARAM_NAMES)
-
-
-def _chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    messages: list[dict[str, Any]] = []
-    if body.instructions is not None:
-        messages.append({"role": "system", "content": body.instructions})
-    if isinstance(body.input, str):
-        messages.append({"role": "user", "content": body.input})
-    else:
-        for item in body.input:
-            content: str | list[dict[str, str]] = (
-                item.content
-                if isinstance(item.content, str)
-                else [{"type": "text", "text": part.text} for part in item.content]
-            )
-            messages.append({"role": item.role, "content": content})
-    chat: dict[str, Any] = {
-        "model": body.model,
-        "messages": messages,
-        "max_completion_tokens": body.max_output_tokens,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "stream": body.stream,
-        "user": body.user,
-    }
-    text_format = None if body.text is None else body.text.format
-    if text_format is not None:
-        if text_format.type == "json_schema":
-            if text_format.schema_ is None:
-                raise invalid("text.format: json_schema needs a 'schema'", param="text.format")
-            spec = {"name": text_format.name or "response", "schema": text_format.schema_}
-            chat["response_format"] = {"type": "json_schema", "json_schema": spec}
-        else:
-            chat["response_format"] = {"type": text_format.type}
-    return ChatCompletionRequest.model_validate(chat)
 
 
 class ResponsesFormat(OpenAIFormat):
