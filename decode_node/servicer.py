@@ -47,6 +47,7 @@ from services.convert import (
     logprobs_to_proto,
     prompt_from_proto,
     prompt_logprobs_to_proto,
+    refusal_metadata,
     sampling_params_from_proto,
     stage_timings_from_proto,
     stage_timings_to_proto,
@@ -100,7 +101,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             try:
                 params = sampling_params_from_proto(request.sampling)
             except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, str(exc), refusal_metadata(exc)
+                )
             request_id = request.request_id or f"dec-{uuid.uuid4().hex}"
             prompt = prompt_from_proto(request.prompt_token_ids)
             if request.kv_source:
@@ -139,7 +142,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     if out.new_token_ids:
                         yield decode_pb2.GenerateResponse(tokens=_delta(out, prompt))
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), refusal_metadata(exc))
         except EngineDeadError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         self.metrics.e2e_request_latency.observe(time.monotonic() - clock.started)
@@ -168,7 +171,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 request_id, prompt, params, lease_s=lease_s, wait=request.wait_for_room
             )
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), refusal_metadata(exc))
         except EngineDeadError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         if transfer is None:
@@ -311,7 +314,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 stage_timings_from_proto(request.timings) if request.HasField("timings") else None
             )
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), refusal_metadata(exc))
         try:
             await self.transfers.commit(
                 request.transfer_id,

@@ -36,6 +36,7 @@ from services.convert import (
     logprobs_to_proto,
     prompt_from_proto,
     prompt_logprobs_to_proto,
+    refusal_metadata,
     sampling_params_from_proto,
     stage_timings_to_proto,
 )
@@ -88,7 +89,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             try:
                 params = sampling_params_from_proto(request.sampling)
             except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, str(exc), refusal_metadata(exc)
+                )
             prompt = prompt_from_proto(request.prompt_token_ids)
             destination = request.destination if request.HasField("destination") else None
             peer = None
@@ -308,7 +311,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 )
             ]
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), refusal_metadata(exc))
         except EngineDeadError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return outputs[-1]

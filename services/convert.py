@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from pdserve.v1 import common_pb2
@@ -23,6 +23,26 @@ from services.types import (
     TokenLogprob,
     Usage,
 )
+
+PARAM_METADATA_KEY = "pdserve-param"
+"""Trailing metadata of a node's INVALID_ARGUMENT: the request field it refused, so that the
+gateway's error names it (HTTP ``param``) as the gateway's own checks do."""
+
+
+def refusal_metadata(error: ValueError) -> tuple[tuple[str, str], ...]:
+    """A node's trailing metadata for ``error``: its field, when it names one."""
+    if isinstance(error, SamplingParamError):
+        return ((PARAM_METADATA_KEY, error.param),)
+    return ()
+
+
+def refused_param(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """The field a node's refusal named (``refusal_metadata``), or None."""
+    for key, value in metadata or ():
+        if key == PARAM_METADATA_KEY and isinstance(value, str):
+            return value
+    return None
+
 
 _FINISH_TO_PROTO: dict[FinishReason, common_pb2.FinishReason] = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,

@@ -31,6 +31,7 @@ from gateway.routing.node_pool import NodePool
 from pdserve.v1 import common_pb2, decode_pb2, kv_pb2, prefill_pb2
 from services.convert import (
     finish_reason_from_proto,
+    refused_param,
     sampling_params_to_proto,
     stage_timings_from_proto,
     token_logprob_from_proto,
@@ -250,7 +251,9 @@ def rpc_failure(exc: grpc.aio.AioRpcError, node: Node, leg: str) -> Exception:
     code = exc.code()
     details = exc.details() or code.name
     if code in _CALLER_ERRORS:
-        return GatewayError(ErrorKind.INVALID_ARGUMENT, details)
+        return GatewayError(
+            ErrorKind.INVALID_ARGUMENT, details, refused_param(exc.trailing_metadata())
+        )
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return GatewayError(ErrorKind.DEADLINE_EXCEEDED, f"{leg} node {node.address}: {details}")
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:

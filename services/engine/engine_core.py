@@ -38,7 +38,7 @@ from services.engine.scheduler import SampledToken, Scheduler
 from services.engine.structured_output import GrammarMatcher, StructuredOutputs
 from services.models.config import ModelConfig
 from services.models.gguf_file import find_gguf, open_gguf
-from services.types import SamplingParams
+from services.types import SamplingParamError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -232,41 +232,49 @@ class EngineCore:
                 )
         for token_id in params.stop_token_ids:
             if token_id >= vocab_size:
-                raise ValueError(
-                    f"stop_token_ids contains {token_id}, outside the vocabulary [0, {vocab_size})"
+                raise SamplingParamError(
+                    "stop_token_ids",
+                    f"stop_token_ids contains {token_id}, outside the vocabulary [0, {vocab_size})",
                 )
         for token_id in params.allowed_token_ids[-1:]:  # sorted: the largest is last
             if token_id >= vocab_size:
-                raise ValueError(
+                raise SamplingParamError(
+                    "allowed_token_ids",
                     f"allowed_token_ids contains {token_id}, outside the vocabulary "
-                    f"[0, {vocab_size})"
+                    f"[0, {vocab_size})",
                 )
         for index, word in enumerate(params.bad_words_token_ids):
             if max(word) >= vocab_size:
-                raise ValueError(
+                raise SamplingParamError(
+                    "bad_words_token_ids",
                     f"bad_words_token_ids[{index}] has token id {max(word)}, outside the "
-                    f"vocabulary [0, {vocab_size})"
+                    f"vocabulary [0, {vocab_size})",
                 )
         for token_id, _ in params.logit_bias:
             if token_id >= vocab_size:
-                raise ValueError(
-                    f"logit_bias has token id {token_id}, outside the vocabulary [0, {vocab_size})"
+                raise SamplingParamError(
+                    "logit_bias",
+                    f"logit_bias has token id {token_id}, outside the vocabulary [0, {vocab_size})",
                 )
         conflict = params.min_tokens_conflict(tuple(self.model_config.eos_token_ids))
         if conflict is not None:
-            raise ValueError(conflict)
+            raise SamplingParamError("allowed_token_ids", conflict)
         if params.priority != 0 and self.config.scheduler.policy is not SchedulingPolicy.PRIORITY:
             # As vLLM: a priority the scheduler would ignore is refused, not silently dropped.
-            raise ValueError(
+            raise SamplingParamError(
+                "priority",
                 f"priority {params.priority} needs the priority scheduling policy "
-                f"(--scheduling-policy priority); this engine runs {self.config.scheduler.policy}"
+                f"(--scheduling-policy priority); this engine runs {self.config.scheduler.policy}",
             )
         if params.prompt_logprobs is not None and params.prompt_logprobs > vocab_size:
-            raise ValueError(
-                f"prompt_logprobs must be <= vocab size {vocab_size}, got {params.prompt_logprobs}"
+            raise SamplingParamError(
+                "prompt_logprobs",
+                f"prompt_logprobs must be <= vocab size {vocab_size}, got {params.prompt_logprobs}",
             )
         if params.logprobs is not None and params.logprobs > vocab_size:
-            raise ValueError(f"logprobs must be <= vocab size {vocab_size}, got {params.logprobs}")
+            raise SamplingParamError(
+                "logprobs", f"logprobs must be <= vocab size {vocab_size}, got {params.logprobs}"
+            )
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks are free when this returns."""

@@ -268,6 +268,15 @@ def test_openai_client_through_the_disaggregated_stack(tiny_llama_dir: Path, exp
         events = [event async for event in streamed_response]
         assert events[-1].response.output_text == response.output_text
 
+        # A node's refusal names the field, as the gateway's own checks do.
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            refused = await http.post(
+                "/v1/completions", json={"model": model, "prompt": "x", "priority": 3}
+            )
+            assert refused.status_code == 400
+            assert refused.json()["error"]["param"] == "priority"
+            assert "--scheduling-policy priority" in refused.json()["error"]["message"]
+
         # A client that hangs up mid-stream frees the blocks on every node.
         async with httpx.AsyncClient(base_url=base, timeout=30) as http:
             for _ in range(2):

@@ -6,11 +6,14 @@ import pytest
 
 from pdserve.v1 import common_pb2
 from services.convert import (
+    PARAM_METADATA_KEY,
     finish_reason_from_proto,
     finish_reason_to_proto,
     load_report_to_proto,
     logprobs_from_proto,
     logprobs_to_proto,
+    refusal_metadata,
+    refused_param,
     sampling_params_from_proto,
     sampling_params_to_proto,
     stage_timings_from_proto,
@@ -164,3 +167,11 @@ def test_load_report_carries_the_routers_inputs() -> None:
     assert (report.num_running, report.num_waiting, report.num_reserved) == (3, 1, 2)
     assert (report.kv_blocks_used, report.kv_blocks_total) == (40, 100)
     assert report.prefix_cache_hit_tokens == 250 and report.kv_layout_fingerprint == "abc"
+
+
+def test_a_node_refusal_names_its_field_in_trailing_metadata() -> None:
+    metadata = refusal_metadata(SamplingParamError("priority", "priority 3 needs ..."))
+    assert refused_param(metadata) == "priority"
+    assert refusal_metadata(ValueError("prompt_token_ids is empty")) == ()
+    assert refused_param(()) is None and refused_param(None) is None
+    assert refused_param((("other", "x"), (PARAM_METADATA_KEY, b"bytes"))) is None
