@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag
 
 from gateway.http_api.openai_protocol import (
     Flag,
@@ -59,7 +59,12 @@ class TextConfig(RequestModel):
 
 class ResponsesRequest(RequestModel):
     model: str | None = None
-    input: NonEmptyText | Annotated[list[InputMessage], Field(min_length=1)]
+    input: Annotated[
+        Annotated[NonEmptyText, Tag("str")]
+        | Annotated[list[InputMessage], Field(min_length=1), Tag("list")],
+        # Chosen by the JSON type, so that a bad item's error names it (input[0].role).
+        Discriminator(lambda value: "str" if isinstance(value, str) else "list"),
+    ]
     instructions: Text | None = None
     """A system message before the input."""
     max_output_tokens: int | None = Field(None, ge=1)
