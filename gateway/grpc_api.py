@@ -160,26 +160,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if request.WhichOneof("input") is None:
             raise invalid("input: set one of text, token_ids or chat", param="input")
         sampling = _sampling_from_proto(_with_model_defaults(request.sampling, frontend))
-        vocab = frontend.tokenizer.vocab_size
-        if sampling.allowed_token_ids and sampling.allowed_token_ids[-1] >= vocab:  # sorted
-            raise invalid(
-                f"sampling.allowed_token_ids: token id {sampling.allowed_token_ids[-1]} is "
-                f"outside the vocabulary [0, {vocab})",
-                param="sampling.allowed_token_ids",
-            )
+        try:  # the node's check, before routing
+            sampling.check_vocabulary(frontend.tokenizer.vocab_size)
+        except SamplingParamError as exc:
+            raise invalid(f"sampling.{exc}", param=f"sampling.{exc.param}") from None
         if len(sampling.bad_words_token_ids) > frontend.limits.max_bad_words:
             raise invalid(  # each is checked against every row's output at every step
                 f"at most {frontend.limits.max_bad_words} sampling.bad_words_token_ids, got "
                 f"{len(sampling.bad_words_token_ids)}",
                 param="sampling.bad_words_token_ids",
             )
-        for index, word in enumerate(sampling.bad_words_token_ids):
-            if max(word) >= vocab:
-                raise invalid(
-                    f"sampling.bad_words_token_ids[{index}]: token id {max(word)} is outside the "
-                    f"vocabulary [0, {vocab})",
-                    param="sampling.bad_words_token_ids",
-                )
         conflict = sampling.min_tokens_conflict(frontend.tokenizer.eos_token_ids)
         if conflict is not None:
             raise invalid(f"sampling.{conflict}", param="sampling.allowed_token_ids")

@@ -230,32 +230,7 @@ class EngineCore:
                     f"prompt_token_ids[{index}] = {token_id} is outside the vocabulary "
                     f"[0, {vocab_size})"
                 )
-        for token_id in params.stop_token_ids:
-            if token_id >= vocab_size:
-                raise SamplingParamError(
-                    "stop_token_ids",
-                    f"stop_token_ids contains {token_id}, outside the vocabulary [0, {vocab_size})",
-                )
-        for token_id in params.allowed_token_ids[-1:]:  # sorted: the largest is last
-            if token_id >= vocab_size:
-                raise SamplingParamError(
-                    "allowed_token_ids",
-                    f"allowed_token_ids contains {token_id}, outside the vocabulary "
-                    f"[0, {vocab_size})",
-                )
-        for index, word in enumerate(params.bad_words_token_ids):
-            if max(word) >= vocab_size:
-                raise SamplingParamError(
-                    "bad_words_token_ids",
-                    f"bad_words_token_ids[{index}] has token id {max(word)}, outside the "
-                    f"vocabulary [0, {vocab_size})",
-                )
-        for token_id, _ in params.logit_bias:
-            if token_id >= vocab_size:
-                raise SamplingParamError(
-                    "logit_bias",
-                    f"logit_bias has token id {token_id}, outside the vocabulary [0, {vocab_size})",
-                )
+        params.check_vocabulary(vocab_size)
         conflict = params.min_tokens_conflict(tuple(self.model_config.eos_token_ids))
         if conflict is not None:
             raise SamplingParamError("allowed_token_ids", conflict)
@@ -265,15 +240,6 @@ class EngineCore:
                 "priority",
                 f"priority {params.priority} needs the priority scheduling policy "
                 f"(--scheduling-policy priority); this engine runs {self.config.scheduler.policy}",
-            )
-        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab_size:
-            raise SamplingParamError(
-                "prompt_logprobs",
-                f"prompt_logprobs must be <= vocab size {vocab_size}, got {params.prompt_logprobs}",
-            )
-        if params.logprobs is not None and params.logprobs > vocab_size:
-            raise SamplingParamError(
-                "logprobs", f"logprobs must be <= vocab size {vocab_size}, got {params.logprobs}"
             )
 
     def abort(self, request_id: str) -> bool:

@@ -143,6 +143,36 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS or self.top_k == 1
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Every token id these params name is in ``[0, vocab_size)`` and no more alternatives
+        are asked for than the vocabulary has; ``SamplingParamError`` naming the field if not.
+        The engine and the gateway's gRPC API (before admission) both check with it."""
+        outside = [
+            ("stop_token_ids", self.stop_token_ids),
+            ("allowed_token_ids", self.allowed_token_ids[-1:]),  # sorted: the largest is last
+            ("logit_bias", tuple(token_id for token_id, _ in self.logit_bias)),
+        ]
+        for name, token_ids in outside:
+            for token_id in token_ids:
+                if token_id >= vocab_size:
+                    raise SamplingParamError(
+                        name,
+                        f"{name} has token id {token_id}, outside the vocabulary [0, {vocab_size})",
+                    )
+        for index, word in enumerate(self.bad_words_token_ids):
+            if max(word) >= vocab_size:
+                raise SamplingParamError(
+                    "bad_words_token_ids",
+                    f"bad_words_token_ids[{index}] has token id {max(word)}, outside the "
+                    f"vocabulary [0, {vocab_size})",
+                )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                raise SamplingParamError(
+                    name, f"{name} must be <= vocab size {vocab_size}, got {value}"
+                )
+
     def min_tokens_conflict(self, eos_token_ids: tuple[int, ...]) -> str | None:
         """Why no token could ever be sampled before ``min_tokens`` (every allowed token is EOS
         or a stop id, which ``min_tokens`` masks), or None. The engine and the gateway refuse

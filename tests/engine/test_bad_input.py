@@ -121,11 +121,12 @@ def test_bad_sampling_params_are_refused(kwargs: dict, field: str) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"stop_token_ids": [VOCAB_SIZE]}, r"stop_token_ids contains 4096, outside the vocabulary"),
+        ({"stop_token_ids": [VOCAB_SIZE]}, r"stop_token_ids has token id 4096, outside"),
         ({"logprobs": VOCAB_SIZE + 1}, r"logprobs must be <= vocab size 4096"),
         ({"prompt_logprobs": VOCAB_SIZE + 1}, r"prompt_logprobs must be <= vocab size 4096"),
-        ({"allowed_token_ids": [5, VOCAB_SIZE]}, r"allowed_token_ids contains 4096, outside"),
+        ({"allowed_token_ids": [5, VOCAB_SIZE]}, r"allowed_token_ids has token id 4096, outside"),
         ({"bad_words_token_ids": [[5], [6, VOCAB_SIZE]]}, r"bad_words_token_ids\[1\] has token"),
+        ({"logit_bias": {VOCAB_SIZE: 1.0}}, r"logit_bias has token id 4096, outside"),
     ],
 )
 def test_params_beyond_the_vocabulary_are_refused(llm: LLM, kwargs: dict, match: str) -> None:
