@@ -113,13 +113,13 @@ def _tokenize(
         kwargs = body.chat_template_kwargs or {}
         check_template_kwargs(kwargs, "chat_template_kwargs", OPENAI_TEMPLATE_FIELDS)
         plan_tools(body.tools or [], None, None)  # the chat route's checks of each tool
-        text = tokenizer.apply_chat_template(
+        tokens = tokenizer.encode_chat(
             [message.model_dump(exclude_none=True) for message in body.messages],
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
+            add_special_tokens=body.add_special_tokens,
             **{**kwargs, "tools": body.tools or None},
         )
-        tokens = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
     token_strs = None
     if body.return_token_strs:
         token_strs = [tokenizer.backend.id_to_token(token) or "" for token in tokens]
