@@ -221,11 +221,15 @@ def _ban_bad_words(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     rows: list[int] = []
     cols: list[int] = []
     for i, (p, output) in enumerate(zip(metadata.params, metadata.output_token_ids, strict=True)):
-        for word in p.bad_words_token_ids:
+        if not p.bad_words_token_ids:
+            continue
+        singles, longer = p.bad_word_endings
+        rows.extend([i] * len(singles))
+        cols.extend(singles)
+        # Only the sequences whose next-to-last token is the output's last can be completing.
+        for word in longer.get(output[-1], ()) if output else ():
             prefix = len(word) - 1
-            if prefix > len(output):
-                continue
-            if prefix == 0 or tuple(output[-prefix:]) == word[:-1]:
+            if prefix <= len(output) and tuple(output[-prefix:]) == word[:-1]:
                 rows.append(i)
                 cols.append(word[-1])
     if rows:

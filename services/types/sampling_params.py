@@ -6,6 +6,7 @@ The one set of range checks: the engine, the nodes' servicers and the gateway (w
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -185,6 +186,19 @@ class SamplingParams:
                 f"({self.min_tokens}) forbids: no token could be sampled"
             )
         return None
+
+    @functools.cached_property
+    def bad_word_endings(self) -> tuple[tuple[int, ...], dict[int, list[tuple[int, ...]]]]:
+        """``bad_words_token_ids`` as the sampler looks them up at every step: (the last tokens
+        of the one-token sequences, always forbidden; the longer sequences by the token before
+        their last, so that a row's step only compares those its output could be completing).
+        Cached: the params of a request live as long as it does."""
+        singles = tuple(word[0] for word in self.bad_words_token_ids if len(word) == 1)
+        longer: dict[int, list[tuple[int, ...]]] = {}
+        for word in self.bad_words_token_ids:
+            if len(word) > 1:
+                longer.setdefault(word[-2], []).append(word)
+        return singles, longer
 
     @property
     def has_penalties(self) -> bool:
