@@ -34,7 +34,7 @@ from gateway.http_api.openai_format import (
     CompletionFormat,
     OpenAIFormat,
 )
-from gateway.http_api.openai_job import OpenAIJob, choice_requests, prompt_token_ids
+from gateway.http_api.openai_job import OpenAIJob, choice_requests, prompt_token_ids, renamed
 from gateway.http_api.openai_protocol import PromptTokensDetails, UsageInfo
 from gateway.http_api.sse import DONE, MEDIA_TYPE, sse_event
 from gateway.pipeline import TextOptions, admitted, tokenize
@@ -121,7 +121,7 @@ class GenerationResponse(Response):
             metrics.request_errors.labels(reason="slow_client").inc()
         except GatewayError as error:
             metrics.request_errors.labels(reason=error.kind.name.lower()).inc()
-            refusal = self._job.renamed(error)  # as the client named the field
+            refusal = renamed(error, self._job.param_names)  # as the client named the field
             if not self._is_started:
                 await self._send_json(
                     send, refusal.kind.http_status, refusal.openai_body(), refusal.http_headers()

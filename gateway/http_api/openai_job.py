@@ -66,13 +66,6 @@ class OpenAIJob:
     """(the chat request's field, the client's name for it): a request translated into a chat
     (the Responses API) has its errors name what the client sent."""
 
-    def with_param_names(self, names: tuple[tuple[str, str], ...]) -> OpenAIJob:
-        return dataclasses.replace(self, param_names=names)
-
-    def renamed(self, error: GatewayError) -> GatewayError:
-        """``error`` naming the client's fields (``param_names``)."""
-        return renamed(error, self.param_names)
-
     @property
     def is_chat(self) -> bool:
         return isinstance(self.body, ChatCompletionRequest)

@@ -7,6 +7,7 @@ names the Responses field the client sent (``input``, not ``messages``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fastapi import Request
@@ -49,7 +50,7 @@ def responses_job(body: ResponsesRequest, request: Request, frontend: Frontend) 
         job = chat_job(_chat_request(body), request, frontend, id_prefix="resp")
     except GatewayError as error:
         raise renamed(error, _PARAM_NAMES) from None
-    return job.with_param_names(_PARAM_NAMES)
+    return dataclasses.replace(job, param_names=_PARAM_NAMES)
 
 
 def _chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
