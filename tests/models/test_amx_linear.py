@@ -14,6 +14,7 @@ from torch import nn
 
 from services.models import amx_linear
 from services.models.amx_linear import MAX_ROWS, SWITCH_ENV, FewRowWeight, amx_unavailable_reason
+from services.models.cpu_features import cpu_flags
 from services.models.native_build import native_kernel_error
 from services.models.packed_linear import PackedLinear, PackedSiluGateUp
 
@@ -225,7 +226,11 @@ def test_without_amx_the_op_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     reason = torch.ops.pdserve.amx_linear_unavailable_reason()
     if not reason:
         pytest.skip("this CPU runs the AMX kernel (the tests above cover it)")
-    assert amx_linear.amx_unavailable_reason() == reason
+    # A CPU whose flags lack AMX is told so by name without asking the op; otherwise (the tile
+    # permission refused, say) the op's own reason is passed on.
+    missing = sorted({"amx_bf16", "amx_tile", "avx512_bf16"} - cpu_flags())
+    expected = f"this CPU lacks {', '.join(missing)}" if missing else reason
+    assert amx_linear.amx_unavailable_reason() == expected
     x = torch.zeros(2, 32, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="amx_linear: "):
         torch.ops.pdserve.amx_linear(x, 1, 32, 32, None, "none", None)
