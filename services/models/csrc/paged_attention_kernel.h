@@ -16,8 +16,8 @@
 // The query (and output) and the caches each hold fp32 or bf16 independently (Problem<Q, KV>):
 // a bf16 cache under an fp32 query is widened like any bf16 one, at half an fp32 cache's bytes.
 // Everything accumulates in fp32; nothing past seq_len (garbage table entries, the rest of the
-// last block) is read. Rows are prefetched two tiles ahead: blocks are scattered, so the hardware
-// prefetcher cannot follow.
+// last block) is read. Rows are prefetched into the L2 two tiles ahead: blocks are scattered, so
+// the hardware prefetcher cannot follow.
 //
 // Vectorised with GCC/Clang vector extensions, one register wide (kLanes fp32: 16 for AVX-512, 8
 // for AVX2, 4 portable), rather than left to the auto-vectoriser, which keeps fp32 reductions (dot
@@ -297,7 +297,11 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
 
   // Blocks are scattered, so the hardware prefetcher cannot guess the next row; without this
   // every row is a cache miss. Reading a tile asks for the rows kPrefetchTiles tiles ahead: K's
-  // tiles, then V's (`token` counts V's tokens after K's padded ones).
+  // tiles, then V's (`token` counts V's tokens after K's padded ones). Into the L2, not the L1:
+  // on the AMD EPYC of docs/benchmarks.md (twelfth pass) the kernel read K/V from memory at
+  // 5.3-5.8 GB/s a thread with prefetcht0 and 9.0-9.8 with prefetcht1; on the Intel host of the
+  // eleventh pass the two ran alike. One to eight tiles ahead, or the requests spread over the
+  // tile's work, changed nothing measurable on either.
   const int64_t row_bytes = num_kv * D * static_cast<int64_t>(sizeof(KV));
   auto prefetch_tile = [&](int64_t token) {
     const bool is_value = token >= padded_len;
@@ -312,7 +316,7 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
     for (int64_t j = 0; j < n; ++j, rows.next()) {
       const char* bytes = reinterpret_cast<const char*>(rows.row());
       for (int64_t b = 0; b < row_bytes; b += 64) {
-        prefetch_line(bytes + b);
+        prefetch_line_l2(bytes + b);
       }
     }
   };

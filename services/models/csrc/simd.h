@@ -238,17 +238,12 @@ inline Vec exp2_nonpositive(Vec x) {
 #endif
 }
 
-inline void prefetch_line(const void* address) {
-  __builtin_prefetch(address);
-  // GCC treats a prefetch as free of side effects and deletes loops made only of prefetches; an
-  // empty volatile asm that "uses" the address keeps them.
-  __asm__ volatile("" : : "r"(address));
-}
-
-// The same into the L2 only (prefetcht1 on x86): data wanted a while from now, which should
+// A cache line into the L2 only (prefetcht1 on x86): data wanted a while from now, which should
 // not push out what the L1 holds for the work in between.
 inline void prefetch_line_l2(const void* address) {
   __builtin_prefetch(address, 0, 2);
+  // GCC treats a prefetch as free of side effects and deletes loops made only of prefetches; an
+  // empty volatile asm that "uses" the address keeps them.
   __asm__ volatile("" : : "r"(address));
 }
 
