@@ -8,13 +8,22 @@ GFLOP/s against fp32's 235-330 (issue 21), so a fixed default is slow on one of 
 Life cycle of a choice, once per engine start:
   1. an explicit dtype (``float32``, ``bfloat16``, ``float16``) is used as given;
   2. ``auto`` on CUDA is ``bfloat16`` (the default before ``auto`` existed; not measured);
-  3. ``auto`` on CPU reads the cache file for this CPU (named by
+  3. ``auto`` on CPU for a quantized checkpoint (a GGUF file of Q4_1, Q8_0, K-quants, ...,
+     dequantized at load) is ``float32``, not measured: a block's dequantized weights (its
+     fp16 scale times a small integer, plus its fp16 minimum) are exact in fp32 and not in bf16
+     (8 significant bits), so bf16 would add an error the file does not have. Measured on the
+     default model: SmolLM2-135M-Instruct's first answer token to the README's question ("The"
+     of "The capital of France is Paris.") leads the next ("L") by 0.08 logits in fp32, and in
+     bf16 on the AMD EPYC host of ``docs/benchmarks.md`` (twelfth pass) the engine answered
+     "L'Étoile, la Marseillaise, la femme, ..." instead. Such models are small enough on a CPU
+     for fp32's rate;
+  4. ``auto`` on CPU otherwise reads the cache file for this CPU (named by
      ``kv_transfer.build_support.cpu_tag``), keyed by the GEMM shapes, torch's version and its
      thread count; a hit is used as it is;
-  4. a miss times the shapes in both dtypes, alternating so that load from other processes
+  5. a miss times the shapes in both dtypes, alternating so that load from other processes
      falls on both, for about ``budget_s`` of GEMM time, keeps each dtype's best pass, writes
      the rates to the cache and picks the faster.
-Steps 3-4 hold an exclusive lock on the cache file, so that nodes started together on one
+Steps 4-5 hold an exclusive lock on the cache file, so that nodes started together on one
 host measure once and agree. Nodes on different hosts may choose different compute dtypes;
 that is harmless for disaggregation as long as their KV dtypes agree (below).
 
@@ -52,6 +61,8 @@ logger = logging.getLogger(__name__)
 
 CANDIDATE_DTYPES = ("bfloat16", "float32")
 CUDA_AUTO_DTYPE = "bfloat16"
+QUANTIZED_CHECKPOINT_DTYPE = "float32"
+"""``auto`` on CPU for a quantized checkpoint: the dtype its dequantized weights are exact in."""
 MAX_MEASURED_TOKENS = 2048
 """Rows of the timed GEMMs at most: a prefill chunk's rate is reached well before this."""
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -75,7 +86,7 @@ class DtypeChoice:
     dtype: str
     """The compute dtype to use: never ``auto``."""
     source: str
-    """``explicit``, ``cuda default``, ``cached`` or ``measured``."""
+    """``explicit``, ``cuda default``, ``quantized checkpoint``, ``cached`` or ``measured``."""
     gflops: Mapping[str, float] = field(default_factory=dict)
     """GEMM rate per candidate dtype, GFLOP/s; empty when nothing was measured."""
 
@@ -214,16 +225,20 @@ def choose_compute_dtype(
     device: str,
     shapes: Sequence[GemmShape],
     *,
+    quantized_checkpoint: bool = False,
     cache_dir: Path | None = None,
     time_pass: PassTimer = time_gemm_pass,
     budget_s: float = 1.0,
 ) -> DtypeChoice:
     """Resolve ``requested`` (``auto`` or a dtype name) for ``device``; see the module's life
-    cycle. ``cache_dir`` defaults to ``cpu_features.cpu_cache_dir()``."""
+    cycle. ``quantized_checkpoint``: the weights come dequantized from a quantized file.
+    ``cache_dir`` defaults to ``cpu_features.cpu_cache_dir()``."""
     if requested != "auto":
         return DtypeChoice(requested, "explicit")
     if device != "cpu":
         return DtypeChoice(CUDA_AUTO_DTYPE, "cuda default")
+    if quantized_checkpoint:
+        return DtypeChoice(QUANTIZED_CHECKPOINT_DTYPE, "quantized checkpoint")
     directory = cache_dir if cache_dir is not None else cpu_cache_dir()
     key = _cache_key(shapes)
     path = directory / f"pdserve_dtype_{cpu_tag()}.json"

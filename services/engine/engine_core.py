@@ -54,10 +54,12 @@ class EngineCore:
             self.model_config.eos_token_ids,
         )
         """Grammar matchers of the constrained requests (``SamplingParams.guided``)."""
+        gguf_path = find_gguf(config.model_dir)
         self.dtype_choice = choose_compute_dtype(
             config.dtype,
             config.device,
             model_gemm_shapes(self.model_config, config.scheduler.max_num_batched_tokens),
+            quantized_checkpoint=gguf_path is not None and open_gguf(gguf_path).is_quantized,
         )
         """The compute dtype: ``config.dtype`` unless that is ``auto``."""
         logger.info("compute dtype %s", self.dtype_choice.describe())

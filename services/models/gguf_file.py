@@ -98,6 +98,8 @@ _SCALARS = {
     12: "d",
 }
 _STRING = 8
+# gguf.GGMLQuantizationType's F32, F16 and BF16: the tensor types that are not quantized.
+_UNQUANTIZED_TYPES = frozenset({0, 1, 30})
 _ARRAY = 9
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -199,6 +201,12 @@ class GgufFile:
     @property
     def tensor_names(self) -> frozenset[str]:
         return frozenset(t.name for t in self._tensors)
+
+    @property
+    def is_quantized(self) -> bool:
+        """Whether any tensor is stored in a quantized type (Q4_1, Q8_0, the K-quants, ...)
+        rather than F32, F16 or BF16."""
+        return any(t.type_id not in _UNQUANTIZED_TYPES for t in self._tensors)
 
     def hf_config(self) -> dict[str, Any]:
         """The ``config.json`` this file's metadata stands for."""

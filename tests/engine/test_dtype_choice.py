@@ -21,6 +21,7 @@ from services.engine.dtype_choice import (
 )
 from services.engine.engine_core import EngineCore
 from services.models.config import ModelConfig
+from services.models.gguf_file import open_gguf
 
 SHAPES = (GemmShape(64, 32, 96), GemmShape(64, 96, 32))
 FLOPS = sum(s.flops for s in SHAPES)
@@ -152,3 +153,49 @@ def test_an_auto_engine_computes_in_the_cached_choice_over_a_bf16_kv_cache(
     assert engine.kv_dtype_choice.dtype == "bfloat16"
     assert all(cache.dtype == torch.bfloat16 for cache in engine.kv_caches)
     assert engine.kv_layout.dtype == "bfloat16"
+
+
+def test_auto_on_cpu_computes_a_quantized_checkpoint_in_float32_unmeasured(
+    tmp_path: Path,
+) -> None:
+    choice = choose_compute_dtype(
+        "auto", "cpu", SHAPES, quantized_checkpoint=True, cache_dir=tmp_path, time_pass=never_timed
+    )
+    assert choice == DtypeChoice("float32", "quantized checkpoint")
+    # An explicit dtype still wins, and CUDA keeps its default.
+    explicit = choose_compute_dtype(
+        "bfloat16", "cpu", SHAPES, quantized_checkpoint=True, time_pass=never_timed
+    )
+    assert explicit == DtypeChoice("bfloat16", "explicit")
+    cuda = choose_compute_dtype(
+        "auto", "cuda:0", SHAPES, quantized_checkpoint=True, time_pass=never_timed
+    )
+    assert cuda == DtypeChoice("bfloat16", "cuda default")
+
+
+@pytest.mark.parametrize(("qtype", "quantized"), [("Q8_0", True), ("F16", False)])
+def test_an_auto_engine_on_a_gguf_computes_in_float32_only_when_it_is_quantized(
+    tiny_gguf_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype: str, quantized: bool
+) -> None:
+    gguf_path = tiny_gguf_factory("llama", qtype)
+    assert open_gguf(gguf_path).is_quantized == quantized
+    config = EngineConfig(
+        model_dir=gguf_path,
+        dtype="auto",
+        attention_backend="torch",
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
+    )
+    shapes = model_gemm_shapes(ModelConfig.from_model_path(gguf_path), 64)
+    # This CPU's cache says bfloat16 is the faster, so only the quantized rule makes float32.
+    choose_compute_dtype(
+        "auto",
+        "cpu",
+        shapes,
+        cache_dir=tmp_path,
+        time_pass=lambda dtype, s: {"bfloat16": 0.1, "float32": 0.3}[dtype],
+    )
+    monkeypatch.setattr(dc, "cpu_cache_dir", lambda: tmp_path)
+    engine = EngineCore(config)
+    expected = ("float32", "quantized checkpoint") if quantized else ("bfloat16", "cached")
+    assert (engine.dtype_choice.dtype, engine.dtype_choice.source) == expected
+    assert engine.runner.dtype == getattr(torch, expected[0])
