@@ -127,26 +127,33 @@ def test_shapes_are_one_layers_projections_at_the_chunk_size(tiny_llama_dir: Pat
     assert model_gemm_shapes(cfg, 10**6)[0].m == dc.MAX_MEASURED_TOKENS
 
 
-def test_an_auto_engine_computes_in_the_cached_choice_over_a_bf16_kv_cache(
-    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def make_auto_engine(
+    model_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch, faster: str
+) -> EngineCore:
+    """An engine with ``dtype="auto"`` on the CPU whose cache (in ``cache_dir``) was seeded with
+    ``faster`` the faster dtype (this host's real rates may say otherwise)."""
     config = EngineConfig(
-        model_dir=tiny_llama_dir,
+        model_dir=model_path,
         dtype="auto",
         attention_backend="torch",
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
     )
-    shapes = model_gemm_shapes(ModelConfig.from_model_dir(tiny_llama_dir), 64)
-    # Seed this CPU's cache with float32 the faster (this host's real rates may say otherwise).
+    shapes = model_gemm_shapes(ModelConfig.from_model_path(model_path), 64)
     choose_compute_dtype(
         "auto",
         "cpu",
         shapes,
-        cache_dir=tmp_path,
-        time_pass=lambda dtype, s: {"bfloat16": 0.3, "float32": 0.1}[dtype],
+        cache_dir=cache_dir,
+        time_pass=lambda dtype, s: 0.1 if dtype == faster else 0.3,
     )
-    monkeypatch.setattr(dc, "cpu_cache_dir", lambda: tmp_path)
-    engine = EngineCore(config)
+    monkeypatch.setattr(dc, "cpu_cache_dir", lambda: cache_dir)
+    return EngineCore(config)
+
+
+def test_an_auto_engine_computes_in_the_cached_choice_over_a_bf16_kv_cache(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_auto_engine(tiny_llama_dir, tmp_path, monkeypatch, faster="float32")
     assert engine.dtype_choice.dtype == "float32" and engine.dtype_choice.source == "cached"
     assert engine.runner.dtype == torch.float32
     # The KV cache dtype is chosen on its own: bfloat16 on CPU under an fp32 compute dtype.
@@ -179,23 +186,8 @@ def test_an_auto_engine_on_a_gguf_computes_in_float32_only_when_it_is_quantized(
 ) -> None:
     gguf_path = tiny_gguf_factory("llama", qtype)
     assert open_gguf(gguf_path).is_quantized == quantized
-    config = EngineConfig(
-        model_dir=gguf_path,
-        dtype="auto",
-        attention_backend="torch",
-        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
-    )
-    shapes = model_gemm_shapes(ModelConfig.from_model_path(gguf_path), 64)
     # This CPU's cache says bfloat16 is the faster, so only the quantized rule makes float32.
-    choose_compute_dtype(
-        "auto",
-        "cpu",
-        shapes,
-        cache_dir=tmp_path,
-        time_pass=lambda dtype, s: {"bfloat16": 0.1, "float32": 0.3}[dtype],
-    )
-    monkeypatch.setattr(dc, "cpu_cache_dir", lambda: tmp_path)
-    engine = EngineCore(config)
+    engine = make_auto_engine(gguf_path, tmp_path, monkeypatch, faster="bfloat16")
     expected = ("float32", "quantized checkpoint") if quantized else ("bfloat16", "cached")
     assert (engine.dtype_choice.dtype, engine.dtype_choice.source) == expected
     assert engine.runner.dtype == getattr(torch, expected[0])
