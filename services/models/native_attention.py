@@ -21,7 +21,9 @@ End to end on the 12-layer small model (64 requests, 256-token prompts, bf16), a
 takes ~45 ms instead of ~88 ms. In float32 the greedy tokens are those of the torch path. On
 the 2-core Intel host with AMX (bf16, 64 x 280, one layer in isolation) it takes 1.91 ms on one
 thread and 0.96 ms on two, whichever variant: 9.6 and 19 GB/s, so what bounds it there is how
-fast one core streams scattered blocks, not arithmetic.
+fast one core streams scattered blocks, not arithmetic. On the AMD EPYC (Zen 4) the kernel's
+prefetches into the L1 were the limit: asked into the L2 instead, a layer call in the engine
+(64 x ~270, bf16) took 0.8 ms instead of 1.2 (``docs/benchmarks.md``, twelfth pass).
 
 Prefill chunks have a native kernel too (``csrc/prefill_attention.cpp``): every chunk of a step
 in one call, its queries read in place from the flat batch (a view of the QKV projection) and
