@@ -15,8 +15,9 @@ Life cycle of a choice, once per engine start:
      default model: SmolLM2-135M-Instruct's first answer token to the README's question ("The"
      of "The capital of France is Paris.") leads the next ("L") by 0.08 logits in fp32, and in
      bf16 on the AMD EPYC host of ``docs/benchmarks.md`` (twelfth pass) the engine answered
-     "L'Étoile, la Marseillaise, la femme, ..." instead. Such models are small enough on a CPU
-     for fp32's rate;
+     "L'Étoile, la Marseillaise, la femme, ..." instead. The price: the weights take twice
+     bf16's memory and the GEMMs run at fp32's rate, so a large quantized model that must fit
+     or be fast asks for ``bfloat16`` explicitly;
   4. ``auto`` on CPU otherwise reads the cache file for this CPU (named by
      ``kv_transfer.build_support.cpu_tag``), keyed by the GEMM shapes, torch's version and its
      thread count; a hit is used as it is;

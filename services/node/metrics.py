@@ -108,7 +108,7 @@ class NodeMetrics:
         )  # fmt: skip
         self.compute_dtype_info = Gauge(
             "pdserve:compute_dtype_info", "The dtype the engine computes in (1), and how it "
-            "was chosen: explicit, cuda default, cached or measured",
+            "was chosen: explicit, cuda default, quantized checkpoint, cached or measured",
             [*names, "dtype", "source"], registry=self.registry,
         )  # fmt: skip
         self.kv_cache_dtype_info = Gauge(

@@ -299,7 +299,7 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
   // every row is a cache miss. Reading a tile asks for the rows kPrefetchTiles tiles ahead: K's
   // tiles, then V's (`token` counts V's tokens after K's padded ones). Into the L2, not the L1:
   // on the AMD EPYC of docs/benchmarks.md (twelfth pass) the kernel read K/V from memory at
-  // 5.3-5.8 GB/s a thread with prefetcht0 and 9.0-9.8 with prefetcht1; on the Intel host of the
+  // 5.3-5.9 GB/s a thread with prefetcht0 and 9.0-9.8 with prefetcht1; on the Intel host of the
   // eleventh pass the two ran alike. One to eight tiles ahead, or the requests spread over the
   // tile's work, changed nothing measurable on either.
   const int64_t row_bytes = num_kv * D * static_cast<int64_t>(sizeof(KV));
