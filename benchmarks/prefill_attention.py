@@ -6,8 +6,9 @@
 Times one layer's prefill attention of a step, on the small model's heads (12 query heads, 4
 KV heads, head_dim 64, block size 16), with the engine's own start-up timer
 (``prefill_kernel_timer``: fresh chunks, their K/V already in the cache): torch's ``sdpa`` and
-``matmul`` over the padded chunks, and the native kernel in its vector variant and, on a CPU
-with AMX and a bf16 query and cache, its ``amx`` one. Prints the best call of ``--calls`` in
+``matmul`` over the padded chunks, and the native kernel in the CPU's variant (with a bf16 query
+and cache: on ``vdpbf16ps`` in ``avx512_bf16``, on the tiles in ``amx``) and in ``avx512``, whose
+products are fp32 FMAs, where that is not the same. Prints the best call of ``--calls`` in
 milliseconds, the kernels of a case interleaved so that load from elsewhere falls on all. The
 variant is the CPU's best unless ``PDSERVE_NATIVE_ISA`` forces one (with oneDNN's
 ``ONEDNN_MAX_CPU_ISA=AVX512_CORE`` that emulates a host without AMX or AVX512-BF16).
@@ -52,10 +53,12 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     cache_dtype = getattr(torch, args.cache_dtype or args.dtype)
     backend = NativePagedAttention(BLOCK_SIZE, HEAD_DIM**-0.5)
-    # The native kernel's variants: the vector one, and amx where the backend would use it.
-    variants = {f"native {backend.isa}": backend.isa}
-    if backend.prefill_isa != backend.isa:
-        variants[f"native {backend.prefill_isa}"] = backend.prefill_isa
+    # The native kernel's variants: the backend's own (amx where it would use it), its vector
+    # one, and avx512's fp32 products beside those that multiply bf16 pairs.
+    isas = dict.fromkeys([backend.prefill_isa, backend.isa])
+    if backend.isa == "avx512_bf16":
+        isas["avx512"] = None
+    variants = {f"native {isa}": isa for isa in isas}
     names = ["sdpa", "matmul", *variants]
 
     print(

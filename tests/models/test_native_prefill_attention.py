@@ -21,6 +21,9 @@ pytestmark = pytest.mark.skipif(
 # Every variant this CPU runs; amx multiplies bf16 on the tiles where head_dim is a multiple of
 # 32 (else it runs its avx512_bf16 vector path).
 ISAS = supported_isas() + (["amx"] if amx_unavailable_reason() is None else [])
+# The variants that multiply a bf16 query and cache in bf16 pairs (vdpbf16ps, the AMX tiles)
+# where head_dim is a multiple of 32.
+BF16_PRODUCTS = ("avx512_bf16", "amx")
 
 CHUNKS = {
     # Fresh prompts of lengths around the kernel's tiles (16 tokens x group 3 = 48 rows) and key
@@ -75,7 +78,7 @@ def expected(step: PrefillStep, cache_dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("chunks", list(CHUNKS.values()), ids=list(CHUNKS))
 @pytest.mark.parametrize(
     ("num_kv_heads", "group", "head_dim"),
-    [(4, 3, 64), (2, 1, 32), (1, 8, 128), (3, 5, 40), (1, 64, 16)],
+    [(4, 3, 64), (2, 1, 32), (1, 8, 128), (2, 2, 96), (3, 5, 40), (1, 64, 16)],
 )
 def test_matches_the_dense_reference(
     chunks: list[tuple[int, int]],
@@ -85,7 +88,8 @@ def test_matches_the_dense_reference(
     group: int,
     head_dim: int,
 ) -> None:
-    # head_dim 40: a partial vector on every ISA; group 64: more rows than one item's tile.
+    # head_dim 40: a partial vector on every ISA; 96: a partial value tile of the bf16 pair
+    # products (6 vectors of 16); group 64: more rows than one item's tile.
     dtype, cache_dtype = dtypes
     step = build_prefill_step(
         chunks, block_size=16, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim
@@ -99,9 +103,9 @@ def test_matches_the_dense_reference(
     error = (out.double() - exact).abs()
     if dtype == torch.float32:
         torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=1e-5)
-    elif isa == "amx" and head_dim % 32 == 0:
-        # The tiles multiply bf16: the probabilities are rounded to it too (relative 2^-9 each,
-        # as torch's flash kernel does), so the error is bounded by the values' size as well.
+    elif isa in BF16_PRODUCTS and head_dim % 32 == 0:
+        # The products take bf16 pairs: the probabilities are rounded to it too (relative 2^-9
+        # each, as torch's flash kernel does), so the error is bounded by the values' size too.
         largest_value = max(v.abs().max().item() for _, v in step.full_kv)
         assert (error <= (exact.abs() + largest_value) * 2**-8).all()
     else:

@@ -20,7 +20,7 @@
 //                          Chunks are in row order and do not overlap.
 // isa:                     the kernel variant, as for paged_decode_attention, or "amx": the
 //                          avx512_bf16 one with a bf16 query and cache (and head_dim a
-//                          multiple of 32) multiplied on the AMX tiles.
+//                          multiple of 32) multiplied on the AMX tiles instead of vdpbf16ps.
 //
 // Why: the torch path pads the chunks to one length and gathers their queries, K/V and outputs
 // around one SDPA call; torch's flash kernel does the full square at 256 tokens (causal is no

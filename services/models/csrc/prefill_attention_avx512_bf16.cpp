@@ -1,5 +1,6 @@
 // The prefill attention kernel for CPUs with AVX-512 F, BW, VL and AVX512-BF16: the
-// AVX-512 kernel with vcvtneps2bf16 stores.
+// AVX-512 kernel with vcvtneps2bf16 stores, and a bf16 query and cache multiplied in bf16 pairs
+// on vdpbf16ps (prefill_attention_kernel.h, attend_dpbf16).
 //
 // Built into the same library as every other variant with the baseline compiler flags; the
 // target is switched here, after the headers, so that only this kernel uses the ISA and the op

@@ -25,9 +25,11 @@
 // with no horizontal reductions. Both products are register tiles of broadcast scalars times
 // vectors (tile_product): a K element times kLanes query rows, a probability times kLanes
 // head_dim entries of a V row. The query is transposed once per item on the way in; K and V
-// rows are widened to fp32 once per key block; everything accumulates in fp32. The amx variant
-// (PDSERVE_AMX) runs the same loop with both products on the AMX tiles where the query and cache
-// are bf16 and head_dim a multiple of 32 (attend_amx), the softmax unchanged between them.
+// rows are widened to fp32 once per key block; everything accumulates in fp32. Where the query
+// and cache are bf16 and head_dim a multiple of 32, the avx512_bf16 variant (PDSERVE_AVX512_BF16)
+// runs both products on vdpbf16ps instead (attend_dpbf16: bf16 pairs, fp32 sums, twice the
+// fp32 FMA's products an instruction), and the amx variant (PDSERVE_AMX) on the AMX tiles
+// (attend_amx); the softmax is the same between them.
 //
 // Deliberately free of torch and of standard-library templates, like paged_attention_kernel.h.
 
@@ -65,6 +67,13 @@ constexpr int64_t kMaxKeys = kAmxKeys > kKeyBlock ? kAmxKeys : kKeyBlock;
 // An item's rows are padded to whole score tiles (a multiple of kValueRows too).
 constexpr int64_t kRowMultiple = kScoreVecs * kLanes;
 static_assert(kRowMultiple % kValueRows == 0, "value tiles must cover the padded rows");
+#if defined(PDSERVE_AVX512_BF16)
+// Rows of one pass of attend_dpbf16: one score tile's query vectors. As in attend_amx, a pass
+// runs the whole key loop for its rows, so that its scores ([kKeyBlock][48] fp32, 6 KiB), their
+// bf16 pairs (3 KiB), accumulators ([48][head_dim] fp32, 12 KiB at 64) and the block's V pairs
+// (4 KiB) stay in a 32 KiB L1, and each pass stops at its own last row's keys.
+constexpr int64_t kPairRows = kRowMultiple;
+#endif
 #if defined(PDSERVE_AMX)
 // Rows of one pass of attend_amx: three 16-row query tiles. A pass runs the whole key loop for
 // its rows, so that its scores ([kAmxKeys][48] fp32, 12 KiB), probabilities ([48][kAmxKeys]
@@ -102,10 +111,14 @@ struct Scratch {
   Buffer<float> sum;        // [rows]: l
   Buffer<float> rescale;    // [rows]: 2^(m - m') of the current block (m in base 2)
   Buffer<float> position;   // [rows]: the position of each row's token (exact below 2^24)
+#if defined(PDSERVE_AVX512_BF16)
+  Buffer<uint32_t> query_pairs;  // [head_dim / 2][rows]: bf16 pairs (attend_dpbf16, attend_amx)
+  Buffer<uint32_t> value_pairs;  // [kMaxKeys / 2][head_dim]: bf16 pairs
+  Buffer<uint32_t> prob_pairs;   // [kKeyBlock / 2][kPairRows]: bf16 pairs (attend_dpbf16)
+  Buffer<Bf16> zero_row;         // [head_dim]: the K row of the keys past a block's last
+#endif
 #if defined(PDSERVE_AMX)
-  Buffer<uint32_t> query_pairs;  // [head_dim / 2][rows]: bf16 pairs (attend_amx)
   Buffer<Bf16> key_rows;         // [kAmxKeys][head_dim]
-  Buffer<uint32_t> value_pairs;  // [kAmxKeys / 2][head_dim]: bf16 pairs
   Buffer<Bf16> prob_rows;        // [kAmxRows][kAmxKeys]
 #endif
 
@@ -121,11 +134,16 @@ struct Scratch {
         sum(rows_),
         rescale(rows_),
         position(rows_)
-#if defined(PDSERVE_AMX)
+#if defined(PDSERVE_AVX512_BF16)
         ,
         query_pairs(head_dim / 2 * rows_),
+        value_pairs(kMaxKeys / 2 * head_dim),
+        prob_pairs(kKeyBlock / 2 * kPairRows),
+        zero_row(head_dim)
+#endif
+#if defined(PDSERVE_AMX)
+        ,
         key_rows(kAmxKeys * head_dim),
-        value_pairs(kAmxKeys / 2 * head_dim),
         prob_rows(kAmxRows * kAmxKeys)
 #endif
   {
@@ -383,7 +401,7 @@ void attend_vector(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& r
   write_rows(p, rows, kv, acc, dims, 0, R, sc);
 }
 
-#if defined(PDSERVE_AMX)
+#if defined(PDSERVE_AVX512_BF16)
 // out[2d + h] = (h ? odd : even)[d] for d < D (a multiple of 32): two bf16 rows interleaved
 // into D pairs; odd == nullptr pairs `even` with zeros.
 inline void interleave_rows(const Bf16* even, const Bf16* odd, int64_t D, uint32_t* out) {
@@ -427,6 +445,171 @@ inline void transpose_in_registers(__m512 (&r)[16]) {
   }
 }
 
+// sc.query_pairs[i][r] = dims 2i, 2i + 1 of the item's row r (bf16, zero for padding rows): 16
+// rows x 16 pairs a transpose. head_dim is a multiple of 32.
+template <typename KV>
+inline void transpose_query_pairs(const Problem<Bf16, KV>& p, const Rows& rows, int64_t kv,
+                                  Scratch& sc) {
+  const int64_t D = p.s.head_dim, R = sc.rows;
+  uint32_t* query_pairs = sc.query_pairs.data();
+  for (int64_t r0 = 0; r0 < R; r0 += 16) {
+    const Bf16* q[16];
+    for (int64_t i = 0; i < 16; ++i) {
+      q[i] = query_row(p, rows, kv, r0 + i);
+    }
+    for (int64_t i0 = 0; i0 < D / 2; i0 += 16) {
+      __m512 block[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        block[i] = q[i] ? _mm512_loadu_ps(q[i] + 2 * i0) : _mm512_setzero_ps();
+      }
+      transpose_in_registers(block);
+      for (int64_t i = 0; i < 16; ++i) {
+        _mm512_storeu_ps(reinterpret_cast<float*>(query_pairs + (i0 + i) * R + r0), block[i]);
+      }
+    }
+  }
+}
+
+// out[i][v] (+)= sum_k a[i][k * a_step] . b[k][v] (pairs) for kS values of i and kV vectors of v:
+// tile_product on vdpbf16ps, where a and b hold bf16 pairs (a 32-bit word each) and each lane
+// adds the pair's two products in fp32. b's rows are b_stride words apart, out's rows
+// out_stride floats. Scores: i a key (a: its cache row, read in place), k a pair of head_dim
+// entries, v the query rows (b: query_pairs); values: i a query row (a: its probability pairs),
+// k a pair of keys, v head_dim (b: value_pairs).
+template <int64_t kS, int64_t kV, bool kAccumulate>
+inline void pair_product(const uint32_t* const* a, int64_t a_step, const uint32_t* b,
+                         int64_t b_stride, int64_t n, float* out, int64_t out_stride) {
+  __m512 acc[kS][kV];
+  for (int64_t i = 0; i < kS; ++i) {
+    for (int64_t v = 0; v < kV; ++v) {
+      acc[i][v] = kAccumulate ? _mm512_loadu_ps(out + i * out_stride + v * kLanes)
+                              : _mm512_setzero_ps();
+    }
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    __m512bh b_k[kV];
+    for (int64_t v = 0; v < kV; ++v) {
+      b_k[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + k * b_stride + v * kLanes));
+    }
+    for (int64_t i = 0; i < kS; ++i) {
+      const __m512bh x = reinterpret_cast<__m512bh>(_mm512_set1_epi32(a[i][k * a_step]));
+      for (int64_t v = 0; v < kV; ++v) {
+        acc[i][v] = _mm512_dpbf16_ps(acc[i][v], x, b_k[v]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < kS; ++i) {
+    for (int64_t v = 0; v < kV; ++v) {
+      _mm512_storeu_ps(out + i * out_stride + v * kLanes, acc[i][v]);
+    }
+  }
+}
+
+// The loop of attend_vector with both products on vdpbf16ps, for a bf16 query and cache and
+// head_dim a multiple of 32; kKeyBlock keys a block, kPairRows rows a pass (a pass runs the
+// whole key loop for its rows: see kPairRows). Per block:
+//   scores    scores_t[j][r] = sum_i K[j][2i, 2i + 1] . query_pairs[i][r]: the K rows are read
+//             in place from the cache (keys past the block's last read a zero row; the mask
+//             hides them), the query transposed into pairs once an item; unscaled, so that
+//             the softmax applies the scale (the bf16 query is not rounded twice);
+//   softmax   softmax_block, as on every path;
+//   pairs     prob_pairs[j / 2][r] = bf16 probabilities of keys j, j + 1 (as torch's flash
+//             kernel and the amx path round them: relative 2^-9 each);
+//   values    acc[r][d] += sum_j prob_pairs[j / 2][r] . value_pairs[j / 2][d]: the V rows
+//             interleaved in pairs of keys (zero past the last key: 0 * NaN would be NaN).
+template <typename Q, typename KV>
+void attend_dpbf16(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& rows,
+                   Scratch& sc) {
+  const Shape& s = p.s;
+  const pdserve::PrefillArgs& a = *p.args;
+  const int64_t D = s.head_dim, R = sc.rows, row_stride = s.num_kv_heads * D;
+  const int64_t* table = a.block_tables + c * s.max_blocks;
+  const uint32_t* query_pairs = sc.query_pairs.data();  // [D / 2][R]
+  uint32_t* value_pairs = sc.value_pairs.data();        // [kKeyBlock / 2][D]
+  uint32_t* prob_pairs = sc.prob_pairs.data();          // [kKeyBlock / 2][kPairRows]
+  float* scores_t = sc.scores_t.data();                 // [kKeyBlock][kPairRows]
+  float* acc = sc.acc.data();                           // [kPairRows][D]
+  const auto* zero_row = reinterpret_cast<const uint32_t*>(sc.zero_row.data());
+  constexpr int64_t kRowVecs = kPairRows / kLanes;
+  const int64_t value_vecs = D / kLanes, full_value_vecs = value_vecs / kValueVecs * kValueVecs;
+
+  transpose_query_pairs(p, rows, kv, sc);
+  for (int64_t r0 = 0; r0 < min64(R, rows.num_tokens * s.group); r0 += kPairRows) {
+    // Positions rise with the row (padding rows repeat the last real one's).
+    const int64_t context = static_cast<int64_t>(sc.position[r0 + kPairRows - 1]) + 1;
+    memset(acc, 0, sizeof(float) * kPairRows * D);
+    for (int64_t k0 = 0; k0 < context; k0 += kKeyBlock) {
+      const int64_t n = min64(kKeyBlock, context - k0);
+      const int64_t keys = (n + kScoreScalars - 1) / kScoreScalars * kScoreScalars;
+      const uint32_t* key_rows[kKeyBlock];
+      const Bf16* value_rows[kKeyBlock];
+      int64_t block = k0 / s.block_size, offset = k0 % s.block_size;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t slot = (table[block] * s.block_size + offset) * row_stride + kv * D;
+        if (++offset == s.block_size) {
+          offset = 0;
+          ++block;
+        }
+        key_rows[j] = reinterpret_cast<const uint32_t*>(p.key_cache + slot);
+        value_rows[j] = p.value_cache + slot;
+      }
+      for (int64_t j = n; j < keys; ++j) {
+        key_rows[j] = zero_row;
+      }
+      for (int64_t j = 0; j < n; j += 2) {
+        interleave_rows(value_rows[j], j + 1 < n ? value_rows[j + 1] : nullptr, D,
+                        value_pairs + (j / 2) * D);
+      }
+      if ((n + 1) / 2 < keys / 2) {
+        memset(value_pairs + (n + 1) / 2 * D, 0, sizeof(uint32_t) * (keys / 2 - (n + 1) / 2) * D);
+      }
+
+      for (int64_t j0 = 0; j0 < keys; j0 += kScoreScalars) {
+        pair_product<kScoreScalars, kRowVecs, false>(key_rows + j0, 1, query_pairs + r0, R, D / 2,
+                                                     scores_t + j0 * kPairRows, kPairRows);
+      }
+      if (softmax_block(sc, scores_t, kPairRows, r0, r0 + kPairRows, keys, k0, a.scale) &&
+          k0 > 0) {
+        rescale_rows(sc, acc, D, D, r0, r0 + kPairRows);
+      }
+
+      // prob_pairs[j / 2][r]: key j's probability in the low half, key j + 1's in the high.
+      for (int64_t j = 0; j < keys; j += 2) {
+        for (int64_t v = 0; v < kRowVecs; ++v) {
+          const __m512 even = _mm512_loadu_ps(scores_t + j * kPairRows + v * kLanes);
+          const __m512 odd = _mm512_loadu_ps(scores_t + (j + 1) * kPairRows + v * kLanes);
+          const __m512i low = _mm512_cvtepu16_epi32(
+              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(even)));
+          const __m512i high = _mm512_cvtepu16_epi32(
+              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(odd)));
+          _mm512_storeu_si512(prob_pairs + (j / 2) * kPairRows + v * kLanes,
+                              _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
+        }
+      }
+
+      for (int64_t i0 = 0; i0 < kPairRows; i0 += kValueRows) {
+        const uint32_t* row_probs[kValueRows];
+        for (int64_t i = 0; i < kValueRows; ++i) {
+          row_probs[i] = prob_pairs + i0 + i;
+        }
+        float* acc_rows = acc + i0 * D;
+        for (int64_t v0 = 0; v0 < full_value_vecs; v0 += kValueVecs) {
+          pair_product<kValueRows, kValueVecs, true>(row_probs, kPairRows,
+                                                     value_pairs + v0 * kLanes, D, keys / 2,
+                                                     acc_rows + v0 * kLanes, D);
+        }
+        for (int64_t v0 = full_value_vecs; v0 < value_vecs; ++v0) {
+          pair_product<kValueRows, 1, true>(row_probs, kPairRows, value_pairs + v0 * kLanes, D,
+                                            keys / 2, acc_rows + v0 * kLanes, D);
+        }
+      }
+    }
+    write_rows(p, rows, kv, acc, D, r0, r0 + kPairRows, sc);
+  }
+}
+#endif
+
+#if defined(PDSERVE_AMX)
 // out[i][j] = in[j * stride + i] for a 16 x 16 block of floats.
 inline void transpose_16x16(const float* in, int64_t stride, float (&out)[16][16]) {
   __m512 r[16];
@@ -559,23 +742,7 @@ void attend_amx(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& rows
   float* acc = sc.acc.data();                      // [kAmxRows][D]
   const bool tiles_in_cache = s.block_size % 16 == 0;
 
-  // query_pairs[i][r] = dims 2i, 2i + 1 of row r: 16 rows x 16 pairs a transpose.
-  for (int64_t r0 = 0; r0 < R; r0 += 16) {
-    const Q* q[16];
-    for (int64_t i = 0; i < 16; ++i) {
-      q[i] = query_row(p, rows, kv, r0 + i);
-    }
-    for (int64_t i0 = 0; i0 < D / 2; i0 += 16) {
-      __m512 block[16];
-      for (int64_t i = 0; i < 16; ++i) {
-        block[i] = q[i] ? _mm512_loadu_ps(q[i] + 2 * i0) : _mm512_setzero_ps();
-      }
-      transpose_in_registers(block);
-      for (int64_t i = 0; i < 16; ++i) {
-        _mm512_storeu_ps(reinterpret_cast<float*>(query_pairs + (i0 + i) * R + r0), block[i]);
-      }
-    }
-  }
+  transpose_query_pairs(p, rows, kv, sc);
 
   for (int64_t r0 = 0; r0 < min64(R, rows.num_tokens * p.s.group); r0 += kAmxRows) {
     // Positions rise with the row (padding rows repeat the last real one's).
@@ -663,10 +830,14 @@ void attend_amx(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& rows
 
 template <typename Q, typename KV>
 void attend(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& rows, Scratch& sc) {
-#if defined(PDSERVE_AMX)
+#if defined(PDSERVE_AVX512_BF16)
   if constexpr (kSameType<Q, Bf16> && kSameType<KV, Bf16>) {
     if (p.s.head_dim % 32 == 0) {
+#if defined(PDSERVE_AMX)
       return attend_amx(p, c, kv, rows, sc);
+#else
+      return attend_dpbf16(p, c, kv, rows, sc);
+#endif
     }
   }
 #endif
