@@ -6,7 +6,8 @@
 Packs the ``small`` model's projections (qkv 768 -> 1280, o 768 -> 768, gate/up 768 -> 4096,
 down 2048 -> 768) for ``--layers`` decoder layers, then times one pass over all of them per
 row count with each kernel: ``mkldnn._linear_pointwise`` and our kernel for the dtype, which
-reads the very buffer oneDNN packed (bf16: ``amx_linear.FewRowWeight``, on AMX; fp32:
+reads the very buffer oneDNN packed (bf16: ``amx_linear.FewRowWeight`` on AMX, else
+``bf16_linear.Bf16FewRowWeight`` on AVX512-BF16; fp32:
 ``fp32_linear.Fp32FewRowWeight``, in the variant ``PDSERVE_NATIVE_ISA`` forces or the CPU's
 best). 48 layers' weights (604 MB in bf16) exceed the L3 of the hosts in
 ``docs/benchmarks.md``, so the default streams them from memory as a decode step does;
@@ -30,6 +31,10 @@ sys.path.insert(0, str(ROOT))
 
 from services.host_memory import restart_with_huge_page_heap  # noqa: E402
 from services.models.amx_linear import FewRowWeight, amx_unavailable_reason  # noqa: E402
+from services.models.bf16_linear import (  # noqa: E402
+    Bf16FewRowWeight,
+    bf16_linear_unavailable_reason,
+)
 from services.models.fp32_linear import (  # noqa: E402
     Fp32FewRowWeight,
     fp32_linear_unavailable_reason,
@@ -57,11 +62,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    kernel = FewRowWeight if dtype == torch.bfloat16 else Fp32FewRowWeight
-    name = "AMX" if dtype == torch.bfloat16 else "ours"
-    reason = (
-        amx_unavailable_reason() if dtype == torch.bfloat16 else fp32_linear_unavailable_reason()
-    )
+    kernel: type[FewRowWeight | Fp32FewRowWeight]
+    if dtype == torch.float32:
+        kernel, name, reason = Fp32FewRowWeight, "ours", fp32_linear_unavailable_reason()
+    elif amx_unavailable_reason() is None:
+        kernel, name, reason = FewRowWeight, "AMX", None
+    else:
+        kernel, name, reason = Bf16FewRowWeight, "ours", bf16_linear_unavailable_reason()
     if reason is not None:
         sys.exit(f"our {args.dtype} kernel does not run here: {reason}")
     if args.threads:

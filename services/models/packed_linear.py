@@ -49,6 +49,7 @@ from torch import nn
 
 from services.models import amx_linear, fp32_linear
 from services.models.amx_linear import FewRowWeight
+from services.models.bf16_linear import Bf16FewRowWeight
 from services.models.fp32_linear import Fp32FewRowWeight
 from services.models.native_build import resolve_isa
 
@@ -62,15 +63,24 @@ FewRowView = FewRowWeight | Fp32FewRowWeight
 
 def few_row_view(weight: torch.Tensor, packed: torch.Tensor) -> FewRowView | None:
     """The few-row kernel for this weight's dtype reading ``packed``, or None where it does not
-    run here (``amx_linear`` for bf16, ``fp32_linear`` for fp32)."""
-    return FewRowWeight.of(weight, packed) or Fp32FewRowWeight.of(weight, packed)
+    run here (bf16: ``amx_linear`` on a CPU with AMX, else ``bf16_linear``; fp32:
+    ``fp32_linear``)."""
+    return (
+        FewRowWeight.of(weight, packed)
+        or Bf16FewRowWeight.of(weight, packed)
+        or Fp32FewRowWeight.of(weight, packed)
+    )
 
 
 def few_row_label(view: FewRowView | None) -> str:
     """``extra_repr``'s note of which few-row kernel a module has."""
     if view is None:
         return ""
-    return ", amx" if isinstance(view, FewRowWeight) else f", fp32 few-row {view.isa}"
+    if isinstance(view, FewRowWeight):
+        return ", amx"
+    if isinstance(view, Bf16FewRowWeight):
+        return ", bf16 few-row"
+    return f", fp32 few-row {view.isa}"
 
 
 class PackedLinear(nn.Module):

@@ -21,6 +21,7 @@
 #error "include from an fp32_linear_<isa>.cpp that defines PDSERVE_FP32_LINEAR_PANELS"
 #endif
 
+#include "panel_prefetch.h"
 #include "simd.h"
 
 namespace {
@@ -39,37 +40,6 @@ constexpr int64_t kVecs = 2;
 #endif
 constexpr int64_t kPassCols = kVecs * kLanes;
 static_assert(kFp32Panel % kPassCols == 0, "a panel is whole passes");
-constexpr int64_t kLineFloats = 16;  // a 64-byte cache line
-
-// The next panel's lines, a few at every step of this panel's work: `steps` k-steps in all, and
-// after step s the first (s * lines) / steps lines have been asked for (fixed point: no division
-// in the loop).
-class PanelPrefetch {
- public:
-  PanelPrefetch(const float* next, int64_t lines, int64_t steps)
-      : next_(next), lines_(next ? lines : 0), scale_(steps > 0 ? (lines << 16) / steps : 0) {}
-
-  void step() {
-    ++steps_;
-    const int64_t due = min64(lines_, (steps_ * scale_) >> 16);
-    for (; done_ < due; ++done_) {
-      prefetch_line_l2(next_ + done_ * kLineFloats);
-    }
-  }
-
-  // The lines the fixed point rounded away.
-  void finish() {
-    for (; done_ < lines_; ++done_) {
-      prefetch_line_l2(next_ + done_ * kLineFloats);
-    }
-  }
-
- private:
-  const float* next_;
-  int64_t lines_, scale_;
-  int64_t steps_ = 0, done_ = 0;
-};
-
 // Rows [row0, row0 + R) times the kPassCols columns of one pass: `panel` points at the pass's
 // first column of input 0 (inputs kFp32Panel floats apart), `col0` is that column's index.
 template <int64_t R>
@@ -134,7 +104,7 @@ void pdserve::PDSERVE_FP32_LINEAR_PANELS(const Fp32LinearArgs& a, int64_t panel_
     const float* panel = a.weight + p * K * kFp32Panel;
     // This thread's next panel comes in under this one's arithmetic.
     PanelPrefetch prefetch(p + 1 < panel_end ? panel + K * kFp32Panel : nullptr,
-                           K * kFp32Panel / kLineFloats, groups * passes * K);
+                           K * kFp32Panel * sizeof(float) / kLineBytes, groups * passes * K);
     for (int64_t pass = 0; pass < passes; ++pass) {
       const float* columns = panel + pass * kPassCols;
       const int64_t col0 = p * kFp32Panel + pass * kPassCols;
