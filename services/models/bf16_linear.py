@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from services.models.amx_linear import Epilogue
 from services.models.cpu_features import cpu_flags
 from services.models.fp32_linear import PANEL, Fp32FewRowWeight
 from services.models.native_build import (
@@ -43,7 +43,7 @@ from services.models.native_build import (
     native_kernel_error,
     resolve_isa,
 )
-from services.models.onednn_packing import packed_buffer, verified_address
+from services.models.onednn_packing import packed_buffer
 
 MAX_ROWS = 96
 """Batches up to this many rows take this kernel, larger ones oneDNN's (equal at 128 rows)."""
@@ -92,40 +92,25 @@ def _in_pair_panel_layout(weight: torch.Tensor, packed: torch.Tensor) -> bool:
 @dataclass(frozen=True)
 class Bf16FewRowWeight(Fp32FewRowWeight):
     """A oneDNN-packed bf16 weight the bf16 few-row kernel reads; which batches it ``takes`` is
-    the fp32 kernel's rule (the same panels over the threads), up to ``MAX_ROWS`` rows."""
+    the fp32 kernel's rule (the same panels over the threads), up to ``MAX_ROWS`` rows, and
+    ``linear`` calls the bf16 op with the same arguments."""
 
-    @classmethod
-    def of(cls, weight: torch.Tensor, packed: torch.Tensor) -> Bf16FewRowWeight | None:
-        """The kernel's view of ``packed`` (made from the plain ``weight``), or None where the
-        kernel does not run here or oneDNN packed it in another layout."""
-        if weight.dtype != torch.bfloat16 or bf16_linear_unavailable_reason() is not None:
-            return None
-        address = verified_address(weight, packed, _in_pair_panel_layout)
-        if address is None:
-            return None
-        out_features, in_features = weight.shape
-        return cls(packed, address, in_features, out_features, ISA)
+    OP: ClassVar[str] = "bf16_linear"
+
+    DTYPE: ClassVar[torch.dtype] = torch.bfloat16
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        return bf16_linear_unavailable_reason()
+
+    @staticmethod
+    def in_layout(weight: torch.Tensor, packed: torch.Tensor) -> bool:
+        return _in_pair_panel_layout(weight, packed)
+
+    @staticmethod
+    def variant() -> str:
+        return ISA
 
     @property
     def max_rows(self) -> int:
         return MAX_ROWS
-
-    def linear(
-        self,
-        x: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        epilogue: Epilogue = "none",
-        other: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``epilogue(x @ weight.T + bias)`` for ``x`` ``[num_rows, in_features]`` bf16;
-        ``mul`` multiplies by ``other`` ``[num_rows, out_features]``."""
-        return torch.ops.pdserve.bf16_linear(
-            x.contiguous(),
-            self.address,
-            self.in_features,
-            self.out_features,
-            bias,
-            epilogue,
-            other,
-            self.isa,
-        )

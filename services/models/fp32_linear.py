@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import ClassVar, Self
 
 import torch
 
@@ -92,6 +93,11 @@ class Fp32FewRowWeight:
     """A oneDNN-packed fp32 weight the fp32 few-row kernel reads, with what it needs to call
     it."""
 
+    OP: ClassVar[str] = "fp32_linear"
+    """The op of ``torch.ops.pdserve`` that ``linear`` calls."""
+    DTYPE: ClassVar[torch.dtype] = torch.float32
+    """The weights (and rows) it multiplies."""
+
     packed: torch.Tensor
     """The ``mkldnn`` tensor whose buffer the kernel reads (held so that it stays allocated)."""
     address: int
@@ -101,16 +107,31 @@ class Fp32FewRowWeight:
     """The kernel variant (``native_build.resolve_isa`` at packing time)."""
 
     @classmethod
-    def of(cls, weight: torch.Tensor, packed: torch.Tensor) -> Fp32FewRowWeight | None:
+    def of(cls, weight: torch.Tensor, packed: torch.Tensor) -> Self | None:
         """The kernel's view of ``packed`` (made from the plain ``weight``), or None where the
         kernel does not run here or oneDNN packed it in another layout."""
-        if weight.dtype != torch.float32 or fp32_linear_unavailable_reason() is not None:
+        if weight.dtype != cls.DTYPE or cls.unavailable_reason() is not None:
             return None
-        address = verified_address(weight, packed, _in_panel_layout)
+        address = verified_address(weight, packed, cls.in_layout)
         if address is None:
             return None
         out_features, in_features = weight.shape
-        return cls(packed, address, in_features, out_features, resolve_isa())
+        return cls(packed, address, in_features, out_features, cls.variant())
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        """None when this process runs the kernel, else why not."""
+        return fp32_linear_unavailable_reason()
+
+    @staticmethod
+    def in_layout(weight: torch.Tensor, packed: torch.Tensor) -> bool:
+        """Whether ``packed`` holds ``weight`` in the layout the kernel reads."""
+        return _in_panel_layout(weight, packed)
+
+    @staticmethod
+    def variant() -> str:
+        """The kernel variant a new view runs."""
+        return resolve_isa()
 
     @property
     def max_rows(self) -> int:
@@ -136,9 +157,9 @@ class Fp32FewRowWeight:
         epilogue: Epilogue = "none",
         other: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``epilogue(x @ weight.T + bias)`` for ``x`` ``[num_rows, in_features]`` fp32;
-        ``mul`` multiplies by ``other`` ``[num_rows, out_features]``."""
-        return torch.ops.pdserve.fp32_linear(
+        """``epilogue(x @ weight.T + bias)`` for ``x`` ``[num_rows, in_features]`` in the
+        weight's dtype; ``mul`` multiplies by ``other`` ``[num_rows, out_features]``."""
+        return getattr(torch.ops.pdserve, self.OP)(
             x.contiguous(),
             self.address,
             self.in_features,

@@ -17,6 +17,7 @@ from services.models.amx_linear import MAX_ROWS, SWITCH_ENV, FewRowWeight, amx_u
 from services.models.cpu_features import cpu_flags
 from services.models.native_build import native_kernel_error
 from services.models.packed_linear import PackedLinear, PackedSiluGateUp
+from support.few_row_calls import count_rows
 
 
 @pytest.fixture
@@ -180,14 +181,7 @@ def test_packed_linears_take_the_amx_kernel_up_to_max_rows(
     assert packed.few_rows is not None and fused.few_rows is not None
     assert "amx" in repr(packed) and "amx" in repr(fused)
 
-    calls: list[int] = []
-    real_linear = FewRowWeight.linear
-
-    def counting(self: FewRowWeight, x: torch.Tensor, *args: object) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return real_linear(self, x, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(FewRowWeight, "linear", counting)
+    calls = count_rows(monkeypatch, FewRowWeight)
     with torch.no_grad():
         for num_rows in (1, MAX_ROWS, MAX_ROWS + 1):
             x = _rows(num_rows, 96, seed=num_rows)

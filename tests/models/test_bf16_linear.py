@@ -19,6 +19,7 @@ from services.models.bf16_linear import (
 )
 from services.models.native_build import ISA_ENV, native_kernel_error
 from services.models.packed_linear import PackedLinear, PackedSiluGateUp
+from support.few_row_calls import count_rows
 
 
 def _needs_kernel() -> None:
@@ -166,14 +167,7 @@ def test_packed_linears_take_the_bf16_kernel_up_to_max_rows(
     assert isinstance(packed.few_rows, Bf16FewRowWeight) and fused.few_rows is not None
     assert "bf16 few-row" in repr(packed) and "bf16 few-row" in repr(fused)
 
-    calls: list[int] = []
-    real_linear = Bf16FewRowWeight.linear
-
-    def counting(self: Bf16FewRowWeight, x: torch.Tensor, *args: object) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return real_linear(self, x, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Bf16FewRowWeight, "linear", counting)
+    calls = count_rows(monkeypatch, Bf16FewRowWeight)
     limit = packed.few_rows.max_rows
     with torch.no_grad():
         for num_rows in (1, limit, limit + 1):

@@ -20,6 +20,7 @@ from services.models.fp32_linear import (
 )
 from services.models.native_build import ISA_ENV, native_kernel_error, supported_isas
 from services.models.packed_linear import PackedLinear, PackedSiluGateUp
+from support.few_row_calls import count_rows
 
 
 @pytest.fixture(autouse=True)
@@ -166,14 +167,7 @@ def test_packed_linears_take_the_fp32_kernel_up_to_max_rows(
     assert isinstance(packed.few_rows, Fp32FewRowWeight) and fused.few_rows is not None
     assert "fp32 few-row" in repr(packed) and "fp32 few-row" in repr(fused)
 
-    calls: list[int] = []
-    real_linear = Fp32FewRowWeight.linear
-
-    def counting(self: Fp32FewRowWeight, x: torch.Tensor, *args: object) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return real_linear(self, x, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Fp32FewRowWeight, "linear", counting)
+    calls = count_rows(monkeypatch, Fp32FewRowWeight)
     limit = packed.few_rows.max_rows
     with torch.no_grad():
         for num_rows in (1, limit, limit + 1):
