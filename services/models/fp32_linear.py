@@ -91,7 +91,8 @@ def _in_panel_layout(weight: torch.Tensor, packed: torch.Tensor) -> bool:
 @dataclass(frozen=True)
 class Fp32FewRowWeight:
     """A oneDNN-packed fp32 weight the fp32 few-row kernel reads, with what it needs to call
-    it."""
+    it. ``bf16_linear.Bf16FewRowWeight`` is the same for bf16, through the class hooks below
+    (``OP``, ``DTYPE``, ``unavailable_reason``, ``in_layout``, ``variant``)."""
 
     OP: ClassVar[str] = "fp32_linear"
     """The op of ``torch.ops.pdserve`` that ``linear`` calls."""

@@ -23,9 +23,10 @@ back (a 2,048-token prefill step of the small model: 6.0 against 7.1 ms a layer,
 A batch of few rows (a decode step) runs one of our own kernels over the same packed buffer
 instead, where it is faster than oneDNN's: in bf16 on a CPU with AMX, up to
 ``amx_linear.MAX_ROWS`` rows on the tiles (``amx_linear.py``: oneDNN's kernel streams the weights
-at about half the memory's rate there); in fp32, up to ``fp32_linear.MAX_ROWS`` rows (48 or 64
-by variant) on the vector units (``fp32_linear.py``: it streams the next weights under the
-arithmetic). Larger batches stay on oneDNN's.
+at about half the memory's rate there); in bf16 on a CPU with AVX512-BF16 and no AMX, up to
+``bf16_linear.MAX_ROWS`` rows on ``vdpbf16ps`` (``bf16_linear.py``); in fp32, up to
+``fp32_linear.MAX_ROWS`` rows (48 or 64 by variant) on the vector units (``fp32_linear.py``).
+The last two stream the next weights under the arithmetic. Larger batches stay on oneDNN's.
 
 Life cycle: ``pack_linears`` runs once, after the checkpoint is loaded and before the first step,
 and replaces the decoder's projections and the lm_head with ``PackedLinear`` modules (and
