@@ -10,7 +10,9 @@ What it measures, in one process:
              before and after (other processes on a shared host lower every figure);
   GEMM peak  GFLOP/s of one decoder layer's projections at 2,048 tokens in bf16 and fp32
              (``dtype_choice.measure_gflops``, best pass, before and after the engine run: the
-             better of the two); the peak is the faster dtype's;
+             better of the two); the peak is the faster dtype's. Where a dtype's two
+             measurements differ by more than ``NOISY_SPREAD``, the report warns that other load
+             fell on the run;
   bandwidth  a 512 MiB ``copy_``, best of several, before and after: (bytes read + bytes
              written) / s; and a 512 MiB ``sum`` after: bytes read / s, reported beside the
              target (decode reads; on the Intel host of docs/benchmarks.md a read-only stream
@@ -102,6 +104,20 @@ def read_bandwidth(num_bytes: int = 512 << 20, trials: int = 8) -> float:
         src.sum()
         best = min(best, time.perf_counter() - start)
     return num_bytes / best
+
+
+NOISY_SPREAD = 0.10
+"""A dtype's GEMM rate measured this much lower at one end of the run than at the other: the
+report says that other load fell on the run (a shared host), so its fractions are not to be
+compared with a quiet run's."""
+
+
+def gemm_spread(before: dict[str, float], after: dict[str, float]) -> float:
+    """The largest fall, over the dtypes, from the better of a dtype's two GEMM measurements to
+    the worse, as a fraction of the better (0.0: the two agree)."""
+    return max(
+        1 - min(before[name], after[name]) / max(before[name], after[name]) for name in before
+    )
 
 
 def weight_counts(llm: LLM) -> tuple[int, int]:
@@ -245,6 +261,7 @@ def main() -> None:
     bandwidth = max(bandwidth_before, copy_bandwidth())
     read_rate = read_bandwidth()
     gflops = {name: max(rate, gflops_after[name]) for name, rate in gflops_before.items()}
+    spread = gemm_spread(gflops_before, gflops_after)
     peak_dtype = max(gflops, key=lambda name: gflops[name])
     peak = gflops[peak_dtype] * 1e9
     load_after = os.getloadavg()
@@ -287,6 +304,7 @@ def main() -> None:
         "host": host,
         "gemm_gflops": gflops,
         "gemm_gflops_before_after": [gflops_before, gflops_after],
+        "gemm_spread": spread,
         "peak_dtype": peak_dtype,
         "copy_bandwidth_gb_s": bandwidth / 1e9,
         "read_bandwidth_gb_s": read_rate / 1e9,
@@ -308,6 +326,11 @@ def main() -> None:
         for name, rate in gflops.items()
     )
     print(f"GEMM at the model's shapes (GFLOP/s): {rates}; peak {peak_dtype}")
+    if spread > NOISY_SPREAD:
+        print(
+            f"warning: a GEMM rate fell {spread:.0%} between the two measurements: other load "
+            "fell on this run; compare its figures only with runs that show no such fall"
+        )
     print(
         f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write); "
         f"read bandwidth: {read_rate / 1e9:.1f} GB/s (sum)"

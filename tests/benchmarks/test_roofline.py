@@ -1,4 +1,5 @@
-"""The roofline report's arithmetic: which weights count, and the decode step's bound."""
+"""The roofline report's arithmetic: which weights count, the decode step's bound, and when a run
+was too noisy to compare."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from roofline import decode_bound_s, weight_counts  # noqa: E402
+from roofline import NOISY_SPREAD, decode_bound_s, gemm_spread, weight_counts  # noqa: E402
 
 from services.engine import LLM  # noqa: E402
 
@@ -31,3 +32,16 @@ def test_weight_counts_are_the_decoder_projections_and_the_lm_head(tiny_llama_di
     h, i = cfg.hidden_size, cfg.intermediate_size
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
     assert weight_counts(llm) == (cfg.num_layers * per_layer, cfg.vocab_size * h)
+
+
+def test_a_gemm_rate_that_fell_during_the_run_is_its_spread() -> None:
+    # fp32 fell from 190 to 150 GFLOP/s (21 %) while bf16 held (2 %): the run is flagged.
+    noisy = gemm_spread(
+        {"bfloat16": 420.0, "float32": 190.0}, {"bfloat16": 411.6, "float32": 150.0}
+    )
+    assert noisy == pytest.approx(40 / 190) and noisy > NOISY_SPREAD
+    # Both rose a little (2 %, 3 %): the larger is the spread, under the threshold.
+    quiet = gemm_spread(
+        {"bfloat16": 420.0, "float32": 185.0}, {"bfloat16": 430.0, "float32": 190.0}
+    )
+    assert quiet == pytest.approx(5 / 190) and quiet < NOISY_SPREAD
