@@ -103,6 +103,7 @@ class GenerationResponse(Response):
                 )
                 async with ChoiceFanout(frontend, requests, options) as choices:
                     first_events = await choices.first_events()
+                    self._share_prompt_logprobs(states, first_events)
                     if self._job.body.stream:
                         await self._stream(send, states, choices, first_events)
                     else:
@@ -131,6 +132,19 @@ class GenerationResponse(Response):
             metrics.request_errors.labels(reason="internal").inc()
             if not self._is_started:
                 await self._send_json(send, 500, internal_error_body())
+
+    def _share_prompt_logprobs(
+        self, states: list[ChoiceState], first_events: list[tuple[int, ChoiceEvent]]
+    ) -> None:
+        """Gives each prompt's other choices the prompt logprobs its first choice's first delta
+        carries (only that choice asks for them: ``choice_requests``), before any choice's
+        first chunk is formatted: every choice's first event is in ``first_events``."""
+        for index, event in first_events:
+            if index % self._n or not isinstance(event, TextDelta):
+                continue
+            if event.prompt_logprobs is not None:
+                for follower in states[index + 1 : index + self._n]:
+                    follower.prompt_logprobs = event.prompt_logprobs
 
     async def _stream(
         self,

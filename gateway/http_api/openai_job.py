@@ -331,7 +331,8 @@ def choice_requests(
     job: OpenAIJob, prompts: list[tuple[int, ...]], frontend: Frontend
 ) -> list[GenerationRequest]:
     """One request per choice, in choice order (prompt ``p``'s ``n`` choices at ``p * n + i``);
-    the ids are ``{request_id}-{index}`` when there is more than one."""
+    the ids are ``{request_id}-{index}`` when there is more than one. Only choice ``p * n`` asks
+    for prompt ``p``'s prompt logprobs."""
     n = job.body.n
     num_choices = len(prompts) * n
     timeout_s = frontend.request_timeout_s
@@ -409,7 +410,11 @@ def sampling_params(
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             logprobs=job.num_logprobs,
-            prompt_logprobs=job.num_prompt_logprobs,
+            # The n choices of a prompt share its prompt logprobs: its first choice asks for
+            # them (a prefill that scores every prompt position, and that prefix caching must
+            # not skip), the others are copied them (generation_response.py) and may reuse the
+            # prompt's cached blocks.
+            prompt_logprobs=job.num_prompt_logprobs if choice == 0 else None,
             guided=job.guided,
             logit_bias=job.logit_bias,
             allowed_token_ids=tuple(body.allowed_token_ids or ()),

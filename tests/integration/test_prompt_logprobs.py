@@ -5,12 +5,14 @@ tasks) and to vLLM's ``prompt_logprobs`` field; each equals the single-process e
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 import httpx
 import pytest
 
+from gateway.http_api import choice_fanout
 from pdserve.v1 import common_pb2, gateway_pb2
 from services.engine import LLM, SamplingParams
 from support.inprocess_stack import MAX_MODEL_LEN, Stack, run_stack
@@ -91,3 +93,64 @@ def test_prompt_logprobs_reach_both_apis(tiny_llama_dir: Path, case, colocated: 
         await stack.wait_all_free()
 
     run_stack(tiny_llama_dir, body, colocated=colocated)
+
+
+def test_a_prompts_n_choices_share_one_computation_of_its_prompt_logprobs(
+    tiny_llama_dir: Path, case, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only each prompt's first choice asks the nodes for prompt logprobs (a prefill that scores
+    # every position and skips the prefix cache); the response gives every choice the same, in
+    # the JSON body and in each choice's first streamed chunk.
+    prompt, expected = case
+    asked: list[int | None] = []
+    real_generate_text = choice_fanout.generate_text
+
+    def recording(frontend, request, options):  # type: ignore[no-untyped-def]
+        asked.append(request.sampling.prompt_logprobs)
+        return real_generate_text(frontend, request, options)
+
+    monkeypatch.setattr(choice_fanout, "generate_text", recording)
+    echoed = [expected[p][prompt[p]] for p in range(1, len(prompt))]  # type: ignore[index]
+
+    async def body(stack: Stack) -> None:
+        base = f"http://127.0.0.1:{stack.gateway.http_port}"
+        model = stack.gateway.frontend.served_model_name
+        request = {
+            "model": model, "prompt": [prompt, prompt[:40]], "n": 3, "max_tokens": 2,
+            "logprobs": 1, "echo": True, "prompt_logprobs": TOP, "temperature": 1.0, "seed": 5,
+        }  # fmt: skip
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            response = await http.post("/v1/completions", json=request)
+            assert response.status_code == 200, response.text
+            choices = response.json()["choices"]
+            assert asked == [TOP, None, None, TOP, None, None]
+            assert [c["index"] for c in choices] == list(range(6))
+            for choice in choices:
+                length = len(prompt) if choice["index"] < 3 else 40
+                legacy = choice["logprobs"]["token_logprobs"][:length]
+                assert legacy[0] is None
+                assert legacy[1:] == pytest.approx(echoed[: length - 1], abs=1e-3)
+                field = choice["prompt_logprobs"]
+                assert len(field) == length
+                assert field == choices[choice["index"] // 3 * 3]["prompt_logprobs"]
+
+            asked.clear()
+            first: dict[int, dict] = {}
+            async with http.stream(
+                "POST", "/v1/completions", json={**request, "stream": True}
+            ) as sse:
+                assert sse.status_code == 200
+                async for line in sse.aiter_lines():
+                    if line.startswith("data: {"):
+                        for choice in json.loads(line[6:])["choices"]:
+                            first.setdefault(choice["index"], choice)
+            assert asked == [TOP, None, None, TOP, None, None]
+            for index, choice in first.items():
+                length = len(prompt) if index < 3 else 40
+                legacy = choice["logprobs"]["token_logprobs"][:length]
+                assert legacy[1:] == pytest.approx(echoed[: length - 1], abs=1e-3)
+                assert len(choice["prompt_logprobs"]) == length
+            assert sorted(first) == list(range(6))
+        await stack.wait_all_free()
+
+    run_stack(tiny_llama_dir, body, colocated=True)
