@@ -114,7 +114,8 @@ void pdserve::bf16_linear_panels_avx512_bf16(const Bf16LinearArgs& a, int64_t pa
     const uint32_t* panel = weight + p * panel_words;
     // This thread's next panel comes in under this one's arithmetic.
     PanelPrefetch prefetch(p + 1 < panel_end ? panel + panel_words : nullptr,
-                           panel_words * 4 / kLineBytes, groups * (a.in_features / 2));
+                           panel_words * sizeof(uint32_t) / kLineBytes,
+                           groups * (a.in_features / 2));
     const int64_t col0 = p * kBf16Panel;
     for (int64_t row0 = 0; row0 < whole; row0 += kRows) {
       rows_times_panel<kRows>(a, row0, panel, col0, prefetch);
