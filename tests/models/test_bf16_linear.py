@@ -19,7 +19,8 @@ from services.models.bf16_linear import (
 )
 from services.models.native_build import ISA_ENV, native_kernel_error
 from services.models.packed_linear import PackedLinear, PackedSiluGateUp
-from support.few_row_calls import count_rows
+from support.few_row_kernels import assert_bad_arguments_are_named, count_rows
+from support.torch_threads import torch_threads
 
 
 def _needs_kernel() -> None:
@@ -102,12 +103,8 @@ def test_same_result_for_any_thread_count(num_threads: int) -> None:
     few_rows = _view(weight, packed)
     x = _rows(20, 96, seed=5)
     reference = few_rows.linear(x)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
+    with torch_threads(num_threads):
         out = few_rows.linear(x)
-    finally:
-        torch.set_num_threads(previous)
     assert torch.equal(out, reference)
 
 
@@ -130,18 +127,7 @@ def test_bad_arguments_name_the_argument() -> None:
     weight, packed = _packed(128, 96, seed=8)
     few_rows = _view(weight, packed)
     x = _rows(4, 96, seed=9)
-    with pytest.raises(RuntimeError, match="x must be bfloat16"):
-        few_rows.linear(x.float())
-    with pytest.raises(RuntimeError, match=r"x must be \[num_rows, 96\]"):
-        few_rows.linear(_rows(4, 64, seed=10))
-    with pytest.raises(RuntimeError, match="epilogue must be none, silu or mul"):
-        few_rows.linear(x, None, "relu")  # type: ignore[arg-type]
-    with pytest.raises(RuntimeError, match="other is given exactly when the epilogue is mul"):
-        few_rows.linear(x, None, "mul")
-    with pytest.raises(RuntimeError, match=r"other must be \[4, 128\]"):
-        few_rows.linear(x, None, "mul", _rows(4, 96, seed=11))
-    with pytest.raises(RuntimeError, match=r"bias must be \[128\]"):
-        few_rows.linear(x, _rows(1, 96, seed=12)[0])
+    assert_bad_arguments_are_named(few_rows.linear, x, 128)
     with pytest.raises(RuntimeError, match="out_features a positive multiple of 64"):
         torch.ops.pdserve.bf16_linear(x, few_rows.address, 96, 96, None, "none", None,
                                       "avx512_bf16")  # fmt: skip
@@ -150,7 +136,6 @@ def test_bad_arguments_name_the_argument() -> None:
                                       "none", None, "avx512_bf16")  # fmt: skip
     with pytest.raises(RuntimeError, match="isa must be avx512_bf16, got 'avx2'"):
         torch.ops.pdserve.bf16_linear(x, few_rows.address, 96, 128, None, "none", None, "avx2")
-    assert few_rows.linear(x[:0]).shape == (0, 128)
 
 
 def test_packed_linears_take_the_bf16_kernel_up_to_max_rows(

@@ -13,6 +13,7 @@ from services.models.attention import AttentionMetadata, TorchPagedAttention
 from services.models.native_attention import NativePagedAttention
 from services.models.native_build import native_kernel_error, supported_isas
 from support.decode_batch import SEQ_LENS, decode, make_decode_batch
+from support.torch_threads import torch_threads
 
 
 @pytest.fixture(scope="module")
@@ -116,13 +117,9 @@ def test_same_result_for_any_thread_count(num_threads: int) -> None:
     seq_lens = [300, 1, 7, 130]
     query, kv_cache, metadata = make_decode_batch(seq_lens, num_kv_heads=4, group=3)
     reference, native = backends(64, 16)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
+    with torch_threads(num_threads):
         out = decode(native, query, kv_cache, metadata)
         single = decode(native, query[:1], kv_cache, _first(metadata))
-    finally:
-        torch.set_num_threads(previous)
 
     torch.testing.assert_close(
         out, decode(reference, query, kv_cache, metadata), atol=1e-5, rtol=1e-5

@@ -13,6 +13,7 @@ from services.models.attention import AttentionMetadata, TorchPagedAttention
 from services.models.native_attention import NATIVE_PREFILL, NativePagedAttention
 from services.models.native_build import native_kernel_error, supported_isas
 from support.prefill_batch import PrefillStep, build_prefill_step, dense_reference
+from support.torch_threads import torch_threads
 
 pytestmark = pytest.mark.skipif(
     native_kernel_error() is not None, reason=f"native kernels unavailable: {native_kernel_error()}"
@@ -271,13 +272,9 @@ def test_the_cache_write_and_the_output_match_the_torch_backend(kernel: str) -> 
 def test_same_result_for_any_thread_count(num_threads: int) -> None:
     step = build_prefill_step([(0, 200), (3, 5), (60, 90)], block_size=16, num_kv_heads=4,
                               group=3, head_dim=64)  # fmt: skip
-    previous = torch.get_num_threads()
     reference = run_native(step, torch.float32, torch.float32)
-    torch.set_num_threads(num_threads)
-    try:
+    with torch_threads(num_threads):
         out = run_native(step, torch.float32, torch.float32)
-    finally:
-        torch.set_num_threads(previous)
     torch.testing.assert_close(out, reference, atol=0, rtol=0)
 
 
