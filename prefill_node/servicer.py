@@ -106,9 +106,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             )
             started_computing, pushing = asyncio.Event(), asyncio.Event()
             keep_alive: asyncio.Task[None] | None = None
+            ended_on_decode: list[str] = []  # why the decode node ended the transfer, if it did
+            owner = asyncio.current_task()
+            assert owner is not None
+
+            def stop(reason: str) -> None:
+                ended_on_decode.append(reason)
+                owner.cancel()
+
             if destination is not None:
                 keep_alive = asyncio.ensure_future(
-                    self._keep_alive(request, started_computing, pushing, asyncio.current_task())
+                    self._keep_alive(request, started_computing, pushing, stop)
                 )
             try:
                 first = await self._first_token(
@@ -123,6 +131,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                     request, request_id, params, destination, peer, first, started, pushing,
                     context,
                 )  # fmt: skip
+            except asyncio.CancelledError:
+                if not ended_on_decode:
+                    raise  # the caller left: gRPC has ended the call already
+                # Stopped from within: a cancelled handler would send no status, and the caller
+                # would wait on this call until its deadline (forever without one). ABORTED is
+                # retryable: the gateway tries again with a fresh reservation.
+                owner.uncancel()
+                await context.abort(
+                    grpc.StatusCode.ABORTED,
+                    f"the decode node ended transfer {request.destination.transfer_id} before "
+                    f"its push: {ended_on_decode[0]}",
+                )
             finally:
                 if keep_alive is not None:
                     keep_alive.cancel()
@@ -203,10 +223,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         request: prefill_pb2.PrefillRequest,
         started_computing: asyncio.Event,
         pushing: asyncio.Event,
-        owner: asyncio.Task[object] | None,
+        stop: Callable[[str], None],
     ) -> None:
         """Renew the reservation's lease while the request queues and computes here, once more
-        as its push begins, then stop: a push that stalls is caught by the lease as before."""
+        as its push begins, then stop: a push that stalls is caught by the lease as before.
+        ``stop(reason)`` stops the request's work when the decode node ended the transfer
+        before its push began."""
         stub = self._decode_stub(request.decode_target)
         transfer_id = request.destination.transfer_id
         interval = FIRST_RENEW_INTERVAL_S
@@ -220,8 +242,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 interval = max(ack.lease_ms / 3000, 0.01)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
-                    if is_last:
-                        return  # the push (or the commit) now answers for the transfer
+                    if pushing.is_set():
+                        # The push (or the commit) now answers for the transfer. A renew sent
+                        # before the push began can be answered after the commit ended the
+                        # transfer: on a GPU, prefill, push and commit of a short prompt take
+                        # less than one renew's round trip.
+                        return
                     # The decode node ended the transfer (its caller left, or the lease passed):
                     # nobody will take these pages, so stop computing them.
                     logger.info(
@@ -230,8 +256,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                         request.decode_target,
                         exc.details(),
                     )
-                    if owner is not None:
-                        owner.cancel()
+                    stop(exc.details() or "transfer ended")
                     return
                 # Unreachable for a moment: try again within the lease.
                 logger.warning("renewing transfer %s failed: %s", transfer_id, exc.details())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import time
 import urllib.request
 from pathlib import Path
 
@@ -18,6 +19,8 @@ import grpc
 import pytest
 
 from decode_node.role import decode_services
+from decode_node.servicer import DecodeServicer
+from decode_node.transfers import TransferState
 from deploy.local_ports import free_ports
 from pdserve.v1 import (
     common_pb2,
@@ -28,6 +31,7 @@ from pdserve.v1 import (
     prefill_pb2_grpc,
 )
 from prefill_node.role import prefill_services
+from prefill_node.servicer import PrefillServicer
 from services.engine import LLM, SamplingParams
 from services.node.config import Role, parse_node_config
 from services.node.runtime import start_node
@@ -235,6 +239,92 @@ def test_a_reservation_whose_commit_never_comes_expires(tiny_llama_dir: Path) ->
         await cluster.wait_all_free()
 
     run_cluster(tiny_llama_dir, body)
+
+
+def test_a_renew_answered_after_the_commit_leaves_the_prefill_whole(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU, prefill, push and commit of a short prompt can all end while a renew is in
+    flight; its answer ("committed" or "unknown") then comes after the commit. That must not
+    stop a request whose push already began (it once cancelled the finished Prefill call, which
+    then never answered: the gateway waited on it for good). Here the decode node holds each
+    "started" renew until the commit has ended the transfer, and the prefill node lingers in
+    its commit step, so the late refusal lands while the Prefill call is still running."""
+    open_states = (TransferState.RESERVED, TransferState.RECEIVING)
+    renew, commit = DecodeServicer.RenewKv, PrefillServicer._commit
+
+    async def late_renew(self, request, context):
+        for _ in range(150):  # under the keep-alive's first 1 s renew deadline
+            transfer = self.transfers.transfers.get(request.transfer_id)
+            if not request.started or transfer is None or transfer.state not in open_states:
+                break
+            await asyncio.sleep(0.005)
+        return await renew(self, request, context)
+
+    async def lingering_commit(self, *args, **kwargs):
+        await commit(self, *args, **kwargs)
+        await asyncio.sleep(0.3)
+
+    monkeypatch.setattr(DecodeServicer, "RenewKv", late_renew)
+    monkeypatch.setattr(PrefillServicer, "_commit", lingering_commit)
+    prompt = list(range(10, 50))
+    offline = LLM(tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    [expected] = [o.token_ids for o in offline.generate([prompt], params)]
+
+    async def body(cluster: Cluster) -> None:
+        tokens, finished = await asyncio.wait_for(cluster.generate("late-renew", prompt), 20)
+        assert tokens == expected
+        assert finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        await cluster.wait_all_free()
+
+    run_cluster(tiny_llama_dir, body)
+
+
+def test_a_transfer_ended_on_the_decode_node_aborts_the_prefill_call(tiny_llama_dir: Path) -> None:
+    """The caller leaves the decode stream while the prompt is computing on a slow prefill
+    node: the next renew is refused, and the Prefill call must end with a status (ABORTED, which
+    the gateway retries), never stay open until its deadline."""
+
+    async def body(cluster: Cluster) -> None:
+        prompt = list(range(10, 200))
+        stream = cluster.decode.Generate(
+            decode_pb2.GenerateRequest(
+                request_id="left",
+                prompt_token_ids=prompt,
+                sampling=GREEDY,
+                kv_source="prefill",
+                lease_ms=300,
+            ),
+            timeout=30,
+        )
+        reservation = (await stream.read()).reservation
+        prefill = asyncio.ensure_future(
+            cluster.prefill.Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id="left",
+                    prompt_token_ids=prompt,
+                    sampling=GREEDY,
+                    destination=reservation,
+                    decode_target=cluster.decode_address,
+                ),
+                timeout=60,
+            )
+        )
+        await asyncio.sleep(0.2)
+        stream.cancel()
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await prefill
+        assert error.value.code() == grpc.StatusCode.ABORTED
+        assert "ended transfer" in error.value.details()
+        assert time.monotonic() - started < 30  # well before the call's own deadline
+        await cluster.wait_all_free()
+
+    # Slowed so that the prompt is still computing when the stream closes: 16-token chunks,
+    # each step 40 times its time.
+    flags = ("--max-num-batched-tokens", "16", "--test-step-slowdown", "40")
+    run_cluster(tiny_llama_dir, body, prefill_flags=flags)
 
 
 def test_bad_requests_and_a_full_decode(tiny_llama_dir: Path) -> None:
