@@ -57,6 +57,19 @@ def kv_cache_budget(snapshot: MemorySnapshot, gpu_memory_utilization: float) -> 
     return budget
 
 
+def check_kv_cache_fits(kv_cache_memory: int, snapshot: MemorySnapshot) -> None:
+    """An explicit ``kv_cache_memory`` must fit in the device's free memory, read after the
+    weights are loaded: else a ValueError naming the flag at start-up, not an out-of-memory
+    traceback from the allocation (other processes may hold most of the device)."""
+    if kv_cache_memory > snapshot.free_bytes:
+        raise ValueError(
+            f"kv_cache_memory={kv_cache_memory / 2**30:.2f} GiB does not fit: the device has "
+            f"{snapshot.free_bytes / 2**30:.2f} GiB free of {snapshot.total_bytes / 2**30:.2f} "
+            "GiB (the weights and other processes hold the rest); lower kv_cache_memory, or "
+            "leave it unset to size the cache from gpu_memory_utilization"
+        )
+
+
 class MemoryReader(Protocol):
     def reset_peak(self) -> None: ...
 

@@ -14,7 +14,12 @@ import torch
 
 from services.engine.config import CacheConfig, EngineConfig
 from services.engine.dtype_choice import choose_kv_cache_dtype
-from services.engine.gpu_memory import CudaMemoryReader, MemoryReader, kv_cache_budget
+from services.engine.gpu_memory import (
+    CudaMemoryReader,
+    MemoryReader,
+    check_kv_cache_fits,
+    kv_cache_budget,
+)
 from services.engine.request import Request
 from services.engine.sampler import Sampler, SamplingMetadata
 from services.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
@@ -144,10 +149,13 @@ class ModelRunner:
         return per_token * self.block_size * self.kv_cache_dtype.itemsize
 
     def num_blocks_for(self, cache: CacheConfig, reader: MemoryReader | None = None) -> int:
-        """KV blocks to allocate: ``kv_cache_memory`` if set; on CUDA what a profiling step
+        """KV blocks to allocate: ``kv_cache_memory`` if set (on CUDA, if it fits in the free
+        memory); on CUDA what a profiling step
         leaves of ``gpu_memory_utilization`` (``gpu_memory.py``); 1 GiB on CPU."""
         if cache.kv_cache_memory is not None:
             budget = cache.kv_cache_memory
+            if self.device.type == "cuda" or reader is not None:
+                check_kv_cache_fits(budget, (reader or CudaMemoryReader(self.device)).snapshot())
         elif self.device.type == "cuda" or reader is not None:
             reader = reader or CudaMemoryReader(self.device)
             reader.reset_peak()
@@ -290,7 +298,11 @@ class ModelRunner:
         if not rows:
             return {}, prompt_logprobs
         # logits: [num_sampled, vocab_size], the model's dtype
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if rows == list(range(len(rows))):
+            selected = hidden[: len(rows)]  # every decode samples: no index to copy over
+        else:
+            selected = hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.compute_logits(selected)
         requests = [chunk.request for chunk in sampled_chunks]
         structured = self.structured_outputs
         grammar = (

@@ -79,6 +79,17 @@ def test_runner_sizes_the_cache_after_a_profiling_step(tiny_llama_dir) -> None:
     assert num_blocks == ((32 << 20) - (16 << 20)) // runner.block_bytes
 
 
+def test_an_explicit_cache_larger_than_the_free_memory_names_the_flag(tiny_llama_dir) -> None:
+    config = EngineConfig(model_dir=tiny_llama_dir, dtype="float32")
+    runner = ModelRunner(ModelConfig.from_model_dir(tiny_llama_dir), config, max_model_len=128)
+    reader = FakeReader(total=64 << 20, peak=48 << 20)  # 16 MiB free
+    fits = runner.num_blocks_for(CacheConfig(kv_cache_memory=8 << 20), reader)
+    assert fits == (8 << 20) // runner.block_bytes
+    with pytest.raises(ValueError, match=r"kv_cache_memory=0.02 GiB does not fit.*0.02 GiB free"):
+        runner.num_blocks_for(CacheConfig(kv_cache_memory=24 << 20), reader)
+    assert reader.resets == 0  # no profiling step when the size is given
+
+
 @pytest.mark.gpu
 def test_cuda_cache_respects_utilization(tiny_llama_dir) -> None:
     from services.engine import LLM
