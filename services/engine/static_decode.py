@@ -62,15 +62,23 @@ class StaticDecode:
         self.max_blocks = -(-max_model_len // block_size)
         device = kv_caches[0].device
         size = self.max_batch
-        # Static inputs: [max_batch] int64 each, block_tables [max_batch, max_blocks] int64.
-        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.zeros(size, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(size, dtype=torch.int64, device=device)
+        # Static inputs, on the device: rows [4, max_batch] int64 (token ids, positions, slot
+        # mapping, sequence lengths), block_tables [max_batch, max_blocks] int64.
+        self._rows = torch.zeros((4, size), dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self._rows
         self.block_tables = torch.full(
             (size, self.max_blocks), dummy_block, dtype=torch.int64, device=device
         )
-        self._reset_padding(0)
+        # Their host staging twins, pinned on CUDA so that a step's two copies are queued
+        # behind the previous step's work instead of waiting for it. ``_staged`` marks when the
+        # copies have read them, before the next step writes them again.
+        pinned = device.type == "cuda"
+        self._host_rows = torch.zeros((4, size), dtype=torch.int64, pin_memory=pinned)
+        self._host_tables = torch.full(
+            (size, self.max_blocks), dummy_block, dtype=torch.int64, pin_memory=pinned
+        )
+        self._staged = torch.cuda.Event() if pinned else None  # type: ignore[no-untyped-call]
+        self._stage([], [], [], [], size)
         self._metadata = {b: self._bucket_metadata(b) for b in self.buckets}
         self.use_graphs = use_graphs and device.type == "cuda"
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -90,13 +98,35 @@ class StaticDecode:
             prefills=[],
         )
 
-    def _reset_padding(self, start: int) -> None:
-        # Padding rows: token 0 at position 0, written to the dummy block's first slot.
-        self.input_ids[start:].zero_()
-        self.positions[start:].zero_()
-        self.slot_mapping[start:].fill_(self.dummy_block * self.block_size)
-        self.seq_lens[start:].fill_(1)
-        self.block_tables[start:].fill_(self.dummy_block)
+    def _stage(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        bucket: int,
+    ) -> None:
+        """Write rows [0:bucket) of the static inputs: the decodes, then padding rows (token 0
+        at position 0, written to the dummy block's first slot), through the host staging
+        buffers and one copy per buffer."""
+        if self._staged is not None:
+            self._staged.synchronize()  # the last step's copies have read the staging buffers
+        num = len(token_ids)
+        rows = self._host_rows.numpy()
+        rows[0, :num] = token_ids
+        rows[1, :num] = positions
+        rows[2, :num] = slots
+        rows[3, :num] = rows[1, :num] + 1
+        rows[:, num:bucket] = [[0], [0], [self.dummy_block * self.block_size], [1]]
+        tables = self._host_tables.numpy()
+        for row, table in enumerate(block_tables):
+            tables[row, : len(table)] = table
+            tables[row, len(table) :] = self.dummy_block
+        tables[num:bucket] = self.dummy_block
+        self._rows.copy_(self._host_rows, non_blocking=True)
+        self.block_tables[:bucket].copy_(self._host_tables[:bucket], non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()
 
     def _forward(self, bucket: int) -> torch.Tensor:
         metadata = self._metadata[bucket]
@@ -139,15 +169,7 @@ class StaticDecode:
         num = len(token_ids)
         bucket = self.bucket_for(num)
         assert bucket is not None, f"{num} decodes exceed the largest bucket {self.max_batch}"
-        # One host-to-device copy per buffer; rows [num:bucket] are reset to padding.
-        self.input_ids[:num].copy_(torch.tensor(token_ids, dtype=torch.int64))
-        self.positions[:num].copy_(torch.tensor(positions, dtype=torch.int64))
-        self.slot_mapping[:num].copy_(torch.tensor(slots, dtype=torch.int64))
-        self.seq_lens[:num].copy_(torch.tensor(positions, dtype=torch.int64) + 1)
-        width, dummy = self.max_blocks, self.dummy_block
-        padded = [list(table) + [dummy] * (width - len(table)) for table in block_tables]
-        self.block_tables[:num].copy_(torch.tensor(padded, dtype=torch.int64).view(num, width))
-        self._reset_padding(num)
+        self._stage(token_ids, positions, slots, block_tables, bucket)
         graph = self._graphs.get(bucket)
         if graph is None:
             return self._forward(bucket)[:num]
