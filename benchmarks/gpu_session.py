@@ -11,9 +11,12 @@ Stages (each one runs, or records why it cannot, and the session goes on):
 4. ``kernels``: Triton decode attention vs the torch path at 4 sizes (12 query / 4 KV heads x
    64, block 16, bf16): time per call and TB/s of K/V read. Target: >= 70 % of copy bandwidth
    at 64 x 1,024 context.
-5. ``decode_steps``: ``LLM`` on CUDA with and without CUDA graphs: decode step time at batch 1,
-   16 and 64 against the bandwidth floor (weights + KV read once per step at the copy
-   bandwidth). Target: batch 1 within 1.5x of the floor.
+5. ``decode_steps``: ``LLM`` on CUDA: decode step time at batch 1, 16 and 64 against the
+   bandwidth floor (weights + KV read once per step at the copy bandwidth), for the small
+   model with and without CUDA graphs and the ~1B model (``tiny --size 1b``) with them.
+   Target: batch 1 within 1.5x of the floor.
+5b. ``step_profile``: the small model's graphed decode step: graph replay alone against a
+   whole engine step, and a cProfile of the host side (``profile_b{1,64}.txt``).
 6. ``offline``: ``benchmarks/offline_throughput.py --device cuda`` on 256 x (512 in, 128 out)
    against transformers static batching. Target: >= 5x.
 7. ``serving_burst``: ``benchmarks/serving_comparison.py --systems colocated`` with the node on
@@ -32,6 +35,7 @@ import platform
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,6 +50,22 @@ PYTHON = sys.executable
 KERNEL_CASES = [(1, 256), (16, 512), (64, 320), (64, 1024)]
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 4, 64, 16
 DECODE_BATCHES = (1, 16, 64)
+
+
+class Deadline:
+    """The session's wall-clock budget: a stage starts only with ``reserve_s`` left, and a
+    child process gets what is left, so the whole session ends inside the device lease."""
+
+    def __init__(self, budget_s: float, reserve_s: float = 20.0) -> None:
+        self.end = time.monotonic() + budget_s
+        self.reserve_s = reserve_s
+
+    def left(self) -> float:
+        return max(1.0, self.end - time.monotonic() - self.reserve_s)
+
+    def check(self) -> None:
+        if self.end - time.monotonic() < 2 * self.reserve_s:
+            raise Skip("the session's --budget-s ran out")
 
 
 class Skip(Exception):
@@ -113,17 +133,29 @@ def stage_copy_bandwidth(args: argparse.Namespace) -> dict:
     return {"bytes": src.numel(), "seconds": seconds, "gb_per_s": 2 * src.numel() / seconds / 1e9}
 
 
+def gpu_test_files() -> list[str]:
+    """The test modules that hold ``gpu``-marked tests: collecting only these keeps the stage
+    free of the CPU suite's development-only imports."""
+    return sorted(
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "tests").rglob("test_*.py")
+        if "mark.gpu" in path.read_text()
+    )
+
+
 def stage_gpu_tests(args: argparse.Namespace) -> dict:
     need_cuda(args)
     result = subprocess.run(
-        [PYTHON, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"],
+        [PYTHON, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider",
+         "--timeout", "240", *gpu_test_files()],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=False,
-    )
+        timeout=args.deadline.left(),
+    )  # fmt: skip
     summary = result.stdout.strip().splitlines()[-1:] or ["(no output)"]
-    return {"returncode": result.returncode, "summary": summary[0], "tail": result.stdout[-3000:]}
+    return {"returncode": result.returncode, "summary": summary[0], "tail": result.stdout[-6000:]}
 
 
 def make_decode_batch(num_seqs: int, context: int, dtype: torch.dtype, device: str):
@@ -179,24 +211,56 @@ def stage_kernels(args: argparse.Namespace, copy_gb_per_s: float | None) -> dict
     return {"rows": rows}
 
 
-def ensure_model(path: Path) -> Path:
+def ensure_model(path: Path, size: str = "small") -> Path:
     if not (path / "config.json").is_file():
         from services.models.tiny import build_tiny_model
 
-        build_tiny_model(path, arch="llama", size="small")
+        build_tiny_model(path, arch="llama", size=size)
     return path
 
 
-def stage_decode_steps(args: argparse.Namespace, copy_gb_per_s: float | None) -> dict:
-    need_cuda(args)
-    from services.engine import LLM, SamplingParams
+def streamed_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode step reads: all of them but the input embedding, of which a
+    step reads one row per token (unless it is tied to the output projection)."""
+    total = sum(p.nbytes for p in model.parameters())
+    embedding = model.model.embed_tokens.weight
+    if embedding is getattr(model.lm_head, "weight", None):
+        return total
+    return total - embedding.nbytes
 
-    model = ensure_model(args.model)
+
+def start_decodes(engine, batch: int, prompt_len: int, steps: int, tag: str) -> None:
+    """``batch`` greedy requests of ``prompt_len`` tokens, stepped until each has its first
+    token, so the steps that follow are pure decodes."""
+    from services.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"{tag}-{i}", [16 + i] * prompt_len, params)
+    started: set[str] = set()
+    while len(started) < batch:
+        started.update(o.request_id for o in engine.step() if o.new_token_ids)
+
+
+def drain(engine) -> None:
+    while engine.has_unfinished_requests:
+        engine.step()
+
+
+def stage_decode_steps(args: argparse.Namespace, copy_gb_per_s: float | None) -> dict:
+    """Decode step time against the bandwidth floor: the small model eager and with CUDA
+    graphs, and the ~1B model with graphs."""
+    need_cuda(args)
+    from services.engine import LLM
+
     rows = []
     prompt_len, steps = 128, 32
-    for graphs in (False, True):
+    cases = [("small", args.model, False), ("small", args.model, True)]
+    cases.append(("1b", args.model_1b, True))
+    for size, path, graphs in cases:
+        args.deadline.check()
         llm = LLM(
-            model,
+            ensure_model(path, size),
             dtype="bfloat16",
             device="cuda",
             max_model_len=1024,
@@ -205,28 +269,26 @@ def stage_decode_steps(args: argparse.Namespace, copy_gb_per_s: float | None) ->
             enable_prefix_caching=False,
         )
         engine = llm.engine
-        weight_bytes = sum(p.nbytes for p in engine.runner.model.parameters())
+        weight_bytes = streamed_weight_bytes(engine.runner.model)
         for batch in DECODE_BATCHES:
-            params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-            for i in range(batch):
-                engine.add_request(f"g{graphs}-b{batch}-{i}", [16 + i] * prompt_len, params)
-            # Prefill everything first (each request has its first token), then time steps
-            # that are pure decodes.
-            started: set[str] = set()
-            while len(started) < batch:
-                started.update(o.request_id for o in engine.step() if o.new_token_ids)
+            start_decodes(engine, batch, prompt_len, steps, f"{size}-g{graphs}-b{batch}")
             torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(steps):
                 engine.step()
             torch.cuda.synchronize()
             step_s = (time.perf_counter() - start) / steps
-            while engine.has_unfinished_requests:
-                engine.step()
+            drain(engine)
             kv_bytes = batch * (prompt_len + steps // 2) * engine.runner.block_bytes // BLOCK_SIZE
-            row = {"cuda_graphs": graphs, "batch": batch, "step_ms": step_s * 1e3}
+            row = {
+                "model": size,
+                "cuda_graphs": graphs,
+                "batch": batch,
+                "step_ms": step_s * 1e3,
+                "weight_mb": weight_bytes / 1e6,
+            }
             if copy_gb_per_s:
-                # A step reads every weight and the whole KV once; the copy figure counts read
+                # A step reads the weights and the whole KV once; the copy figure counts read
                 # + write traffic, the rate a pure read stream also reaches.
                 floor_s = (weight_bytes + kv_bytes) / (copy_gb_per_s * 1e9)
                 row["floor_ms"] = floor_s * 1e3
@@ -234,19 +296,83 @@ def stage_decode_steps(args: argparse.Namespace, copy_gb_per_s: float | None) ->
             rows.append(row)
         del llm, engine
         torch.cuda.empty_cache()
-    return {"rows": rows, "weight_bytes": weight_bytes}
+    return {"rows": rows}
 
 
-def run_script(argv: list[str], env: dict[str, str] | None = None) -> dict:
+def stage_step_profile(args: argparse.Namespace) -> dict:
+    """Where a graphed decode step's time goes: the graph replay alone (device time, CUDA
+    events) against a whole ``engine.step()``, and a cProfile of the host side, written to
+    ``profile_b{batch}.txt``."""
+    need_cuda(args)
+    import cProfile
+    import io
+    import pstats
+
+    from services.engine import LLM
+
+    llm = LLM(
+        ensure_model(args.model),
+        dtype="bfloat16",
+        device="cuda",
+        max_model_len=1024,
+        max_num_seqs=max(DECODE_BATCHES),
+        cuda_graphs=True,
+        enable_prefix_caching=False,
+    )
+    engine = llm.engine
+    static = engine.runner.static_decode
+    rows = []
+    steps = 64
+    for batch in (1, 64):
+        start_decodes(engine, batch, 128, steps, f"profile-b{batch}")
+        graph = static._graphs[static.bucket_for(batch)]
+        replay_s = cuda_time(graph.replay)
+        profile = cProfile.Profile()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        profile.enable()
+        for _ in range(steps):
+            engine.step()
+        profile.disable()
+        torch.cuda.synchronize()
+        step_s = (time.perf_counter() - start) / steps
+        drain(engine)
+        text = io.StringIO()
+        stats = pstats.Stats(profile, stream=text)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(40)
+        (args.out / f"profile_b{batch}.txt").write_text(text.getvalue())
+        rows.append({"batch": batch, "replay_ms": replay_s * 1e3, "profiled_step_ms": step_s * 1e3})
+    del llm, engine
+    torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
+def run_script(argv: list[str], deadline: Deadline, env: dict[str, str] | None = None) -> dict:
     result = subprocess.run(
         [PYTHON, *argv],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=False,
-        env={**os.environ, **(env or {})},
+        # The scripts import the project's packages from the checkout, installed or not.
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            **(env or {}),
+        },
+        timeout=deadline.left(),
     )
     return {"returncode": result.returncode, "tail": (result.stdout + result.stderr)[-3000:]}
+
+
+def stage_kv_transfer(args: argparse.Namespace) -> dict:
+    need_cuda(args)
+    return run_script(
+        ["benchmarks/kv_transfer.py", "--transports", "cuda_ipc", "--sizes-mib", "64",
+         "--rounds", "2", "--no-perftest"],
+        args.deadline,
+    )  # fmt: skip
 
 
 def stage_offline(args: argparse.Namespace) -> dict:
@@ -256,6 +382,7 @@ def stage_offline(args: argparse.Namespace) -> dict:
         ["benchmarks/offline_throughput.py", "--model", str(ensure_model(args.model)),
          "--device", "cuda", "--num-prompts", "256", "--input-len", "512", "--output-len",
          "128", "--hf-batch-size", "64", "--json", str(out)],
+        args.deadline,
     )  # fmt: skip
     if out.is_file():
         run["results"] = json.loads(out.read_text())
@@ -266,22 +393,27 @@ def stage_serving_burst(args: argparse.Namespace) -> dict:
     need_cuda(args)
     run = run_script(
         ["benchmarks/serving_comparison.py", "--model", str(ensure_model(args.model)),
-         "--systems", "colocated", "--scenario", "burst", "--num-prompts", "256",
-         "--input-len", "512", "--output-len", "128", "--kv-cache-memory", "8GiB",
-         "--out", str(args.out / "serving")],
+         "--systems", "colocated,disaggregated@auto", "--scenario", "burst",
+         "--num-prompts", "256", "--input-len", "512", "--output-len", "128",
+         "--kv-cache-memory", "8GiB", "--out", str(args.serving_out or args.out / "serving")],
+        args.deadline,
         env={"PDSERVE_DEVICE": "cuda"},
     )  # fmt: skip
     return run
 
 
+# The stages that start their own processes run before those that build an LLM in this one, so
+# they find the GPU's memory free.
 STAGES = (
     "versions",
     "copy_bandwidth",
     "gpu_tests",
     "kernels",
-    "decode_steps",
+    "kv_transfer",
     "offline",
     "serving_burst",
+    "decode_steps",
+    "step_profile",
 )
 
 
@@ -296,7 +428,9 @@ def run_session(args: argparse.Namespace) -> dict[str, dict]:
         "copy_bandwidth": lambda: stage_copy_bandwidth(args),
         "gpu_tests": lambda: stage_gpu_tests(args),
         "kernels": lambda: stage_kernels(args, bandwidth()),
+        "kv_transfer": lambda: stage_kv_transfer(args),
         "decode_steps": lambda: stage_decode_steps(args, bandwidth()),
+        "step_profile": lambda: stage_step_profile(args),
         "offline": lambda: stage_offline(args),
         "serving_burst": lambda: stage_serving_burst(args),
     }
@@ -306,13 +440,20 @@ def run_session(args: argparse.Namespace) -> dict[str, dict]:
             continue
         start = time.perf_counter()
         try:
+            args.deadline.check()
             results[name] = {"status": "ok", "result": runners[name]()}
         except Skip as why:
             results[name] = {"status": "skipped", "reason": str(why)}
         except Exception as exc:  # one stage's failure is recorded; the session goes on
-            results[name] = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
+            results[name] = {
+                "status": "failed",
+                "reason": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc()[-4000:],
+            }
         results[name]["seconds"] = round(time.perf_counter() - start, 2)
-        print(f"[{name}] {results[name]['status']}", flush=True)
+        print(f"[{name}] {results[name]['status']} in {results[name]['seconds']} s", flush=True)
+        # Written after every stage: a session cut off by the lease still leaves its results.
+        (args.out / "session.json").write_text(json.dumps(results, indent=2))
     return results
 
 
@@ -345,7 +486,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/gpu")
     parser.add_argument("--model", type=Path, default=ROOT / "models/small-llama")
+    parser.add_argument("--model-1b", type=Path, default=ROOT / "models/1b-llama")
+    parser.add_argument(
+        "--serving-out", type=Path, default=None, help="serving_burst's results (OUT/serving)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="CUDA stages say why, run nothing")
+    parser.add_argument(
+        "--budget-s", type=float, default=3600.0, help="wall-clock budget for the whole session"
+    )
     parser.add_argument(
         "--only", type=lambda s: s.split(","), default=None, help=f"subset of {','.join(STAGES)}"
     )
@@ -353,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only and not set(args.only) <= set(STAGES):
         parser.error(f"--only: unknown stage(s) {sorted(set(args.only) - set(STAGES))}")
     args.out.mkdir(parents=True, exist_ok=True)
+    args.deadline = Deadline(args.budget_s)
     results = run_session(args)
     (args.out / "session.json").write_text(json.dumps(results, indent=2))
     print(table(results))

@@ -18,6 +18,10 @@ whole sweep, and each row also gives its fastest transfer, which a loaded host d
 and that as a share of the fastest memcpy (`best/best`).
 `--transports shm-numpy` is the shm transport with its writer on the numpy copy. The `small 2k
 tok` case (24 MiB) always runs; `--sizes-mib` with no sizes runs only it.
+
+`--transports cuda_ipc` (GPU, runs alone) pushes device memory into the receiver's device memory
+on GPU 0; its memcpy ceiling is then a device-to-device copy of the same size (CuPy, timed after
+a device synchronize), counted like the host one: bytes moved once over the time.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -48,6 +53,8 @@ SMALL_2K_BYTES = 12 * 2 * 2048 * 4 * 64 * 2  # the small model's KV for 2048 tok
 
 # `--transports shm-numpy`: the shm transport with its writer on the numpy copy, not the native one.
 VARIANTS = {"shm-numpy": ("shm", {"native_copy": False})}
+# Transports whose regions are device memory: they run alone, against a device memcpy.
+DEVICE_TRANSPORTS = {"cuda_ipc"}
 
 
 def receiver_main(transport_name: str, num_bytes: int, conn: Connection) -> None:
@@ -74,15 +81,14 @@ def make_pages(num_bytes: int, num_slots: int, layout: str, seed: int) -> PageTa
 
 
 def time_transfers(
-    transport, peer: PeerAddress, pages: PageTable, iters: int, memcpy_buffers: tuple
+    transport, peer: PeerAddress, pages: PageTable, iters: int, memcpy: Callable[[], None]
 ) -> tuple[list[float], list[float]]:
-    """(transfer seconds, memcpy seconds) of `iters` pairs: a contiguous memcpy of the same size
-    between `memcpy_buffers` right before each transfer."""
+    """(transfer seconds, memcpy seconds) of `iters` pairs: a contiguous `memcpy` of the same
+    size right before each transfer."""
     seconds, memcpy_seconds = [], []
-    memcpy_src, memcpy_dst = memcpy_buffers
     for i in range(iters + 1):  # the first one warms up
         start = time.perf_counter()
-        np.copyto(memcpy_dst, memcpy_src)
+        memcpy()
         memcpy_elapsed = time.perf_counter() - start
         start = time.perf_counter()
         handle = transport.write(
@@ -126,12 +132,23 @@ def run_perftest(num_bytes: int, iters: int) -> float | None:
     return float(match.group(2)) * 2**20 / 1e9 if match else None
 
 
-def memcpy_buffers(num_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-    """Two host buffers of `num_bytes` for the memcpy ceiling, their pages faulted in."""
-    src = np.ones(num_bytes, np.uint8)
-    dst = np.zeros(num_bytes, np.uint8)
-    np.copyto(dst, src)
-    return src, dst
+def memcpy_of(num_bytes: int, on_device: bool) -> Callable[[], None]:
+    """A contiguous copy of `num_bytes` between two buffers allocated (and touched) once: host
+    memory, or device memory with the copy waited for."""
+    if on_device:
+        import cupy
+
+        src, dst = cupy.ones(num_bytes, cupy.uint8), cupy.zeros(num_bytes, cupy.uint8)
+
+        def device_copy() -> None:
+            cupy.copyto(dst, src)
+            cupy.cuda.Device().synchronize()
+
+        device_copy()
+        return device_copy
+    host_src, host_dst = np.ones(num_bytes, np.uint8), np.zeros(num_bytes, np.uint8)
+    np.copyto(host_dst, host_src)
+    return lambda: np.copyto(host_dst, host_src)
 
 
 def main() -> None:
@@ -148,6 +165,9 @@ def main() -> None:
     names = [args.transport] if args.transport else args.transports
     if "loopback" in names:
         parser.error("loopback moves bytes within one process; this benchmark needs two")
+    on_device = bool(DEVICE_TRANSPORTS & set(names))
+    if on_device and len(names) > 1:
+        parser.error(f"{sorted(DEVICE_TRANSPORTS & set(names))} runs alone (device memory)")
 
     max_bytes = max(max(args.sizes_mib, default=0) << 20, SMALL_2K_BYTES)
     ctx = mp.get_context("spawn")
@@ -160,7 +180,12 @@ def main() -> None:
         proc.start()
         peer = PeerAddress.from_bytes(parent.recv())
         writer = make_transport(transport, **options)
-        writer.register("src", src)
+        if on_device:
+            device_src = writer.allocate(max_bytes)
+            device_src.set(src)
+            writer.register("src", device_src)
+        else:
+            writer.register("src", src)
         writer.connect(peer)
         pairs[name] = (writer, peer, parent, proc)
         print(f"transport: {writer.info()}")
@@ -182,12 +207,12 @@ def main() -> None:
             iters = 5 if num_bytes >= 128 << 20 else 20
             if not args.no_perftest and "ucx" in names and num_bytes not in perftest:
                 perftest[num_bytes] = run_perftest(num_bytes, iters)
-            buffers = memcpy_buffers(num_bytes)
+            memcpy = memcpy_of(num_bytes, on_device)
             for layout in args.layouts:
                 pages = make_pages(num_bytes, max_bytes // PAGE, layout, seed=num_bytes)
                 for name, (writer, peer, _, _) in pairs.items():
-                    seconds, memcpy_seconds = time_transfers(writer, peer, pages, iters, buffers)
-                    memcpy = num_bytes / statistics.median(memcpy_seconds) / 1e9
+                    seconds, memcpy_seconds = time_transfers(writer, peer, pages, iters, memcpy)
+                    memcpy_gbps = num_bytes / statistics.median(memcpy_seconds) / 1e9
                     # Bandwidth share = memcpy time / transfer time, pair by pair.
                     share = statistics.median(
                         m / t for m, t in zip(memcpy_seconds, seconds, strict=True)
@@ -204,7 +229,7 @@ def main() -> None:
                     print(
                         f"{round_index:>5} {label:>12} {layout:>13} {name:>9} {len(pages):>6} "
                         f"{median * 1e3:10.2f} {p90 * 1e3:8.2f} {min(seconds) * 1e3:7.2f} "
-                        f"{gbps:6.2f} {memcpy:12.2f} {share:8.0%} {best_share:9.0%} "
+                        f"{gbps:6.2f} {memcpy_gbps:12.2f} {share:8.0%} {best_share:9.0%} "
                         f"{ref_text} {ratio}",
                         flush=True,
                     )

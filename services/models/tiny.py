@@ -131,6 +131,19 @@ SIZES: dict[str, ModelSize] = {
         num_pseudo_words=40000,
         num_sentences=60000,
     ),
+    # Llama-3.2-1B's shape with the small size's vocabulary (1.1B parameters): the GPU
+    # benchmarks' "~1B" model, where a decode step is bound by reading weights.
+    "1b": ModelSize(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        num_pseudo_words=40000,
+        num_sentences=60000,
+    ),
 }
 
 _COMMON_WORDS = (

@@ -51,12 +51,24 @@ def test_a_failing_stage_is_recorded_and_the_session_goes_on(
     monkeypatch.setattr(session, "stage_versions", broken)
     assert session.main(["--dry-run", "--out", str(tmp_path)]) == 1
     results = json.loads((tmp_path / "session.json").read_text())
-    assert results["versions"] == {
-        "status": "failed",
-        "reason": "RuntimeError: boom",
-        "seconds": results["versions"]["seconds"],
-    }
+    failed = results["versions"]
+    assert (failed["status"], failed["reason"]) == ("failed", "RuntimeError: boom")
+    assert "in broken" in failed["traceback"]
     assert results["copy_bandwidth"]["status"] == "skipped"
+
+
+def test_stages_left_when_the_budget_runs_out_say_so(tmp_path: Path) -> None:
+    session = load_session()
+    assert session.main(["--dry-run", "--budget-s", "0", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "session.json").read_text())
+    assert {entry["reason"] for entry in results.values()} == {"the session's --budget-s ran out"}
+
+
+def test_gpu_tests_stage_collects_every_module_with_gpu_tests() -> None:
+    files = load_session().gpu_test_files()
+    assert "tests/models/test_triton_attention.py" in files
+    assert "tests/kv_transfer/test_cuda_ipc.py" in files
+    assert all((ROOT / f).read_text().count("mark.gpu") for f in files)
 
 
 def test_unknown_stage_is_a_usage_error(tmp_path: Path) -> None:

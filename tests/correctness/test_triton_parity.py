@@ -20,15 +20,19 @@ NUM_OUTPUT_TOKENS = 6
 GREEDY = SamplingParams(max_tokens=NUM_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-def hf_greedy(model_dir, prompts: list[list[int]]) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, local_files_only=True
-    ).eval()
+def hf_greedy(
+    model_dir, prompts: list[list[int]], device: str = "cpu", num_tokens: int = NUM_OUTPUT_TOKENS
+) -> list[list[int]]:
+    model = (
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+        .to(device)
+        .eval()
+    )
     with torch.inference_mode():
         return [
             model.generate(
-                torch.tensor([p]),
-                max_new_tokens=NUM_OUTPUT_TOKENS,
+                torch.tensor([p], device=device),
+                max_new_tokens=num_tokens,
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=0,
@@ -62,3 +66,27 @@ def test_triton_backend_greedy_matches_hf(tiny_llama_dir) -> None:
     outputs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outputs] == expected
     assert outputs[2].num_cached_tokens >= 32
+
+
+@pytest.mark.gpu
+def test_cuda_greedy_matches_hf_on_the_same_gpu(tiny_llama_dir) -> None:
+    """The whole CUDA path in fp32: weights on the GPU, the Triton kernels, decode steps replayed
+    as CUDA graphs (batches of 1 to 4 as requests finish), argmax on the device."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(5, 4096) for _ in range(n)] for n in (1, 7, 33, 150)]
+    lengths = [24, 9, 17, 3]
+    expected = [
+        hf_greedy(tiny_llama_dir, [p], device="cuda", num_tokens=n)[0]
+        for p, n in zip(prompts, lengths, strict=True)
+    ]
+    llm = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        device="cuda",
+        max_model_len=256,
+        gpu_memory_utilization=0.2,
+    )
+    assert llm.engine.runner.static_decode is not None
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == expected
