@@ -11,8 +11,8 @@ after it. The slot mutex is held until that event completes, so "no writer insid
 means "no copy still running on a GPU", and the fence holds as it does for shm.
 
 CuPy is imported here only (the GPU image installs it: the ``gpu`` extra); on a host without
-CUDA creating this transport raises RuntimeError saying so. Not yet run on GPU hardware in this
-repository's CI: its tests are ``gpu``-marked.
+CUDA creating this transport raises RuntimeError saying so. Its tests are ``gpu``-marked: run on
+an H100 (two processes on one GPU), never in CI, which has no GPU.
 """
 
 from __future__ import annotations
