@@ -14,6 +14,11 @@ from collections.abc import AsyncIterator
 
 from gateway.errors import ErrorKind, GatewayError
 
+TOKENIZER_SLOTS = 4
+"""``/tokenize`` and ``/detokenize`` calls that tokenize at once (each in a thread of the event
+loop's default executor, which the generation routes' tokenizing shares): a flood of them queues
+here, bounded, instead of in that executor."""
+
 
 class Admission:
     def __init__(self, max_concurrent: int, max_queued: int) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
-from gateway.admission import Admission
+from gateway.admission import TOKENIZER_SLOTS, Admission
 from gateway.auth import ApiKeys
 from gateway.generation import Generator
 from gateway.key_limiter import KeyLimiter
@@ -33,6 +33,10 @@ class Frontend:
     metrics: GatewayMetrics
     node_census: Callable[[], NodeCensus]
     """The node pool's counts now: readiness and the ``/health`` body come from one call."""
+    tokenizer_admission: Admission = field(default_factory=lambda: Admission(TOKENIZER_SLOTS, 64))
+    """Bounds ``/tokenize`` and ``/detokenize``, which tokenize in threads outside
+    ``admission`` (a generation holds its slot for its whole stream; a tokenize call must not
+    wait behind one): at most ``TOKENIZER_SLOTS`` at once, then a bounded queue, then 429."""
     request_timeout_s: float | None = 600.0
     """Deadline of one request from its arrival; None: no deadline."""
     client_send_timeout_s: float | None = 30.0

@@ -19,7 +19,7 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.admission import Admission
+from gateway.admission import TOKENIZER_SLOTS, Admission
 from gateway.auth import ApiKeys
 from gateway.config import GatewayConfig
 from gateway.frontend import Frontend
@@ -68,6 +68,7 @@ class GatewayServer:
             # Charges each request's API key for its tokens (per-key limits).
             generator=KeyMeteredGenerator(routed),
             admission=self.admission,
+            tokenizer_admission=Admission(TOKENIZER_SLOTS, config.max_queued_requests),
             api_keys=ApiKeys(config.api_keys),
             limits=config.limits,
             metrics=self.metrics,

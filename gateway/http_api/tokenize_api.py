@@ -10,7 +10,9 @@ server will (no node is involved).
                    "return_token_strs": true: the vocabulary's pieces, as vLLM's)
     /detokenize  {"tokens": [ids]} → {"prompt": "text"}
 
-Both take the API key as ``/v1/*`` does (``HttpGate``), and name the served model or none.
+Both take the API key as ``/v1/*`` does (``HttpGate``), and name the served model or none. They
+are bounded apart from generation requests (``Frontend.tokenizer_admission``): a few at once, a
+queue of ``--max-queued-requests``, then 429 with ``Retry-After``.
 Prompts are not checked against ``max_model_len``: ``count`` is what a client compares with it.
 """
 
@@ -84,8 +86,10 @@ def tokenize_router(frontend: Frontend, bearer: HTTPBearer) -> APIRouter:
         body: TokenizeCompletionRequest | TokenizeChatRequest,
     ) -> TokenizeResponse:
         check_model(body.model, frontend)
-        # In a thread: a long prompt or a heavy template would stall every stream on the loop.
-        return await asyncio.to_thread(_tokenize, body, frontend)
+        async with frontend.tokenizer_admission.admit():
+            # In a thread: a long prompt or a heavy template would stall every stream on the
+            # loop.
+            return await asyncio.to_thread(_tokenize, body, frontend)
 
     @router.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
@@ -97,7 +101,8 @@ def tokenize_router(frontend: Frontend, bearer: HTTPBearer) -> APIRouter:
                     f"tokens[{index}]: {token} is not below the vocabulary size {vocab}",
                     param=f"tokens[{index}]",
                 )
-        text = await asyncio.to_thread(frontend.tokenizer.decode, body.tokens, False)
+        async with frontend.tokenizer_admission.admit():
+            text = await asyncio.to_thread(frontend.tokenizer.decode, body.tokens, False)
         return DetokenizeResponse(prompt=text)
 
     return router

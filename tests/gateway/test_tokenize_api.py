@@ -4,12 +4,16 @@ or 404 naming the field, and the API key guards both as it guards ``/v1``."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
+from gateway.admission import Admission
 from gateway.text.tokenizer import Tokenizer
-from support.openai_app import MODEL, Served, assert_error, start
+from support.openai_app import MODEL, Served, assert_error, start, wait_until
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -114,3 +118,46 @@ def test_tools_are_checked_as_the_chat_route_checks_them(served: Served) -> None
     assert_error(served.post("/tokenize", body), 400, "tools[0]")
     good = {"type": "function", "function": {"name": "get_weather"}}
     assert served.post("/tokenize", {"messages": MESSAGES, "tools": [good]}).status_code == 200
+
+
+class HeldTokenizer:
+    """The tokenizer, with ``encode`` held until ``release`` is set."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.entered = threading.Semaphore(0)
+        self.release = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+    def encode(self, *args: Any, **kwargs: Any) -> list[int]:
+        self.entered.release()
+        self.release.wait(10)
+        return self._tokenizer.encode(*args, **kwargs)
+
+
+def test_tokenizer_calls_are_bounded_apart_from_generations(tokenizer: Tokenizer) -> None:
+    held = HeldTokenizer(tokenizer)
+    served, server = start(held, tokenizer_admission=Admission(1, 1))  # type: ignore[arg-type]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(served.post, "/tokenize", {"prompt": "one"})
+            assert held.entered.acquire(timeout=5)  # the one slot is taken
+            second = pool.submit(served.post, "/tokenize", {"prompt": "two"})
+            wait_until(lambda: served.frontend.tokenizer_admission.num_queued == 1)
+            # The queue is full: refused at once, for both routes, with a time to retry.
+            refused = served.post("/tokenize", {"prompt": "three"})
+            assert_error(refused, 429, None)
+            assert int(refused.headers["retry-after"]) >= 1
+            assert_error(served.post("/detokenize", {"tokens": [5, 6]}), 429, None)
+            # Generations have their own bound: a prompt of token ids needs no tokenizer call.
+            done = served.client().completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=1)
+            assert done.choices[0].text
+            held.release.set()
+            answers = [first.result(timeout=10).json(), second.result(timeout=10).json()]
+        assert [a["tokens"] for a in answers] == [tokenizer.encode(t) for t in ("one", "two")]
+        assert served.post("/detokenize", {"tokens": [5, 6]}).status_code == 200
+    finally:
+        held.release.set()
+        server.stop()

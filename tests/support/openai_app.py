@@ -150,6 +150,7 @@ def start(
     reasoning_parser: ReasoningParser | None = None,
     sampling_defaults: SamplingDefaults | None = None,
     aliases: tuple[str, ...] = (),
+    tokenizer_admission: Admission | None = None,
     **limits: Any,
 ) -> tuple[Served, ThreadedUvicorn]:
     generator = FakeGenerator(script or output_script(tokenizer))
@@ -167,6 +168,7 @@ def start(
         reasoning_parser=reasoning_parser,
         sampling_defaults=sampling_defaults or SamplingDefaults(),
         served_model_aliases=aliases,
+        **({} if tokenizer_admission is None else {"tokenizer_admission": tokenizer_admission}),
     )
     server = ThreadedUvicorn(build_openai_app(frontend), send_buffer_bytes)
     return Served(f"http://127.0.0.1:{server.port}", frontend, generator, tokenizer), server
