@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -67,7 +68,18 @@ class _Peer:
     # The peer's allocations mapped here, each once: by inode (shm: the mapping) or by IPC
     # handle (cuda_ipc: the opened device pointer).
     mappings: dict[object, object]
+    watch: shared_memory.ProcessWatch
     is_dead: bool = False
+
+
+@lru_cache(maxsize=256)
+def _endpoint(endpoint: bytes) -> dict[str, Any]:
+    """A peer address's endpoint document, parsed once per peer rather than once per write and
+    region (read only: shared by every write to that peer)."""
+    doc = json.loads(endpoint)
+    if not isinstance(doc, dict):
+        raise ValueError("the endpoint is not a JSON object")
+    return doc
 
 
 @dataclass
@@ -183,7 +195,7 @@ class ShmTransport(KvTransport):
         if peer.transport != self.name:
             raise ValueError(f"a {peer.transport} address cannot be reached over {self.name}")
         try:
-            doc = json.loads(peer.endpoint)
+            doc = _endpoint(peer.endpoint)
             control = SharedHandle.from_json(doc["control"])
         except (ValueError, KeyError, TypeError) as exc:
             raise ConnectionError(f"not a {self.name} peer address: {exc}") from None
@@ -196,13 +208,18 @@ class ShmTransport(KvTransport):
         with self._lock:
             # Dead peers' mappings go (their memory is freed once no copy uses it any more).
             for old_key, old in list(self._peers.items()):
-                if old.is_dead or not shared_memory.is_alive(old.pid):
+                if old.is_dead or not old.watch.is_alive():
                     del self._peers[old_key]
             mapped = self._peers.get(key)
             if mapped is not None:
                 return mapped
             view = np.frombuffer(shared_memory.map_peer(control), dtype=np.uint8)
-            mapped = _Peer(control.pid, ShmTable(view, owner=False), {})
+            mapped = _Peer(
+                control.pid,
+                ShmTable(view, owner=False),
+                {},
+                shared_memory.ProcessWatch(control.pid),
+            )
             # Every region published now is mapped now, once (later ones on first use).
             for name, region in doc.get("regions", {}).items():
                 self._map(mapped, region, peer.regions[name])
@@ -211,7 +228,7 @@ class ShmTransport(KvTransport):
 
     def _dst_base(self, mapped: _Peer, peer: PeerAddress, name: str) -> int:
         """This process's address of the peer's region `name`, mapping it on first use."""
-        doc = json.loads(peer.endpoint)["regions"].get(name)
+        doc = _endpoint(peer.endpoint)["regions"].get(name)
         if doc is None:
             raise ConnectionError(f"the peer's region {name!r} is not in shared memory")
         with self._lock:
@@ -333,7 +350,7 @@ class ShmTransport(KvTransport):
         return True
 
     def _peer_gone(self, job: _Job) -> bool:
-        if shared_memory.is_alive(job.peer.pid):
+        if job.peer.watch.is_alive():
             return False
         job.peer.is_dead = True
         with self._lock:  # unmapped once the last job holding it ends

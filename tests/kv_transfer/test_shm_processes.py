@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from kv_transfer import PageCopy, TransferStatus, make_transport
-from kv_transfer.shared_memory import MEMFD_NAME
+from kv_transfer.shared_memory import MEMFD_NAME, ProcessWatch
 from support.receiver_process import (
     DST_BYTES,
     PAGE,
@@ -211,3 +212,31 @@ def test_fence_waits_out_a_writer_killed_inside_a_copy() -> None:
             writer.kill()
         writer.wait(timeout=10)
         receiver.close()
+
+
+def test_a_process_watch_sees_an_exit_from_any_thread_zombie_or_reaped() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        watch = ProcessWatch(child.pid)
+        answers: list[bool] = []
+
+        def check() -> None:  # threads check at once, as copy threads do
+            answers.extend(watch.is_alive() for _ in range(200))
+
+        threads = [threading.Thread(target=check) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert answers == [True] * 1600
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while watch.is_alive():  # a zombie until reaped below: it counts as gone
+            assert time.monotonic() < deadline, "the watch never saw the exit"
+            time.sleep(0.01)
+        assert child.poll() is not None or child.wait(5) is not None
+        assert not watch.is_alive()
+    finally:
+        child.kill()
+        child.wait()
+    assert not ProcessWatch(child.pid).is_alive()  # reaped: gone from the start

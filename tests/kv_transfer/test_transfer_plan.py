@@ -30,6 +30,59 @@ def test_pages_adjacent_on_one_side_only_stay_apart() -> None:
     assert len(make_plan(pages, LENGTHS, LENGTHS).runs) == 2
 
 
+def coalesce_one_by_one(pages: list[PageCopy], names: list[str]) -> list[list[int]]:
+    """The reference: walk the pages in order, extending the last run while a page follows it
+    on both sides in the same regions."""
+    runs: list[list[int]] = []
+    for page in pages:
+        row = [names.index(page.src_region), page.src_offset, names.index(page.dst_region),
+               page.dst_offset, page.length]  # fmt: skip
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and last[0] == row[0]
+            and last[2] == row[2]
+            and last[1] + last[4] == row[1]
+            and last[3] + last[4] == row[3]
+        ):
+            last[4] += row[4]
+        else:
+            runs.append(row)
+    return runs
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_coalescing_equals_merging_page_by_page(seed: int) -> None:
+    """Tables that merge nowhere, everywhere and in places, over one or two regions a side."""
+    rng = np.random.default_rng(seed)
+    num_pages, page = int(rng.integers(1, 400)), 64
+    blocks = np.arange(num_pages)
+    if seed % 3 == 1:  # pairs of blocks in order, the pairs shuffled: every other page merges
+        blocks = (rng.permutation(num_pages // 2 + 1)[:, None] * 2 + [0, 1]).ravel()[:num_pages]
+    elif seed % 3 == 2:
+        blocks = rng.permutation(num_pages)
+    regions = ["a", "b"] if seed >= 3 else ["a"]
+    pages = [
+        PageCopy(
+            regions[i % len(regions)] if seed >= 4 else "a",
+            i * page,
+            regions[int(b) % len(regions)],
+            int(b) * page,
+            page,
+        )  # fmt: skip
+        for i, b in enumerate(blocks)
+    ]
+    plan = make_plan(pages, LENGTHS, LENGTHS)
+    names = sorted({"a", "b"})
+    expected = coalesce_one_by_one(pages, names)
+    remapped = [
+        [names.index(plan.src_regions[r[0]]), r[1], names.index(plan.dst_regions[r[2]]), r[3], r[4]]
+        for r in plan.runs.tolist()
+    ]
+    assert remapped == expected
+    assert plan.num_bytes == num_pages * page
+
+
 def test_large_runs_go_direct_and_small_ones_are_staged() -> None:
     big = MIN_DIRECT_BYTES
     pages = [
