@@ -8,7 +8,8 @@ Life cycle of a request's blocks:
                              once the request is admitted with it.
 2. ``can_allocate`` / ``allocate``
                              each step: reference the hit blocks (first time only) and append new
-                             blocks so that every token computed this step has a slot.
+                             blocks so that every token computed this step has a slot
+                             (``try_allocate``: both at once for a running request).
 3. ``cache_full_blocks``     after the step: index the request's newly completed full blocks by
                              their chained hash, so that later requests can share them.
 4. ``free``                  on finish, abort or preemption: drop the request's references, last
@@ -55,6 +56,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self._blocks: dict[str, list[Block]] = {}
+        # The same tables as block ids, kept beside them: every step hands each scheduled
+        # request's ids on, and building them anew cost more than the rest of its scheduling.
+        self._block_ids: dict[str, list[int]] = {}
         # Leading blocks of each request already indexed, so each step only hashes new ones.
         self._num_cached_blocks: dict[str, int] = {}
         self._num_queried_tokens = 0
@@ -80,7 +84,7 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self._blocks.get(request_id, ())]
+        return list(self._block_ids.get(request_id, ()))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
         """Cached blocks that hold a prefix of ``request.token_ids``, and the tokens they cover."""
@@ -110,11 +114,33 @@ class KVCacheManager:
         """Give ``request`` slots for ``num_new_tokens`` past its computed (or hit) tokens."""
         num_needed, _ = self._count_needed(request, num_new_tokens, computed_blocks)
         blocks = self._blocks.setdefault(request.request_id, [])
+        ids = self._block_ids.setdefault(request.request_id, [])
         if computed_blocks:
             assert not blocks, f"prefix hit for {request.request_id}, which already holds blocks"
             self.pool.touch(computed_blocks)
             blocks.extend(computed_blocks)
-        blocks.extend(self.pool.allocate(num_needed))
+            ids.extend(block.block_id for block in computed_blocks)
+        new_blocks = self.pool.allocate(num_needed)
+        blocks.extend(new_blocks)
+        ids.extend(block.block_id for block in new_blocks)
+
+    def try_allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """``can_allocate`` then ``allocate`` for a request already holding its blocks (no prefix
+        hit), counted once: False, holding nothing more, when the pool is short. Most decode
+        steps need no block at all, and return at the first test."""
+        blocks = self._blocks.get(request.request_id)
+        num_held = len(blocks) if blocks is not None else 0
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        num_needed = -(-num_tokens // self.block_size) - num_held
+        if num_needed <= 0:
+            return True
+        if not self.pool.can_allocate(num_needed):
+            return False
+        new_blocks = self.pool.allocate(num_needed)
+        self._blocks.setdefault(request.request_id, []).extend(new_blocks)
+        ids = self._block_ids.setdefault(request.request_id, [])
+        ids.extend(block.block_id for block in new_blocks)
+        return True
 
     def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted lookup; the scheduler calls it once per admission, not each time
@@ -138,6 +164,7 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])
+        self._block_ids.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 

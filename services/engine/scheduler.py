@@ -188,17 +188,16 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"{request.request_id} is running with nothing to compute"
-            while not self.kv_cache.can_allocate(request, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            else:
-                self.kv_cache.allocate(request, num_new)
+            if self.kv_cache.try_allocate(request, num_new):
                 chunks.append(self._chunk(request, num_new))
                 budget -= num_new
                 index += 1
+                continue
+            # No room: preempt the last running request (this one, once it is the last) and
+            # try again; a preempted request leaves `running`, so the loop ends at it.
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
 
         if not preempted:
             self._admit_waiting(chunks, budget)

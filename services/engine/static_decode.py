@@ -21,9 +21,11 @@ same buffers, which is how the CPU suite checks the static path against the dyna
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -78,6 +80,7 @@ class StaticDecode:
             (size, self.max_blocks), dummy_block, dtype=torch.int64, pin_memory=pinned
         )
         self._staged = torch.cuda.Event() if pinned else None  # type: ignore[no-untyped-call]
+        self._columns = np.arange(self.max_blocks)  # [max_blocks]: a table's column indices
         self._stage([], [], [], [], size)
         self._metadata = {b: self._bucket_metadata(b) for b in self.buckets}
         self.use_graphs = use_graphs and device.type == "cuda"
@@ -118,11 +121,15 @@ class StaticDecode:
         rows[2, :num] = slots
         rows[3, :num] = rows[1, :num] + 1
         rows[:, num:bucket] = [[0], [0], [self.dummy_block * self.block_size], [1]]
+        # Block tables: each row's ids, then the dummy block; a few whole-array operations for
+        # the batch instead of two per row (64 rows: ~0.1 ms of a GPU step's host time).
         tables = self._host_tables.numpy()
-        for row, table in enumerate(block_tables):
-            tables[row, : len(table)] = table
-            tables[row, len(table) :] = self.dummy_block
-        tables[num:bucket] = self.dummy_block
+        lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=num)
+        ids = np.fromiter(
+            itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(lengths.sum())
+        )
+        tables[:bucket] = self.dummy_block
+        tables[:num][self._columns < lengths[:, None]] = ids  # row-major: each row's ids in order
         self._rows.copy_(self._host_rows, non_blocking=True)
         self.block_tables[:bucket].copy_(self._host_tables[:bucket], non_blocking=True)
         if self._staged is not None:

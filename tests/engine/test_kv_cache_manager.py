@@ -53,6 +53,46 @@ def test_allocate_gives_a_slot_per_token_and_free_returns_them(
     assert_all_free(kv)
 
 
+def test_try_allocate_is_can_allocate_then_allocate(
+    make_kv_manager, make_request, assert_all_free
+) -> None:
+    kv = make_kv_manager(num_blocks=3, block_size=4)
+    a, b = make_request("a", 6), make_request("b", 4)
+    kv.allocate(a, 6)
+    a.num_computed_tokens = 6
+    held = kv.block_ids("a")
+    # A decode step that fits the last block takes nothing.
+    assert kv.try_allocate(a, 1) and kv.block_ids("a") == held
+    a.num_computed_tokens = 8
+    # At the boundary, one block more.
+    assert kv.try_allocate(a, 1) and len(kv.block_ids("a")) == 3
+    a.num_computed_tokens = 9
+    # The pool is empty: refused, and nothing is held that was not before.
+    kv.allocate(b, 0)
+    b.num_computed_tokens = 0
+    assert not kv.try_allocate(b, 4)
+    assert kv.block_ids("b") == [] and kv.num_free_blocks == 0
+    kv.free(a)
+    assert kv.try_allocate(b, 4) and len(kv.block_ids("b")) == 1
+    kv.free(b)
+    assert_all_free(kv)
+
+
+def test_block_ids_follow_the_blocks_and_are_a_copy(make_kv_manager, make_request) -> None:
+    kv = make_kv_manager(num_blocks=8, block_size=4)
+    first = make_request("first", token_ids=list(range(9)))
+    admit(kv, first)
+    # A second request hits the first's full blocks, then allocates its own.
+    second = make_request("second", token_ids=[*range(8), 50, 51, 52, 53])
+    assert admit(kv, second) == 8
+    for name in ("first", "second"):
+        assert kv.block_ids(name) == [block.block_id for block in kv._blocks[name]]
+    assert kv.block_ids("second")[:2] == kv.block_ids("first")[:2]
+    ids = kv.block_ids("second")
+    ids.append(999)
+    assert 999 not in kv.block_ids("second")
+
+
 def test_can_allocate_refuses_beyond_free_blocks(make_kv_manager, make_request) -> None:
     kv = make_kv_manager(num_blocks=2, block_size=4)
     assert kv.can_allocate(make_request("a", 8), 8)
