@@ -16,7 +16,8 @@ Stages (each one runs, or records why it cannot, and the session goes on):
    model with and without CUDA graphs and the ~1B model (``tiny --size 1b``) with them.
    Target: batch 1 within 1.5x of the floor.
 5b. ``step_profile``: the small model's graphed decode step: graph replay alone against a
-   whole engine step, and a cProfile of the host side (``profile_b{1,64}.txt``).
+   whole engine step, a cProfile of the host side and the replayed graph's kernels by device
+   time (``profile_b{1,64}.txt``).
 6. ``offline``: ``benchmarks/offline_throughput.py --device cuda`` on 256 x (512 in, 128 out)
    against transformers static batching. Target: >= 5x.
 7. ``serving_burst``: ``benchmarks/serving_comparison.py --systems colocated`` with the node on
@@ -29,6 +30,7 @@ and nothing slow starts; the JSON and the table are written the same way.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -295,6 +297,7 @@ def stage_decode_steps(args: argparse.Namespace, copy_gb_per_s: float | None) ->
                 row["x_floor"] = step_s / floor_s
             rows.append(row)
         del llm, engine
+        gc.collect()
         torch.cuda.empty_cache()
     return {"rows": rows}
 
@@ -341,9 +344,21 @@ def stage_step_profile(args: argparse.Namespace) -> dict:
         stats = pstats.Stats(profile, stream=text)
         stats.sort_stats("tottime").print_stats(30)
         stats.sort_stats("cumulative").print_stats(40)
+        # The device side: each kernel of the replayed graph, by total time (what a fused or
+        # faster kernel would save), under torch's profiler.
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as kernels:
+            for _ in range(10):
+                graph.replay()
+            torch.cuda.synchronize()
+        text.write("\n\nKernels of 10 graph replays\n")
+        text.write(kernels.key_averages().table(sort_by="cuda_time_total", row_limit=25))
         (args.out / f"profile_b{batch}.txt").write_text(text.getvalue())
         rows.append({"batch": batch, "replay_ms": replay_s * 1e3, "profiled_step_ms": step_s * 1e3})
-    del llm, engine
+        del graph
+    # Every reference to the engine's memory goes before the next stage builds its own.
+    del llm, engine, static
+    gc.collect()
     torch.cuda.empty_cache()
     return {"rows": rows}
 
