@@ -13,7 +13,9 @@ Stages (each one runs, or records why it cannot, and the session goes on):
    at 64 x 1,024 context.
 5. ``decode_steps``: ``LLM`` on CUDA: decode step time at batch 1, 16 and 64 against the
    bandwidth floor (weights + KV read once per step at the copy bandwidth), for the small
-   model with and without CUDA graphs and the ~1B model (``tiny --size 1b``) with them.
+   model with and without CUDA graphs and the ~1B model (``tiny --size 1b``) with them, each
+   graphed case with torch's elementwise ops and with the fused Triton ones
+   (``PDSERVE_TRITON_LAYER_OPS``).
    Target: batch 1 within 1.5x of the floor.
 5b. ``step_profile``: the small model's graphed decode step: graph replay alone against a
    whole engine step, a cProfile of the host side and the replayed graph's kernels by device
@@ -47,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.models.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
+from services.models.backends import TRITON_LAYER_OPS_ENV  # noqa: E402
 
 PYTHON = sys.executable
 KERNEL_CASES = [(1, 256), (16, 512), (64, 320), (64, 1024)]
@@ -257,23 +260,34 @@ def stage_decode_steps(args: argparse.Namespace, copy_gb_per_s: float | None) ->
 
     rows = []
     prompt_len, steps = 128, 32
-    cases = [("small", args.model, False), ("small", args.model, True)]
-    cases.append(("1b", args.model_1b, True))
-    for size, path, graphs in cases:
+    # (size, checkpoint, CUDA graphs, fused Triton layer ops): each model with torch's
+    # elementwise ops and with the fused kernels, which are opt-in until measured here.
+    cases = [
+        ("small", args.model, False, False),
+        ("small", args.model, True, False),
+        ("small", args.model, True, True),
+        ("1b", args.model_1b, True, False),
+        ("1b", args.model_1b, True, True),
+    ]
+    for size, path, graphs, fused in cases:
         args.deadline.check()
-        llm = LLM(
-            ensure_model(path, size),
-            dtype="bfloat16",
-            device="cuda",
-            max_model_len=1024,
-            max_num_seqs=max(DECODE_BATCHES),
-            cuda_graphs=graphs,
-            enable_prefix_caching=False,
-        )
+        os.environ[TRITON_LAYER_OPS_ENV] = "1" if fused else "0"
+        try:
+            llm = LLM(
+                ensure_model(path, size),
+                dtype="bfloat16",
+                device="cuda",
+                max_model_len=1024,
+                max_num_seqs=max(DECODE_BATCHES),
+                cuda_graphs=graphs,
+                enable_prefix_caching=False,
+            )
+        finally:
+            os.environ.pop(TRITON_LAYER_OPS_ENV)
         engine = llm.engine
         weight_bytes = streamed_weight_bytes(engine.runner.model)
         for batch in DECODE_BATCHES:
-            start_decodes(engine, batch, prompt_len, steps, f"{size}-g{graphs}-b{batch}")
+            start_decodes(engine, batch, prompt_len, steps, f"{size}-{graphs}-{fused}-{batch}")
             torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(steps):
@@ -285,6 +299,7 @@ def stage_decode_steps(args: argparse.Namespace, copy_gb_per_s: float | None) ->
             row = {
                 "model": size,
                 "cuda_graphs": graphs,
+                "fused_ops": fused,
                 "batch": batch,
                 "step_ms": step_s * 1e3,
                 "weight_mb": weight_bytes / 1e6,

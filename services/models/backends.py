@@ -8,6 +8,7 @@ here so that the interface never imports an implementation (no import cycle).
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -17,14 +18,27 @@ from services.models.layer_ops import LayerOps
 logger = logging.getLogger(__name__)
 
 
+TRITON_LAYER_OPS_ENV = "PDSERVE_TRITON_LAYER_OPS"
+"""``1``: the Triton backend's elementwise steps run as fused Triton kernels
+(``triton_layer_ops.py``); opt-in until they have run on a GPU."""
+
+
 def make_layer_ops(backend: AttentionBackend) -> LayerOps:
     """The fused native kernels beside the native attention backend (one library, one variant
-    of the CPU); torch's ops with any other backend."""
+    of the CPU); the fused Triton kernels beside the Triton backend with
+    ``PDSERVE_TRITON_LAYER_OPS=1``; torch's ops otherwise."""
     from services.models.native_attention import NativePagedAttention
     from services.models.native_layer_ops import NativeLayerOps
 
     if isinstance(backend, NativePagedAttention):
         return NativeLayerOps(backend.isa)
+    if os.environ.get(TRITON_LAYER_OPS_ENV) == "1":
+        from services.models.triton_attention import TritonPagedAttention
+
+        if isinstance(backend, TritonPagedAttention):
+            from services.models.triton_layer_ops import TritonLayerOps
+
+            return TritonLayerOps()
     return LayerOps()
 
 

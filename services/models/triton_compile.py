@@ -1,4 +1,5 @@
-"""Ahead-of-time compile of every Triton attention kernel variant, without a GPU.
+"""Ahead-of-time compile of every Triton kernel variant (attention and the fused layer ops),
+without a GPU.
 
 Why: the interpreter (how the CPU suite runs the kernels) accepts tile shapes that the real
 compiler rejects or that spill registers to local memory, which would only show on a GPU.
@@ -29,10 +30,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from services.models import triton_attention as kernels
+from services.models import triton_layer_ops as layer_ops
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+# The widest rows the layer ops' one-program-per-token kernels take whole (Llama-3-70B's
+# hidden size): the largest register footprint.
+LAYER_OPS_HIDDEN = 8192
 # Llama/Qwen head sizes, and GQA groups from MHA (1) to Llama-3-70B's 8.
 # The GQA group changes masks and indices only (decode pads it to 16 MMA rows): one suffices.
 HEAD_DIMS = (64, 128)
@@ -115,6 +120,25 @@ def _prefill_signature(dtype: str) -> dict[str, str]:
     }
 
 
+def _layer_ops_signatures(dtype: str) -> dict[str, dict[str, str]]:
+    tensor = f"*{dtype}"
+    return {
+        "add_rms_norm": {
+            **dict.fromkeys(["out_ptr", "hidden_ptr", "pending_ptr", "weight_ptr"], tensor),
+            "hidden_size": "i32",
+            "eps": "fp32",
+        },
+        "rotary": {
+            **dict.fromkeys(["q_ptr", "k_ptr", "cos_ptr", "sin_ptr"], tensor),
+            **dict.fromkeys(
+                ["stride_q_tok", "stride_q_head", "stride_k_tok", "stride_k_head", "num_heads"],
+                "i32",
+            ),
+        },
+        "silu_and_mul": {"out_ptr": tensor, "gate_up_ptr": tensor, "intermediate": "i32"},
+    }
+
+
 def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
     """(registers, spill bytes) of the one kernel in ``ptx``, from ``ptxas -v``."""
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -188,12 +212,30 @@ def compile_all(
             _reduce_signature(short),
             {"HEAD_DIM": head_dim, "BLOCK_D": block_d},
         )
+        signatures = _layer_ops_signatures(short)
+        builds["rotary"] = (
+            layer_ops._rotary_kernel,
+            signatures["rotary"],
+            {"HEAD_DIM": head_dim, "HALF_BLOCK": triton.next_power_of_2(head_dim // 2)},
+        )
+        if head_dim == head_dims[0]:  # the norm and SiLU kernels do not depend on head_dim
+            builds["add_rms_norm"] = (
+                layer_ops._add_rms_norm_kernel,
+                signatures["add_rms_norm"],
+                {"HAS_PENDING": True, "BLOCK": LAYER_OPS_HIDDEN},
+            )
+            builds["silu_and_mul"] = (
+                layer_ops._silu_and_mul_kernel,
+                signatures["silu_and_mul"],
+                {"BLOCK": layer_ops._SILU_BLOCK},
+            )
         for name, (fn, signature, constexprs) in builds.items():
+            # The other layer ops launch with Triton's default of 4 warps.
             warps = {
                 "decode_partial": tiles.decode_num_warps,
-                "decode_reduce": 4,
                 "prefill": tiles.prefill_num_warps,
-            }[name]
+                "add_rms_norm": layer_ops.norm_num_warps(LAYER_OPS_HIDDEN),
+            }.get(name, 4)
             compiled = _compile(fn, signature, constexprs, arch, warps)
             registers, spill_bytes = _ptxas_report(compiled.asm["ptx"], arch)
             results.append(

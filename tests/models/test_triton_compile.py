@@ -1,7 +1,7 @@
-"""Every Triton attention kernel variant compiles for sm_90 (H100) without a GPU and spills no
-registers: the CPU suite runs the kernels under the interpreter, which accepts tile shapes the
-real compiler rejects or spills. fp16 is left out here: its code is bf16's (the CLI,
-``python -m services.models.triton_compile``, builds all three dtypes)."""
+"""Every Triton kernel variant (attention and the fused layer ops) compiles for sm_90 (H100)
+without a GPU and spills no registers: the CPU suite runs the kernels under the interpreter,
+which accepts tile shapes the real compiler rejects or spills. fp16 is left out here: its code
+is bf16's (the CLI, ``python -m services.models.triton_compile``, builds all three dtypes)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,11 @@ def test_every_kernel_compiles_for_sm90_without_spills() -> None:
     assert result.returncode == 0, result.stderr[-4000:]
     variants = [json.loads(line) for line in result.stdout.splitlines()]
     kernels = {v["kernel"] for v in variants}
-    assert kernels == {"decode_partial", "decode_reduce", "prefill"}
-    assert len(variants) == 3 * 2 * 2
+    assert kernels == {
+        "decode_partial", "decode_reduce", "prefill", "rotary", "add_rms_norm", "silu_and_mul"
+    }  # fmt: skip
+    # Per dtype: attention and rotary for each head size, norm and SiLU once.
+    assert len(variants) == 2 * (4 * 2 + 2)
     spilling = [v for v in variants if v["spill_bytes"] > 0]
     assert not spilling, f"register spills: {spilling}"
     assert all(0 < v["num_registers"] <= 255 for v in variants)
