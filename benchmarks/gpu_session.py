@@ -23,6 +23,9 @@ Stages (each one runs, or records why it cannot, and the session goes on):
    time (``profile_b{1,64}.txt``).
 6. ``offline``: ``benchmarks/offline_throughput.py --device cuda`` on 256 x (512 in, 128 out)
    against transformers static batching. Target: >= 5x.
+6b. ``launcher``: ``python -m deploy.launch`` (``make run``) with a prefill and a decode node on
+   GPU 0 (``gpu_ids``), a chat completion and a streamed completion through the gateway, then
+   SIGTERM: exit code and log tail.
 7. ``serving_burst``: ``benchmarks/serving_comparison.py --systems colocated`` with the node on
    the GPU (``PDSERVE_DEVICE``), a burst through the gateway.
 
@@ -37,6 +40,7 @@ import gc
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -438,6 +442,95 @@ def stage_offline(args: argparse.Namespace) -> dict:
     return run
 
 
+def launch_and_ask(model: Path, gpu_ids: list[int], work: Path, deadline: Deadline) -> dict:
+    """``python -m deploy.launch`` (what ``make run`` starts) on a topology that puts one
+    prefill and one decode node on ``gpu_ids`` (empty: the CPU), then one chat completion and
+    one streamed completion through the gateway's HTTP API; the launcher is stopped with
+    SIGTERM and its exit code and log tail recorded."""
+    import urllib.error
+    import urllib.request
+
+    import yaml
+
+    from deploy.local_ports import free_ports
+
+    http, grpc_port, prefill_port, decode_port = free_ports(4)
+    pins = {"gpu_ids": gpu_ids} if gpu_ids else {}
+    # Two nodes share one GPU here: each gets its own cache size, not 0.9 of the device.
+    node_args = {"kv-cache-memory": "4GiB" if gpu_ids else "256MiB"}
+    topology = {
+        "model": str(model),
+        "served_model_name": "model",
+        "dtype": "bfloat16" if gpu_ids else "float32",
+        "prefill": {"count": 1, "base_grpc_port": prefill_port, "args": node_args, **pins},
+        "decode": {"count": 1, "base_grpc_port": decode_port, "args": node_args, **pins},
+        "gateway": {"http_port": http, "grpc_port": grpc_port},
+    }
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / "topology.yaml"
+    path.write_text(yaml.safe_dump(topology))
+    log = (work / "launcher.log").open("w")
+    launcher = subprocess.Popen(
+        [PYTHON, "-m", "deploy.launch", "--topology", str(path), "--grace-s", "10"],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{http}"
+
+    def post(route: str, body: dict) -> tuple[int, str]:
+        request = urllib.request.Request(
+            base + route, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=min(60.0, deadline.left())) as answer:
+                return answer.status, answer.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    result: dict = {"topology": topology}
+    started = time.monotonic()
+    try:
+        ready_by = started + min(240.0, deadline.left())
+        while time.monotonic() < ready_by and launcher.poll() is None:
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(1)
+        else:
+            raise RuntimeError(f"the gateway never became healthy (launcher: {launcher.poll()})")
+        result["ready_s"] = round(time.monotonic() - started, 1)
+        chat = {"model": "model", "max_tokens": 16, "temperature": 0,
+                "messages": [{"role": "user", "content": "Name three prime numbers."}]}  # fmt: skip
+        status, body = post("/v1/chat/completions", chat)
+        result["chat"] = {"status": status, "body": body[:600]}
+        stream = {"model": "model", "prompt": "The capital of France is", "max_tokens": 16,
+                  "stream": True}  # fmt: skip
+        status, body = post("/v1/completions", stream)
+        result["stream"] = {"status": status, "data_lines": body.count("data: "),
+                            "done": body.rstrip().endswith("data: [DONE]")}  # fmt: skip
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        try:
+            result["exit_code"] = launcher.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            result["exit_code"] = "killed after 60 s"
+        log.close()
+        result["log_tail"] = (work / "launcher.log").read_text()[-3000:]
+    return result
+
+
+def stage_launcher(args: argparse.Namespace) -> dict:
+    """``make run``'s launcher with both nodes pinned to GPU 0 (``gpu_ids``)."""
+    need_cuda(args)
+    return launch_and_ask(ensure_model(args.model), [0], args.out / "launcher", args.deadline)
+
+
 def stage_serving_burst(args: argparse.Namespace) -> dict:
     need_cuda(args)
     run = run_script(
@@ -460,6 +553,7 @@ STAGES = (
     "kernels",
     "kv_transfer",
     "offline",
+    "launcher",
     "serving_burst",
     "decode_steps",
     "step_profile",
@@ -481,6 +575,7 @@ def run_session(args: argparse.Namespace) -> dict[str, dict]:
         "decode_steps": lambda: stage_decode_steps(args, bandwidth()),
         "step_profile": lambda: stage_step_profile(args),
         "offline": lambda: stage_offline(args),
+        "launcher": lambda: stage_launcher(args),
         "serving_burst": lambda: stage_serving_burst(args),
     }
     for name in STAGES:

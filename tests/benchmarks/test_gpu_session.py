@@ -76,3 +76,14 @@ def test_unknown_stage_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         session.main(["--dry-run", "--out", str(tmp_path), "--only", "versions,nope"])
     assert exc.value.code == 2
+
+
+def test_the_launcher_stage_serves_on_the_cpu(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """The ``launcher`` stage's work, with no GPU pin: a GPU lease must not be the first run."""
+    session = load_session()
+    result = session.launch_and_ask(tiny_llama_dir, [], tmp_path, session.Deadline(300))
+    assert result["chat"]["status"] == 200, result
+    assert json.loads(result["chat"]["body"])["choices"][0]["message"]["content"]
+    assert result["stream"]["status"] == 200 and result["stream"]["done"], result
+    assert result["exit_code"] == 0, result["log_tail"]
+    assert "gpu_ids" not in result["topology"]["prefill"]
