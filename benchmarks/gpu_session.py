@@ -31,6 +31,17 @@ Stages (each one runs, or records why it cannot, and the session goes on):
 
 ``--dry-run`` (what the CPU test suite runs): stages that need CUDA say so instead of running,
 and nothing slow starts; the JSON and the table are written the same way.
+
+On a CUDA image that has torch but not pdserve's other packages (no package index reachable
+there), fetch their Python 3.12 wheels where one is, carry them over, and install them aside:
+
+    pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 \
+        -d .whl -r benchmarks/gpu-extras.txt
+    pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+
+and carry the generated protobuf code (``make protos``: ``pdserve/v1/*_pb2*.py``) too.
 """
 
 from __future__ import annotations
