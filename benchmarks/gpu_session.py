@@ -268,6 +268,22 @@ def streamed_weight_bytes(model: torch.nn.Module) -> int:
     return total - embedding.nbytes
 
 
+def decode_llm(model: Path, cuda_graphs: bool):  # -> services.engine.LLM
+    """The decode stages' engine: bf16 on the GPU, room for the largest batch, no prefix cache
+    (every step decodes what it was given)."""
+    from services.engine import LLM
+
+    return LLM(
+        model,
+        dtype="bfloat16",
+        device="cuda",
+        max_model_len=1024,
+        max_num_seqs=max(DECODE_BATCHES),
+        cuda_graphs=cuda_graphs,
+        enable_prefix_caching=False,
+    )
+
+
 def start_decodes(engine, batch: int, prompt_len: int, steps: int, tag: str) -> None:
     """``batch`` greedy requests of ``prompt_len`` tokens, stepped until each has its first
     token, so the steps that follow are pure decodes."""
@@ -290,7 +306,6 @@ def stage_decode_steps(args: argparse.Namespace, copy_gb_per_s: float | None) ->
     """Decode step time against the bandwidth floor: the small model eager and with CUDA
     graphs, and the ~1B model with graphs."""
     need_cuda(args)
-    from services.engine import LLM
 
     rows = []
     prompt_len, steps = 128, 32
@@ -307,15 +322,7 @@ def stage_decode_steps(args: argparse.Namespace, copy_gb_per_s: float | None) ->
         args.deadline.check()
         os.environ[TRITON_LAYER_OPS_ENV] = "1" if fused else "0"
         try:
-            llm = LLM(
-                ensure_model(path, size),
-                dtype="bfloat16",
-                device="cuda",
-                max_model_len=1024,
-                max_num_seqs=max(DECODE_BATCHES),
-                cuda_graphs=graphs,
-                enable_prefix_caching=False,
-            )
+            llm = decode_llm(ensure_model(path, size), graphs)
         finally:
             os.environ.pop(TRITON_LAYER_OPS_ENV)
         engine = llm.engine
@@ -360,17 +367,7 @@ def stage_step_profile(args: argparse.Namespace) -> dict:
     import io
     import pstats
 
-    from services.engine import LLM
-
-    llm = LLM(
-        ensure_model(args.model),
-        dtype="bfloat16",
-        device="cuda",
-        max_model_len=1024,
-        max_num_seqs=max(DECODE_BATCHES),
-        cuda_graphs=True,
-        enable_prefix_caching=False,
-    )
+    llm = decode_llm(ensure_model(args.model), cuda_graphs=True)
     engine = llm.engine
     static = engine.runner.static_decode
     rows = []
