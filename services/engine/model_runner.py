@@ -54,6 +54,16 @@ _PROMPT_LOGPROB_ROWS = 256
 """Rows whose logits one slice of a prompt-logprobs chunk holds at once."""
 
 
+def use_device(device: torch.device) -> None:
+    """Makes ``device`` (``cuda:N``) this thread's current CUDA device. CUDA graphs, streams and
+    events are made on the current device, and Triton launches its kernels there, whatever
+    device the tensors are on: a node on ``cuda:1`` (a topology's ``gpu_ids``) would capture its
+    graphs and record its events on GPU 0. Per thread: the runner calls it where it is built,
+    which is the thread that steps it (``AsyncEngine``'s engine thread, or ``LLM``'s caller)."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -74,6 +84,7 @@ class ModelRunner:
         """Grammar matchers of constrained requests: their rows get a token bitmask."""
         self.model_config = model_config
         self.device = torch.device(config.device)
+        use_device(self.device)
         dtype = dtype if dtype is not None else config.dtype
         if dtype not in _DTYPES:
             raise ValueError(f"ModelRunner needs a resolved dtype, got {dtype!r}")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from services.engine import LLM, SamplingParams
+from services.engine.model_runner import use_device
 from services.engine.static_decode import batch_buckets
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -87,3 +88,25 @@ def test_cuda_graph_replay_matches_eager(tiny_llama_dir) -> None:
     expected = [o.token_ids for o in eager.generate(batch, GREEDY)]
     assert [o.token_ids for o in graphs.generate(batch, GREEDY)] == expected
     torch.cuda.synchronize()
+
+
+def test_a_runner_on_cuda_n_makes_it_the_current_device(monkeypatch) -> None:
+    """Graphs, streams, events and Triton launches follow the current device, not the tensors':
+    a runner on ``cuda:1`` must make it current (a plain ``cuda`` is the current one already)."""
+    calls: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    for name in ("cuda:1", "cuda", "cpu"):
+        use_device(torch.device(name))
+    assert calls == [torch.device("cuda:1")]
+
+
+@pytest.mark.gpu
+def test_graphs_on_a_second_gpu_give_the_first_gpus_tokens(tiny_llama_dir) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    batch = prompts(4)
+    first = make_llm(tiny_llama_dir, cuda_graphs=True, backend="auto", device="cuda:0")
+    expected = [o.token_ids for o in first.generate(batch, GREEDY)]
+    second = make_llm(tiny_llama_dir, cuda_graphs=True, backend="auto", device="cuda:1")
+    assert second.engine.runner.static_decode._graphs, "no graph was captured"
+    assert [o.token_ids for o in second.generate(batch, GREEDY)] == expected
