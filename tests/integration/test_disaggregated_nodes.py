@@ -68,32 +68,40 @@ class Cluster:
         tokens, _, finished = await self.generate_full(request_id, prompt, sampling, tamper)
         return tokens, finished
 
-    async def generate_full(self, request_id: str, prompt: list[int], sampling=GREEDY, tamper=None):
-        """The gateway's two legs; returns (tokens, prefill result, finished event)."""
+    async def reserve(
+        self, request_id: str, prompt: list[int], sampling=GREEDY, lease_ms: int = 5000
+    ):
+        """The gateway's first leg: (the open Decode.Generate stream, its KV reservation)."""
         stream = self.decode.Generate(
             decode_pb2.GenerateRequest(
                 request_id=request_id,
                 prompt_token_ids=prompt,
                 sampling=sampling,
                 kv_source="prefill",
-                lease_ms=5000,
+                lease_ms=lease_ms,
             ),
             timeout=30,
         )
-        first_event = await stream.read()
-        reservation = first_event.reservation
+        return stream, (await stream.read()).reservation
+
+    def prefill_into(self, request_id: str, prompt: list[int], reservation, sampling=GREEDY):
+        """The gateway's second leg's request: prefill ``prompt`` into ``reservation``."""
+        return prefill_pb2.PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            destination=reservation,
+            decode_target=self.decode_address,
+        )
+
+    async def generate_full(self, request_id: str, prompt: list[int], sampling=GREEDY, tamper=None):
+        """The gateway's two legs; returns (tokens, prefill result, finished event)."""
+        stream, reservation = await self.reserve(request_id, prompt, sampling)
         if tamper is not None:
             tamper(reservation)
         try:
             result = await self.prefill.Prefill(
-                prefill_pb2.PrefillRequest(
-                    request_id=request_id,
-                    prompt_token_ids=prompt,
-                    sampling=sampling,
-                    destination=reservation,
-                    decode_target=self.decode_address,
-                ),
-                timeout=30,
+                self.prefill_into(request_id, prompt, reservation, sampling), timeout=30
             )
         except grpc.aio.AioRpcError:
             stream.cancel()
@@ -253,10 +261,15 @@ def test_a_renew_answered_after_the_commit_leaves_the_prefill_whole(
     open_states = (TransferState.RESERVED, TransferState.RECEIVING)
     renew, commit = DecodeServicer.RenewKv, PrefillServicer._commit
 
+    late: list[str] = []  # renews answered once their transfer had ended
+
     async def late_renew(self, request, context):
-        for _ in range(150):  # under the keep-alive's first 1 s renew deadline
+        for _ in range(150):  # under the keep-alive's 1 s renew deadline
             transfer = self.transfers.transfers.get(request.transfer_id)
-            if not request.started or transfer is None or transfer.state not in open_states:
+            if transfer is None or transfer.state not in open_states:
+                late.append(request.transfer_id)
+                break
+            if not request.started:
                 break
             await asyncio.sleep(0.005)
         return await renew(self, request, context)
@@ -274,11 +287,15 @@ def test_a_renew_answered_after_the_commit_leaves_the_prefill_whole(
 
     async def body(cluster: Cluster) -> None:
         tokens, finished = await asyncio.wait_for(cluster.generate("late-renew", prompt), 20)
+        assert late, "no renew was answered after the commit: the race was not exercised"
         assert tokens == expected
         assert finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
         await cluster.wait_all_free()
 
-    run_cluster(tiny_llama_dir, body)
+    # Three 16-token chunks of at least 50 ms each: the "started" renew goes out after the
+    # first, well before the push begins, on any host.
+    flags = ("--max-num-batched-tokens", "16", "--test-step-delay-s", "0.05")
+    run_cluster(tiny_llama_dir, body, prefill_flags=flags)
 
 
 def test_a_transfer_ended_on_the_decode_node_aborts_the_prefill_call(tiny_llama_dir: Path) -> None:
@@ -288,28 +305,9 @@ def test_a_transfer_ended_on_the_decode_node_aborts_the_prefill_call(tiny_llama_
 
     async def body(cluster: Cluster) -> None:
         prompt = list(range(10, 200))
-        stream = cluster.decode.Generate(
-            decode_pb2.GenerateRequest(
-                request_id="left",
-                prompt_token_ids=prompt,
-                sampling=GREEDY,
-                kv_source="prefill",
-                lease_ms=300,
-            ),
-            timeout=30,
-        )
-        reservation = (await stream.read()).reservation
+        stream, reservation = await cluster.reserve("left", prompt, lease_ms=300)
         prefill = asyncio.ensure_future(
-            cluster.prefill.Prefill(
-                prefill_pb2.PrefillRequest(
-                    request_id="left",
-                    prompt_token_ids=prompt,
-                    sampling=GREEDY,
-                    destination=reservation,
-                    decode_target=cluster.decode_address,
-                ),
-                timeout=60,
-            )
+            cluster.prefill.Prefill(cluster.prefill_into("left", prompt, reservation), timeout=60)
         )
         await asyncio.sleep(0.2)
         stream.cancel()
@@ -321,9 +319,9 @@ def test_a_transfer_ended_on_the_decode_node_aborts_the_prefill_call(tiny_llama_
         assert time.monotonic() - started < 30  # well before the call's own deadline
         await cluster.wait_all_free()
 
-    # Slowed so that the prompt is still computing when the stream closes: 16-token chunks,
-    # each step 40 times its time.
-    flags = ("--max-num-batched-tokens", "16", "--test-step-slowdown", "40")
+    # Slowed so that the prompt is still computing when the stream closes, on any host:
+    # 12 chunks of 16 tokens, each step at least 0.1 s.
+    flags = ("--max-num-batched-tokens", "16", "--test-step-delay-s", "0.1")
     run_cluster(tiny_llama_dir, body, prefill_flags=flags)
 
 
@@ -391,25 +389,9 @@ def test_cancelling_both_legs_mid_prefill_frees_both_nodes(tiny_llama_dir: Path)
 
     async def body(cluster: Cluster) -> None:
         prompt = list(range(10, 250))  # several 64-token chunks on the prefill node
-        stream = cluster.decode.Generate(
-            decode_pb2.GenerateRequest(
-                request_id="gone",
-                prompt_token_ids=prompt,
-                sampling=GREEDY,
-                kv_source="prefill",
-            ),
-            timeout=30,
-        )
-        reservation = (await stream.read()).reservation
+        stream, reservation = await cluster.reserve("gone", prompt)
         prefill_call = cluster.prefill.Prefill(
-            prefill_pb2.PrefillRequest(
-                request_id="gone",
-                prompt_token_ids=prompt,
-                sampling=GREEDY,
-                destination=reservation,
-                decode_target=cluster.decode_address,
-            ),
-            timeout=30,
+            cluster.prefill_into("gone", prompt, reservation), timeout=30
         )
         await asyncio.sleep(0.01)
         prefill_call.cancel()
