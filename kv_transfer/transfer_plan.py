@@ -101,7 +101,8 @@ def coalesce(table: np.ndarray) -> np.ndarray:
 
     Vectorised over the pages, and cheap where nothing merges (pages scattered on either side,
     the common case of a decode node's free list): ``np.take`` rather than fancy indexing, which
-    took 4-20x longer for 8,192 rows, so a 64 MiB push of 8 KiB pages plans in ~0.1 ms."""
+    took 4-20x longer for 8,192 rows: ``make_plan`` of a 64 MiB push of 8 KiB pages scattered on
+    both sides took 752 -> 156 us on the 2-core CPU host."""
     lengths = table[:, LEN]
     follows = table[1:, SRC_OFF] == table[:-1, SRC_OFF] + lengths[:-1]
     follows &= table[1:, DST_OFF] == table[:-1, DST_OFF] + lengths[:-1]
