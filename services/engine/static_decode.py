@@ -10,7 +10,9 @@ and shapes, so everything a step reads must live in tensors allocated once:
   (all on the device), and block tables of a fixed width (``max_model_len`` / ``block_size``),
   so the attention kernels' grid and split count depend on the bucket alone;
 - padding rows (and table columns past a context) point at a reserved dummy block that the
-  block pool never hands out: a padding row writes its K/V there and attends over one token.
+  block pool never hands out: a padding row writes its K/V there and attends over one token;
+- each step fills them from pinned host twins with two asynchronous copies (``_stage``), so
+  the host never waits for the GPU before the replay.
 
 Life cycle: built by the model runner after the KV cache is allocated (the dummy block is the
 cache's last block); ``capture`` once (CUDA only: warm-up, then one graph per bucket, largest
