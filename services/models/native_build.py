@@ -56,6 +56,8 @@ _HEADERS = [
     for name in (
         "cpu_isa.h",
         "simd.h",
+        "cache_type.h",
+        "cache_dtype.h",
         "paged_attention_isa.h",
         "paged_attention_kernel.h",
         "prefill_attention_isa.h",

@@ -221,7 +221,7 @@ def test_rejects_bad_inputs() -> None:
         call(out=out.half(), query=query.half())
     with pytest.raises(RuntimeError, match="out must have query's dtype"):
         call(out=out.bfloat16())
-    with pytest.raises(RuntimeError, match="key_cache must be float32 or bfloat16"):
+    with pytest.raises(RuntimeError, match="key_cache must be float32, bfloat16 or float8_e5m2"):
         call(key_cache=kv_cache[0].half(), value_cache=kv_cache[1].half())
     with pytest.raises(RuntimeError, match="value_cache must have key_cache's dtype"):
         call(key_cache=kv_cache[0].bfloat16())

@@ -9,7 +9,8 @@
 //   torch.ops.pdserve.argmax_rows(logits, isa) -> indices
 //       the first index of each row's maximum (NaN the maximum), int64 [num_rows]: greedy tokens
 //   torch.ops.pdserve.write_kv_cache(key_cache, value_cache, key, value, slot_mapping, isa)
-//       each token's K and V rows into its cache slot, rounded to the cache's dtype
+//       each token's K and V rows into its cache slot, rounded to the cache's dtype (float32,
+//       bfloat16 or float8_e5m2, whatever the rows')
 //
 // fused_ops_isa.h says exactly what each computes. This file is the ops: it checks every
 // argument (a wrong shape is an error, not a stray write), checks that this CPU runs the requested
@@ -27,6 +28,7 @@
 #include <string>
 #include <utility>
 
+#include "cache_dtype.h"
 #include "cpu_isa.h"
 #include "fused_ops_isa.h"
 
@@ -181,7 +183,9 @@ void write_kv_cache(at::Tensor& key_cache, at::Tensor& value_cache, const at::Te
   const pdserve::FusedOps ops = select_ops(isa, op);
   const bool is_bf16 = check_dtype(key, op, "key");
   check_like(value, key, op, "value");
-  const bool cache_is_bf16 = check_dtype(key_cache, op, "key_cache");
+  const pdserve::CacheType cache_type = pdserve::check_cache_dtypes(op, key_cache, value_cache);
+  TORCH_CHECK(key_cache.device().is_cpu(), op, ": key_cache must be on the CPU, got ",
+              key_cache.device());
   check_like(value_cache, key_cache, op, "value_cache");
   for (const auto& [t, name] : {std::pair{&key, "key"}, std::pair{&value, "value"}}) {
     TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1 && t->stride(1) == t->size(2),
@@ -221,7 +225,7 @@ void write_kv_cache(at::Tensor& key_cache, at::Tensor& value_cache, const at::Te
   args.value_stride = value.stride(0);
   args.row_width = heads * dim;
   args.is_bf16 = is_bf16;
-  args.cache_is_bf16 = cache_is_bf16;
+  args.cache_type = cache_type;
   at::parallel_for(0, rows, grain(2 * heads * dim),
                    [&](int64_t begin, int64_t end) { ops.write_kv_cache(args, begin, end); });
 }

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "cache_type.h"
+
 namespace pdserve {
 
 // hidden = round(hidden + addend) when addend is given (the residual stream, in place), then
@@ -54,11 +56,12 @@ struct ArgmaxArgs {
 
 // key_cache[slots[i]] = round(key[i]) and value_cache[slots[i]] = round(value[i]) for each token
 // row i: its num_kv_heads x head_dim elements rounded to the caches' element type (c10's
-// round-to-nearest-even, as .to() rounds): the bits of index_copy_ of the converted rows (a
-// NaN's aside: c10's 0x7fc0 where torch's vectorised conversion gives 0xffff; and on
-// AVX512-BF16 an fp32 denormal, flushed to zero: simd.h's store), in one pass instead of a
-// conversion and two copies. The slots are distinct (a step writes a slot
-// once) and in range (the op checks).
+// round-to-nearest-even, as .to() rounds): the bits of index_copy_ of the converted rows, in one
+// pass instead of a conversion and two copies. Into bf16, a NaN's aside (c10's 0x7fc0 where
+// torch's vectorised conversion gives 0xffff) and on AVX512-BF16 an fp32 denormal, flushed to
+// zero (simd.h's store); into fp8 E5M2, without exception (overflow to infinity, NaN to 0x7f:
+// simd.h's round_to_e5m2). The slots are distinct (a step writes a slot once) and in range (the
+// op checks).
 struct KvWriteArgs {
   const void* key;      // rows of row_width elements, key_stride apart (views of the QKV output)
   const void* value;    // likewise, value_stride apart
@@ -66,8 +69,8 @@ struct KvWriteArgs {
   void* value_cache;    // [num_slots, row_width]
   const int64_t* slots;  // [num_rows]
   int64_t key_stride, value_stride, row_width;
-  bool is_bf16;        // element type of key and value: bf16 or float
-  bool cache_is_bf16;  // that of the caches, independently
+  bool is_bf16;          // element type of key and value: bf16 or float
+  CacheType cache_type;  // that of the caches, independently
 };
 
 // Rows [begin, end) on the calling thread.

@@ -215,7 +215,7 @@ void rms_norm_any(const pdserve::NormArgs& a, int64_t begin, int64_t end) {
   a.is_bf16 ? rms_norm_rows<Bf16>(a, begin, end) : rms_norm_rows<float>(a, begin, end);
 }
 
-// dst[0, n) = src[0, n) in dst's element type (rounded to nearest even into bf16).
+// dst[0, n) = src[0, n) in dst's element type (rounded to nearest even into bf16 or fp8 E5M2).
 template <typename T, typename C>
 inline void convert_row(const T* src, C* dst, int64_t n) {
   if constexpr (kSameType<T, C>) {
@@ -253,7 +253,7 @@ void argmax_any(const pdserve::ArgmaxArgs& a, int64_t begin, int64_t end) {
 }
 
 void write_kv_cache_any(const pdserve::KvWriteArgs& a, int64_t begin, int64_t end) {
-  with_element_types(a.is_bf16, a.cache_is_bf16, [&](auto row, auto cache) {
+  with_element_types(a.is_bf16, a.cache_type, [&](auto row, auto cache) {
     write_kv_rows<decltype(row), decltype(cache)>(a, begin, end);
   });
 }

@@ -1,4 +1,5 @@
-// Decode attention that reads K/V straight out of the paged cache (CPU, float32 / bfloat16).
+// Decode attention that reads K/V straight out of the paged cache (CPU, float32 / bfloat16; the
+// cache also float8_e5m2).
 //
 //   torch.ops.pdserve.paged_decode_attention(out, query, key_cache, value_cache,
 //                                            block_tables, seq_lens, scale, isa)
@@ -6,8 +7,9 @@
 // query, out:              [num_seqs, num_heads, head_dim], float32 or bfloat16; out
 //                          contiguous, query's rows may lie apart (a view of the fused QKV
 //                          output) as long as each row's heads are contiguous
-// key_cache, value_cache:  [num_blocks, block_size, num_kv_heads, head_dim], float32 or
-//                          bfloat16, independently of query (e.g. a bf16 cache, fp32 query)
+// key_cache, value_cache:  [num_blocks, block_size, num_kv_heads, head_dim], float32,
+//                          bfloat16 or float8_e5m2 (both the same), independently of query
+//                          (e.g. a bf16 cache, fp32 query)
 // block_tables:            [num_seqs, max_blocks] int64; entries past a sequence's length are
 //                          never read, so they may hold anything.
 // seq_lens:                [num_seqs] int64, context length including the new token, >= 1.
@@ -36,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "cache_dtype.h"
 #include "cpu_isa.h"
 #include "paged_attention_isa.h"
 
@@ -131,19 +134,16 @@ void paged_decode_attention(
               key_cache.sizes());
   TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "value_cache must have key_cache's shape ",
               key_cache.sizes(), ", got ", value_cache.sizes());
-  // query and out share one dtype, the caches another (a bf16 cache under fp32 compute halves
-  // the bytes decode reads); each is float32 or bfloat16.
+  // query and out share one dtype, float32 or bfloat16; the caches another (a bf16 cache under
+  // fp32 compute halves the bytes decode reads, an fp8 one quarters them), float32, bfloat16 or
+  // float8_e5m2.
   const auto dtype = query.scalar_type();
-  const auto cache_dtype = key_cache.scalar_type();
+  const pdserve::CacheType cache_type =
+      pdserve::check_cache_dtypes("paged_decode_attention", key_cache, value_cache);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "paged_decode_attention: query must be float32 or bfloat16, got ", dtype);
   TORCH_CHECK(out.scalar_type() == dtype, "paged_decode_attention: out must have query's dtype ",
               dtype, ", got ", out.scalar_type());
-  TORCH_CHECK(cache_dtype == at::kFloat || cache_dtype == at::kBFloat16,
-              "paged_decode_attention: key_cache must be float32 or bfloat16, got ", cache_dtype);
-  TORCH_CHECK(value_cache.scalar_type() == cache_dtype,
-              "paged_decode_attention: value_cache must have key_cache's dtype ", cache_dtype,
-              ", got ", value_cache.scalar_type());
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "block_tables and seq_lens must be int64, got ", block_tables.scalar_type(), " and ",
               seq_lens.scalar_type());
@@ -202,7 +202,7 @@ void paged_decode_attention(
   args.seq_lens = lens;
   args.scale = static_cast<float>(scale);
   args.query_is_bf16 = dtype == at::kBFloat16;
-  args.cache_is_bf16 = cache_dtype == at::kBFloat16;
+  args.cache_type = cache_type;
   args.max_seq_len = max_seq_len;
   paged_decode_impl(args, run);
 }

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "cache_type.h"
+
 namespace pdserve {
 
 struct DecodeShape {
@@ -18,13 +20,13 @@ struct DecodeArgs {
   void* out;                    // [num_seqs, num_heads, head_dim], float or bf16 bits
   const void* query;            // like out, rows query_row_stride elements apart
   int64_t query_row_stride;     // >= num_heads * head_dim: a view of a fused QKV row
-  const void* key_cache;        // [num_blocks, block_size, num_kv_heads, head_dim], float or bf16
+  const void* key_cache;        // [num_blocks, block_size, num_kv_heads, head_dim], cache_type
   const void* value_cache;      // like key_cache
   const int64_t* block_tables;  // [num_seqs, max_blocks]
   const int64_t* seq_lens;      // [num_seqs], each in [1, max_blocks * block_size], checked
   float scale;
   bool query_is_bf16;           // element type of out and query: bf16, else float
-  bool cache_is_bf16;           // element type of key_cache and value_cache: bf16, else float
+  CacheType cache_type;         // element type of key_cache and value_cache
   int64_t heads_per_item;       // a work item: one sequence and this many of its KV heads
   int64_t items_per_seq;
   int64_t max_seq_len;          // the longest seq_lens entry (sizes the scratch)

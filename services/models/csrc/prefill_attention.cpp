@@ -1,4 +1,5 @@
-// Prefill attention over paged K/V, every chunk of a step in one call (CPU, float32 / bfloat16).
+// Prefill attention over paged K/V, every chunk of a step in one call (CPU, float32 / bfloat16;
+// the cache also float8_e5m2).
 //
 //   torch.ops.pdserve.paged_prefill_attention(out, query, key_cache, value_cache, block_tables,
 //                                             query_starts, query_lens, start_positions, scale,
@@ -8,9 +9,10 @@
 //                          flat batch; only the chunks' rows of out are written. out is
 //                          contiguous; query's rows may be further apart (a view of the fused
 //                          QKV projection's output: no copy).
-// key_cache, value_cache:  [num_blocks, block_size, num_kv_heads, head_dim], float32 or
-//                          bfloat16, independently of query; each chunk's own K/V already
-//                          written (the backend writes before it attends).
+// key_cache, value_cache:  [num_blocks, block_size, num_kv_heads, head_dim], float32,
+//                          bfloat16 or float8_e5m2 (both the same), independently of query;
+//                          each chunk's own K/V already written (the backend writes before it
+//                          attends).
 // block_tables:            [num_chunks, max_blocks] int64; entries past a chunk's context are
 //                          never read.
 // query_starts, query_lens, start_positions: [num_chunks] int64. Chunk c's queries are rows
@@ -44,6 +46,7 @@
 #include <vector>
 
 #include "amx_linear_isa.h"
+#include "cache_dtype.h"
 #include "cpu_isa.h"
 #include "prefill_attention_isa.h"
 
@@ -153,18 +156,13 @@ void paged_prefill_attention(
   TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "paged_prefill_attention: value_cache "
               "must have key_cache's shape ", key_cache.sizes(), ", got ", value_cache.sizes());
   const auto dtype = query.scalar_type();
-  const auto cache_dtype = key_cache.scalar_type();
+  const pdserve::CacheType cache_type =
+      pdserve::check_cache_dtypes("paged_prefill_attention", key_cache, value_cache);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "paged_prefill_attention: query must be float32 or bfloat16, got ", dtype);
   TORCH_CHECK(out.scalar_type() == dtype,
               "paged_prefill_attention: out must have query's dtype ", dtype, ", got ",
               out.scalar_type());
-  TORCH_CHECK(cache_dtype == at::kFloat || cache_dtype == at::kBFloat16,
-              "paged_prefill_attention: key_cache must be float32 or bfloat16, got ",
-              cache_dtype);
-  TORCH_CHECK(value_cache.scalar_type() == cache_dtype,
-              "paged_prefill_attention: value_cache must have key_cache's dtype ", cache_dtype,
-              ", got ", value_cache.scalar_type());
 
   pdserve::PrefillShape s;
   const int64_t num_tokens = query.size(0);
@@ -243,7 +241,7 @@ void paged_prefill_attention(
   args.start_positions = positions;
   args.scale = static_cast<float>(scale);
   args.query_is_bf16 = dtype == at::kBFloat16;
-  args.cache_is_bf16 = cache_dtype == at::kBFloat16;
+  args.cache_type = cache_type;
   args.tile_tokens = tile_tokens;
   args.first_items = first_items.data();
 

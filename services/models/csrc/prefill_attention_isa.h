@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "cache_type.h"
+
 namespace pdserve {
 
 struct PrefillShape {
@@ -18,14 +20,14 @@ struct PrefillArgs {
   const void* query;               // like out, rows query_row_stride elements apart
   int64_t query_row_stride;        // >= num_heads * head_dim: a view of a fused QKV row
   const void* key_cache;           // [num_blocks, block_size, num_kv_heads, head_dim]
-  const void* value_cache;         // like key_cache; float or bf16, independently of query
+  const void* value_cache;         // like key_cache; of cache_type, independently of query
   const int64_t* block_tables;     // [num_chunks, max_blocks]
   const int64_t* query_starts;     // [num_chunks]: row of each chunk's first query
   const int64_t* query_lens;       // [num_chunks]: its queries, >= 0
   const int64_t* start_positions;  // [num_chunks]: position of its first query (cached before)
   float scale;
   bool query_is_bf16;              // element type of out and query: bf16, else float
-  bool cache_is_bf16;              // element type of the caches: bf16, else float
+  CacheType cache_type;            // element type of the caches
   int64_t tile_tokens;             // query tokens of one work item (times group = its rows)
   const int64_t* first_items;      // [num_chunks + 1]: index of each chunk's first work item
 };

@@ -25,11 +25,13 @@
 // with no horizontal reductions. Both products are register tiles of broadcast scalars times
 // vectors (tile_product): a K element times kLanes query rows, a probability times kLanes
 // head_dim entries of a V row. The query is transposed once per item on the way in; K and V
-// rows are widened to fp32 once per key block; everything accumulates in fp32. Where the query
-// and cache are bf16 and head_dim a multiple of 32, the avx512_bf16 variant (PDSERVE_AVX512_BF16)
-// runs both products on vdpbf16ps instead (attend_dpbf16: bf16 pairs, fp32 sums, twice the
-// fp32 FMA's products an instruction), and the amx variant (PDSERVE_AMX) on the AMX tiles
-// (attend_amx); the softmax is the same between them.
+// rows are widened to fp32 once per key block (widen_rows: from an fp32, bf16 or fp8 E5M2
+// cache, through simd.h's loads); everything accumulates in fp32. Where the query and cache are
+// both bf16 and head_dim a multiple of 32, the avx512_bf16 variant (PDSERVE_AVX512_BF16) runs
+// both products on vdpbf16ps instead (attend_dpbf16: bf16 pairs, fp32 sums, twice the fp32
+// FMA's products an instruction), and the amx variant (PDSERVE_AMX) on the AMX tiles
+// (attend_amx); those two read and copy cache rows as bf16 and are taken for a bf16 cache only
+// (an fp8 one widens through attend_vector). The softmax is the same between them.
 //
 // Deliberately free of torch and of standard-library templates, like paged_attention_kernel.h.
 
@@ -86,7 +88,8 @@ static_assert(kRowMultiple % kAmxRows == 0, "an item's rows are whole passes");
 
 using Shape = pdserve::PrefillShape;
 
-// Q: the element type of query and out; KV: that of the caches (as in paged_attention_kernel.h).
+// Q: the element type of query and out; KV: that of the caches, fp32, bf16 or fp8 E5M2 (as in
+// paged_attention_kernel.h).
 template <typename Q, typename KV>
 struct Problem {
   Shape s;
@@ -520,6 +523,8 @@ inline void pair_product(const uint32_t* const* a, int64_t a_step, const uint32_
 template <typename Q, typename KV>
 void attend_dpbf16(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& rows,
                    Scratch& sc) {
+  // Cache rows are read in place and copied as bf16 (pairs of 2-byte elements).
+  static_assert(kSameType<Q, Bf16> && kSameType<KV, Bf16>, "a bf16 query and cache only");
   const Shape& s = p.s;
   const pdserve::PrefillArgs& a = *p.args;
   const int64_t D = s.head_dim, R = sc.rows, row_stride = s.num_kv_heads * D;
@@ -730,6 +735,8 @@ inline void value_tiles(int64_t num_tiles, bool two_depths, const Bf16* probs,
 template <typename Q, typename KV>
 void attend_amx(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& rows,
                 Scratch& sc) {
+  // Cache rows are read in place and copied as bf16 (pairs of 2-byte elements).
+  static_assert(kSameType<Q, Bf16> && kSameType<KV, Bf16>, "a bf16 query and cache only");
   const Shape& s = p.s;
   const pdserve::PrefillArgs& a = *p.args;
   const int64_t D = s.head_dim, R = sc.rows, row_stride = s.num_kv_heads * D;
@@ -876,7 +883,7 @@ void run_typed(const pdserve::PrefillArgs& a, int64_t begin, int64_t end) {
 }  // namespace
 
 void pdserve::PDSERVE_RUN_PREFILL_ITEMS(const PrefillArgs& args, int64_t begin, int64_t end) {
-  with_element_types(args.query_is_bf16, args.cache_is_bf16, [&](auto query, auto cache) {
+  with_element_types(args.query_is_bf16, args.cache_type, [&](auto query, auto cache) {
     run_typed<decltype(query), decltype(cache)>(args, begin, end);
   });
 }

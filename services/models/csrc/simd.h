@@ -1,10 +1,11 @@
 // Vector helpers of the CPU kernels (paged_attention_kernel.h, prefill_attention_kernel.h,
 // fused_ops_kernel.h), for the instruction set of the file that includes them: kLanes-wide fp32
-// vectors (GCC/Clang vector extensions: 16 lanes for AVX-512, 8 for AVX2, 4 portable), bf16
-// loads and stores that widen to and round from fp32, reductions and exp; and the attention
-// kernels' scratch buffer and element-type dispatch. Everything sits in an anonymous namespace: each
-// variant's file gets its own copy, compiled for its own target, so no code built for one ISA
-// can be linked into another's (the linker keeps one copy of an ordinary inline function).
+// vectors (GCC/Clang vector extensions: 16 lanes for AVX-512, 8 for AVX2, 4 portable), bf16 and
+// fp8 E5M2 loads and stores that widen to and round from fp32, reductions and exp; and the
+// attention kernels' scratch buffer and element-type dispatch. Everything sits in an anonymous
+// namespace: each variant's file gets its own copy, compiled for its own target, so no code built
+// for one ISA can be linked into another's (the linker keeps one copy of an ordinary inline
+// function).
 //
 // Deliberately free of torch and of standard-library templates, for the same reason.
 #pragma once
@@ -12,11 +13,18 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cache_type.h"
+
 namespace {
 
 // bf16 as its bits: the top half of an fp32.
 struct Bf16 {
   uint16_t bits;
+};
+
+// fp8 E5M2 as its bits: the top byte of an IEEE half (1 sign, 5 exponent, 2 mantissa bits).
+struct Fp8E5M2 {
+  uint8_t bits;
 };
 
 inline int64_t min64(int64_t a, int64_t b) {
@@ -45,20 +53,25 @@ class Buffer {
   E* data_;
 };
 
-// fn(Q{}, KV{}) for the attention kernels' element types: the query's (and output's) and the
-// cache's, each bf16 or fp32 (the ops check that), every pairing.
+// fn(Q{}, KV{}) for the attention kernels' element types: the query's (and output's), bf16 or
+// fp32, and the cache's, fp32, bf16 or fp8 E5M2 (the ops check that), every pairing. The cache
+// write takes its rows' type for Q.
 template <typename Fn>
-inline void with_element_types(bool query_is_bf16, bool cache_is_bf16, Fn&& fn) {
-  if (query_is_bf16) {
-    if (cache_is_bf16) {
-      fn(Bf16{}, Bf16{});
-    } else {
-      fn(Bf16{}, 0.0f);
+inline void with_element_types(bool query_is_bf16, pdserve::CacheType cache, Fn&& fn) {
+  auto with_cache = [&](auto query) {
+    switch (cache) {
+      case pdserve::CacheType::kFloat:
+        return fn(query, 0.0f);
+      case pdserve::CacheType::kBf16:
+        return fn(query, Bf16{});
+      case pdserve::CacheType::kFp8E5M2:
+        return fn(query, Fp8E5M2{});
     }
-  } else if (cache_is_bf16) {
-    fn(0.0f, Bf16{});
+  };
+  if (query_is_bf16) {
+    with_cache(Bf16{});
   } else {
-    fn(0.0f, 0.0f);
+    with_cache(0.0f);
   }
 }
 
@@ -74,6 +87,7 @@ typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t VecI32 __attribute__((vector_size(kLanes * sizeof(int32_t))));
 typedef uint32_t VecU32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 typedef uint16_t VecU16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint8_t VecU8 __attribute__((vector_size(kLanes)));
 
 // Lane i of the result is lane idx[i] of x (0 .. kLanes - 1) or y (kLanes .. 2 * kLanes - 1). GCC
 // has __builtin_shufflevector only from version 12.
@@ -107,6 +121,70 @@ inline Vec load(const Bf16* p) {
 #endif
 }
 
+// bits as the other type of the same size (float <-> uint32_t, Vec <-> VecU32): one algorithm
+// for a lane and for a vector.
+template <typename To, typename From>
+inline To bit_cast(From x) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast needs types of one size");
+  To y;
+  memcpy(&y, &x, sizeof(y));
+  return y;
+}
+
+// E5M2 bytes (zero-extended into the lanes of U: uint32_t or VecU32) widened exactly to fp32
+// (F: float or Vec). The 7 magnitude bits placed at an fp32's bits 21-27 read as
+// 2^(e - 127) * 1.m (or a denormal for e = 0), which 2^112 rescales to E5M2's 2^(e - 15) * 1.m.
+// Exponent 31 (infinity, NaN), the only one that comes out at 2^16 or more, then takes fp32's
+// 255, the mantissa kept (a NaN stays a NaN): a compare and two logic operations.
+template <typename F, typename U>
+inline F widen_e5m2(U bytes) {
+  const F scaled = bit_cast<F>((bytes & 0x7fu) << 21) * 5.192296858534828e33f;  // 2^112
+  const U special = scaled >= 65536.0f ? U{} + 0x7f800000u : U{};
+  return bit_cast<F>(bit_cast<U>(scaled) | special | ((bytes & 0x80u) << 24));
+}
+
+// x rounded to E5M2's bits (in the low byte of each lane of U) exactly as c10's
+// fp8e5m2_from_fp32_value rounds (torch's .to(torch.float8_e5m2)): to nearest even, a magnitude
+// of 61,440 or more (halfway from the largest finite, 57,344, to 2^16) to infinity, not
+// saturating; NaN to 0x7f (0xff negative). Branch-free, so that it vectorises: F and U as for
+// widen_e5m2.
+template <typename F, typename U>
+inline U round_to_e5m2(F x) {
+  const U bits = bit_cast<U>(x);
+  const U sign = bits & 0x80000000u;
+  const U magnitude = bits ^ sign;
+  // Below 2^-14 (E5M2's least normal): adding 2^7, whose ulp is E5M2's least denormal 2^-16,
+  // rounds the magnitude to a multiple of it, to nearest even, in the fp32 adder; the sum's low
+  // bits then count those multiples (up to 4: the least normal's bits).
+  const U denormal = bit_cast<U>(bit_cast<F>(magnitude) + 128.0f) - (134u << 23);
+  // Else the exponent rebiased from 127 to 15 and the 21 bits dropped rounded to nearest even;
+  // a carry out of exponent 30 makes infinity's 0x7c.
+  const U normal = (magnitude + (((15u - 127u) << 23) + 0xfffffu) + ((magnitude >> 21) & 1u)) >> 21;
+  U out = magnitude < (113u << 23) ? denormal : normal;
+  const U special = magnitude > 0x7f800000u ? U{} + 0x7fu : U{} + 0x7cu;
+  out = magnitude >= (143u << 23) ? special : out;
+  return out | (sign >> 24);
+}
+
+// AVX-512 widens with vcvtph2ps (an E5M2 byte is the top byte of a half; exact, inf and NaN
+// included). AVX2's target has no F16C (nor does the CPU check ask for it), so it and the
+// portable path take widen_e5m2; AVX2 zero-extends the bytes with vpmovzxbd, which GCC's
+// __builtin_convertvector does one byte at a time (that made decode over an fp8 cache ~2.4x
+// slower than over bf16 on AVX2).
+inline Vec load(const Fp8E5M2* p) {
+#if defined(PDSERVE_AVX512)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<Vec>(_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8)));
+#elif defined(PDSERVE_AVX2)
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return widen_e5m2<Vec>(reinterpret_cast<VecU32>(_mm256_cvtepu8_epi32(bytes)));
+#else
+  VecU8 bytes;
+  memcpy(&bytes, p, sizeof(bytes));
+  return widen_e5m2<Vec>(__builtin_convertvector(bytes, VecU32));
+#endif
+}
+
 inline float to_float(float x) {
   return x;
 }
@@ -118,6 +196,10 @@ inline float to_float(Bf16 x) {
   return f;
 }
 
+inline float to_float(Fp8E5M2 x) {
+  return widen_e5m2<float>(static_cast<uint32_t>(x.bits));
+}
+
 inline void from_float(float x, float* out) {
   *out = x;
 }
@@ -126,6 +208,10 @@ inline void from_float(float x, Bf16* out) {
   uint32_t bits;
   memcpy(&bits, &x, sizeof(bits));
   out->bits = x != x ? 0x7fc0 : static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+inline void from_float(float x, Fp8E5M2* out) {
+  out->bits = static_cast<uint8_t>(round_to_e5m2<float, uint32_t>(x));
 }
 
 template <typename T>
@@ -154,6 +240,21 @@ inline void store(Bf16* p, Vec v) {
   bits = v != v ? VecU32{} + 0x7fc0u : bits;
   const VecU16 half = __builtin_convertvector(bits, VecU16);
   memcpy(p, &half, sizeof(half));
+#endif
+}
+
+// The rounded lanes narrowed to bytes: vpmovdb on AVX-512; AVX2 packs them (each <= 0xff, so
+// the saturating packs keep them), where GCC's __builtin_convertvector goes a byte at a time.
+inline void store(Fp8E5M2* p, Vec v) {
+  const VecU32 bits = round_to_e5m2<Vec, VecU32>(v);
+#if defined(PDSERVE_AVX2)
+  const __m256i lanes = reinterpret_cast<__m256i>(bits);
+  const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(lanes),
+                                         _mm256_extracti128_si256(lanes, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(words, words));
+#else
+  const VecU8 bytes = __builtin_convertvector(bits, VecU8);
+  memcpy(p, &bytes, sizeof(bytes));
 #endif
 }
 
