@@ -67,7 +67,7 @@ $(MODEL_DIR)/config.json:
 	$(PY) -m services.models.tiny $(MODEL_DIR).tmp --arch llama --size tiny
 	rm -rf $(MODEL_DIR) && mv $(MODEL_DIR).tmp $(MODEL_DIR)
 
-# make run [MODEL=dir|gguf] [DTYPE=auto|float32|bfloat16] [KV_CACHE_DTYPE=auto|float32|bfloat16]
+# make run [MODEL=dir|gguf] [DTYPE=auto|float32|bfloat16] [KV_CACHE_DTYPE=auto|float32|bfloat16|fp8_e5m2]
 #          [KV_TRANSPORT=auto|shm|ucx|cuda_ipc] [PREFILL=1]
 #          [DECODE=1] [COLOCATED=0] [HOST=127.0.0.1]
 #          [HTTP_PORT=8000] [GRPC_PORT=50051] [PREFILL_PORT=50061] [DECODE_PORT=50071]

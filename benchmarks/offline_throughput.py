@@ -99,7 +99,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
     parser.add_argument(
-        "--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+        "--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "fp8_e5m2"],
         help="pdserve's KV cache dtype (auto: bfloat16 on CPU)",
     )  # fmt: skip
     parser.add_argument(

@@ -38,6 +38,7 @@ from deploy.supervisor import Output, Supervisor
 from deploy.topology import (
     DEFAULT_BASE_PORTS,
     DTYPES,
+    KV_CACHE_DTYPES,
     KV_TRANSPORTS,
     Role,
     Topology,
@@ -63,7 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="compute dtype of every node; auto: on CPU the faster of bfloat16 and float32, "
         "measured once per CPU (default auto)",
     )
-    add("--kv-cache-dtype", choices=DTYPES, help="dtype of every node's KV cache (default auto)")
+    add(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        help="dtype of every node's KV cache (default auto; fp8_e5m2 on CPU nodes only)",
+    )
     add("--kv-transport", choices=KV_TRANSPORTS, help="KV transport between nodes (default auto)")
     add("--prefill", type=int, metavar="N", help="number of prefill nodes (default 1)")
     add("--decode", type=int, metavar="N", help="number of decode nodes (default 1)")

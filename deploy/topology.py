@@ -26,6 +26,8 @@ import yaml
 from services.types import Role as Role  # re-exported: deploy takes Role from here
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = (*DTYPES, "fp8_e5m2")
+"""fp8_e5m2: CPU nodes only (a node on a GPU refuses it at start-up, naming the flag)."""
 KV_TRANSPORTS = ("auto", "shm", "cuda_ipc", "ucx", "loopback")
 _FLAG_NAME = re.compile(r"^[a-z][a-z0-9-]*$")
 _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
@@ -250,8 +252,12 @@ class Topology:
             raise ValueError("model must name a model directory or a GGUF file")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_dtype == "fp8_e5m2" and any(n.gpu_id is not None for n in self.nodes):
+            raise ValueError("kv_cache_dtype fp8_e5m2 is supported on CPU nodes only (gpu_ids)")
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(
                 f"kv_transport must be one of {KV_TRANSPORTS}, got {self.kv_transport!r}"

@@ -11,6 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+FP8_KV_DTYPE = "fp8_e5m2"
+"""The cache may also hold fp8 E5M2 (vLLM's name): half a bf16 cache's bytes, CPU only."""
+_KV_DTYPES = (*_DTYPES, FP8_KV_DTYPE)
+FP8_ON_CPU_ONLY = (
+    "kv_cache_dtype fp8_e5m2 is supported on CPU only (the native and torch attention "
+    "backends; the Triton kernels read the cache in the compute dtype)"
+)
 
 
 class SchedulingPolicy(enum.StrEnum):
@@ -67,9 +74,10 @@ class EngineConfig:
     """float32, bfloat16, float16 (GPU only), or auto: on CPU the faster of bfloat16 and float32
     for this model's GEMMs, measured once per CPU (``dtype_choice.py``); bfloat16 on CUDA."""
     kv_cache_dtype: str = "auto"
-    """float32, bfloat16, float16 (GPU only), or auto: bfloat16 on CPU whatever the compute
-    dtype (decode is memory-bound, and bf16 halves its K/V reads), the compute dtype on CUDA
-    (the Triton kernels read the cache in the query's dtype). See ``dtype_choice.py``."""
+    """float32, bfloat16, float16 (GPU only), fp8_e5m2 (CPU only), or auto: bfloat16 on CPU
+    whatever the compute dtype (decode is memory-bound, and bf16 halves its K/V reads), the
+    compute dtype on CUDA (the Triton kernels read the cache in the query's dtype). See
+    ``dtype_choice.py``."""
     device: str = "cpu"
     max_model_len: int | None = None
     """Longest prompt + output; default: the model's max_position_embeddings."""
@@ -93,19 +101,19 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype == "float16" and self.device == "cpu":
             raise ValueError("dtype float16 is supported on GPU only; use bfloat16 or float32")
-        if self.kv_cache_dtype not in _DTYPES:
+        if self.kv_cache_dtype not in _KV_DTYPES:
             raise ValueError(
-                f"kv_cache_dtype must be one of {', '.join(_DTYPES)}, got {self.kv_cache_dtype!r}"
+                f"kv_cache_dtype must be one of {', '.join(_KV_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
             )
         if self.kv_cache_dtype == "float16" and self.device == "cpu":
             raise ValueError(
                 "kv_cache_dtype float16 is supported on GPU only; use bfloat16 or float32"
             )
-        if (
-            (self.device.startswith("cuda") or self.attention_backend == "triton")
-            and self.dtype != "auto"
-            and self.kv_cache_dtype not in ("auto", self.dtype)
-        ):
+        triton = self.device.startswith("cuda") or self.attention_backend == "triton"
+        if triton and self.kv_cache_dtype == FP8_KV_DTYPE:
+            raise ValueError(FP8_ON_CPU_ONLY)
+        if triton and self.dtype != "auto" and self.kv_cache_dtype not in ("auto", self.dtype):
             # dtype auto is resolved at start-up; dtype_choice.choose_kv_cache_dtype checks it.
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype} differs from dtype {self.dtype}: the "

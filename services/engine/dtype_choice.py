@@ -37,6 +37,11 @@ The KV cache dtype is chosen on its own (``choose_kv_cache_dtype``), after the c
      widens K/V to the query's dtype when it reads them and accumulates in fp32;
   3. ``auto`` on CUDA (or with the Triton backend) is the compute dtype: the Triton kernels
      read the cache in the query's dtype.
+``fp8_e5m2`` (CPU only, never chosen by ``auto``) halves a bf16 cache's bytes again, at two
+mantissa bits: E5M2 is an IEEE half's top byte, so the kernels widen it exactly and cheaply, and
+it keeps half's exponent range (K/V beyond 57,344 in magnitude would overflow to inf). Decode
+attention reads half the bytes and the cache holds twice the tokens; the outputs differ from a
+bf16 cache's by the rounding of K/V to two mantissa bits (``docs/benchmarks.md``).
 The KV dtype is part of the KV layout's fingerprint: a prefill and a decode node must agree on
 it, and with ``auto`` two CPU nodes always do.
 """
@@ -55,6 +60,7 @@ from pathlib import Path
 import torch
 
 from kv_transfer.build_support import cpu_tag
+from services.engine.config import FP8_KV_DTYPE, FP8_ON_CPU_ONLY
 from services.models.config import ModelConfig
 from services.models.cpu_features import cpu_cache_dir
 
@@ -126,10 +132,13 @@ def choose_kv_cache_dtype(
         if mixed_ok:
             return KvDtypeChoice(CPU_AUTO_KV_DTYPE, "cpu default")
         return KvDtypeChoice(compute_dtype, "compute dtype")
-    if requested not in ("float32", "bfloat16", "float16"):
+    if requested not in ("float32", "bfloat16", "float16", FP8_KV_DTYPE):
         raise ValueError(
-            f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {requested!r}"
+            "kv_cache_dtype must be auto, float32, bfloat16, float16 or fp8_e5m2, "
+            f"got {requested!r}"
         )
+    if requested == FP8_KV_DTYPE and not mixed_ok:
+        raise ValueError(FP8_ON_CPU_ONLY)
     if device == "cpu" and requested == "float16":
         raise ValueError("kv_cache_dtype float16 is supported on GPU only; use bfloat16 or float32")
     if not mixed_ok and requested != compute_dtype:

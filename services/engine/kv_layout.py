@@ -12,7 +12,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-_ITEM_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+_ITEM_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e5m2": 1}
 LAYOUT_NAME = "per-layer [2, block, slot, kv_head, head_dim]"
 
 

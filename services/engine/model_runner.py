@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from services.engine.config import CacheConfig, EngineConfig
+from services.engine.config import FP8_KV_DTYPE, CacheConfig, EngineConfig
 from services.engine.dtype_choice import choose_kv_cache_dtype
 from services.engine.gpu_memory import (
     CudaMemoryReader,
@@ -45,6 +45,7 @@ _NO_STEP = AttentionMetadata(
     prefills=[],
 )
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {**_DTYPES, FP8_KV_DTYPE: torch.float8_e5m2}
 
 
 PromptLogprobs = list[tuple[int, dict[int, float]]]
@@ -93,9 +94,9 @@ class ModelRunner:
             kv_cache_dtype = choose_kv_cache_dtype(
                 config.kv_cache_dtype, dtype, config.device, config.attention_backend
             ).dtype
-        if kv_cache_dtype not in _DTYPES:
+        if kv_cache_dtype not in _KV_DTYPES:
             raise ValueError(f"ModelRunner needs a resolved kv_cache_dtype, got {kv_cache_dtype!r}")
-        self.kv_cache_dtype = _DTYPES[kv_cache_dtype]
+        self.kv_cache_dtype = _KV_DTYPES[kv_cache_dtype]
         """The dtype of every layer's cache; attention casts K/V to and from the compute dtype."""
         self.block_size = config.cache.block_size
         self.backend = make_attention_backend(

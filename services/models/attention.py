@@ -268,8 +268,11 @@ class TorchPagedAttention(AttentionBackend):
         token's output does not depend on whether its K/V came from the cache."""
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
         key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
+        for cache, rows in ((key_cache, key), (value_cache, value)):
+            slots = cache.view(-1, num_kv_heads, head_dim)
+            if cache.dtype == torch.float8_e5m2:  # torch has no fp8 index_copy_: copy the bits
+                slots, rows = slots.view(torch.uint8), rows.view(torch.uint8)
+            slots.index_copy_(0, metadata.slot_mapping, rows)
         return key, value
 
     def attend_prefills(

@@ -110,9 +110,10 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
     add(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=["auto", "float32", "bfloat16", "float16", "fp8_e5m2"],
         help="the dtype the KV cache holds; auto: bfloat16 on CPU whatever --dtype (decode reads "
-        "half the bytes), the compute dtype on CUDA. Prefill and decode nodes must agree",
+        "half the bytes), the compute dtype on CUDA; fp8_e5m2 (CPU only) halves bf16's bytes "
+        "again at two mantissa bits. Prefill and decode nodes must agree",
     )
     add("--device", default="cpu", help="cpu or cuda[:N]")
     add("--host", default="0.0.0.0", help="address the gRPC server binds")

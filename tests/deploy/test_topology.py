@@ -65,6 +65,12 @@ def test_the_example_files_load() -> None:
         ({"decode": {"count": 2, "base_metrics_port": 65535}}, "decode.last metrics port"),
         ({"gateway": {"http_port": 50061}}, "port 50061"),
         ({"dtype": "fp8"}, "dtype"),
+        ({"dtype": "fp8_e5m2"}, "dtype must be one of"),  # a KV cache dtype only
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be one of"),
+        (
+            {"kv_cache_dtype": "fp8_e5m2", "decode": {"gpu_ids": [0]}},
+            "fp8_e5m2 is supported on CPU nodes only",
+        ),
         ({"kv_transport": "tcp"}, "kv_transport"),
         ({"decode": {"args": {"grpc-port": 1}}}, "may not set"),
         ({"decode": {"args": {"--max-num-seqs": 1}}}, "not a flag name"),

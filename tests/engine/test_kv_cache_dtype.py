@@ -38,6 +38,15 @@ def test_a_bad_kv_cache_dtype_is_refused_naming_the_field(tmp_path: Path) -> Non
         )
     assert EngineConfig(model_dir=tmp_path).kv_cache_dtype == "auto"
     assert EngineConfig(model_dir=tmp_path, device="cuda", kv_cache_dtype="bfloat16")
+    # fp8 E5M2 is a CPU cache: refused for CUDA and the Triton kernels whatever the dtype.
+    assert EngineConfig(model_dir=tmp_path, kv_cache_dtype="fp8_e5m2")
+    for where in ({"device": "cuda"}, {"attention_backend": "triton"}):
+        for dtype in ("auto", "bfloat16"):
+            with pytest.raises(ValueError, match="fp8_e5m2 is supported on CPU only"):
+                EngineConfig(model_dir=tmp_path, dtype=dtype, kv_cache_dtype="fp8_e5m2", **where)
+    # vLLM's "fp8" is E4M3 on a GPU: not silently taken for E5M2.
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of .*fp8_e5m2.* got 'fp8'"):
+        EngineConfig(model_dir=tmp_path, kv_cache_dtype="fp8")
 
 
 def test_auto_is_bfloat16_on_cpu_and_the_compute_dtype_with_triton() -> None:
@@ -57,6 +66,15 @@ def test_auto_is_bfloat16_on_cpu_and_the_compute_dtype_with_triton() -> None:
         choose_kv_cache_dtype("float32", "bfloat16", "cuda")
     with pytest.raises(ValueError, match="kv_cache_dtype float16 is supported on GPU only"):
         choose_kv_cache_dtype("float16", "float32", "cpu")
+    for compute in ("float32", "bfloat16"):
+        fp8 = choose_kv_cache_dtype("fp8_e5m2", compute, "cpu", "native")
+        assert (fp8.dtype, fp8.reason) == ("fp8_e5m2", "explicit")
+        with pytest.raises(ValueError, match="fp8_e5m2 is supported on CPU only"):
+            choose_kv_cache_dtype("fp8_e5m2", compute, "cuda")
+    with pytest.raises(ValueError, match="fp8_e5m2 is supported on CPU only"):
+        choose_kv_cache_dtype("fp8_e5m2", "float32", "cpu", "triton")
+    with pytest.raises(ValueError, match="must be auto, .* or fp8_e5m2, got 'fp8_e4m3'"):
+        choose_kv_cache_dtype("fp8_e4m3", "float32", "cpu")
 
 
 def test_the_runner_allocates_and_sizes_blocks_in_the_kv_dtype(tiny_llama_dir: Path) -> None:
@@ -70,7 +88,7 @@ def test_the_runner_allocates_and_sizes_blocks_in_the_kv_dtype(tiny_llama_dir: P
             kv_cache_memory=1 << 20,
         ).engine
 
-    narrow, wide = engine("auto"), engine("float32")
+    narrow, wide, fp8 = engine("auto"), engine("float32"), engine("fp8_e5m2")
     assert narrow.runner.dtype == torch.float32  # compute stays fp32
     assert narrow.kv_dtype_choice.dtype == "bfloat16" and narrow.kv_layout.dtype == "bfloat16"
     assert all(cache.dtype == torch.bfloat16 for cache in narrow.kv_caches)
@@ -80,6 +98,12 @@ def test_the_runner_allocates_and_sizes_blocks_in_the_kv_dtype(tiny_llama_dir: P
     # The same memory holds twice the blocks, and the layout describes the tensors' bytes.
     assert narrow.kv_layout.num_blocks == 2 * wide.kv_layout.num_blocks
     assert narrow.kv_caches[0].nbytes == narrow.kv_layout.layer_bytes
+    # fp8 E5M2: a byte an element, twice bf16's blocks in the same memory.
+    assert all(cache.dtype == torch.float8_e5m2 for cache in fp8.kv_caches)
+    assert fp8.kv_layout.dtype == "fp8_e5m2" and fp8.runner.dtype == torch.float32
+    assert fp8.runner.block_bytes * 2 == narrow.runner.block_bytes
+    assert fp8.kv_layout.num_blocks == 2 * narrow.kv_layout.num_blocks
+    assert fp8.kv_caches[0].nbytes == fp8.kv_layout.layer_bytes
 
 
 # ---- the torch path over a bf16 cache under an fp32 query ----
@@ -124,8 +148,11 @@ STEPS = {
 }
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e5m2])
 @pytest.mark.parametrize("step", list(STEPS))
-def test_torch_path_with_a_bf16_cache_differs_only_by_the_cache_rounding(step: str) -> None:
+def test_torch_path_with_a_narrow_cache_differs_only_by_the_cache_rounding(
+    step: str, cache_dtype: torch.dtype
+) -> None:
     metadata = STEPS[step]
     padded = PaddedPrefill.build(metadata.prefills, BLOCK) is not None
     assert padded == (step == "padded chunks")  # each of the three prefill paths is covered
@@ -142,15 +169,21 @@ def test_torch_path_with_a_bf16_cache_differs_only_by_the_cache_rounding(step: s
         backend.prepare(metadata)
         return backend.forward(query, key, value, cache, metadata)
 
-    narrow_cache = history.bfloat16()
-    out = run(query, key, value, narrow_cache)
-    # The reference: an fp32 cache and fp32 K/V holding exactly the bf16-rounded values.
-    rounded = history.bfloat16().float()
-    expected = run(query, key.bfloat16().float(), value.bfloat16().float(), rounded)
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        return t.to(cache_dtype).float()
 
-    assert out.dtype == torch.float32 and narrow_cache.dtype == torch.bfloat16
+    narrow_cache = history.to(cache_dtype)
+    out = run(query, key, value, narrow_cache)
+    # The reference: an fp32 cache and fp32 K/V holding exactly the rounded values.
+    expected = run(query, rounded(key), rounded(value), rounded(history))
+
+    assert out.dtype == torch.float32 and narrow_cache.dtype == cache_dtype
     assert torch.equal(out, expected)
-    assert torch.equal(narrow_cache.float(), rounded)  # new K/V written, rounded once
+    # New K/V written, rounded once; the slots no step wrote keep the history.
+    written = rounded(history)
+    for cache, rows in ((written[0], key), (written[1], value)):
+        cache.view(-1, KV_HEADS, DIM)[metadata.slot_mapping] = rounded(rows)
+    assert torch.equal(narrow_cache.float(), written)
     # And the rounding mattered: unrounded K/V give another result.
     assert not torch.equal(out, run(query, key, value, history.clone()))
 
@@ -187,6 +220,36 @@ def test_fp32_compute_over_a_bf16_cache_keeps_the_fp32_greedy_tokens(
     narrow = generate("auto")
     assert [len(ids) for ids in narrow] == [16] * len(PROMPTS)
     assert narrow == generate("float32")
+
+
+def test_an_fp8_cache_gives_the_same_greedy_tokens_on_the_native_and_torch_paths(
+    tiny_llama_dir: Path,
+) -> None:
+    """Both paths round K/V to E5M2 once and widen them exactly; in fp32 compute the native
+    kernels' other summation order must not change a greedy token. And the rounding is real:
+    a float32 cache's tokens differ somewhere."""
+    from services.models.native_build import native_kernel_error
+
+    if (error := native_kernel_error()) is not None:
+        pytest.skip(f"native attention kernel unavailable: {error}")
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def generate(backend: str, kv_cache_dtype: str = "fp8_e5m2") -> list[list[int]]:
+        llm = LLM(
+            tiny_llama_dir,
+            dtype="float32",
+            kv_cache_dtype=kv_cache_dtype,
+            block_size=16,
+            max_num_batched_tokens=32,  # the 50-token prompt is chunked: it reads the cache
+            kv_cache_memory=4 << 20,
+            attention_backend=backend,
+        )
+        return [o.token_ids for o in llm.generate(PROMPTS, params)]
+
+    native = generate("native")
+    assert [len(ids) for ids in native] == [16] * len(PROMPTS)
+    assert native == generate("torch")
+    assert native != generate("native", "float32")
 
 
 def test_engines_with_different_kv_dtypes_refuse_each_others_pages(tiny_llama_dir: Path) -> None:

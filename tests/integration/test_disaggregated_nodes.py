@@ -196,6 +196,40 @@ def test_concurrent_disaggregated_requests_equal_the_single_engine(tiny_llama_di
     run_cluster(tiny_llama_dir, body)
 
 
+def test_an_fp8_kv_cache_moves_between_nodes_and_equals_the_single_engine(
+    tiny_llama_dir: Path,
+) -> None:
+    """Pages of a 1-byte dtype: the decode node's tokens are those of one engine whose cache
+    holds the same fp8 E5M2 K/V (and they differ from a bf16 cache's somewhere, or the
+    dtype would not be in use)."""
+    rng = random.Random(12)
+    prompts = [[rng.randrange(5, 4096) for _ in range(n)] for n in (16, 17, 70, 130)]
+    params = SamplingParams(max_tokens=GREEDY.max_tokens, temperature=0.0, ignore_eos=True)
+
+    def offline(kv_cache_dtype: str) -> list[list[int]]:
+        llm = LLM(
+            tiny_llama_dir,
+            dtype="float32",
+            kv_cache_dtype=kv_cache_dtype,
+            max_model_len=MAX_MODEL_LEN,
+        )
+        return [o.token_ids for o in llm.generate(prompts, params)]
+
+    expected = offline("fp8_e5m2")
+
+    async def body(cluster: Cluster) -> None:
+        assert cluster.prefill_engine.engine.kv_layout.dtype == "fp8_e5m2"
+        assert cluster.decode_engine.engine.kv_layout.dtype == "fp8_e5m2"
+        results = await asyncio.gather(
+            *(cluster.generate(f"fp8-{i}", p) for i, p in enumerate(prompts))
+        )
+        assert [tokens for tokens, _ in results] == expected
+        await cluster.wait_all_free()
+
+    run_cluster(tiny_llama_dir, body, node_flags=("--kv-cache-dtype", "fp8_e5m2"))
+    assert expected != offline("bfloat16")
+
+
 def test_fingerprint_mismatch_is_refused_before_any_byte_moves(tiny_llama_dir: Path) -> None:
     def tamper(reservation) -> None:
         reservation.layout_fingerprint = "0" * 16
