@@ -6,12 +6,13 @@
 Times one layer's prefill attention of a step, on the small model's heads (12 query heads, 4
 KV heads, head_dim 64, block size 16), with the engine's own start-up timer
 (``prefill_kernel_timer``: fresh chunks, their K/V already in the cache): torch's ``sdpa`` and
-``matmul`` over the padded chunks, and the native kernel in the CPU's variant (with a bf16 query
-and cache: on ``vdpbf16ps`` in ``avx512_bf16``, on the tiles in ``amx``) and in ``avx512``, whose
-products are fp32 FMAs, where that is not the same. Prints the best call of ``--calls`` in
-milliseconds, the kernels of a case interleaved so that load from elsewhere falls on all. The
-variant is the CPU's best unless ``PDSERVE_NATIVE_ISA`` forces one (with oneDNN's
-``ONEDNN_MAX_CPU_ISA=AVX512_CORE`` that emulates a host without AMX or AVX512-BF16).
+``matmul`` over the padded chunks, and the native kernel in the CPU's variant (with a bf16 query:
+on ``vdpbf16ps`` in ``avx512_bf16`` over a bf16 or ``float8_e5m2`` cache, on the tiles in ``amx``
+over a bf16 one) and in ``avx512``, whose products are fp32 FMAs, where that is not the same.
+Prints the best call of ``--calls`` in milliseconds, the kernels of a case interleaved so that
+load from elsewhere falls on all. The variant is the CPU's best unless ``PDSERVE_NATIVE_ISA``
+forces one (with oneDNN's ``ONEDNN_MAX_CPU_ISA=AVX512_CORE`` that emulates a host without AMX or
+AVX512-BF16).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 4, 64, 16
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--cache-dtype", default=None, choices=["bfloat16", "float32"],
+    parser.add_argument("--cache-dtype", default=None,
+                        choices=["bfloat16", "float32", "float8_e5m2"],
                         help="the KV cache's dtype (default: --dtype)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--calls", type=int, default=15, help="timed calls per kernel")
