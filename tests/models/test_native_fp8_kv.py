@@ -1,8 +1,10 @@
 """An fp8 E5M2 KV cache (``torch.float8_e5m2``, vLLM's ``fp8_e5m2``) in the native CPU kernels,
 on every kernel variant this CPU runs: the cache write rounds K/V rows into it with the bits of
-``.to(torch.float8_e5m2)``; decode and prefill attention over it give the bits they give over the
-same cache widened to float32 (every E5M2 value is exact in fp32, and the widening is exact,
-infinities and NaN included); a value cache of another dtype than the key cache's is refused."""
+``.to(torch.float8_e5m2)``; decode attention over it gives the bits it gives over the same cache
+widened to float32, and prefill attention those it gives over the cache widened to bfloat16 (every
+E5M2 value is exact in both, and the widening is exact, infinities and NaN included: with a bf16
+query the prefill kernel multiplies bf16 pairs, as over a bf16 cache); a value cache of another
+dtype than the key cache's is refused."""
 
 from __future__ import annotations
 
@@ -22,9 +24,10 @@ pytestmark = pytest.mark.skipif(
 
 FP8 = torch.float8_e5m2
 DTYPES = [torch.float32, torch.bfloat16]
-# The prefill op also has an amx variant (a bf16 cache only on the tiles; fp8 takes its vector
-# path).
+# The prefill op also has an amx variant (a bf16 cache only on the tiles; fp8 takes its bf16
+# pairs, as avx512_bf16 does).
 PREFILL_ISAS = supported_isas() + (["amx"] if amx_unavailable_reason() is None else [])
+BF16_PAIR_ISAS = ("avx512_bf16", "amx")
 
 
 def e5m2_values() -> torch.Tensor:
@@ -181,11 +184,11 @@ def prefill(step: PrefillStep, cache: torch.Tensor, query: torch.Tensor, isa: st
 @pytest.mark.parametrize(
     ("num_kv_heads", "group", "head_dim"), [(4, 3, 64), (2, 1, 32), (1, 8, 128), (3, 5, 48)]
 )
-def test_prefill_over_fp8_gives_its_float32_widenings_bits(
+def test_prefill_over_fp8_gives_its_bf16_widenings_bits(
     num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, isa: str
 ) -> None:
     # Fresh prompts and chunks after cached tokens, around the kernels' tiles and key blocks;
-    # head_dim 48: a partial vector on AVX-512.
+    # head_dim 48: a partial vector on AVX-512, and fp32 FMAs whatever the query.
     step = build_prefill_step(
         [(0, 17), (0, 100), (31, 40), (5, 3)],
         block_size=16, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
@@ -199,11 +202,44 @@ def test_prefill_over_fp8_gives_its_float32_widenings_bits(
     out = prefill(step, cache, query, isa)
 
     assert out.dtype == dtype and not out.isnan().any()
-    torch.testing.assert_close(out, prefill(step, cache.float(), query, isa), atol=0, rtol=0)
-    # And within a rounding of the bf16 widening, which the bf16 products (vdpbf16ps, the AMX
-    # tiles, with bf16 probabilities) may take.
-    bf16 = prefill(step, cache.bfloat16(), query, isa)
-    torch.testing.assert_close(out.float(), bf16.float(), rtol=2**-6, atol=2**-6)
+    # A bf16 cache takes the same path (the amx variant's tiles aside, which take a bf16 cache
+    # only: avx512_bf16 gives its pairs' bits), over the same values.
+    bf16_isa = "avx512_bf16" if isa == "amx" else isa
+    assert torch.equal(out, prefill(step, cache.bfloat16(), query, bf16_isa))
+    widened = prefill(step, cache.float(), query, isa)  # fp32 FMAs, fp32 probabilities
+    if dtype == torch.bfloat16 and head_dim % 32 == 0 and isa in BF16_PAIR_ISAS:
+        # Multiplied in bf16 pairs (vdpbf16ps, with bf16 probabilities): within their rounding
+        # of the fp32 products, and not those (the path taken is the pairs').
+        torch.testing.assert_close(out.float(), widened.float(), rtol=2**-6, atol=2**-6)
+        assert not torch.equal(out, widened)
+    else:
+        assert torch.equal(out, widened)
+
+
+@pytest.mark.parametrize("isa", PREFILL_ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
+def test_prefill_widens_every_fp8_value_exactly(
+    head_dim: int, dtype: torch.dtype, isa: str
+) -> None:
+    # One prompt token: its probability is exactly 1, so each head's output is its V row as the
+    # kernel widened it (every pattern, spread over the heads; the K rows are zero). With a bf16
+    # query and head_dim 64 or 128 on avx512_bf16 and amx, through the bf16 pairs.
+    values = e5m2_values().repeat(2)
+    num_kv_heads = values.numel() // head_dim
+    values = values[: num_kv_heads * head_dim].view(1, 1, num_kv_heads, head_dim)
+    cache = torch.stack([torch.zeros_like(values.float()).to(FP8), values])
+    query = torch.randn(1, num_kv_heads, head_dim).to(dtype)
+    out = torch.zeros_like(query)
+    one = torch.ones(1, dtype=torch.int64)
+    zero = torch.zeros(1, dtype=torch.int64)
+
+    torch.ops.pdserve.paged_prefill_attention(
+        out, query, cache[0], cache[1], zero.view(1, 1), zero, one, zero, head_dim**-0.5, isa
+    )
+
+    expected = values.float().view(1, num_kv_heads, head_dim)
+    torch.testing.assert_close(out.float(), expected, atol=0, rtol=0, equal_nan=True)
 
 
 def test_a_value_cache_of_another_dtype_is_refused() -> None:

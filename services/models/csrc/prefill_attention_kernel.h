@@ -26,12 +26,14 @@
 // vectors (tile_product): a K element times kLanes query rows, a probability times kLanes
 // head_dim entries of a V row. The query is transposed once per item on the way in; K and V
 // rows are widened to fp32 once per key block (widen_rows: from an fp32, bf16 or fp8 E5M2
-// cache, through simd.h's loads); everything accumulates in fp32. Where the query and cache are
-// both bf16 and head_dim a multiple of 32, the avx512_bf16 variant (PDSERVE_AVX512_BF16) runs
-// both products on vdpbf16ps instead (attend_dpbf16: bf16 pairs, fp32 sums, twice the fp32
-// FMA's products an instruction), and the amx variant (PDSERVE_AMX) on the AMX tiles
-// (attend_amx); those two read and copy cache rows as bf16 and are taken for a bf16 cache only
-// (an fp8 one widens through attend_vector). The softmax is the same between them.
+// cache, through simd.h's loads); everything accumulates in fp32. Where the query is bf16 and
+// head_dim a multiple of 32, the avx512_bf16 variant (PDSERVE_AVX512_BF16) runs both products
+// on vdpbf16ps instead (attend_dpbf16: bf16 pairs, fp32 sums, twice the fp32 FMA's products an
+// instruction) over a bf16 cache, whose rows it reads in place, or an fp8 E5M2 one, whose rows
+// it widens to bf16 once per key block (exactly: the same products as over the bf16 widening of
+// the cache); the amx variant (PDSERVE_AMX) runs them on the AMX tiles (attend_amx) over a bf16
+// cache only, and takes attend_dpbf16 for an fp8 one. The dispatch is attend's. The softmax is
+// the same between them.
 //
 // Deliberately free of torch and of standard-library templates, like paged_attention_kernel.h.
 
@@ -119,9 +121,11 @@ struct Scratch {
   Buffer<uint32_t> value_pairs;  // [kMaxKeys / 2][head_dim]: bf16 pairs
   Buffer<uint32_t> prob_pairs;   // [kKeyBlock / 2][kPairRows]: bf16 pairs (attend_dpbf16)
   Buffer<Bf16> zero_row;         // [head_dim]: the K row of the keys past a block's last
+  Buffer<Bf16> key_rows;         // [kMaxKeys][head_dim]: a block's K rows where they are not
+                                 // read in place (an fp8 cache's, widened; attend_amx's where
+                                 // cache blocks are not whole tiles)
 #endif
 #if defined(PDSERVE_AMX)
-  Buffer<Bf16> key_rows;         // [kAmxKeys][head_dim]
   Buffer<Bf16> prob_rows;        // [kAmxRows][kAmxKeys]
 #endif
 
@@ -142,11 +146,11 @@ struct Scratch {
         query_pairs(head_dim / 2 * rows_),
         value_pairs(kMaxKeys / 2 * head_dim),
         prob_pairs(kKeyBlock / 2 * kPairRows),
-        zero_row(head_dim)
+        zero_row(head_dim),
+        key_rows(kMaxKeys * head_dim)
 #endif
 #if defined(PDSERVE_AMX)
         ,
-        key_rows(kAmxKeys * head_dim),
         prob_rows(kAmxRows * kAmxKeys)
 #endif
   {
@@ -405,9 +409,34 @@ void attend_vector(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& r
 }
 
 #if defined(PDSERVE_AVX512_BF16)
-// out[2d + h] = (h ? odd : even)[d] for d < D (a multiple of 32): two bf16 rows interleaved
-// into D pairs; odd == nullptr pairs `even` with zeros.
-inline void interleave_rows(const Bf16* even, const Bf16* odd, int64_t D, uint32_t* out) {
+// Which products a Q query over a KV cache takes where head_dim is a multiple of 32 (attend;
+// elsewhere attend_vector's fp32 FMAs). The AMX tiles (the amx variant) load a bf16 cache's rows
+// as they are; vdpbf16ps pairs (attend_dpbf16) also take an fp8 E5M2 cache, whose rows widen to
+// bf16 exactly (load_bf16).
+template <typename Q, typename KV>
+constexpr bool kProductsOnTiles = kSameType<Q, Bf16> && kSameType<KV, Bf16>;
+template <typename Q, typename KV>
+constexpr bool kProductsInBf16Pairs =
+    kSameType<Q, Bf16> && (kSameType<KV, Bf16> || kSameType<KV, Fp8E5M2>);
+
+// 32 elements of a cache row as bf16: a bf16 row's bits; an fp8 E5M2 row's values, widened
+// exactly to fp32 (simd.h's load) and then to bf16, which holds every E5M2 value (its 5-bit
+// exponent's denormals are normal in bf16's 8 bits), so vcvtne2ps2bf16 rounds none of them;
+// infinities stay infinities, NaNs NaNs.
+inline __m512i load_bf16(const Bf16* p) {
+  return _mm512_loadu_si512(p);
+}
+
+inline __m512i load_bf16(const Fp8E5M2* p) {
+  const __m512 low = reinterpret_cast<__m512>(load(p));
+  const __m512 high = reinterpret_cast<__m512>(load(p + 16));
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
+}
+
+// out[2d + h] = (h ? odd : even)[d] for d < D (a multiple of 32): two cache rows interleaved
+// into D bf16 pairs; odd == nullptr pairs `even` with zeros.
+template <typename KV>
+inline void interleave_rows(const KV* even, const KV* odd, int64_t D, uint32_t* out) {
   // Words 0-31 of the result take words 0-15 of each source alternately, 32-63 words 16-31.
   alignas(64) static const uint16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
                                                 37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
@@ -415,8 +444,8 @@ inline void interleave_rows(const Bf16* even, const Bf16* odd, int64_t D, uint32
   const __m512i low = _mm512_load_si512(kLow);
   const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
   for (int64_t d = 0; d < D; d += 32) {
-    const __m512i e = _mm512_loadu_si512(even + d);
-    const __m512i o = odd ? _mm512_loadu_si512(odd + d) : _mm512_setzero_si512();
+    const __m512i e = load_bf16(even + d);
+    const __m512i o = odd ? load_bf16(odd + d) : _mm512_setzero_si512();
     _mm512_storeu_si512(out + d, _mm512_permutex2var_epi16(e, low, o));
     _mm512_storeu_si512(out + d + 16, _mm512_permutex2var_epi16(e, high, o));
   }
@@ -508,23 +537,26 @@ inline void pair_product(const uint32_t* const* a, int64_t a_step, const uint32_
   }
 }
 
-// The loop of attend_vector with both products on vdpbf16ps, for a bf16 query and cache and
-// head_dim a multiple of 32; kKeyBlock keys a block, kPairRows rows a pass (a pass runs the
-// whole key loop for its rows: see kPairRows). Per block:
+// The loop of attend_vector with both products on vdpbf16ps, for a bf16 query, a bf16 or fp8
+// E5M2 cache and head_dim a multiple of 32; kKeyBlock keys a block, kPairRows rows a pass (a
+// pass runs the whole key loop for its rows: see kPairRows). Per block:
 //   scores    scores_t[j][r] = sum_i K[j][2i, 2i + 1] . query_pairs[i][r]: the K rows are read
-//             in place from the cache (keys past the block's last read a zero row; the mask
-//             hides them), the query transposed into pairs once an item; unscaled, so that
-//             the softmax applies the scale (the bf16 query is not rounded twice);
+//             in place from a bf16 cache, or from key_rows, widened there from an fp8 one
+//             (keys past the block's last read a zero row; the mask hides them), the query
+//             transposed into pairs once an item; unscaled, so that the softmax applies the
+//             scale (the bf16 query is not rounded twice);
 //   softmax   softmax_block, as on every path;
 //   pairs     prob_pairs[j / 2][r] = bf16 probabilities of keys j, j + 1 (as torch's flash
 //             kernel and the amx path round them: relative 2^-9 each);
 //   values    acc[r][d] += sum_j prob_pairs[j / 2][r] . value_pairs[j / 2][d]: the V rows
-//             interleaved in pairs of keys (zero past the last key: 0 * NaN would be NaN).
+//             interleaved in pairs of keys, as bf16 (zero past the last key: 0 * NaN would
+//             be NaN).
+// Over an fp8 cache the products' inputs are those over its bf16 widening, in the same order:
+// the same bits out.
 template <typename Q, typename KV>
 void attend_dpbf16(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& rows,
                    Scratch& sc) {
-  // Cache rows are read in place and copied as bf16 (pairs of 2-byte elements).
-  static_assert(kSameType<Q, Bf16> && kSameType<KV, Bf16>, "a bf16 query and cache only");
+  static_assert(kProductsInBf16Pairs<Q, KV>, "a bf16 query, a bf16 or fp8 E5M2 cache");
   const Shape& s = p.s;
   const pdserve::PrefillArgs& a = *p.args;
   const int64_t D = s.head_dim, R = sc.rows, row_stride = s.num_kv_heads * D;
@@ -534,6 +566,7 @@ void attend_dpbf16(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& r
   uint32_t* prob_pairs = sc.prob_pairs.data();          // [kKeyBlock / 2][kPairRows]
   float* scores_t = sc.scores_t.data();                 // [kKeyBlock][kPairRows]
   float* acc = sc.acc.data();                           // [kPairRows][D]
+  Bf16* widened_keys = sc.key_rows.data();              // [kKeyBlock][D] (an fp8 cache)
   const auto* zero_row = reinterpret_cast<const uint32_t*>(sc.zero_row.data());
   constexpr int64_t kRowVecs = kPairRows / kLanes;
   const int64_t value_vecs = D / kLanes, full_value_vecs = value_vecs / kValueVecs * kValueVecs;
@@ -547,7 +580,7 @@ void attend_dpbf16(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& r
       const int64_t n = min64(kKeyBlock, context - k0);
       const int64_t keys = (n + kScoreScalars - 1) / kScoreScalars * kScoreScalars;
       const uint32_t* key_rows[kKeyBlock];
-      const Bf16* value_rows[kKeyBlock];
+      const KV* value_rows[kKeyBlock];
       int64_t block = k0 / s.block_size, offset = k0 % s.block_size;
       for (int64_t j = 0; j < n; ++j) {
         const int64_t slot = (table[block] * s.block_size + offset) * row_stride + kv * D;
@@ -555,7 +588,15 @@ void attend_dpbf16(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& r
           offset = 0;
           ++block;
         }
-        key_rows[j] = reinterpret_cast<const uint32_t*>(p.key_cache + slot);
+        if constexpr (kSameType<KV, Bf16>) {
+          key_rows[j] = reinterpret_cast<const uint32_t*>(p.key_cache + slot);
+        } else {
+          Bf16* widened = widened_keys + j * D;
+          for (int64_t d = 0; d < D; d += 32) {
+            _mm512_storeu_si512(widened + d, load_bf16(p.key_cache + slot + d));
+          }
+          key_rows[j] = reinterpret_cast<const uint32_t*>(widened);
+        }
         value_rows[j] = p.value_cache + slot;
       }
       for (int64_t j = n; j < keys; ++j) {
@@ -736,7 +777,7 @@ template <typename Q, typename KV>
 void attend_amx(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& rows,
                 Scratch& sc) {
   // Cache rows are read in place and copied as bf16 (pairs of 2-byte elements).
-  static_assert(kSameType<Q, Bf16> && kSameType<KV, Bf16>, "a bf16 query and cache only");
+  static_assert(kProductsOnTiles<Q, KV>, "a bf16 query and cache only");
   const Shape& s = p.s;
   const pdserve::PrefillArgs& a = *p.args;
   const int64_t D = s.head_dim, R = sc.rows, row_stride = s.num_kv_heads * D;
@@ -835,16 +876,19 @@ void attend_amx(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& rows
 }
 #endif
 
+// The products' path of one item: the AMX tiles, else bf16 pairs, else fp32 FMAs (see
+// kProductsOnTiles).
 template <typename Q, typename KV>
 void attend(const Problem<Q, KV>& p, int64_t c, int64_t kv, const Rows& rows, Scratch& sc) {
 #if defined(PDSERVE_AVX512_BF16)
-  if constexpr (kSameType<Q, Bf16> && kSameType<KV, Bf16>) {
-    if (p.s.head_dim % 32 == 0) {
+  if (p.s.head_dim % 32 == 0) {
 #if defined(PDSERVE_AMX)
+    if constexpr (kProductsOnTiles<Q, KV>) {
       return attend_amx(p, c, kv, rows, sc);
-#else
-      return attend_dpbf16(p, c, kv, rows, sc);
+    }
 #endif
+    if constexpr (kProductsInBf16Pairs<Q, KV>) {
+      return attend_dpbf16(p, c, kv, rows, sc);
     }
   }
 #endif
