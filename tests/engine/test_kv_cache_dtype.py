@@ -193,33 +193,42 @@ def test_torch_path_with_a_narrow_cache_differs_only_by_the_cache_rounding(
 PROMPTS = [[5, 17, 300, 41], list(range(20, 70)), [7] * 33]
 
 
+def _skip_without_native_kernels() -> None:
+    from services.models.native_build import native_kernel_error
+
+    if (error := native_kernel_error()) is not None:
+        pytest.skip(f"native attention kernel unavailable: {error}")
+
+
+def _greedy(model_dir: Path, backend: str, kv_cache_dtype: str) -> list[list[int]]:
+    """16 greedy tokens for each of ``PROMPTS`` in fp32 compute over a cache of
+    ``kv_cache_dtype``; the 50-token prompt is chunked, so its second chunk reads the cache."""
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        kv_cache_dtype=kv_cache_dtype,
+        block_size=16,
+        max_num_batched_tokens=32,
+        kv_cache_memory=4 << 20,
+        attention_backend=backend,
+    )
+    cache_dtype = llm.engine.kv_caches[0].dtype
+    assert str(cache_dtype).removeprefix("torch.").replace("float8_", "fp8_") == (
+        llm.engine.kv_layout.dtype
+    )
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    tokens = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert [len(ids) for ids in tokens] == [16] * len(PROMPTS)
+    return tokens
+
+
 @pytest.mark.parametrize("backend", ["torch", "native"])
 def test_fp32_compute_over_a_bf16_cache_keeps_the_fp32_greedy_tokens(
     tiny_llama_dir: Path, backend: str
 ) -> None:
     if backend == "native":
-        from services.models.native_build import native_kernel_error
-
-        if (error := native_kernel_error()) is not None:
-            pytest.skip(f"native attention kernel unavailable: {error}")
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-
-    def generate(kv_cache_dtype: str) -> list[list[int]]:
-        llm = LLM(
-            tiny_llama_dir,
-            dtype="float32",
-            kv_cache_dtype=kv_cache_dtype,
-            block_size=16,
-            max_num_batched_tokens=32,  # the 50-token prompt is chunked: it reads the cache
-            kv_cache_memory=4 << 20,
-            attention_backend=backend,
-        )
-        assert llm.engine.kv_caches[0].dtype == getattr(torch, llm.engine.kv_layout.dtype)
-        return [o.token_ids for o in llm.generate(PROMPTS, params)]
-
-    narrow = generate("auto")
-    assert [len(ids) for ids in narrow] == [16] * len(PROMPTS)
-    assert narrow == generate("float32")
+        _skip_without_native_kernels()
+    assert _greedy(tiny_llama_dir, backend, "auto") == _greedy(tiny_llama_dir, backend, "float32")
 
 
 def test_an_fp8_cache_gives_the_same_greedy_tokens_on_the_native_and_torch_paths(
@@ -228,28 +237,10 @@ def test_an_fp8_cache_gives_the_same_greedy_tokens_on_the_native_and_torch_paths
     """Both paths round K/V to E5M2 once and widen them exactly; in fp32 compute the native
     kernels' other summation order must not change a greedy token. And the rounding is real:
     a float32 cache's tokens differ somewhere."""
-    from services.models.native_build import native_kernel_error
-
-    if (error := native_kernel_error()) is not None:
-        pytest.skip(f"native attention kernel unavailable: {error}")
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-
-    def generate(backend: str, kv_cache_dtype: str = "fp8_e5m2") -> list[list[int]]:
-        llm = LLM(
-            tiny_llama_dir,
-            dtype="float32",
-            kv_cache_dtype=kv_cache_dtype,
-            block_size=16,
-            max_num_batched_tokens=32,  # the 50-token prompt is chunked: it reads the cache
-            kv_cache_memory=4 << 20,
-            attention_backend=backend,
-        )
-        return [o.token_ids for o in llm.generate(PROMPTS, params)]
-
-    native = generate("native")
-    assert [len(ids) for ids in native] == [16] * len(PROMPTS)
-    assert native == generate("torch")
-    assert native != generate("native", "float32")
+    _skip_without_native_kernels()
+    native = _greedy(tiny_llama_dir, "native", "fp8_e5m2")
+    assert native == _greedy(tiny_llama_dir, "torch", "fp8_e5m2")
+    assert native != _greedy(tiny_llama_dir, "native", "float32")
 
 
 def test_engines_with_different_kv_dtypes_refuse_each_others_pages(tiny_llama_dir: Path) -> None:
