@@ -27,7 +27,8 @@ from services.types import Role as Role  # re-exported: deploy takes Role from h
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = (*DTYPES, "fp8_e5m2")
-"""fp8_e5m2: CPU nodes only (a node on a GPU refuses it at start-up, naming the flag)."""
+"""fp8_e5m2: CPU nodes only (a topology with gpu_ids refuses it; so does a node started on a GPU,
+naming the flag)."""
 KV_TRANSPORTS = ("auto", "shm", "cuda_ipc", "ucx", "loopback")
 _FLAG_NAME = re.compile(r"^[a-z][a-z0-9-]*$")
 _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
