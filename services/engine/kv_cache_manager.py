@@ -120,7 +120,7 @@ class KVCacheManager:
             self.pool.touch(computed_blocks)
             blocks.extend(computed_blocks)
             ids.extend(block.block_id for block in computed_blocks)
-        new_blocks = self.pool.allocate(num_needed)
+        new_blocks = self.pool.allocate(num_needed, after=ids[-1] if ids else None)
         blocks.extend(new_blocks)
         ids.extend(block.block_id for block in new_blocks)
 
@@ -136,9 +136,9 @@ class KVCacheManager:
             return True
         if not self.pool.can_allocate(num_needed):
             return False
-        new_blocks = self.pool.allocate(num_needed)
-        self._blocks.setdefault(request.request_id, []).extend(new_blocks)
         ids = self._block_ids.setdefault(request.request_id, [])
+        new_blocks = self.pool.allocate(num_needed, after=ids[-1] if ids else None)
+        self._blocks.setdefault(request.request_id, []).extend(new_blocks)
         ids.extend(block.block_id for block in new_blocks)
         return True
 

@@ -1,4 +1,4 @@
-"""BlockPool: reference counts, the LRU free queue and the prefix-cache index."""
+"""BlockPool: reference counts, free runs, the LRU queue of cached blocks, the prefix index."""
 
 from __future__ import annotations
 
@@ -34,13 +34,86 @@ def test_fresh_pool_hands_out_blocks_in_id_order() -> None:
 def test_free_order_is_eviction_order() -> None:
     pool = BlockPool(4)
     blocks = {b.block_id: b for b in pool.allocate(4)}
+    for block_id, block in blocks.items():
+        pool.cache_block(block, f"h{block_id}".encode())
 
     pool.free([blocks[2], blocks[0]])
     pool.free([blocks[3]])
     pool.free([blocks[1]])
 
-    # Least recently freed first.
-    assert ids(pool.allocate(4)) == [2, 0, 3, 1]
+    # Least recently freed first, one eviction per block asked for.
+    assert [ids(pool.allocate(1)) for _ in range(4)] == [[2], [0], [3], [1]]
+
+
+def test_uncached_free_blocks_go_before_any_cached_block_is_evicted() -> None:
+    pool = BlockPool(4)
+    cached, plain = pool.allocate(2)
+    pool.cache_block(cached, b"h")
+    pool.free([cached])  # freed first: an LRU queue would hand it out first
+    pool.free([plain])
+
+    assert sorted(ids(pool.allocate(3))) == sorted([plain.block_id, 2, 3])
+    assert pool.get_cached_block(b"h") is cached
+
+
+def test_a_sequence_grows_into_the_blocks_after_its_last() -> None:
+    pool = BlockPool(64)
+    first = ids(pool.allocate(4))
+    second = ids(pool.allocate(4))
+
+    assert ids(pool.allocate(2, after=first[-1])) == [first[-1] + 1, first[-1] + 2]
+    assert ids(pool.allocate(1, after=second[-1])) == [second[-1] + 1]
+
+
+def test_growth_blocked_by_a_block_in_use_goes_elsewhere() -> None:
+    pool = BlockPool(8)
+    first = ids(pool.allocate(2))
+    pool.allocate(6)  # everything after the first sequence
+    pool.free([pool.blocks[7]])
+
+    assert ids(pool.allocate(1, after=first[-1])) == [7]
+
+
+def test_growth_does_not_evict_a_cached_successor() -> None:
+    pool = BlockPool(8)
+    first = ids(pool.allocate(2))
+    rest = pool.allocate(6)
+    pool.cache_block(rest[0], b"next")  # block 2, right after the first sequence
+    pool.free(rest)
+
+    [grown] = ids(pool.allocate(1, after=first[-1]))
+
+    assert grown != 2 and pool.get_cached_block(b"next") is pool.blocks[2]
+
+
+def test_eviction_makes_a_run_for_a_new_sequence() -> None:
+    # Cached free blocks 0..7 in LRU order 7, 6, ..., 0 (a sequence's tail goes first), one
+    # uncached free block (9) apart from them.
+    pool = BlockPool(10)
+    blocks = pool.allocate(10)
+    for block in blocks[:8]:
+        pool.cache_block(block, f"h{block.block_id}".encode())
+    pool.free(reversed(blocks[:8]))
+    pool.free([blocks[9]])
+
+    new = ids(pool.allocate(3))
+
+    # Not block 9 and two evicted ones: three evicted from the LRU end, in a row.
+    assert new == [5, 6, 7]
+    assert pool.num_cached_blocks == 5
+
+
+def test_eviction_for_a_run_is_bounded() -> None:
+    # Every other block cached and free: no run of two can be made without evicting all.
+    pool = BlockPool(12)
+    blocks = pool.allocate(12)
+    for block in blocks[::2]:
+        pool.cache_block(block, f"h{block.block_id}".encode())
+    pool.free(blocks[::2])
+
+    assert len(pool.allocate(2)) == 2
+    # Two evictions are needed, and at most two more made while looking for a run.
+    assert pool.num_cached_blocks == 2
 
 
 def test_shared_block_is_free_only_after_its_last_reference() -> None:
@@ -183,6 +256,9 @@ def test_reset_prefix_cache_forgets_hashes() -> None:
     assert live.block_hash is None and dead.block_hash is None
     assert live.ref_count == 1
     assert pool.get_cached_block(b"dead") is None
+    # The free one is an ordinary free block again, in a run with its free neighbours.
+    assert pool.num_free_blocks == 1
+    assert ids(pool.allocate(1, after=live.block_id)) == [dead.block_id]
 
 
 @pytest.mark.parametrize("num_blocks", [0, -1])

@@ -316,11 +316,29 @@ def test_caching_disabled_never_hits(make_kv_manager, make_request, assert_all_f
 def test_free_releases_tail_first(make_kv_manager, make_request) -> None:
     kv = make_kv_manager(num_blocks=3, block_size=4)
     request = make_request("a", num_tokens=12)
-    kv.allocate(request, 12)
+    admit(kv, request)
     block_ids = kv.block_ids("a")
     kv.free(request)
     # The tail of a sequence is evicted before its prefix.
-    assert [b.block_id for b in kv.pool.allocate(3)] == block_ids[::-1]
+    assert [[b.block_id for b in kv.pool.allocate(1)] for _ in range(3)] == [
+        [block_id] for block_id in block_ids[::-1]
+    ]
+
+
+def test_growing_sequences_keep_their_blocks_in_a_row(make_kv_manager, make_request) -> None:
+    kv = make_kv_manager(num_blocks=64, block_size=4)
+    requests = [make_request(name, num_tokens=8, max_tokens=40) for name in "abc"]
+    for request in requests:
+        admit(kv, request)
+    for _ in range(20):  # decode steps, the three interleaved
+        for request in requests:
+            assert kv.try_allocate(request, 1)
+            request.num_computed_tokens += 1
+
+    for request in requests:
+        held = kv.block_ids(request.request_id)
+        assert len(held) == 7
+        assert held == list(range(held[0], held[0] + 7))
 
 
 def test_block_size_must_be_positive() -> None:
