@@ -20,8 +20,8 @@
 // converted to bf16 for the bf16 dot products: that measured ~8% slower on the Zen 4 host (64
 // sequences x 273 tokens, bf16 query) than the fp32 tile.
 // Everything accumulates in fp32; nothing past seq_len (garbage table entries, the rest of the
-// last block) is read. Rows are prefetched into the L2 two tiles ahead: blocks are scattered, so
-// the hardware prefetcher cannot follow.
+// last block) is read. Rows are prefetched into the L2 two tiles ahead, the requests spread over
+// the current tile's work: blocks are scattered, so the hardware prefetcher cannot follow.
 //
 // Vectorised with GCC/Clang vector extensions, one register wide (kLanes fp32: 16 for AVX-512, 8
 // for AVX2, 4 portable), rather than left to the auto-vectoriser, which keeps fp32 reductions (dot
@@ -302,23 +302,29 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
 
   // Blocks are scattered, so the hardware prefetcher cannot guess the next row; without this
   // every row is a cache miss. Reading a tile asks for the rows kPrefetchTiles tiles ahead: K's
-  // tiles, then V's (`token` counts V's tokens after K's padded ones). Into the L2, not the L1:
-  // on the AMD EPYC of docs/benchmarks.md (twelfth pass) the kernel read K/V from memory at
-  // 5.3-5.9 GB/s a thread with prefetcht0 and 9.0-9.8 with prefetcht1; on the Intel host of the
-  // eleventh pass the two ran alike. One to eight tiles ahead, or the requests spread over the
-  // tile's work, changed nothing measurable on either.
+  // tiles, then V's (`token` counts V's tokens after K's padded ones), part `part` of
+  // `num_parts` of that tile's rows at a time. The callers spread a tile's requests over the
+  // current tile's work (a slice of rows per query head in pass 1, per KV head in pass 2):
+  // issued all at once, 128 lines fill the core's miss buffers and the arithmetic behind them
+  // waits for the memory instead of running under it (AMD EPYC, sixteenth pass of
+  // docs/benchmarks.md: 64 sequences x 320 tokens, 12 layers, 1.26-1.39 -> 0.92 ms a layer call
+  // scattered, 0.95 -> 0.62-0.72 in a row; one tile ahead is slower, four no faster). Into the
+  // L2, not the L1: on the same host (twelfth pass) the kernel read K/V from memory at 5.3-5.9
+  // GB/s a thread with prefetcht0 and 9.0-9.8 with prefetcht1; on the Intel host of the
+  // eleventh pass the two ran alike.
   const int64_t row_bytes = num_kv * D * static_cast<int64_t>(sizeof(KV));
-  auto prefetch_tile = [&](int64_t token) {
+  auto prefetch_tile = [&](int64_t token, int64_t part = 0, int64_t num_parts = 1) {
     const bool is_value = token >= padded_len;
     if (is_value) {
       token -= padded_len;
     }
-    if (token >= seq_len) {
+    const int64_t first = token + part * kLanes / num_parts;
+    const int64_t last = min64(token + (part + 1) * kLanes / num_parts, seq_len);
+    if (first >= last) {
       return;
     }
-    RowCursor<KV> rows(is_value ? p.value_cache : p.key_cache, table, s, kv_begin, token);
-    const int64_t n = min64(kLanes, seq_len - token);
-    for (int64_t j = 0; j < n; ++j, rows.next()) {
+    RowCursor<KV> rows(is_value ? p.value_cache : p.key_cache, table, s, kv_begin, first);
+    for (int64_t j = first; j < last; ++j, rows.next()) {
       const char* bytes = reinterpret_cast<const char*>(rows.row());
       for (int64_t b = 0; b < row_bytes; b += 64) {
         prefetch_line_l2(bytes + b);
@@ -339,7 +345,6 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
     // two bf16 are exact in fp32; only the order of the fp32 sums differs from the widened path.
     constexpr int64_t kPairs = kChunks * kLanes / 32;  // 512-bit vectors of 32 bf16 in a row
     for (int64_t start = 0; start < seq_len; start += kLanes) {
-      prefetch_tile(start + kPrefetchTiles * kLanes);
       const int64_t n = min64(kLanes, seq_len - start);
       const KV* rows[kLanes];
       for (int64_t j = 0; j < n; ++j, key_rows.next()) {
@@ -349,6 +354,7 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
         rows[j] = rows[0];  // past n: scores land in the padding, overwritten below
       }
       for (int64_t i = 0; i < num_q; ++i) {
+        prefetch_tile(start + kPrefetchTiles * kLanes, i, num_q);
         const Q* q_i = query + i * D;
         const int64_t head = (i / G) * D;
         __m512bh q_pairs[kPairs];
@@ -371,10 +377,10 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
 #endif
   {
     for (int64_t start = 0; start < seq_len; start += kLanes) {
-      prefetch_tile(start + kPrefetchTiles * kLanes);
       const int64_t n = min64(kLanes, seq_len - start);
       load_tile(key_rows, n);
       for (int64_t i = 0; i < num_q; ++i) {
+        prefetch_tile(start + kPrefetchTiles * kLanes, i, num_q);
         const Vec* q_i = q + i * num_chunks;
         const Vec* k_tile = tile + (i / G) * kLanes * num_chunks;
         Vec dots[kLanes];
@@ -419,7 +425,7 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
   }
   RowCursor<KV> value_rows(p.value_cache, table, s, kv_begin, 0);
   for (int64_t start = 0; start < seq_len; start += kLanes) {
-    prefetch_tile(padded_len + start + kPrefetchTiles * kLanes);
+    const int64_t ahead = padded_len + start + kPrefetchTiles * kLanes;
     const int64_t n = min64(kLanes, seq_len - start);
     if constexpr (kGroupTile<kChunks> > 0) {
       // Each KV head's slice of a row is widened once, in registers, and multiplied into the
@@ -430,6 +436,7 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
         rows[j] = value_rows.row();
       }
       for (int64_t h = 0; h < num_kv; ++h) {
+        prefetch_tile(ahead, h, num_kv);
         for (int64_t g = 0; g < G; g += kGroupTile<kChunks>) {
           const int64_t i = h * G + g;
           accumulate_values<KV, kChunks>(min64(kGroupTile<kChunks>, G - g), rows, n, h * D,
@@ -441,6 +448,7 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
     }
     load_tile(value_rows, n);
     for (int64_t i = 0; i < num_q; ++i) {
+      prefetch_tile(ahead, i, num_q);
       const float* probs = scores + i * padded_len + start;
       const Vec* v_tile = tile + (i / G) * kLanes * num_chunks;
       Vec* acc_i = acc + i * num_chunks;
