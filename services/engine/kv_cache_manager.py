@@ -8,8 +8,10 @@ Life cycle of a request's blocks:
                              once the request is admitted with it.
 2. ``can_allocate`` / ``allocate``
                              each step: reference the hit blocks (first time only) and append new
-                             blocks so that every token computed this step has a slot
-                             (``try_allocate``: both at once for a running request).
+                             blocks so that every token computed this step has a slot, asked
+                             for after the request's last block so that its table stays in a
+                             row where the pool can (``try_allocate``: both at once for a
+                             running request).
 3. ``cache_full_blocks``     after the step: index the request's newly completed full blocks by
                              their chained hash, so that later requests can share them.
 4. ``free``                  on finish, abort or preemption: drop the request's references, last
