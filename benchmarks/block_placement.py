@@ -13,8 +13,9 @@
 2. The kernel (``--skip-kernel`` leaves it out): the running sequences at the last step, their
    block tables as the pool placed them, and the same tables with every block id sent through
    one random permutation of the pool (what a free queue in LRU order leaves after a while of
-   serving), and each sequence's blocks in a row at a random place (a shared prefix's blocks
-   copied into each: more distinct bytes than the real tables, which share them). Native decode
+   serving), and each sequence's blocks in a row, the sequences in a random order spread over
+   the pool (a shared prefix's blocks copied into each: more distinct bytes than the real
+   tables, which share them). Native decode
    attention over each, the small model's shapes (12 query heads, 4 KV heads, head_dim 64,
    bf16), ``--layers`` caches of the pool's size cycled as a decode step does; ms per layer
    call, best of 7, and the K/V bytes it read per second.
@@ -113,7 +114,7 @@ def simulate_chat(
                 conversation["turns"] -= 1
                 conversation["ready"] = step + rng.randrange(50, 600)
                 del live[index]
-    running = [r for r in live.values() if r.num_computed_tokens > 0 and not r.status.is_finished]
+    running = [r for r in live.values() if r.num_computed_tokens > 0]  # finished left live
     tables = [kv.block_ids(r.request_id) for r in running]
     lens = [r.num_computed_tokens for r in running]
     return kv.prefix_cache_stats.hit_rate, num_adjacent / max(num_pairs, 1), tables, lens
@@ -171,23 +172,27 @@ def main() -> None:
         sys.exit(f"native kernel unavailable: {error}")
     permutation = torch.randperm(args.num_blocks, generator=torch.Generator().manual_seed(1))
     scattered = [[int(permutation[i]) for i in table] for table in tables]
-    # Each sequence's blocks in a row (shared prefix blocks copied), at random places.
-    slots = torch.randperm(len(tables), generator=torch.Generator().manual_seed(2)).tolist()
-    stride = args.num_blocks // len(tables)
-    in_a_row = [
-        list(range(slot * stride, slot * stride + len(table)))
-        for slot, table in zip(slots, tables, strict=True)
-    ]
+    # Each sequence's blocks in a row (shared prefix blocks copied), the sequences in a random
+    # order with the pool's spare blocks spread between them; a pool that the copies outgrow
+    # grows for this layout (a table may be longer than an even share of the pool).
+    order = torch.randperm(len(tables), generator=torch.Generator().manual_seed(2)).tolist()
+    gap = max(0, args.num_blocks - sum(len(table) for table in tables)) // len(tables)
+    in_a_row: list[list[int]] = [[] for _ in tables]
+    next_id = 0
+    for index in order:
+        in_a_row[index] = list(range(next_id, next_id + len(tables[index])))
+        next_id += len(tables[index]) + gap
+    row_pool = max(args.num_blocks, next_id)
     print(
         f"decode attention over the last step's {len(tables)} sequences (mean context "
         f"{sum(lens) / len(lens):.0f} tokens), {args.layers} layers, ms per layer call:"
     )
-    for name, placed in (
-        ("as placed", tables),
-        ("scattered", scattered),
-        ("in a row", in_a_row),
+    for name, placed, pool in (
+        ("as placed", tables, args.num_blocks),
+        ("scattered", scattered, args.num_blocks),
+        ("in a row", in_a_row, row_pool),
     ) * 2:
-        ms, rate = time_tables(placed, lens, args.num_blocks, args.layers)
+        ms, rate = time_tables(placed, lens, pool, args.layers)
         print(f"  {name:<10} {ms:7.3f} ms  {rate:6.1f} GB/s")
 
 
