@@ -56,6 +56,9 @@ class CompiledVariant:
     spill_bytes: int
     """Spill stores + spill loads reported by ptxas; must be 0."""
     shared_bytes: int
+    float_fmas: int
+    """Floating-point ``fma`` instructions in the PTX: rotary must have none (a fused product
+    is not rounded as torch rounds it)."""
 
 
 def _decode_signature(dtype: str) -> dict[str, str]:
@@ -159,11 +162,13 @@ def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
     return int(registers.group(1)), int(spills.group(1)) + int(spills.group(2))
 
 
-def _compile(fn, signature: dict[str, str], constexprs: dict, arch: int, num_warps: int):
+def _compile(
+    fn, signature: dict[str, str], constexprs: dict, arch: int, num_warps: int, **options: object
+):
     # num_stages: the launch default, as the engine launches.
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     return triton.compile(
-        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps}
+        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, **options}
     )
 
 
@@ -236,8 +241,10 @@ def compile_all(
                 "prefill": tiles.prefill_num_warps,
                 "add_rms_norm": layer_ops.norm_num_warps(LAYER_OPS_HIDDEN),
             }.get(name, 4)
-            compiled = _compile(fn, signature, constexprs, arch, warps)
-            registers, spill_bytes = _ptxas_report(compiled.asm["ptx"], arch)
+            options = layer_ops.ROTARY_OPTIONS if name == "rotary" else {}
+            compiled = _compile(fn, signature, constexprs, arch, warps, **options)
+            ptx = compiled.asm["ptx"]
+            registers, spill_bytes = _ptxas_report(ptx, arch)
             results.append(
                 CompiledVariant(
                     kernel=name,
@@ -248,6 +255,7 @@ def compile_all(
                     num_registers=registers,
                     spill_bytes=spill_bytes,
                     shared_bytes=compiled.metadata.shared,
+                    float_fmas=len(re.findall(r"\bfma\.rn\.(?:bf16|f16|f32)\b", ptx)),
                 )
             )
     return results

@@ -1,7 +1,7 @@
 """The decoder's elementwise steps as one Triton kernel each (GPU path): ``LayerOps`` fused.
 
-Why: on the H100 a graphed decode step of the small model replayed in 0.76 ms against a
-0.07 ms byte floor; its ~300 kernels (counted from the code, not profiled) point at launch and
+Why: on an H200 a graphed decode step of the small model replayed in 0.76 ms against a
+0.05 ms byte floor, ~280 kernels a step (profiled), nearly half of them elementwise: launch and
 tail latency, not bytes. torch runs a layer's two
 RMSNorms with their residual adds as three kernels each, rotary as five per tensor, SiLU-and-mul
 as two; here each is one (vLLM's fused_add_rms_norm, rotary_embedding and silu_and_mul), about
@@ -16,8 +16,8 @@ Rows are tokens; one program per token (and, for rotary, per head of the query t
 ``hidden_size``, ``head_dim`` and the intermediate size need not be powers of two: blocks are
 masked. Testing without a GPU: under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors
 (``tests/models/test_triton_layer_ops.py``), and ``triton_compile`` builds them for sm_90.
-Opt-in for now (``PDSERVE_TRITON_LAYER_OPS=1``, ``backends.make_layer_ops``): not yet run on a
-GPU.
+On by default on a GPU (``PDSERVE_TRITON_LAYER_OPS``, ``backends.make_layer_ops``), where an
+H200 ran their ``gpu`` tests.
 """
 
 from __future__ import annotations
@@ -115,6 +115,11 @@ def _silu_and_mul_kernel(out_ptr, gate_up_ptr, intermediate, BLOCK: tl.constexpr
 
 _SILU_BLOCK = 1024
 
+ROTARY_OPTIONS = {"enable_fp_fusion": False}
+"""Rotary's compile options. With fusion on, sm_90's compiler turns ``round(a * cos) + b`` into
+one ``fma.rn.bf16`` (the product not rounded) and the result leaves torch's bits by an ulp, as
+an H200 showed; without it each product is its own ``mul.rn.bf16``."""
+
 
 def norm_num_warps(block: int) -> int:
     """Warps for a row of ``block`` columns: 4 up to 2,048 (at most 16 values a thread), more
@@ -174,6 +179,7 @@ class TritonLayerOps(LayerOps):
                 num_heads,
                 HEAD_DIM=head_dim,
                 HALF_BLOCK=triton.next_power_of_2(head_dim // 2),
+                **ROTARY_OPTIONS,
             )
         return query, key
 
