@@ -101,12 +101,19 @@ def test_no_tokens() -> None:
 
 def test_the_triton_backend_takes_them_when_asked(tiny_llama_dir, monkeypatch) -> None:
     """Greedy tokens through the whole model with the fused ops equal those with torch's (fp32,
-    Triton attention), and the switch is what selects them."""
+    Triton attention), and the switch is what selects them: unset, the fused ops on a GPU and
+    torch's under the interpreter; 0 and 1 either way; anything else refused by name."""
     rng = random.Random(3)
     prompts = [[rng.randrange(5, 4096) for _ in range(n)] for n in (3, 20)]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     kwargs = dict(dtype="float32", max_model_len=64, kv_cache_memory=1 << 21,
                   attention_backend="triton", device=DEVICE)  # fmt: skip
+    default = LLM(tiny_llama_dir, **kwargs).engine.runner.model.ops
+    assert type(default) is (TritonLayerOps if DEVICE == "cuda" else LayerOps)
+    monkeypatch.setenv("PDSERVE_TRITON_LAYER_OPS", "yes")
+    with pytest.raises(ValueError, match="PDSERVE_TRITON_LAYER_OPS must be 0 or 1"):
+        LLM(tiny_llama_dir, **kwargs)
+    monkeypatch.setenv("PDSERVE_TRITON_LAYER_OPS", "0")
     plain = LLM(tiny_llama_dir, **kwargs)
     assert type(plain.engine.runner.model.ops) is LayerOps
     expected = [o.token_ids for o in plain.generate(prompts, params)]
