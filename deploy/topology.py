@@ -280,9 +280,27 @@ class Topology:
         self._check_ports_unique()
         if self.kubernetes.gateway_max_replicas < self.gateway.replicas:
             raise ValueError("kubernetes.gateway_max_replicas must be >= gateway.replicas")
-        gpus = [n.gpu_id for n in self.nodes if n.gpu_id is not None]
-        if len(gpus) != len(set(gpus)):
-            raise ValueError(f"a GPU is pinned to two nodes: {gpus}")
+        self._check_shared_gpus()
+
+    def _check_shared_gpus(self) -> None:
+        """Nodes may share a GPU (prefill and decode on one card) only with a KV cache size of
+        their own: each would otherwise size its cache from the whole device, and the second to
+        start would find the first one's memory gone."""
+        sharing: dict[int, list[NodeInstance]] = {}
+        for node in self.nodes:
+            if node.gpu_id is not None:
+                sharing.setdefault(node.gpu_id, []).append(node)
+        for gpu, nodes in sharing.items():
+            unsized = [
+                n.name
+                for n in nodes
+                if "kv-cache-memory" not in dict(self.group(n.role).args)
+            ]
+            if len(nodes) > 1 and unsized:
+                raise ValueError(
+                    f"GPU {gpu} is pinned to {[n.name for n in nodes]}: nodes that share a GPU "
+                    f"must each set args.kv-cache-memory ({unsized} do not)"
+                )
 
     def _check_ports_unique(self) -> None:
         """Under compose every service shares the host's network, so no two may share a port."""

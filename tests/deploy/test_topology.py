@@ -60,7 +60,17 @@ def test_the_example_files_load() -> None:
         ({"prefill": {"count": 2}, "decode": {"count": 0}}, "come in pairs"),
         ({"prefill": {"count": 0}, "decode": {"count": 0}}, "no nodes"),
         ({"prefill": {"count": 2, "gpu_ids": [0]}}, "one per node"),
-        ({"prefill": {"gpu_ids": [0]}, "decode": {"gpu_ids": [0]}}, "a GPU is pinned to two"),
+        (
+            {"prefill": {"gpu_ids": [0]}, "decode": {"gpu_ids": [0]}},
+            r"GPU 0 is pinned to \['prefill-0', 'decode-0'\]: .* \(\['prefill-0', 'decode-0'\]",
+        ),
+        (
+            {
+                "prefill": {"gpu_ids": [0], "args": {"kv-cache-memory": "4GiB"}},
+                "decode": {"gpu_ids": [0]},
+            },
+            r"must each set args.kv-cache-memory \(\['decode-0'\] do not\)",
+        ),
         ({"prefill": {"count": 11}}, "port 50071 is used by both"),
         ({"decode": {"count": 2, "base_metrics_port": 65535}}, "decode.last metrics port"),
         ({"gateway": {"http_port": 50061}}, "port 50061"),
@@ -81,6 +91,16 @@ def test_the_example_files_load() -> None:
 def test_bad_topologies_name_what_is_wrong(raw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         topology_from_dict(raw)
+
+
+def test_nodes_with_their_own_cache_size_share_a_gpu() -> None:
+    topology = topology_from_dict(
+        {
+            "prefill": {"gpu_ids": [0], "args": {"kv-cache-memory": "4GiB"}},
+            "decode": {"count": 2, "gpu_ids": [0, 1], "args": {"kv-cache-memory": "8GiB"}},
+        }
+    )
+    assert [n.gpu_id for n in topology.nodes] == [0, 0, 1]
 
 
 def test_a_bad_file_names_itself(tmp_path: Path) -> None:
