@@ -18,11 +18,12 @@ Stages (each one runs, or records why it cannot, and the session goes on):
    graphed case with torch's elementwise ops and with the fused Triton ones
    (``PDSERVE_TRITON_LAYER_OPS``).
    Target: batch 1 within 1.5x of the floor.
-5b. ``step_profile``: the small model's graphed decode step: graph replay alone against a
-   whole engine step, a cProfile of the host side and the replayed graph's kernels by device
-   time (``profile_b{1,64}.txt``).
+5b. ``step_profile``: graphed decode steps (the small model at batch 1 and 64, the ~1B model
+   at batch 1): graph replay alone against a whole engine step, a cProfile of the host side
+   and the replayed graph's kernels by device time (``profile_{model}_b{batch}.txt``).
 6. ``offline``: ``benchmarks/offline_throughput.py --device cuda`` on 256 x (512 in, 128 out)
-   against transformers static batching. Target: >= 5x.
+   against transformers static batching, with a cProfile of pdserve's run
+   (``profile_offline.txt``). Target: >= 5x.
 6b. ``launcher``: ``python -m deploy.launch`` (``make run``) with a prefill and a decode node on
    GPU 0 (``gpu_ids``), a chat completion and a streamed completion through the gateway, then
    SIGTERM: exit code and log tail.
@@ -360,53 +361,59 @@ def stage_decode_steps(args: argparse.Namespace, copy_gb_per_s: float | None) ->
 
 def stage_step_profile(args: argparse.Namespace) -> dict:
     """Where a graphed decode step's time goes: the graph replay alone (device time, CUDA
-    events) against a whole ``engine.step()``, and a cProfile of the host side, written to
-    ``profile_b{batch}.txt``."""
+    events) against a whole ``engine.step()``, and a cProfile of the host side with the
+    replayed graph's kernels by device time, written to ``profile_{model}_b{batch}.txt``: the
+    small model at batch 1 and 64, the ~1B model at batch 1 (issue 8's 1.5x target)."""
     need_cuda(args)
+    rows = []
+    for size, path, batches in (("small", args.model, (1, 64)), ("1b", args.model_1b, (1,))):
+        args.deadline.check()
+        llm = decode_llm(ensure_model(path, size), cuda_graphs=True)
+        for batch in batches:
+            row = profile_graphed_step(llm.engine, batch, args.out / f"profile_{size}_b{batch}.txt")
+            rows.append({"model": size, "batch": batch, **row})
+        # Every reference to the engine's memory goes before the next model or stage.
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
+def profile_graphed_step(engine, batch: int, out: Path) -> dict:
     import cProfile
     import io
     import pstats
 
-    llm = decode_llm(ensure_model(args.model), cuda_graphs=True)
-    engine = llm.engine
-    static = engine.runner.static_decode
-    rows = []
     steps = 64
-    for batch in (1, 64):
-        start_decodes(engine, batch, 128, steps, f"profile-b{batch}")
-        graph = static._graphs[static.bucket_for(batch)]
-        replay_s = cuda_time(graph.replay)
-        profile = cProfile.Profile()
+    static = engine.runner.static_decode
+    start_decodes(engine, batch, 128, steps, f"profile-b{batch}")
+    graph = static._graphs[static.bucket_for(batch)]
+    replay_s = cuda_time(graph.replay)
+    profile = cProfile.Profile()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    profile.enable()
+    for _ in range(steps):
+        engine.step()
+    profile.disable()
+    torch.cuda.synchronize()
+    step_s = (time.perf_counter() - start) / steps
+    drain(engine)
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+    # The device side: each kernel of the replayed graph, by total time (what a fused or
+    # faster kernel would save), under torch's profiler.
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as kernels:
+        for _ in range(10):
+            graph.replay()
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        profile.enable()
-        for _ in range(steps):
-            engine.step()
-        profile.disable()
-        torch.cuda.synchronize()
-        step_s = (time.perf_counter() - start) / steps
-        drain(engine)
-        text = io.StringIO()
-        stats = pstats.Stats(profile, stream=text)
-        stats.sort_stats("tottime").print_stats(30)
-        stats.sort_stats("cumulative").print_stats(40)
-        # The device side: each kernel of the replayed graph, by total time (what a fused or
-        # faster kernel would save), under torch's profiler.
-        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=activities) as kernels:
-            for _ in range(10):
-                graph.replay()
-            torch.cuda.synchronize()
-        text.write("\n\nKernels of 10 graph replays\n")
-        text.write(kernels.key_averages().table(sort_by="cuda_time_total", row_limit=25))
-        (args.out / f"profile_b{batch}.txt").write_text(text.getvalue())
-        rows.append({"batch": batch, "replay_ms": replay_s * 1e3, "profiled_step_ms": step_s * 1e3})
-        del graph
-    # Every reference to the engine's memory goes before the next stage builds its own.
-    del llm, engine, static
-    gc.collect()
-    torch.cuda.empty_cache()
-    return {"rows": rows}
+    text.write("\n\nKernels of 10 graph replays\n")
+    text.write(kernels.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    out.write_text(text.getvalue())
+    return {"replay_ms": replay_s * 1e3, "profiled_step_ms": step_s * 1e3}
 
 
 def run_script(argv: list[str], deadline: Deadline, env: dict[str, str] | None = None) -> dict:
@@ -442,7 +449,8 @@ def stage_offline(args: argparse.Namespace) -> dict:
     run = run_script(
         ["benchmarks/offline_throughput.py", "--model", str(ensure_model(args.model)),
          "--device", "cuda", "--num-prompts", "256", "--input-len", "512", "--output-len",
-         "128", "--hf-batch-size", "64", "--json", str(out)],
+         "128", "--hf-batch-size", "64", "--json", str(out),
+         "--profile", str(args.out / "profile_offline.txt")],
         args.deadline,
     )  # fmt: skip
     if out.is_file():

@@ -12,7 +12,10 @@ tokens, so the static baseline pads nothing) and generate exactly ``--output-len
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import random
 import sys
 import time
@@ -54,10 +57,23 @@ def run_pdserve(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
     )
     args.pdserve_dtype = llm.engine.dtype_choice.dtype
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    # Warm-up at the run's prompt length and a full step's chunks: on a GPU each kernel shape
+    # met first compiles (Triton) or picks its algorithm (cuBLAS) inside the timed run otherwise.
+    llm.generate(prompts[:8], SamplingParams(max_tokens=8, ignore_eos=True))
+    profile = cProfile.Profile() if args.profile else None
     start = time.perf_counter()
+    if profile is not None:
+        profile.enable()
     outputs = llm.generate(prompts, params)
+    if profile is not None:
+        profile.disable()
     elapsed = time.perf_counter() - start
+    if profile is not None:
+        text = io.StringIO()
+        stats = pstats.Stats(profile, stream=text)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(30)
+        args.profile.write_text(text.getvalue())
     num_out = sum(len(o.token_ids) for o in outputs)
     return {"seconds": elapsed, "output_tokens": num_out, "output_tok_per_s": num_out / elapsed}
 
@@ -115,6 +131,9 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--profile", type=Path, help="write a cProfile of pdserve's timed run here (host side)"
+    )
     args = parser.parse_args()
 
     if not (args.model / "config.json").is_file():
