@@ -292,9 +292,7 @@ class Topology:
                 sharing.setdefault(node.gpu_id, []).append(node)
         for gpu, nodes in sharing.items():
             unsized = [
-                n.name
-                for n in nodes
-                if "kv-cache-memory" not in dict(self.group(n.role).args)
+                n.name for n in nodes if "kv-cache-memory" not in dict(self.group(n.role).args)
             ]
             if len(nodes) > 1 and unsized:
                 raise ValueError(
