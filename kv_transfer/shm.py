@@ -33,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -49,7 +49,15 @@ from kv_transfer.region import RegionHandle
 from kv_transfer.shared_memory import SharedHandle
 from kv_transfer.shm_table import CONTROL_BYTES, ShmTable
 from kv_transfer.transfer_handle import TransferHandle
-from kv_transfer.transfer_plan import DST, DST_OFF, LEN, SRC, SRC_OFF, TransferPlan
+from kv_transfer.transfer_plan import (
+    DST,
+    DST_OFF,
+    LEN,
+    MAX_STAGED_BYTES,
+    SRC,
+    SRC_OFF,
+    TransferPlan,
+)
 from kv_transfer.transfer_status import TransferStatus
 from kv_transfer.transport import KvTransport, TransportInfo, register_transport
 
@@ -57,6 +65,9 @@ logger = logging.getLogger(__name__)
 
 # Copy threads per writer: concurrent pushes to several requests proceed side by side.
 DEFAULT_COPY_THREADS = 4
+# Destination region lists a writer remembers per peer (one per address and set of regions
+# written: a node writes all of its layers, so one or two in practice).
+MAX_CACHED_DST_BASES = 64
 
 
 @dataclass
@@ -70,6 +81,12 @@ class _Peer:
     mappings: dict[object, object]
     watch: shared_memory.ProcessWatch
     is_dead: bool = False
+    # Addresses in this process of the regions a write names, int64 [num_dst_regions] (read
+    # only), by the peer address that published them (its endpoint and region lengths) and
+    # those regions' names: a write to a known peer looks up no region (~3 us each).
+    dst_bases: dict[tuple[bytes, tuple[str, ...], tuple[int, ...]], np.ndarray] = field(
+        default_factory=dict
+    )
 
 
 @lru_cache(maxsize=256)
@@ -157,12 +174,10 @@ class ShmTransport(KvTransport):
     ) -> TransferHandle:
         plan = self._plan_write(peer, pages, is_closed=self._is_closed)
         handle = TransferHandle(transfer_id, plan.num_bytes, deadline)
+        dst_lengths = np.array([peer.regions[n] for n in plan.dst_regions], dtype=np.int64)
         try:
             mapped = self._peer(peer)
-            dst_bases = np.array(
-                [self._dst_base(mapped, peer, name) for name in plan.dst_regions], dtype=np.int64
-            )
-            dst_lengths = np.array([peer.regions[n] for n in plan.dst_regions], dtype=np.int64)
+            dst_bases = self._dst_bases(mapped, peer, plan.dst_regions, dst_lengths)
         except ConnectionError as exc:
             handle.finish(TransferStatus.FAILED, str(exc))
             return handle
@@ -226,6 +241,23 @@ class ShmTransport(KvTransport):
             self._peers[key] = mapped
             return mapped
 
+    def _dst_bases(
+        self, mapped: _Peer, peer: PeerAddress, names: list[str], lengths: np.ndarray
+    ) -> np.ndarray:
+        """This process's address of each of the peer's regions `names` (int64 [len(names)],
+        read only; `lengths` their bytes), computed once per address that names them: a peer
+        that publishes a new address (a region registered again) is looked up anew."""
+        key = (peer.endpoint, tuple(names), tuple(lengths.tolist()))
+        bases = mapped.dst_bases.get(key)
+        if bases is None:
+            bases = np.array([self._dst_base(mapped, peer, name) for name in names], np.int64)
+            bases.flags.writeable = False  # shared by every write that finds it here
+            with self._lock:
+                if len(mapped.dst_bases) >= MAX_CACHED_DST_BASES:
+                    mapped.dst_bases.clear()
+                mapped.dst_bases[key] = bases
+        return bases
+
     def _dst_base(self, mapped: _Peer, peer: PeerAddress, name: str) -> int:
         """This process's address of the peer's region `name`, mapping it on first use."""
         doc = _endpoint(peer.endpoint)["regions"].get(name)
@@ -258,7 +290,10 @@ class ShmTransport(KvTransport):
 
     def _batches(self, plan: TransferPlan) -> list[tuple[np.ndarray, int]]:
         """(runs, bytes) copied under one hold of the slot mutex: the plan's messages (at most
-        MAX_STAGED_BYTES of small pages, or one long run), so a fence waits for one at most."""
+        MAX_STAGED_BYTES of small pages, or one long run), so a fence waits for one at most;
+        a transfer of at most MAX_STAGED_BYTES in all is one batch (no messages to make)."""
+        if plan.num_bytes <= MAX_STAGED_BYTES:
+            return [(plan.runs, plan.num_bytes)]
         return [(plan.runs[m.run_start : m.run_end], m.num_bytes) for m in plan.messages]
 
     def _prepare_copy(self) -> None:

@@ -111,6 +111,9 @@ def test_status_goes_pending_to_done(make_pair) -> None:
     assert handle.wait(10) is TransferStatus.DONE
     assert handle.error is None and handle.seconds is not None
     assert handle.status.is_terminal and not TransferStatus.IN_PROGRESS.is_terminal
+    # Each status change is stamped, in order (the benchmark's phases).
+    assert handle.in_progress_at is not None and handle.finished_at is not None
+    assert handle.started_at <= handle.in_progress_at <= handle.finished_at
 
 
 def test_wait_async(make_pair) -> None:
