@@ -15,7 +15,9 @@ SIGKILL hands the lock on instead of wedging it.
 The protocol (design §3, "shm fence"):
 
 - `claim` (writer, table mutex): refuses a tombstoned, known or fenced id, else takes a free slot,
-  bumps its *generation* and marks it IN_PROGRESS. The writer keeps (slot, generation).
+  bumps its *generation* and marks it IN_PROGRESS. The writer keeps (slot, generation). It
+  asks its `TombstoneIndex` of the ring, caught up with the entries added since its last claim,
+  rather than comparing all MAX_TOMBSTONES of them (512 KiB) each time.
 - Each copy (writer): lock the slot mutex; go on only if the generation is still the writer's,
   the slot is not fenced and still IN_PROGRESS; copy; add the bytes; unlock. "Inside a copy"
   is exactly "holding the slot mutex".
@@ -87,6 +89,7 @@ class ShmTable(InboundTransfers):
         )
         tomb_at = HEADER_BYTES + NUM_SLOTS * SLOT_BYTES
         self._tombs = control[tomb_at : tomb_at + MAX_TOMBSTONES * 8].view(np.uint64)
+        self._tomb_index = TombstoneIndex(MAX_TOMBSTONES)  # a writer's, for `claim`
         if owner:
             control[:CONTROL_BYTES] = 0
             robust_mutex.init_mutex(self._base)
@@ -165,21 +168,28 @@ class ShmTable(InboundTransfers):
             return f"transfer id {transfer_id!r} is longer than {MAX_ID_BYTES} bytes"
         digest = _digest(transfer_id)
         with self._table():
-            if self.is_closed:
-                return "the peer closed"
-            if (self._tombs == digest).any():
-                return f"transfer {transfer_id!r} was already used and forgotten (use a fresh id)"
-            known = self._find(transfer_id)
-            if known is not None:
-                if self._slots[known, _S_FENCED]:
-                    return f"transfer {transfer_id!r} was fenced by the receiver"
-                return f"transfer id {transfer_id!r} was already used (retry with a fresh id)"
-            free = np.flatnonzero(self._slots[:, _S_STATE] == _FREE)
-            if not len(free):
-                return f"the receiver tracks {NUM_SLOTS} transfers already (none forgotten)"
-            slot = int(free[0])
-            self._assign(slot, transfer_id, digest, TransferStatus.IN_PROGRESS, os.getpid())
-            return slot, int(self._slots[slot, _S_GEN])
+            claim = self._claim_locked(transfer_id, digest)
+            # Under the mutex too: a writer's copy threads share the index, and a prune beside
+            # another thread's catch-up would lose entries (a forgotten id accepted again).
+            self._tomb_index.prune()
+        return claim
+
+    def _claim_locked(self, transfer_id: str, digest: int) -> tuple[int, int] | str:
+        """`claim`'s checks and the slot it takes, under the table mutex."""
+        if self.is_closed:
+            return "the peer closed"
+        if self._tomb_index.contains(self._tombs, int(self._words[_H_NEXT_TOMB]), digest):
+            return f"transfer {transfer_id!r} was already used and forgotten (use a fresh id)"
+        known = self._find(transfer_id)
+        if known is not None:
+            if self._slots[known, _S_FENCED]:
+                return f"transfer {transfer_id!r} was fenced by the receiver"
+            return f"transfer id {transfer_id!r} was already used (retry with a fresh id)"
+        slot = self._free_slot()
+        if slot is None:
+            return f"the receiver tracks {NUM_SLOTS} transfers already (none forgotten)"
+        self._assign(slot, transfer_id, digest, TransferStatus.IN_PROGRESS, os.getpid())
+        return slot, int(self._slots[slot, _S_GEN])
 
     def begin_copy(self, slot: int, generation: int, timeout: float) -> bool:
         """Enters a copy into the transfer's blocks (holding the slot mutex) if the transfer may
@@ -284,8 +294,10 @@ class ShmTable(InboundTransfers):
         return None
 
     def _free_slot(self) -> int | None:
-        free = np.flatnonzero(self._slots[:, _S_STATE] == _FREE)
-        return int(free[0]) if len(free) else None
+        """The lowest free slot (argmax stops at the first; flatnonzero listed them all)."""
+        is_free = self._slots[:, _S_STATE] == _FREE
+        slot = int(is_free.argmax())
+        return slot if is_free[slot] else None
 
     def _status(self, slot: int) -> TransferStatus:
         return _STATUSES[int(self._slots[slot, _S_STATE]) - 1]
@@ -317,6 +329,51 @@ class ShmTable(InboundTransfers):
         at = HEADER_BYTES + slot * SLOT_BYTES + _ERR_AT
         self._bytes[at : at + len(encoded)] = np.frombuffer(encoded, np.uint8)
         self._slots[slot, _S_ERR_LEN] = len(encoded)
+
+
+class TombstoneIndex:
+    """A writer's index of its peer's tombstone ring: each digest's newest forget, counting every
+    forget since the table was made (forget k writes ring[k % size], then the count k + 1). A
+    digest is in the ring exactly when its newest forget is among the last `size`, so `claim`
+    reads only the entries forgotten since its last call instead of comparing all of them: 512
+    KiB, which with the free-slot search's argmax took a claim from 137-174 to 99-112 us on the
+    H200 host (2-core CPU host: 37 -> 24 us).
+
+    Exact while the table mutex is held, as `forget` writes both the entry and the count under
+    it. At most `max_catch_up` entries are read per claim (4,096: ~1 ms under the peer's mutex;
+    all 65,536 at once took 17 ms), and until the index has caught up (a writer new to a
+    receiver that forgot many) the claim compares the whole ring as before. (A receiver killed
+    between its two writes leaves an entry the count does not cover, which only a compare
+    sees; that table's transfers fail anyway, the peer being dead.)"""
+
+    def __init__(self, size: int, max_catch_up: int = 4096) -> None:
+        self.size = size
+        self.max_catch_up = max_catch_up
+        # digest → its newest forget seen (those past the ring's last `size` are pruned)
+        self._newest: dict[int, int] = {}
+        self._num_seen = 0
+
+    def contains(self, tombs: np.ndarray, num_forgotten: int, digest: int) -> bool:
+        """Whether `digest` is in the ring `tombs` (uint64 [size]) after `num_forgotten`
+        forgets; the table mutex is held."""
+        assert len(tombs) == self.size and num_forgotten >= self._num_seen, num_forgotten
+        # Entries older than the ring's last `size` are gone from it: never read.
+        first = max(self._num_seen, num_forgotten - self.size)
+        end = min(num_forgotten, first + self.max_catch_up)
+        if first < end:
+            digests = tombs[np.arange(first, end) % self.size].tolist()
+            self._newest.update(zip(digests, range(first, end), strict=True))
+        self._num_seen = end
+        if end < num_forgotten:  # still behind
+            return bool((tombs == digest).any())
+        newest = self._newest.get(digest)
+        return newest is not None and newest >= num_forgotten - self.size
+
+    def prune(self) -> None:
+        """Drops digests that left the ring, once there are twice as many as it holds."""
+        if len(self._newest) > 2 * self.size:
+            oldest = self._num_seen - self.size
+            self._newest = {d: k for d, k in self._newest.items() if k >= oldest}
 
 
 class _TableLock:

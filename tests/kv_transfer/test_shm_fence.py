@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from kv_transfer import TransferStatus, shared_memory
-from kv_transfer.shm_table import CONTROL_BYTES, ShmTable
+from kv_transfer.inbound import MAX_TOMBSTONES
+from kv_transfer.shm_table import _H_NEXT_TOMB, CONTROL_BYTES, ShmTable, TombstoneIndex
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -93,3 +94,38 @@ def test_finish_claim_reports_what_the_slot_says_under_its_lock(tables) -> None:
     assert receiver.fence("fenced late", timeout=1)  # after the last copy, before DONE
     assert writer.finish_claim(slot, generation, TransferStatus.DONE) is TransferStatus.CANCELLED
     assert receiver.status("fenced late") is TransferStatus.CANCELLED
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_tombstone_index_answers_as_a_compare_of_the_whole_ring(seed: int) -> None:
+    """Forgets written as `forget` writes them (entry, then count) into a small ring, with
+    repeated digests, wrap-arounds and, between two questions, none, a few or more than the
+    ring holds, read all at once or a few per question; the index must answer each question
+    as comparing every entry does."""
+    rng = np.random.default_rng(seed)
+    size = 8
+    index = TombstoneIndex(size, max_catch_up=3 if seed % 2 else size)
+    ring, num_forgotten = np.zeros(size, np.uint64), 0
+    for _ in range(300):
+        for _ in range(int(rng.choice([0, 1, 3, size + 5], p=[0.3, 0.4, 0.2, 0.1]))):
+            ring[num_forgotten % size] = rng.integers(1, 24)  # few digests: many repeats
+            num_forgotten += 1
+        for digest in range(1, 25):
+            expected = bool((ring == digest).any())
+            assert index.contains(ring, num_forgotten, digest) is expected, (digest, ring)
+        index.prune()
+
+
+def test_a_claim_is_refused_for_an_id_in_the_ring_only(tables) -> None:
+    """Forgotten ids are refused until MAX_TOMBSTONES later forgets push them out of the ring
+    (written straight into it here, as `forget` would)."""
+    receiver, writer = tables
+    slot, generation = writer.claim("old")
+    writer.finish_claim(slot, generation, TransferStatus.DONE)
+    assert receiver.forget("old")
+    assert "forgotten" in str(writer.claim("old"))
+    tombs = receiver._tombs
+    at = int(receiver._words[_H_NEXT_TOMB])
+    tombs[:] = np.arange(1, MAX_TOMBSTONES + 1, dtype=np.uint64)  # other ids' digests
+    receiver._words[_H_NEXT_TOMB] = at + MAX_TOMBSTONES
+    assert isinstance(writer.claim("old"), tuple)
