@@ -22,6 +22,13 @@ tok` case (24 MiB) always runs; `--sizes-mib` with no sizes runs only it.
 `--transports cuda_ipc` (GPU, runs alone) pushes device memory into the receiver's device memory
 on GPU 0; its memcpy ceiling is then a device-to-device copy of the same size (CuPy, timed after
 a device synchronize), counted like the host one: bytes moved once over the time.
+
+A second table splits each row's transfers into phases (medians, microseconds): the `write()`
+call (planning, mapping the peer), its return until the handle went IN_PROGRESS (the hand-off
+to a copy thread and, for shm and cuda_ipc, the claim of a slot in the peer's table; negative
+when the copy thread got there first), IN_PROGRESS until the handle was finished (the copies
+and their fence checks, the end of the claim), and from then until `wait()` returned (waking
+the waiter).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -44,7 +52,6 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import numpy as np  # noqa: E402
 
-from deploy.local_ports import free_ports  # noqa: E402
 from kv_transfer import PageTable, PeerAddress, TransferStatus, make_transport  # noqa: E402
 
 PAGE = 16 * 4 * 64 * 2  # bytes of one block of one layer of the small model
@@ -80,28 +87,56 @@ def make_pages(num_bytes: int, num_slots: int, layout: str, seed: int) -> PageTa
     return PageTable.from_blocks("src", src, "dst", dst, PAGE)
 
 
+# The phases of one transfer (seconds): the write() call, write() return -> IN_PROGRESS,
+# IN_PROGRESS -> finished, finished -> wait() return.
+PHASES = ("write()", "->in progress", "->finished", "->woken")
+
+
+@dataclass
+class CaseTimes:
+    """One case's transfers, in seconds, each after the contiguous memcpy timed right before it."""
+
+    seconds: list[float] = field(default_factory=list)
+    memcpy_seconds: list[float] = field(default_factory=list)
+    # phases: [num_transfers] of one value per PHASES
+    phases: list[tuple[float, float, float, float]] = field(default_factory=list)
+
+    def phase_medians(self) -> list[float]:
+        return [statistics.median(column) for column in zip(*self.phases, strict=True)]
+
+
 def time_transfers(
     transport, peer: PeerAddress, pages: PageTable, iters: int, memcpy: Callable[[], None]
-) -> tuple[list[float], list[float]]:
-    """(transfer seconds, memcpy seconds) of `iters` pairs: a contiguous `memcpy` of the same
-    size right before each transfer."""
-    seconds, memcpy_seconds = [], []
+) -> CaseTimes:
+    """`iters` (memcpy, transfer) pairs: a contiguous `memcpy` of the same size right before
+    each transfer. Transfers are timed on time.monotonic(), the clock of the handle's stamps."""
+    times = CaseTimes()
     for i in range(iters + 1):  # the first one warms up
         start = time.perf_counter()
         memcpy()
         memcpy_elapsed = time.perf_counter() - start
-        start = time.perf_counter()
+        start = time.monotonic()
         handle = transport.write(
             peer, pages, transfer_id=f"bench-{time.time_ns()}-{i}", deadline=time.monotonic() + 30
         )
+        returned = time.monotonic()
         status = handle.wait(35)
-        elapsed = time.perf_counter() - start
+        woken = time.monotonic()
         if status is not TransferStatus.DONE:
             raise RuntimeError(f"transfer ended {status.name}: {handle.error}")
         if i:
-            seconds.append(elapsed)
-            memcpy_seconds.append(memcpy_elapsed)
-    return seconds, memcpy_seconds
+            assert handle.in_progress_at is not None and handle.finished_at is not None
+            times.seconds.append(woken - start)
+            times.memcpy_seconds.append(memcpy_elapsed)
+            times.phases.append(
+                (
+                    returned - start,
+                    handle.in_progress_at - returned,
+                    handle.finished_at - handle.in_progress_at,
+                    woken - handle.finished_at,
+                )
+            )
+    return times
 
 
 def run_perftest(num_bytes: int, iters: int) -> float | None:
@@ -110,6 +145,10 @@ def run_perftest(num_bytes: int, iters: int) -> float | None:
         import libucx
     except ImportError:
         return None
+    # Here, not at the top: `deploy` imports the rest of pdserve, which a bare CUDA image
+    # running `--transports cuda_ipc --no-perftest` lacks.
+    from deploy.local_ports import free_ports
+
     root = Path(libucx.__file__).parent
     binary = root / "bin" / "ucx_perftest"
     if not binary.exists():
@@ -200,6 +239,7 @@ def main() -> None:
     cases = [(size << 20, f"{size} MiB") for size in args.sizes_mib]
     cases.append((SMALL_2K_BYTES, "small 2k tok"))
     perftest: dict[int, float | None] = {}
+    phase_rows: list[str] = []  # the second table, printed after the sweep
     try:
         for round_index, (num_bytes, label) in (
             (r, case) for r in range(1, args.rounds + 1) for case in cases
@@ -211,7 +251,8 @@ def main() -> None:
             for layout in args.layouts:
                 pages = make_pages(num_bytes, max_bytes // PAGE, layout, seed=num_bytes)
                 for name, (writer, peer, _, _) in pairs.items():
-                    seconds, memcpy_seconds = time_transfers(writer, peer, pages, iters, memcpy)
+                    times = time_transfers(writer, peer, pages, iters, memcpy)
+                    seconds, memcpy_seconds = times.seconds, times.memcpy_seconds
                     memcpy_gbps = num_bytes / statistics.median(memcpy_seconds) / 1e9
                     # Bandwidth share = memcpy time / transfer time, pair by pair.
                     share = statistics.median(
@@ -233,6 +274,20 @@ def main() -> None:
                         f"{ref_text} {ratio}",
                         flush=True,
                     )
+                    phases = " ".join(f"{p * 1e6:>13.0f}" for p in times.phase_medians())
+                    phase_rows.append(
+                        f"{round_index:>5} {label:>12} {layout:>13} {name:>9} {len(pages):>6} "
+                        f"{phases} {median * 1e6:>9.0f}"
+                    )
+        print("\nphases of each row's transfers (median us; they add up to about the total)")
+        header = (
+            f"{'round':>5} {'size':>12} {'layout':>13} {'transport':>9} {'pages':>6} "
+            + " ".join(f"{p:>13}" for p in PHASES)
+            + f" {'total':>9}"
+        )
+        print(header)
+        print("-" * len(header))
+        print("\n".join(phase_rows), flush=True)
     finally:
         for writer, _, parent, proc in pairs.values():
             writer.close()

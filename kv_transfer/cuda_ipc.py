@@ -6,9 +6,18 @@ checks; only the memory differs. The receiver publishes, per CUDA region, a CUDA
 (``cudaIpcGetMemHandle`` of the allocation holding it) and the region's offset in that
 allocation; the writer opens each handle once per peer (``cudaIpcOpenMemHandle`` with lazy peer
 access, so GPUs with peer access copy over NVLink / PCIe P2P directly) and copies its pages
-with one gather-scatter kernel per batch on its own stream, then waits for an event recorded
-after it. The slot mutex is held until that event completes, so "no writer inside a copy" also
-means "no copy still running on a GPU", and the fence holds as it does for shm.
+with one gather-scatter kernel per batch (one ``cudaMemcpyAsync`` for a batch of one run), then
+waits for an event recorded after it. The slot mutex is held until that event completes, so "no
+writer inside a copy" also means "no copy still running on a GPU", and the fence holds as it
+does for shm.
+
+Each copy thread keeps its own stream, event and kernel-argument buffer (pinned host memory and
+its device copy, `_CopyLane`), made once and reused. A batch copies its runs as they are, with
+its regions' base addresses, into that buffer (one memcpy), sends it to the device on its
+stream ahead of the kernel, and each thread block finds its addresses there. Measured on the
+H200 host for 8,192 runs: staging takes 11 us where building (src, dst, len) columns on the
+host took 56-62, and a whole batch 148 us where the first version's np.stack, pageable
+``cp.asarray`` and new event per batch took 257-352.
 
 CuPy is imported here only (the GPU image installs it: the ``gpu`` extra); on a host without
 CUDA creating this transport raises RuntimeError saying so. Its tests are ``gpu``-marked: run on
@@ -20,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 from itertools import pairwise
 from typing import Any
 
@@ -28,7 +38,7 @@ import numpy as np
 from kv_transfer.memory import MemoryKind
 from kv_transfer.region import RegionHandle
 from kv_transfer.shm import ShmTransport, _Peer
-from kv_transfer.transfer_plan import DST, DST_OFF, LEN, SRC, SRC_OFF, TransferPlan
+from kv_transfer.transfer_plan import LEN, TransferPlan
 from kv_transfer.transport import TransportInfo, register_transport
 
 logger = logging.getLogger(__name__)
@@ -36,14 +46,23 @@ logger = logging.getLogger(__name__)
 # Bytes copied under one hold of the slot mutex: one kernel launch and one event wait per batch
 # (a 4 MiB batch would spend as long waiting on the event as copying, at NVLink speeds).
 BATCH_BYTES = 64 << 20
+# int64 words a copy thread's kernel-argument buffer holds from the start: a 64 MiB batch of
+# 8 KiB pages (8,192 runs) and 64 regions a side; it grows for a batch of more.
+MIN_KERNEL_ARG_WORDS = 8192 * 5 + 2 * 64
+# cudaMemcpyKind
+_CUDA_MEMCPY_HOST_TO_DEVICE = 1
 _CUDA_MEMCPY_DEVICE_TO_DEVICE = 3
 
-# One thread block per run; threads stride over the run in 16-byte words when both ends are
-# 16-byte aligned and the length a multiple of 16 (KV pages are), else byte by byte.
+# One thread block per run, which reads its run (int64 [5] as in TransferPlan.runs) and its
+# regions' base addresses; threads stride over the run in 16-byte words when both ends are
+# 16-byte aligned and the length a multiple of 16 (KV pages are), else byte by byte. make_plan
+# checked every region index and bound.
 _KERNEL = r"""
-extern "C" __global__ void copy_runs(const unsigned long long* src, const unsigned long long* dst,
-                                     const unsigned long long* len) {
-    const unsigned long long s = src[blockIdx.x], d = dst[blockIdx.x], n = len[blockIdx.x];
+extern "C" __global__ void copy_runs(const long long* runs, const long long* src_bases,
+                                     const long long* dst_bases) {
+    const long long* run = runs + 5 * (long long)blockIdx.x;
+    const unsigned long long s = src_bases[run[0]] + run[1], d = dst_bases[run[2]] + run[3];
+    const unsigned long long n = run[4];
     if (((s | d | n) & 15ULL) == 0) {
         const uint4* from = (const uint4*)s;
         uint4* to = (uint4*)d;
@@ -84,6 +103,55 @@ def _allocation_start(pointer: int) -> int:
     return base.value
 
 
+def stage_kernel_args(
+    runs: np.ndarray, src_bases: np.ndarray, dst_bases: np.ndarray, out: np.ndarray
+) -> tuple[int, int, int]:
+    """Writes what the copy kernel reads into `out`, int64 [runs.size + len(src_bases) +
+    len(dst_bases)]: the runs row by row (int64 [num_runs, 5], as in TransferPlan.runs), then
+    each side's region base addresses (int64 [num_regions], as in ``_copy_batch``). Returns the
+    kernel's three arguments as offsets into `out`, in int64 words."""
+    src_at = runs.size
+    dst_at = src_at + len(src_bases)
+    assert out.shape == (dst_at + len(dst_bases),) and out.dtype == np.int64, out.shape
+    out[:src_at].reshape(runs.shape)[...] = runs
+    out[src_at:dst_at] = src_bases
+    out[dst_at:] = dst_bases
+    return 0, src_at, dst_at
+
+
+class _CopyLane:
+    """One copy thread's CUDA objects on one device, made before its first claim and reused by
+    every batch it copies: a stream, the event recorded after each batch, and the kernel's
+    arguments in pinned host memory and on the device (int64 [capacity] each). A thread copies
+    one batch at a time and waits for its event before the next, so a batch finds both free."""
+
+    def __init__(self, cp: Any, device: int) -> None:
+        self._cp = cp
+        self.device = device
+        with cp.cuda.Device(device):
+            self.stream = cp.cuda.Stream(non_blocking=True)
+            self.done = cp.cuda.Event(disable_timing=True)
+        self._capacity = 0
+        self._host = np.empty(0, dtype=np.int64)
+        self._device: Any = None  # a cupy.ndarray
+        self._reserve(MIN_KERNEL_ARG_WORDS)
+
+    def kernel_args(self, num_words: int) -> tuple[np.ndarray, int]:
+        """(pinned host int64 [num_words], device address of as many words) for one batch."""
+        self._reserve(num_words)
+        return self._host[:num_words], int(self._device.data.ptr)
+
+    def _reserve(self, num_words: int) -> None:
+        if num_words <= self._capacity:
+            return
+        capacity = max(num_words, 2 * self._capacity)
+        with self._cp.cuda.Device(self.device):
+            memory = self._cp.cuda.alloc_pinned_memory(capacity * 8)
+            self._host = np.ndarray(capacity, dtype=np.int64, buffer=memory)
+            self._device = self._cp.empty(capacity, dtype=self._cp.int64)
+        self._capacity = capacity
+
+
 class CudaIpcTransport(ShmTransport):
     name = "cuda_ipc"
     memory_kinds = frozenset({MemoryKind.CUDA})
@@ -93,7 +161,8 @@ class CudaIpcTransport(ShmTransport):
         self._cp = _cupy()
         super().__init__(**options)  # type: ignore[arg-type]
         self._kernel = self._cp.RawKernel(_KERNEL, "copy_runs")
-        self._streams: dict[int, Any] = {}
+        # Each copy thread's `_CopyLane` by device (``by_device``, made on first use).
+        self._lanes = threading.local()
         # The device this node's KV cache is on (its first CUDA region's); copies and opened
         # IPC handles live in its context.
         self._device: int | None = None
@@ -164,6 +233,9 @@ class CudaIpcTransport(ShmTransport):
         runs = plan.runs
         if not len(runs):
             return []
+        if plan.num_bytes <= BATCH_BYTES:
+            # One batch, no cut to find (8,192 runs: claim to copy 130 -> 20 us, H200 host).
+            return [(runs, plan.num_bytes)]
         # offsets[i]: bytes before run i; offsets[-1]: the whole transfer.
         offsets = np.concatenate(([0], np.cumsum(runs[:, LEN])))
         multiples = np.arange(BATCH_BYTES, int(offsets[-1]), BATCH_BYTES)
@@ -172,7 +244,19 @@ class CudaIpcTransport(ShmTransport):
         return [(runs[a:b], int(offsets[b] - offsets[a])) for a, b in pairwise(bounds)]
 
     def _prepare_copy(self) -> None:
-        pass  # copies run on the GPU (the RawKernel of __init__): no host copy to build
+        # Copies run on the GPU (the RawKernel of __init__): no host copy to build, but this
+        # thread's stream, event and argument buffers are made here, before any slot mutex is
+        # held.
+        self._lane()
+
+    def _lane(self) -> _CopyLane:
+        """This copy thread's lane on this node's device (made on first use)."""
+        device = self._device or 0
+        lanes: dict[int, _CopyLane] = self._lanes.__dict__.setdefault("by_device", {})
+        lane = lanes.get(device)
+        if lane is None:
+            lane = lanes[device] = _CopyLane(self._cp, device)
+        return lane
 
     def _copy_batch(
         self,
@@ -183,26 +267,32 @@ class CudaIpcTransport(ShmTransport):
         dst_lengths: np.ndarray,
     ) -> None:
         cp = self._cp
-        device = self._device or 0
-        cp.cuda.runtime.setDevice(device)  # this copy thread's current device
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = cp.cuda.Stream(non_blocking=True)
-        src = (src_bases[runs[:, SRC]] + runs[:, SRC_OFF]).astype(np.uint64)
-        dst = (dst_bases[runs[:, DST]] + runs[:, DST_OFF]).astype(np.uint64)
-        lengths = runs[:, LEN].astype(np.uint64)
+        lane = self._lane()
+        cp.cuda.runtime.setDevice(lane.device)  # this copy thread's current device
+        stream = lane.stream
         with stream:
-            if len(runs) == 1:
-                cp.cuda.runtime.memcpyAsync(
-                    int(dst[0]), int(src[0]), int(lengths[0]), _CUDA_MEMCPY_DEVICE_TO_DEVICE,
-                    stream.ptr,
-                )  # fmt: skip
-            else:
-                table = cp.asarray(np.stack([src, dst, lengths]))
-                self._kernel((len(runs),), (256,), (table[0], table[1], table[2]))
-            done = cp.cuda.Event(disable_timing=True)
-            done.record(stream)
-        done.synchronize()  # every byte landed before the slot mutex is released
+            try:
+                if len(runs) == 1:
+                    src, src_offset, dst, dst_offset, length = runs[0].tolist()
+                    cp.cuda.runtime.memcpyAsync(
+                        int(dst_bases[dst]) + dst_offset, int(src_bases[src]) + src_offset,
+                        length, _CUDA_MEMCPY_DEVICE_TO_DEVICE, stream.ptr,
+                    )  # fmt: skip
+                else:
+                    num_words = runs.size + len(src_bases) + len(dst_bases)
+                    host, device = lane.kernel_args(num_words)
+                    offsets = stage_kernel_args(runs, src_bases, dst_bases, host)
+                    cp.cuda.runtime.memcpyAsync(
+                        device, host.ctypes.data, host.nbytes, _CUDA_MEMCPY_HOST_TO_DEVICE,
+                        stream.ptr,
+                    )  # fmt: skip
+                    args = tuple(np.uint64(device + 8 * at) for at in offsets)
+                    self._kernel((len(runs),), (256,), args)
+            finally:
+                # Every byte landed before the slot mutex is released, and the argument
+                # buffers are free for the next batch, even when a launch above failed.
+                lane.done.record(stream)
+                lane.done.synchronize()
 
 
 register_transport(CudaIpcTransport.name, CudaIpcTransport)

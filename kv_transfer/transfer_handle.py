@@ -27,7 +27,10 @@ class TransferHandle:
         self.num_bytes = num_bytes
         # time.monotonic() by which it must be DONE, or it ends TIMED_OUT.
         self.deadline = deadline
+        # time.monotonic() when write() made the handle, when the transfer went IN_PROGRESS
+        # (its bytes began to move; None: not yet, or it ended before) and when it ended.
         self.started_at = time.monotonic()
+        self.in_progress_at: float | None = None
         self.finished_at: float | None = None
         self._status = TransferStatus.PENDING
         self._error: str | None = None
@@ -86,6 +89,7 @@ class TransferHandle:
         with self._cond:
             if self._status is TransferStatus.PENDING:
                 self._status = TransferStatus.IN_PROGRESS
+                self.in_progress_at = time.monotonic()
 
     def add_bytes(self, num_bytes: int) -> None:
         with self._cond:

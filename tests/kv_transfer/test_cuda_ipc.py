@@ -3,6 +3,7 @@ can be checked without a GPU (its batching, its refusal on a CPU host)."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import subprocess
 import sys
@@ -13,7 +14,13 @@ import numpy as np
 import pytest
 
 from kv_transfer import PageTable, TransferStatus, make_transport
-from kv_transfer.cuda_ipc import BATCH_BYTES, CudaIpcTransport
+from kv_transfer.cuda_ipc import (
+    BATCH_BYTES,
+    MIN_KERNEL_ARG_WORDS,
+    CudaIpcTransport,
+    stage_kernel_args,
+)
+from kv_transfer.shm import copy_runs_numpy
 from kv_transfer.transfer_plan import DST_OFF, LEN, SRC_OFF, make_plan
 from support.receiver_process import inbound_report, read_address, receiver_script
 
@@ -54,14 +61,60 @@ def test_batches_of_uneven_runs_cut_near_each_multiple_of_the_batch_size() -> No
     runs = np.zeros((len(lengths), 5), dtype=np.int64)
     runs[:, LEN] = lengths
     runs[:, SRC_OFF] = runs[:, DST_OFF] = offsets[:-1]  # back to back
-    plan = SimpleNamespace(runs=runs)
+    plan = SimpleNamespace(runs=runs, num_bytes=int(runs[:, LEN].sum()))
     batches = CudaIpcTransport._batches(None, plan)  # type: ignore[arg-type]
     assert np.array_equal(np.concatenate([r for r, _ in batches]), runs)
     assert [n for _, n in batches] == [int(r[:, LEN].sum()) for r, _ in batches]
     # The long run is a batch of its own; the rest stop within one run past a multiple.
     assert batches[0][1] == lengths[0]
     assert all(n < BATCH_BYTES + 3 * PAGE for _, n in batches[1:])
-    assert CudaIpcTransport._batches(None, SimpleNamespace(runs=runs[:0])) == []  # type: ignore[arg-type]
+    empty = SimpleNamespace(runs=runs[:0], num_bytes=0)
+    assert CudaIpcTransport._batches(None, empty) == []  # type: ignore[arg-type]
+    # Up to BATCH_BYTES in all (here exactly): one batch of every run.
+    few = runs[1 : 1 + BATCH_BYTES // PAGE // 2]
+    small = SimpleNamespace(runs=few, num_bytes=int(few[:, LEN].sum()))
+    assert small.num_bytes == BATCH_BYTES
+    ((only, num_bytes),) = CudaIpcTransport._batches(None, small)  # type: ignore[arg-type]
+    assert only is small.runs and num_bytes == small.num_bytes <= BATCH_BYTES
+
+
+@pytest.mark.parametrize("layout", ["scattered", "in-order", "two-regions-mixed-lengths"])
+def test_staged_kernel_args_move_the_same_bytes_as_the_host_copy(layout: str) -> None:
+    """The copy kernel's arguments, staged batch by batch in one reused buffer, then read the
+    way each thread block reads them (run i: its row of the runs, its regions' bases) and
+    applied on host memory, land what the shm writer's copy of the same runs lands."""
+    rng = np.random.default_rng(7)
+    slots = 96
+    src = [rng.integers(0, 256, slots * PAGE, np.uint8) for _ in range(2)]
+    got = [np.zeros(slots * PAGE, np.uint8) for _ in range(2)]
+    expected = [np.zeros(slots * PAGE, np.uint8) for _ in range(2)]
+    if layout == "in-order":
+        pages = PageTable.from_blocks("a", np.arange(40), "c", rng.permutation(slots)[:40], PAGE)
+    else:
+        ab = [PageTable.from_blocks(n, rng.permutation(slots)[:30], m, rng.permutation(slots)[:30],
+                                    PAGE) for n, m in (("a", "c"), ("b", "d"))]  # fmt: skip
+        pages = ab[0] if layout == "scattered" else PageTable.concat(ab)
+    table = pages.table.copy()
+    if layout == "two-regions-mixed-lengths":
+        table[::4, LEN] = 100  # runs of another length, and ends not 16-byte aligned
+    pages = PageTable(pages.src_regions, pages.dst_regions, table)
+    lengths = {n: slots * PAGE for n in "abcd"}
+    plan = make_plan(pages, lengths, lengths)
+    src_bases = np.array([a.ctypes.data for a in src[: len(plan.src_regions)]], np.int64)
+    dst_bases = np.array([a.ctypes.data for a in got[: len(plan.dst_regions)]], np.int64)
+    buffer = np.zeros(MIN_KERNEL_ARG_WORDS, np.int64)  # a lane's, reused by every batch
+    for a, b in [(0, 5), (5, len(plan.runs))]:  # two batches of one transfer
+        runs = plan.runs[a:b]
+        words = buffer[: runs.size + len(src_bases) + len(dst_bases)]
+        at_runs, at_src, at_dst = stage_kernel_args(runs, src_bases, dst_bases, words)
+        for block in range(len(runs)):  # what thread block `block` reads
+            run = words[at_runs + 5 * block : at_runs + 5 * block + 5].tolist()
+            source = int(words[at_src + run[0]]) + run[1]
+            ctypes.memmove(int(words[at_dst + run[2]]) + run[3], source, run[4])
+    host_dst_bases = np.array([a.ctypes.data for a in expected[: len(plan.dst_regions)]], np.int64)
+    copy_runs_numpy(plan.runs, src_bases, host_dst_bases)
+    assert all(np.array_equal(g, e) for g, e in zip(got, expected, strict=True))
+    assert any(g.any() for g in got)
 
 
 def has_cuda() -> bool:
