@@ -10,8 +10,8 @@ import pytest
 from kv_transfer import PageTable, make_transport, shared_memory
 from kv_transfer.native_copy import native_copy_error
 from kv_transfer.self_test import run_self_test
-from kv_transfer.shm import BOUNCE_PAGES, copy_runs, copy_runs_numpy
-from kv_transfer.transfer_plan import make_plan
+from kv_transfer.shm import BOUNCE_PAGES, ShmTransport, copy_runs, copy_runs_numpy
+from kv_transfer.transfer_plan import MAX_STAGED_BYTES, make_plan
 
 PAGE = 8192
 SLOTS = 256
@@ -57,3 +57,21 @@ def test_self_test_names_the_copy_path_and_lands_every_page(native: bool) -> Non
         transport.close()
     assert report.is_ok, report.error
     assert report.lanes[0].startswith("memfd/native-copy" if native else "memfd/numpy-copy")
+
+
+def test_a_push_of_at_most_one_message_is_one_batch() -> None:
+    """Up to MAX_STAGED_BYTES in all, one hold of the slot mutex copies every run (a fence then
+    waits for no more than a message's worth); more, one batch per message."""
+    rng = np.random.default_rng(5)
+    slots = 3 * MAX_STAGED_BYTES // PAGE
+    lengths = {"s": slots * PAGE}, {"d": slots * PAGE}
+    for num_pages in (1, MAX_STAGED_BYTES // PAGE, MAX_STAGED_BYTES // PAGE + 1, slots):
+        pages = PageTable.from_blocks(
+            "s", rng.permutation(slots)[:num_pages], "d", rng.permutation(slots)[:num_pages], PAGE
+        )
+        plan = make_plan(pages, *lengths)
+        batches = ShmTransport._batches(None, plan)  # type: ignore[arg-type]
+        assert np.array_equal(np.concatenate([runs for runs, _ in batches]), plan.runs)
+        assert [n for _, n in batches] == [int(runs[:, 4].sum()) for runs, _ in batches]
+        expected = 1 if plan.num_bytes <= MAX_STAGED_BYTES else len(plan.messages)
+        assert len(batches) == expected and all(n <= MAX_STAGED_BYTES for _, n in batches)

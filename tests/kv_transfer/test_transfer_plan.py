@@ -224,3 +224,36 @@ def test_messages_match_the_greedy_rule_on_random_runs(seed: int) -> None:
     runs[:, 4] = lengths
     got = [(m.run_start, m.run_end, m.num_bytes, m.is_staged) for m in split_messages(runs)]
     assert got == greedy_messages(lengths.tolist())
+
+
+@pytest.mark.parametrize("size", [8192, 3000, 100, MIN_DIRECT_BYTES - 1])
+def test_equal_runs_are_grouped_as_the_greedy_rule_groups_them(size: int) -> None:
+    """Equal small runs take a shortcut; sizes that do not divide MAX_STAGED_BYTES included."""
+    for num_runs in (1, 7, 3 * (MAX_STAGED_BYTES // size) + 1):
+        runs = np.zeros((num_runs, 5), np.int64)
+        runs[:, 4] = size
+        got = [(m.run_start, m.run_end, m.num_bytes, m.is_staged) for m in split_messages(runs)]
+        assert got == greedy_messages([size] * num_runs)
+
+
+@pytest.mark.parametrize("regions", [["a"], ["a", "b"]])
+@pytest.mark.parametrize("index", [-1, 2])
+def test_a_page_naming_no_region_is_refused(regions: list[str], index: int) -> None:
+    table = PageTable.from_blocks("a", [0, 1, 2], "b", [0, 1, 2], 100).table.copy()
+    table[1, 0] = index
+    pages = PageTable(regions, ["b"], table)
+    with pytest.raises(ValueError, match=f"page 1: source region index {index} is not one of"):
+        make_plan(pages, LENGTHS, LENGTHS)
+
+
+def test_a_column_major_table_plans_as_its_row_major_copy() -> None:
+    """from_blocks hands over its columns (a column-major table): the same runs, row-major."""
+    rng = np.random.default_rng(2)
+    src, dst = rng.permutation(200)[:150], rng.permutation(200)[:150]
+    src[40:60], dst[40:60] = np.arange(20), np.arange(100, 120)  # a stretch that merges
+    pages = PageTable.from_blocks("a", src, "b", dst, 512)
+    assert pages.table.flags.f_contiguous
+    row_major = PageTable(pages.src_regions, pages.dst_regions, np.ascontiguousarray(pages.table))
+    plan, reference = make_plan(pages, LENGTHS, LENGTHS), make_plan(row_major, LENGTHS, LENGTHS)
+    assert plan.runs.flags.c_contiguous and np.array_equal(plan.runs, reference.runs)
+    assert len(plan.runs) == 150 - 19 and plan.messages == reference.messages
