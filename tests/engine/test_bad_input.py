@@ -6,6 +6,7 @@ import dataclasses
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from services.engine import LLM, CacheConfig, EngineConfig, EngineCore, SamplingParams
@@ -62,6 +63,8 @@ def assert_refused(llm: LLM, prompts, params, match: str) -> None:
         ([1, 2.0], r"prompt_token_ids\[1\] is not an integer"),
         ([1, "2"], r"prompt_token_ids\[1\] is not an integer"),
         ([True, 2], r"prompt_token_ids\[0\] is not an integer"),
+        ([2, 1 << 70], r"prompt_token_ids\[1\] = 1180591620717411303424 is outside"),
+        (np.array([3, VOCAB_SIZE + 3]), r"prompt_token_ids\[1\] = 4099 is outside"),
     ],
 )
 def test_bad_prompt_is_refused(llm: LLM, prompt: list, match: str) -> None:
