@@ -41,9 +41,9 @@ from services.convert import (
     stage_timings_to_proto,
 )
 from services.engine import EngineCoreOutput, FinishReason, SamplingParams
-from services.engine.kv_layout import KvLayout, layer_copies
+from services.engine.kv_layout import KvLayout
 from services.node.config import NodeConfig
-from services.node.kv_regions import to_page_copies
+from services.node.kv_regions import kv_page_table
 from services.node.metrics import NodeMetrics
 from services.node.runtime import NodeServerRef, load_report
 from services.tls import aio_channel
@@ -350,10 +350,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     ) -> tuple[int, float]:
         dst_layout = dataclasses.replace(self.layout, num_blocks=destination.num_blocks_total)
         src_blocks = await self.engine.call(lambda engine: engine.kv_block_ids(request_id))
-        copies = layer_copies(self.layout, src_blocks, dst_layout, list(destination.block_ids))
-        pages = to_page_copies(copies)
+        pages = kv_page_table(self.layout, src_blocks, dst_layout, list(destination.block_ids))
         started = time.monotonic()
-        num_bytes = sum(page.length for page in pages)
+        num_bytes = int(pages.table[:, 4].sum())
         push_timeout_s = PUSH_TIMEOUT_S + num_bytes / PUSH_MIN_BYTES_PER_S
         try:
             await asyncio.to_thread(self.transport.connect, peer)

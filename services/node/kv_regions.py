@@ -1,7 +1,8 @@
 """A node's KV cache as transport memory regions: one region per layer, named ``kv.layer{i}``.
 
-Both roles register their caches the same way, so a ``LayerCopy`` (layer, offsets) from the
-engine becomes a transport ``PageCopy`` between regions of the same name on either side.
+Both roles register their caches the same way, so a copy of the engine's (layer, offsets)
+becomes a transport page between regions of the same name on either side: a push's copies are
+one ``PageTable`` whose region index on both sides is the layer (`kv_page_table`).
 
 Each layer is registered where it lives: a CUDA cache by its device pointer
 (``__cuda_array_interface__`` of a flat uint8 view), a host cache by a flat numpy view, never by
@@ -14,13 +15,14 @@ naming both; the node exits with that one line (services/node/runtime.py).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from kv_transfer import KvTransport, LoopbackFaults, PageCopy, make_transport, run_self_test
+from kv_transfer import KvTransport, LoopbackFaults, PageTable, make_transport, run_self_test
 from kv_transfer.memory import MemoryKind, describe_memory
-from services.engine.kv_layout import LayerCopy
+from services.engine.kv_layout import KvLayout, layer_copy_table
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +83,14 @@ def move_to_shared_memory(transport: KvTransport, cache: torch.Tensor) -> None:
     cache.set_(storage.untyped_storage(), 0, cache.shape, cache.stride())
 
 
-def to_page_copies(copies: list[LayerCopy]) -> list[PageCopy]:
-    return [
-        PageCopy(region_name(c.layer), c.src_offset, region_name(c.layer), c.dst_offset, c.length)
-        for c in copies
-    ]
+def kv_page_table(
+    src: KvLayout, src_block_ids: Sequence[int], dst: KvLayout, dst_block_ids: Sequence[int]
+) -> PageTable:
+    """The pages that push ``src_block_ids`` of this node's cache into ``dst_block_ids`` of the
+    peer's: `layer_copy_table` (which checks the pairing) with each layer's region on both
+    sides."""
+    copies = layer_copy_table(src, src_block_ids, dst, dst_block_ids)
+    regions = [region_name(layer) for layer in range(src.num_layers)]
+    # copies: (layer, src offset, dst offset, length) -> the table's (src region, src offset,
+    # dst region, dst offset, length), one gather.
+    return PageTable(regions, list(regions), copies[:, [0, 1, 0, 2, 3]])
