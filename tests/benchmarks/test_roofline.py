@@ -10,7 +10,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from roofline import NOISY_SPREAD, decode_bound_s, gemm_spread, weight_counts  # noqa: E402
+from roofline import (  # noqa: E402
+    NOISY_SPREAD,
+    attention_flops,
+    causal_pairs,
+    decode_bound_s,
+    gemm_spread,
+    weight_counts,
+)
 
 from services.engine import LLM  # noqa: E402
 
@@ -20,9 +27,23 @@ def test_decode_bound_is_compute_or_memory_whichever_is_slower() -> None:
     # is 84 ms; 12.8 GFLOP at 1 TFLOP/s is 12.8 ms.
     compute, memory = decode_bound_s(
         weights=100_000_000, itemsize=2, num_seqs=64, kv_bytes_per_seq=10e6,
-        peak_flops=1e12, bandwidth=10e9,
+        attention_flops_per_seq=0.0, peak_flops=1e12, bandwidth=10e9,
     )  # fmt: skip
     assert compute == pytest.approx(0.0128) and memory == pytest.approx(0.084)
+    # Each sequence's attention products (10 MFLOP here) add to the compute: 64 x 10 MFLOP.
+    compute, _ = decode_bound_s(
+        weights=100_000_000, itemsize=2, num_seqs=64, kv_bytes_per_seq=10e6,
+        attention_flops_per_seq=10e6, peak_flops=1e12, bandwidth=10e9,
+    )  # fmt: skip
+    assert compute == pytest.approx(0.0128 + 0.00064)
+
+
+def test_attention_flops_count_both_products_over_the_causal_triangle() -> None:
+    # Token i of a prompt attends to tokens 1..i: 1 + 2 + 3 pairs for 3 tokens.
+    assert causal_pairs(3) == 6 and causal_pairs(1) == 1 and causal_pairs(0) == 0
+    # QK^T and PV: a multiply and an add per query-width element each, in every layer. The small
+    # model (12 layers, 12 x 64 query width) at 273 tokens of context: ~10 MFLOP a sequence.
+    assert attention_flops(layers=12, query_width=768, pairs=273) == 4 * 12 * 768 * 273
 
 
 def test_weight_counts_are_the_decoder_projections_and_the_lm_head(tiny_llama_dir: Path) -> None:
