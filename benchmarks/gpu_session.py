@@ -24,6 +24,9 @@ Stages (each one runs, or records why it cannot, and the session goes on):
 6. ``offline``: ``benchmarks/offline_throughput.py --device cuda`` on 256 x (512 in, 128 out)
    against transformers static batching, with a cProfile of pdserve's run
    (``profile_offline.txt``). Target: >= 5x.
+6a. ``offline_budget``: pdserve alone on that workload at step budgets of 2,048 and 8,192
+   tokens (``--max-num-batched-tokens``; the ``LLM``'s default on a GPU is 16,384), with a
+   cProfile each.
 6b. ``launcher``: ``python -m deploy.launch`` (``make run``) with a prefill and a decode node on
    GPU 0 (``gpu_ids``), a chat completion and a streamed completion through the gateway, then
    SIGTERM: exit code and log tail.
@@ -458,6 +461,31 @@ def stage_offline(args: argparse.Namespace) -> dict:
     return run
 
 
+OFFLINE_BUDGETS = (2048, 8192)
+"""Step token budgets the ``offline_budget`` stage runs pdserve at, beside the ``offline``
+stage's default (16,384 on a GPU): smaller prefill steps launch more eager kernels."""
+
+
+def stage_offline_budget(args: argparse.Namespace) -> dict:
+    """pdserve alone on the ``offline`` stage's workload at larger step budgets (compare with
+    that stage's pdserve and transformers figures, taken minutes apart on the same GPU)."""
+    need_cuda(args)
+    runs = {}
+    for budget in OFFLINE_BUDGETS:
+        out = args.out / f"offline_{budget}.json"
+        run = run_script(
+            ["benchmarks/offline_throughput.py", "--model", str(ensure_model(args.model)),
+             "--device", "cuda", "--num-prompts", "256", "--input-len", "512", "--output-len",
+             "128", "--skip-hf", "--max-num-batched-tokens", str(budget), "--json", str(out),
+             "--profile", str(args.out / f"profile_offline_{budget}.txt")],
+            args.deadline,
+        )  # fmt: skip
+        if out.is_file():
+            run["results"] = json.loads(out.read_text())
+        runs[str(budget)] = run
+    return runs
+
+
 def launch_and_ask(model: Path, gpu_ids: list[int], work: Path, deadline: Deadline) -> dict:
     """``python -m deploy.launch`` (what ``make run`` starts) on a topology that puts one
     prefill and one decode node on ``gpu_ids`` (empty: the CPU), then one chat completion and
@@ -569,6 +597,7 @@ STAGES = (
     "kernels",
     "kv_transfer",
     "offline",
+    "offline_budget",
     "launcher",
     "serving_burst",
     "decode_steps",
@@ -591,6 +620,7 @@ def run_session(args: argparse.Namespace) -> dict[str, dict]:
         "decode_steps": lambda: stage_decode_steps(args, bandwidth()),
         "step_profile": lambda: stage_step_profile(args),
         "offline": lambda: stage_offline(args),
+        "offline_budget": lambda: stage_offline_budget(args),
         "launcher": lambda: stage_launcher(args),
         "serving_burst": lambda: stage_serving_burst(args),
     }

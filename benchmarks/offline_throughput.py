@@ -56,6 +56,7 @@ def run_pdserve(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
         enable_prefix_caching=False,  # random prompts share nothing; keep the comparison plain
     )
     args.pdserve_dtype = llm.engine.dtype_choice.dtype
+    budget = llm.engine.config.scheduler.max_num_batched_tokens
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     # Warm-up at the run's prompt length and a full step's chunks: on a GPU each kernel shape
     # met first compiles (Triton) or picks its algorithm (cuBLAS) inside the timed run otherwise.
@@ -75,7 +76,12 @@ def run_pdserve(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
         stats.sort_stats("cumulative").print_stats(30)
         args.profile.write_text(text.getvalue())
     num_out = sum(len(o.token_ids) for o in outputs)
-    return {"seconds": elapsed, "output_tokens": num_out, "output_tok_per_s": num_out / elapsed}
+    return {
+        "seconds": elapsed,
+        "output_tokens": num_out,
+        "output_tok_per_s": num_out / elapsed,
+        "max_num_batched_tokens": budget,
+    }
 
 
 def run_hf(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, float]:
@@ -127,7 +133,12 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N], for both systems")
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="pdserve's step budget (default: the engine's for the device, 2048 on CPU)",
+    )
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the results here")

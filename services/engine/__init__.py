@@ -4,7 +4,13 @@
 step-wise engine (``add_request``, ``step``, ``abort``) that the prefill and decode nodes drive.
 """
 
-from services.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SchedulingPolicy
+from services.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SchedulingPolicy,
+    default_max_num_batched_tokens,
+)
 from services.engine.engine_core import EngineCore
 from services.engine.llm import LLM
 from services.engine.outputs import EngineCoreOutput, EngineStats, RequestOutput
@@ -22,4 +28,5 @@ __all__ = [
     "SamplingParams",
     "SchedulerConfig",
     "SchedulingPolicy",
+    "default_max_num_batched_tokens",
 ]

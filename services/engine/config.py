@@ -20,6 +20,28 @@ FP8_ON_CPU_ONLY = (
 )
 
 
+MAX_NUM_BATCHED_TOKENS_CPU = 2048
+"""A step's token budget on a CPU: a 2,048-token prefill step already runs the linears at the
+GEMM peak there (``benchmarks/roofline.py``), and a larger one only delays the decodes
+batched with it."""
+MAX_NUM_BATCHED_TOKENS_GPU_SERVING = 8192
+"""On a GPU, for a node (serving): at 2,048 a prefill step leaves the GPU mostly waiting for
+the host's kernel launches. vLLM's default for its API server on H100-class GPUs."""
+MAX_NUM_BATCHED_TOKENS_GPU_OFFLINE = 16384
+"""On a GPU, for the offline ``LLM``, where no decode waits on a long prefill step (vLLM's
+default for its ``LLM`` class on H100-class GPUs). On two H200 machines, 256 prompts of 512
+tokens and 128 outputs: 12,157-16,152 output tok/s at 2,048, 21,009-25,632 at 8,192 and
+22,046-26,833 at 16,384 (docs/benchmarks.md: the last two differ by less than the machines)."""
+
+
+def default_max_num_batched_tokens(device: str, *, offline: bool) -> int:
+    """The step token budget where none is given: per device kind, and on a GPU larger for the
+    offline ``LLM`` than for a serving node."""
+    if device.startswith("cuda"):
+        return MAX_NUM_BATCHED_TOKENS_GPU_OFFLINE if offline else MAX_NUM_BATCHED_TOKENS_GPU_SERVING
+    return MAX_NUM_BATCHED_TOKENS_CPU
+
+
 class SchedulingPolicy(enum.StrEnum):
     FCFS = "fcfs"
     PRIORITY = "priority"
@@ -51,8 +73,9 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 256
     """Most requests in the running batch."""
-    max_num_batched_tokens: int = 2048
-    """Token budget of one step, shared by decodes and prefill chunks."""
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS_CPU
+    """Token budget of one step, shared by decodes and prefill chunks (the ``LLM`` and the
+    nodes pick ``default_max_num_batched_tokens`` for their device when not given one)."""
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
 
     def __post_init__(self) -> None:

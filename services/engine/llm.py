@@ -6,7 +6,13 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SchedulingPolicy
+from services.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SchedulingPolicy,
+    default_max_num_batched_tokens,
+)
 from services.engine.engine_core import EngineCore
 from services.engine.outputs import RequestOutput
 from services.types import SamplingParams
@@ -27,7 +33,7 @@ class LLM:
         device: str = "cpu",
         block_size: int = 16,
         max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
         kv_cache_memory: int | None = None,
         gpu_memory_utilization: float = 0.9,
@@ -37,6 +43,10 @@ class LLM:
         attention_backend: str = "auto",
         cuda_graphs: bool | None = None,
     ) -> None:
+        """``max_num_batched_tokens``: None picks ``default_max_num_batched_tokens`` for
+        ``device`` (2,048 on a CPU, 16,384 on a GPU)."""
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = default_max_num_batched_tokens(device, offline=True)
         config = EngineConfig(
             model_dir=Path(model_dir),
             dtype=dtype,

@@ -16,7 +16,13 @@ from pathlib import Path
 
 from kv_transfer.transport_choice import KV_SCOPES
 from services.cli import ENV_PREFIX, apply_env_defaults, parse_bytes
-from services.engine import CacheConfig, EngineConfig, SchedulerConfig, SchedulingPolicy
+from services.engine import (
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SchedulingPolicy,
+    default_max_num_batched_tokens,
+)
 from services.tls import TlsFiles, add_tls_flags, tls_from_args
 from services.types import Role
 
@@ -150,7 +156,12 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
     add("--gpu-memory-utilization", type=float, default=0.9)
     add("--max-model-len", type=int, default=None)
     add("--max-num-seqs", type=int, default=256)
-    add("--max-num-batched-tokens", type=int, default=2048)
+    add(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per engine step; default 2048 on CPU, 8192 on a GPU",
+    )
     add("--scheduling-policy", default="fcfs", choices=[p.value for p in SchedulingPolicy])
     add("--no-prefix-caching", action="store_true", help="disable prefix caching")
     add("--attention-backend", default="auto", choices=["auto", "torch", "native", "triton"])
@@ -233,7 +244,11 @@ def parse_node_config(
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_batched_tokens=(
+                    args.max_num_batched_tokens
+                    if args.max_num_batched_tokens is not None
+                    else default_max_num_batched_tokens(args.device, offline=False)
+                ),
                 policy=SchedulingPolicy(args.scheduling_policy),
             ),
         )

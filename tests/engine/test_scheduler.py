@@ -540,3 +540,24 @@ def test_scheduler_without_requests_schedules_nothing(make_scheduler) -> None:
     assert output.is_empty
     assert output.num_batched_tokens == 0
     assert scheduler.update_from_output(output, {}) == []
+
+
+# --- the step budget's default -----------------------------------------------------------------
+
+
+def test_step_budget_defaults_per_device_and_use(tiny_llama_dir) -> None:
+    from services.engine import LLM, default_max_num_batched_tokens
+
+    # A CPU's GEMMs peak at 2,048 tokens a step; a GPU's host launches want larger steps, the
+    # offline LLM (no decode waiting on a prefill step) larger still.
+    assert default_max_num_batched_tokens("cpu", offline=True) == 2048
+    assert default_max_num_batched_tokens("cpu", offline=False) == 2048
+    assert default_max_num_batched_tokens("cuda", offline=False) == 8192
+    assert default_max_num_batched_tokens("cuda:1", offline=True) == 16384
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=1 << 22, max_model_len=64)
+    assert llm.engine.config.scheduler.max_num_batched_tokens == 2048
+    llm = LLM(
+        tiny_llama_dir, dtype="float32", kv_cache_memory=1 << 22, max_model_len=64,
+        max_num_batched_tokens=24,
+    )  # fmt: skip
+    assert llm.engine.config.scheduler.max_num_batched_tokens == 24

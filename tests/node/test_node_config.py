@@ -46,6 +46,17 @@ def test_environment_fills_what_the_command_line_leaves_out() -> None:
     assert config.test_kv_push_pause_s == 0.5
 
 
+def test_step_budget_defaults_to_the_devices_and_a_flag_or_variable_wins() -> None:
+    def budget(argv: list[str], env: dict[str, str] | None = None) -> int:
+        config = parse_node_config(argv, env or {}, role=Role.DECODE)
+        return config.engine.scheduler.max_num_batched_tokens
+
+    assert budget([]) == 2048  # CPU
+    assert budget(["--device", "cuda"]) == budget(["--device", "cuda:1"]) == 8192  # serving GPU
+    assert budget(["--device", "cuda", "--max-num-batched-tokens", "4096"]) == 4096
+    assert budget(["--device", "cuda"], {"PDSERVE_MAX_NUM_BATCHED_TOKENS": "1024"}) == 1024
+
+
 def test_role_can_come_from_the_environment() -> None:
     assert parse_node_config([], {"PDSERVE_ROLE": "colocated"}).role is Role.COLOCATED
 
