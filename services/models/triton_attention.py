@@ -1,8 +1,10 @@
 """Paged attention as Triton kernels that read K/V straight out of the cache blocks (GPU path).
 
 Same ``AttentionBackend`` over the same ``AttentionMetadata`` as ``TorchPagedAttention``, which
-is its reference. Three kernels:
+is its reference. Four kernels:
 
+- ``_write_kv_kernel``: one program per (token, KV head) copies the step's K and V rows into
+  their cache slots (one launch where ``index_copy_`` took one for each).
 - ``_decode_partial_kernel``: one program per (decode, KV head, split). The GQA group's query
   heads are rows of one ``tl.dot`` (padded to 16 rows, the MMA minimum), so each K/V row is read
   once for the whole group. Long contexts are split into partitions (flash-decoding) so that a
@@ -43,6 +45,70 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _TARGET_DECODE_PROGRAMS = 8 if INTERPRET else 512
 _MIN_MMA = 16
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_cache_ptr,  # [num_slots, num_kv_heads, head_dim]
+    v_cache_ptr,
+    k_ptr,  # [num_tokens, num_kv_heads, head_dim], rows strided (a view of the QKV output)
+    v_ptr,
+    slot_mapping_ptr,  # [num_tokens] int64
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_cache_slot,
+    stride_cache_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Program (token, KV head): its K and V rows into slot ``slot_mapping[token]``, as they are
+    (the cache holds the compute dtype on CUDA)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < HEAD_DIM
+    slot = tl.load(slot_mapping_ptr + token)
+    k = tl.load(k_ptr + token * stride_k_tok + head * stride_k_head + cols, mask=mask)
+    v = tl.load(v_ptr + token * stride_v_tok + head * stride_v_head + cols, mask=mask)
+    dst = slot * stride_cache_slot + head * stride_cache_head + cols
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+def write_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """key_cache[slot_mapping[t]] = key[t] (and V), the caches [num_blocks, block_size,
+    num_kv_heads, head_dim] in key's dtype, key and value [num_tokens, num_kv_heads, head_dim]
+    with unit stride over head_dim."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    assert key.stride(2) == 1 and value.stride(2) == 1
+    assert key_cache.dtype == key.dtype == value.dtype == value_cache.dtype
+    k_flat = key_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = value_cache.view(-1, num_kv_heads, head_dim)
+    _write_kv_kernel[(num_tokens, num_kv_heads)](
+        k_flat,
+        v_flat,
+        key,
+        value,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_flat.stride(0),
+        k_flat.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
 
 
 @triton.jit
@@ -481,13 +547,14 @@ class TritonPagedAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        num_kv_heads, head_dim = key.shape[1], key.shape[2]
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         # Write first: a chunk attends to its own new tokens through the cache.
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
-        query = query.contiguous()
-        output = torch.empty_like(query)
+        write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
+        # Both kernels take the query's token and head strides: a view of the fused QKV output
+        # is read in place (a copy was one more kernel a layer in every graphed decode step).
+        if query.stride(2) != 1:
+            query = query.contiguous()
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if metadata.num_decodes:
             num = metadata.num_decodes
             paged_decode(

@@ -61,6 +61,25 @@ class CompiledVariant:
     is not rounded as torch rounds it)."""
 
 
+def _write_kv_signature(dtype: str) -> dict[str, str]:
+    tensor = f"*{dtype}"
+    return {
+        **dict.fromkeys(["k_cache_ptr", "v_cache_ptr", "k_ptr", "v_ptr"], tensor),
+        "slot_mapping_ptr": "*i64",
+        **dict.fromkeys(
+            [
+                "stride_k_tok",
+                "stride_k_head",
+                "stride_v_tok",
+                "stride_v_head",
+                "stride_cache_slot",
+                "stride_cache_head",
+            ],
+            "i32",
+        ),
+    }
+
+
 def _decode_signature(dtype: str) -> dict[str, str]:
     f32, tensor = "*fp32", f"*{dtype}"
     return {
@@ -212,6 +231,11 @@ def compile_all(
                 },
             ),
         }
+        builds["write_kv"] = (
+            kernels._write_kv_kernel,
+            _write_kv_signature(short),
+            {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim)},
+        )
         builds["decode_reduce"] = (
             kernels._decode_reduce_kernel,
             _reduce_signature(short),

@@ -150,6 +150,40 @@ def test_forward_matches_torch_backend(step, shape, dtype: torch.dtype) -> None:
     torch.testing.assert_close(flat[1, metadata.slot_mapping], value, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("step", list(STEPS.values()), ids=list(STEPS))
+def test_qkv_as_views_of_the_fused_projection_are_read_in_place(step) -> None:
+    # The model hands attention q, k and v as strided views of its QKV projection's output
+    # (rows q + 2 kv wide); the backend reads them there (the query without a copy, K and V
+    # into the cache by _write_kv_kernel): the output and the cache are the contiguous ones'.
+    block_size, num_kv_heads, group, head_dim = SHAPES["gqa4-d32-b16"]
+    decode_lens, chunks = step
+    query, key, value, kv_cache, metadata = build_step(
+        decode_lens, chunks, block_size=block_size, num_kv_heads=num_kv_heads, group=group,
+        head_dim=head_dim, dtype=torch.float32, seed=7,
+    )  # fmt: skip
+    num_tokens = query.shape[0]
+    qkv = torch.cat(
+        [query.flatten(1), key.flatten(1), value.flatten(1)], dim=1
+    )  # [num_tokens, (heads + 2 kv heads) * head_dim]
+    q_size, kv_size = query[0].numel(), key[0].numel()
+    views = (
+        qkv[:, :q_size].view(query.shape),
+        qkv[:, q_size : q_size + kv_size].view(key.shape),
+        qkv[:, q_size + kv_size :].view(value.shape),
+    )
+    assert not any(v.is_contiguous() for v in views)
+    outs, caches = [], []
+    for q, k, v in ((query, key, value), views):
+        backend = triton_attention.TritonPagedAttention(block_size, 1.0 / math.sqrt(head_dim))
+        backend.prepare(metadata)
+        caches.append(kv_cache.clone())
+        outs.append(backend.forward(q, k, v, caches[-1], metadata))
+
+    assert outs[1].shape == (num_tokens, *query.shape[1:]) and outs[1].is_contiguous()
+    torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
+    torch.testing.assert_close(caches[1], caches[0], atol=0, rtol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("num_seqs, max_len", [(1, 600), (3, 200)])
 def test_decode_splits_merge_exactly(num_seqs: int, max_len: int) -> None:
     """A long context split over several programs (flash-decoding) merges to the reference,

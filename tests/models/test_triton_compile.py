@@ -29,10 +29,11 @@ def test_every_kernel_compiles_for_sm90_without_spills() -> None:
     variants = [json.loads(line) for line in result.stdout.splitlines()]
     kernels = {v["kernel"] for v in variants}
     assert kernels == {
-        "decode_partial", "decode_reduce", "prefill", "rotary", "add_rms_norm", "silu_and_mul"
+        "write_kv", "decode_partial", "decode_reduce", "prefill", "rotary", "add_rms_norm",
+        "silu_and_mul",
     }  # fmt: skip
-    # Per dtype: attention and rotary for each head size, norm and SiLU once.
-    assert len(variants) == 2 * (4 * 2 + 2)
+    # Per dtype: the KV write, attention and rotary for each head size, norm and SiLU once.
+    assert len(variants) == 2 * (5 * 2 + 2)
     spilling = [v for v in variants if v["spill_bytes"] > 0]
     assert not spilling, f"register spills: {spilling}"
     assert all(0 < v["num_registers"] <= 255 for v in variants)
