@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from services.types import FinishReason
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EngineCoreOutput:
     """One request's progress in one step: the token it gained, and whether it is done."""
 

@@ -28,7 +28,7 @@ from services.engine.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScheduledChunk:
     """The tokens of one request computed this step."""
 
@@ -60,7 +60,7 @@ class SchedulerOutput:
         return not self.chunks
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SampledToken:
     token_id: int
     logprobs: dict[int, float] | None = None
