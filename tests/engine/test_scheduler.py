@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.engine import LLM, default_max_num_batched_tokens
 from services.engine.request import RequestStatus
 from services.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 from services.types import FinishReason
@@ -546,8 +547,6 @@ def test_scheduler_without_requests_schedules_nothing(make_scheduler) -> None:
 
 
 def test_step_budget_defaults_per_device_and_use(tiny_llama_dir) -> None:
-    from services.engine import LLM, default_max_num_batched_tokens
-
     # A CPU's GEMMs peak at 2,048 tokens a step; a GPU's host launches want larger steps, the
     # offline LLM (no decode waiting on a prefill step) larger still.
     assert default_max_num_batched_tokens("cpu", offline=True) == 2048

@@ -138,12 +138,11 @@ void pdserve::bf16_linear_panels_avx512_bf16(const Bf16LinearArgs& a, int64_t pa
                            panel_words * sizeof(uint32_t) / kLineBytes,
                            groups * (a.in_features / 2));
     const int64_t col0 = p * kBf16Panel;
-    const uint16_t* x = a.x;
     const int64_t row_bytes = a.in_features * static_cast<int64_t>(sizeof(uint16_t));
     for (int64_t row0 = 0; row0 < whole; row0 += kRows) {
       // On the first panel, the next group's rows of x (up to kRows) come in under this one.
       const int64_t next_rows = p == panel_begin ? min64(kRows, M - row0 - kRows) : 0;
-      PanelPrefetch rows_prefetch(next_rows > 0 ? x + (row0 + kRows) * a.in_features : nullptr,
+      PanelPrefetch rows_prefetch(next_rows > 0 ? a.x + (row0 + kRows) * a.in_features : nullptr,
                                   (next_rows * row_bytes + kLineBytes - 1) / kLineBytes,
                                   a.in_features / 2);
       rows_times_panel<kRows>(a, row0, panel, col0, prefetch, rows_prefetch);
