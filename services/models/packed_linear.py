@@ -25,7 +25,7 @@ instead, where it is faster than oneDNN's: in bf16 on a CPU with AMX, up to
 ``amx_linear.MAX_ROWS`` rows on the tiles (``amx_linear.py``: oneDNN's kernel streams the weights
 at about half the memory's rate there); in bf16 on a CPU with AVX512-BF16 and no AMX, up to
 ``bf16_linear.MAX_ROWS`` rows on ``vdpbf16ps`` (``bf16_linear.py``); in fp32, up to
-``fp32_linear.MAX_ROWS`` rows (48 or 64 by variant) on the vector units (``fp32_linear.py``).
+``fp32_linear.MAX_ROWS`` rows (64) on the vector units (``fp32_linear.py``).
 The last two stream the next weights under the arithmetic. Larger batches stay on oneDNN's.
 
 Life cycle: ``pack_linears`` runs once, after the checkpoint is loaded and before the first step,
