@@ -65,10 +65,15 @@ os.environ["FIRST_PID"] = first_pid
 from services.host_memory import restart_with_huge_page_heap, heap_on_huge_pages
 from support.huge_page_heap import heap_is_huge_page_advised
 restart_with_huge_page_heap()
+restart_with_huge_page_heap()  # a second call changes nothing
 chunks = [bytearray(1 << 20) for _ in range(64)]  # under the mmap threshold: from the heap
+import subprocess
+child = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('GLIBC_TUNABLES'))"],
+                       capture_output=True, text=True, check=True).stdout.strip()
 print(json.dumps({{"tunables": os.environ.get("GLIBC_TUNABLES", ""),
                    "advised": heap_is_huge_page_advised(os.getpid()),
-                   "same_pid": first_pid == str(os.getpid()), "reported": heap_on_huge_pages()}}))
+                   "same_pid": first_pid == str(os.getpid()), "reported": heap_on_huge_pages(),
+                   "child_tunables": child}}))
 """
     result = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
@@ -78,9 +83,23 @@ print(json.dumps({{"tunables": os.environ.get("GLIBC_TUNABLES", ""),
 
 @pytest.mark.skipif(not host_takes_huge_page_heap(), reason="needs glibc 2.35+ and THP")
 def test_a_restarted_process_has_its_heap_on_huge_pages() -> None:
+    # Its heap is on huge pages, while its environment, and so its children's, is the caller's
+    # again (no GLIBC_TUNABLES here; other tunables of the caller's below).
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     report = heap_flags_after_restart(env)
-    assert report == {"tunables": ON, "advised": True, "same_pid": True, "reported": True}
+    assert report == {
+        "tunables": "", "advised": True, "same_pid": True, "reported": True,
+        "child_tunables": "None",
+    }  # fmt: skip
+
+
+@pytest.mark.skipif(not host_takes_huge_page_heap(), reason="needs glibc 2.35+ and THP")
+def test_the_callers_other_tunables_are_given_back_after_the_restart() -> None:
+    env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+    report = heap_flags_after_restart(env)
+    assert report["advised"] is True and report["reported"] is True
+    assert report["tunables"] == "glibc.malloc.arena_max=2"
+    assert report["child_tunables"] == "glibc.malloc.arena_max=2"
 
 
 @pytest.mark.skipif(not host_takes_huge_page_heap(), reason="needs glibc 2.35+ and THP")
@@ -88,5 +107,6 @@ def test_an_opt_out_keeps_the_heap_on_small_pages() -> None:
     env = {**os.environ, "GLIBC_TUNABLES": f"{HUGE_PAGE_HEAP_TUNABLE}=0"}
     report = heap_flags_after_restart(env)
     assert report["tunables"] == f"{HUGE_PAGE_HEAP_TUNABLE}=0"
+    assert report["child_tunables"] == f"{HUGE_PAGE_HEAP_TUNABLE}=0"  # the user's, inherited
     assert report["advised"] is False
     assert report["reported"] is False
