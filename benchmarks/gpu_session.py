@@ -467,8 +467,9 @@ stage's default (16,384 on a GPU): smaller prefill steps launch more eager kerne
 
 
 def stage_offline_budget(args: argparse.Namespace) -> dict:
-    """pdserve alone on the ``offline`` stage's workload at larger step budgets (compare with
-    that stage's pdserve and transformers figures, taken minutes apart on the same GPU)."""
+    """pdserve alone on the ``offline`` stage's workload at the smaller step budgets of
+    ``OFFLINE_BUDGETS`` (compare with that stage's pdserve and transformers figures, at the
+    ``LLM``'s GPU default, taken minutes apart on the same GPU)."""
     need_cuda(args)
     runs = {}
     for budget in OFFLINE_BUDGETS:

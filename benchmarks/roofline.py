@@ -72,6 +72,7 @@ sys.path.insert(0, str(ROOT))
 from services.engine import LLM, SamplingParams  # noqa: E402
 from services.engine.dtype_choice import (  # noqa: E402
     GemmShape,
+    gemm_operands,
     measure_gflops,
     model_gemm_shapes,
     time_gemm_pass,
@@ -145,16 +146,10 @@ class PackedGemmTimer:
             return time_gemm_pass(dtype, shapes)
         key = (dtype, tuple(shapes))
         if key not in self._operands:
-            generator = torch.Generator().manual_seed(0)
+            # The torch.mm pass's operands, the weight packed (PackedLinear's batch-size hint).
             self._operands[key] = [
-                (
-                    torch.randn(s.m, s.k, generator=generator).to(torch_dtype),
-                    # [n, k] as nn.Linear stores it; the batch-size hint is PackedLinear's.
-                    torch.ops.mkldnn._reorder_linear_weight(
-                        torch.randn(s.n, s.k, generator=generator).to(torch_dtype), 64
-                    ),
-                )
-                for s in shapes
+                (x, torch.ops.mkldnn._reorder_linear_weight(weight_t.t(), 64))
+                for x, weight_t in gemm_operands(dtype, key[1])
             ]
         operands = self._operands[key]
         start = time.perf_counter()

@@ -172,7 +172,7 @@ def model_gemm_shapes(model_config: ModelConfig, num_tokens: int) -> tuple[GemmS
 def time_gemm_pass(dtype: str, shapes: Sequence[GemmShape]) -> float:
     """Wall seconds of one ``torch.mm`` per shape in ``dtype`` on the CPU, operands prepared
     outside the timed part and kept until ``measure_gflops`` ends, so passes reuse them."""
-    operands = _operands(dtype, tuple(shapes))
+    operands = gemm_operands(dtype, tuple(shapes))
     start = time.perf_counter()
     for a, b in operands:
         torch.mm(a, b)
@@ -183,7 +183,11 @@ _operand_cache: dict[tuple[str, tuple[GemmShape, ...]], list[tuple[torch.Tensor,
 _operand_cache = {}
 
 
-def _operands(dtype: str, shapes: tuple[GemmShape, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def gemm_operands(
+    dtype: str, shapes: tuple[GemmShape, ...]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per shape, random ``x [m, k]`` and ``weight.T [k, n]`` (the weight stored ``[n, k]``, as
+    ``nn.Linear`` keeps it) in ``dtype``, made once and kept until ``measure_gflops`` ends."""
     key = (dtype, shapes)
     if key not in _operand_cache:
         generator = torch.Generator().manual_seed(0)
