@@ -39,6 +39,7 @@ from services.models.fp32_linear import (  # noqa: E402
     Fp32FewRowWeight,
     fp32_linear_unavailable_reason,
 )
+from services.models.packed_linear import REORDER_BATCH_HINT  # noqa: E402
 
 SHAPES = [(768, 1280), (768, 768), (768, 4096), (2048, 768)]
 """(in_features, out_features) of one decoder layer's projections in the small model."""
@@ -79,7 +80,7 @@ def main() -> None:
     for _ in range(args.layers):
         for in_features, out_features in SHAPES:
             weight = (torch.randn(out_features, in_features, generator=generator) / 32).to(dtype)
-            packed.append(torch.ops.mkldnn._reorder_linear_weight(weight, 64))
+            packed.append(torch.ops.mkldnn._reorder_linear_weight(weight, REORDER_BATCH_HINT))
             view = kernel.of(weight, packed[-1])
             if view is None:
                 sys.exit(f"oneDNN packed a {tuple(weight.shape)} weight in another layout")

@@ -11,9 +11,10 @@ What it measures, in one process:
   GEMM peak  GFLOP/s of one decoder layer's projections at 2,048 tokens in bf16 and fp32
              (``dtype_choice.measure_gflops``, best pass, before and after the engine run: the
              better of the two), each the faster of two paths: ``torch.mm`` on plain weights
-             (what ``--dtype auto`` times) and oneDNN's packed linear (``PackedGemmTimer``, the
-             engine's own prefill GEMM, which outran MKL's fp32 ``mm`` on the AMD host with
-             AVX512-BF16 switched off: prefill read 99-101 % of a roofline of ``mm`` alone). The
+             and oneDNN's packed linear (``dtype_choice.time_packed_pass``, the engine's own
+             prefill GEMM and what ``--dtype auto`` times, which outran MKL's fp32 ``mm`` on
+             the AMD host with AVX512-BF16 switched off: prefill read 99-101 % of a roofline of
+             ``mm`` alone). The
              peak is the faster dtype's. Where a dtype's two measurements differ by more than
              ``NOISY_SPREAD``, the report warns that other load fell on the run;
   bandwidth  a 512 MiB ``copy_``, best of several, before and after: (bytes read + bytes
@@ -72,10 +73,10 @@ sys.path.insert(0, str(ROOT))
 from services.engine import LLM, SamplingParams  # noqa: E402
 from services.engine.dtype_choice import (  # noqa: E402
     GemmShape,
-    gemm_operands,
     measure_gflops,
     model_gemm_shapes,
     time_gemm_pass,
+    time_packed_pass,
 )
 from services.host_memory import heap_on_huge_pages, restart_with_huge_page_heap  # noqa: E402
 from services.models.config import ModelConfig  # noqa: E402
@@ -83,7 +84,6 @@ from services.models.cpu_features import cpu_flags  # noqa: E402
 from services.models.packed_linear import (  # noqa: E402
     PackedLinear,
     PackedSiluGateUp,
-    packing_unavailable_reason,
 )
 from services.models.tiny import build_tiny_model  # noqa: E402
 
@@ -127,50 +127,15 @@ def read_bandwidth(num_bytes: int = 512 << 20, trials: int = 8) -> float:
     return num_bytes / best
 
 
-class PackedGemmTimer:
-    """A ``dtype_choice.PassTimer`` over oneDNN's packed linear: the path ``PackedLinear`` runs
-    for a batch past the few-row kernels (a prefill chunk), its weights reordered once, as
-    ``pack_linears`` does. A dtype the engine does not pack here is timed with ``torch.mm``.
-
-    Life cycle: made per report; keeps each (dtype, shapes) operand set from its first pass to
-    ``clear``, so that every pass reuses the same buffers."""
-
-    def __init__(self) -> None:
-        self._operands: dict[
-            tuple[str, tuple[GemmShape, ...]], list[tuple[torch.Tensor, torch.Tensor]]
-        ] = {}
-
-    def __call__(self, dtype: str, shapes: Sequence[GemmShape]) -> float:
-        torch_dtype = getattr(torch, dtype)
-        if packing_unavailable_reason(torch.device("cpu"), torch_dtype) is not None:
-            return time_gemm_pass(dtype, shapes)
-        key = (dtype, tuple(shapes))
-        if key not in self._operands:
-            # The torch.mm pass's operands, the weight packed (PackedLinear's batch-size hint).
-            self._operands[key] = [
-                (x, torch.ops.mkldnn._reorder_linear_weight(weight_t.t(), 64))
-                for x, weight_t in gemm_operands(dtype, key[1])
-            ]
-        operands = self._operands[key]
-        start = time.perf_counter()
-        for x, packed in operands:
-            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        return time.perf_counter() - start
-
-    def clear(self) -> None:
-        self._operands.clear()
-
-
 def gemm_peaks(
-    shapes: Sequence[GemmShape], timer: PackedGemmTimer
+    shapes: Sequence[GemmShape],
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """GFLOP/s per dtype, the faster of ``torch.mm`` and oneDNN's packed linear, and each
     path's own rates (``{"torch_mm": ..., "onednn_packed": ...}``)."""
     by_path = {
-        "torch_mm": measure_gflops(shapes, budget_s=3.0),
-        "onednn_packed": measure_gflops(shapes, time_pass=timer, budget_s=3.0),
+        "torch_mm": measure_gflops(shapes, time_pass=time_gemm_pass, budget_s=3.0),
+        "onednn_packed": measure_gflops(shapes, time_pass=time_packed_pass, budget_s=3.0),
     }
-    timer.clear()
     best = {name: max(rates[name] for rates in by_path.values()) for name in by_path["torch_mm"]}
     return best, by_path
 
@@ -338,11 +303,10 @@ def main() -> None:
     # The peaks are measured before and after the engine run and the better kept: on a shared
     # host a burst of load during one measurement would otherwise lower the roofline and flatter
     # the fractions.
-    timer = PackedGemmTimer()
-    gflops_before, paths_before = gemm_peaks(shapes, timer)
+    gflops_before, paths_before = gemm_peaks(shapes)
     bandwidth_before = copy_bandwidth()
     engine = run_engine(args)
-    gflops_after, paths_after = gemm_peaks(shapes, timer)
+    gflops_after, paths_after = gemm_peaks(shapes)
     bandwidth = max(bandwidth_before, copy_bandwidth())
     read_rate = read_bandwidth()
     gflops = {name: max(rate, gflops_after[name]) for name, rate in gflops_before.items()}

@@ -84,6 +84,13 @@ def few_row_label(view: FewRowView | None) -> str:
     return f", fp32 few-row {view.isa}"
 
 
+REORDER_BATCH_HINT = 64
+"""The batch size oneDNN's reorder is told to expect: it only picks the blocking, and any number
+of rows works (tested); weights packed for 64, 256 or 2,048 rows ran 2,048-row GEMMs alike
+(docs/benchmarks.md, issue 21, nineteenth pass), and this one keeps the layout the few-row
+kernels read."""
+
+
 class PackedLinear(nn.Module):
     """``nn.Linear`` over a weight in oneDNN's layout; input ``[num_rows, in_features]``."""
 
@@ -92,8 +99,7 @@ class PackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
-        # The batch-size hint only picks the blocking; any number of rows works (tested).
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, REORDER_BATCH_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.few_rows = few_row_view(weight, self.packed)
         """Our few-row kernel's view of ``packed`` for the batches it ``takes``, or None."""
@@ -130,8 +136,8 @@ class PackedSiluGateUp(nn.Module):
         self.in_features = gate_up.in_features
         self.out_features = gate_up.out_features // 2
         gate, up = gate_up.weight.detach().chunk(2, dim=0)
-        self.gate = torch.ops.mkldnn._reorder_linear_weight(gate.contiguous(), 64)
-        self.up = torch.ops.mkldnn._reorder_linear_weight(up.contiguous(), 64)
+        self.gate = torch.ops.mkldnn._reorder_linear_weight(gate.contiguous(), REORDER_BATCH_HINT)
+        self.up = torch.ops.mkldnn._reorder_linear_weight(up.contiguous(), REORDER_BATCH_HINT)
         gate_bias, up_bias = (
             (None, None) if gate_up.bias is None else gate_up.bias.detach().chunk(2, dim=0)
         )

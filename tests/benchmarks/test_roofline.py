@@ -7,14 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import roofline  # noqa: E402
 from roofline import (  # noqa: E402
     NOISY_SPREAD,
-    PackedGemmTimer,
     attention_flops,
     causal_pairs,
     decode_bound_s,
@@ -24,8 +22,11 @@ from roofline import (  # noqa: E402
 )
 
 from services.engine import LLM  # noqa: E402
-from services.engine.dtype_choice import GemmShape  # noqa: E402
-from services.models.packed_linear import packing_unavailable_reason  # noqa: E402
+from services.engine.dtype_choice import (  # noqa: E402
+    GemmShape,
+    time_gemm_pass,
+    time_packed_pass,
+)
 
 
 def test_decode_bound_is_compute_or_memory_whichever_is_slower() -> None:
@@ -77,28 +78,14 @@ def test_a_gemm_rate_that_fell_during_the_run_is_its_spread() -> None:
 def test_the_gemm_peak_is_the_faster_path_for_each_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     # torch.mm wins in bf16, oneDNN's packed linear in fp32 (MKL's fp32 mm on an AMD host): each
     # dtype's peak is its faster path, and both paths' rates are reported.
-    def fake_measure(shapes, *, time_pass=None, budget_s):  # noqa: ANN001, ANN202
-        if isinstance(time_pass, PackedGemmTimer):
+    def fake_measure(shapes, *, time_pass, budget_s):  # noqa: ANN001, ANN202
+        if time_pass is time_packed_pass:
             return {"bfloat16": 400.0, "float32": 190.0}
+        assert time_pass is time_gemm_pass
         return {"bfloat16": 420.0, "float32": 170.0}
 
     monkeypatch.setattr(roofline, "measure_gflops", fake_measure)
-    best, by_path = gemm_peaks([GemmShape(8, 64, 64)], PackedGemmTimer())
+    best, by_path = gemm_peaks([GemmShape(8, 64, 64)])
     assert best == {"bfloat16": 420.0, "float32": 190.0}
     assert by_path["torch_mm"]["float32"] == 170.0
     assert by_path["onednn_packed"]["bfloat16"] == 400.0
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_packed_timer_times_a_pass_and_keeps_its_operands_until_cleared(dtype: str) -> None:
-    timer = PackedGemmTimer()
-    shapes = (GemmShape(16, 64, 128), GemmShape(16, 128, 64))
-    assert timer(dtype, shapes) > 0.0
-    if packing_unavailable_reason(torch.device("cpu"), getattr(torch, dtype)) is not None:
-        assert timer._operands == {}  # timed with torch.mm, as the engine would not pack it
-        return
-    first = timer._operands[(dtype, shapes)]
-    timer(dtype, shapes)
-    assert timer._operands[(dtype, shapes)] is first  # the second pass reused the buffers
-    timer.clear()
-    assert timer._operands == {}

@@ -3,6 +3,7 @@ explicit dtype winning, and an engine that computes and lays out its KV in the c
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ from services.engine.dtype_choice import (
 from services.engine.engine_core import EngineCore
 from services.models.config import ModelConfig
 from services.models.gguf_file import open_gguf
+from services.models.packed_linear import packing_unavailable_reason
 
 SHAPES = (GemmShape(64, 32, 96), GemmShape(64, 96, 32))
 FLOPS = sum(s.flops for s in SHAPES)
@@ -112,6 +114,45 @@ def test_auto_on_cuda_is_bfloat16_unmeasured(tmp_path: Path) -> None:
 def test_the_real_timer_measures_both_dtypes() -> None:
     rates = measure_gflops((GemmShape(16, 32, 32),), budget_s=0.0)
     assert set(rates) == {"bfloat16", "float32"} and all(rate > 0 for rate in rates.values())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_packed_pass_runs_the_engines_gemm_and_keeps_its_operands_until_measured(
+    dtype: str,
+) -> None:
+    shapes = (GemmShape(16, 64, 128), GemmShape(16, 128, 64))
+    assert dc.time_packed_pass(dtype, shapes) > 0.0
+    if packing_unavailable_reason(torch.device("cpu"), getattr(torch, dtype)) is not None:
+        assert dc._packed_cache == {}  # timed with torch.mm, as the engine would not pack it
+        return
+    first = dc._packed_cache[(dtype, shapes)]
+    # What it multiplies: the plain pass's operands, the weight in oneDNN's layout.
+    for (x, packed), (plain_x, weight_t) in zip(
+        first, dc.gemm_operands(dtype, shapes), strict=True
+    ):
+        assert x is plain_x
+        product = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        torch.testing.assert_close(product, torch.mm(x, weight_t), rtol=2e-2, atol=2e-2)
+    dc.time_packed_pass(dtype, shapes)
+    assert dc._packed_cache[(dtype, shapes)] is first  # the second pass reused the buffers
+    measure_gflops(shapes, budget_s=0.0)
+    assert dc._packed_cache == {} and dc._operand_cache == {}
+
+
+def test_auto_times_the_packed_pass_unless_told_otherwise() -> None:
+    for function in (choose_compute_dtype, measure_gflops):
+        default = inspect.signature(function).parameters["time_pass"].default
+        assert default is dc.time_packed_pass, function.__name__
+
+
+def test_rates_cached_before_the_packed_pass_are_measured_again(tmp_path: Path) -> None:
+    # A cache written when auto timed torch.mm: its key lacks the path, so it is not read.
+    old_key = dc._cache_key(SHAPES).removeprefix(dc.CACHE_KEY_PATH + " ")
+    cache_file = tmp_path / f"pdserve_dtype_{dc.cpu_tag()}.json"
+    cache_file.write_text(json.dumps({old_key: {"bfloat16": 900.0, "float32": 1.0}}))
+    timer = FakeTimer({"bfloat16": 0.2, "float32": 0.1})
+    choice = choose_compute_dtype("auto", "cpu", SHAPES, cache_dir=tmp_path, time_pass=timer)
+    assert choice.dtype == "float32" and choice.source == "measured" and timer.calls
 
 
 def test_shapes_are_one_layers_projections_at_the_chunk_size(tiny_llama_dir: Path) -> None:
