@@ -14,9 +14,9 @@ What it measures, in one process:
              and oneDNN's packed linear (``dtype_choice.time_packed_pass``, the engine's own
              prefill GEMM and what ``--dtype auto`` times, which outran MKL's fp32 ``mm`` on
              the AMD host with AVX512-BF16 switched off: prefill read 99-101 % of a roofline of
-             ``mm`` alone). The
-             peak is the faster dtype's. Where a dtype's two measurements differ by more than
-             ``NOISY_SPREAD``, the report warns that other load fell on the run;
+             ``mm`` alone). The peak is the faster dtype's. Where a dtype's two measurements
+             differ by more than ``NOISY_SPREAD``, the report warns that other load fell on the
+             run;
   bandwidth  a 512 MiB ``copy_``, best of several, before and after: (bytes read + bytes
              written) / s; and a 512 MiB ``sum`` after: bytes read / s, reported beside the
              target (decode reads; on the Intel host of docs/benchmarks.md a read-only stream
