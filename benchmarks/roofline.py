@@ -81,10 +81,7 @@ from services.engine.dtype_choice import (  # noqa: E402
 from services.host_memory import heap_on_huge_pages, restart_with_huge_page_heap  # noqa: E402
 from services.models.config import ModelConfig  # noqa: E402
 from services.models.cpu_features import cpu_flags  # noqa: E402
-from services.models.packed_linear import (  # noqa: E402
-    PackedLinear,
-    PackedSiluGateUp,
-)
+from services.models.packed_linear import PackedLinear, PackedSiluGateUp  # noqa: E402
 from services.models.tiny import build_tiny_model  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "small-llama"

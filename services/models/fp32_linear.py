@@ -9,14 +9,13 @@ the panel's work, so that the stream runs under the arithmetic (``docs/benchmark
 Where it is faster (``benchmarks/few_row_linear.py --dtype float32``, the small model's
 projections streamed from memory, oneDNN held to the same instruction set): AVX-512 10-14 % at
 1-64 rows, even at 128. AVX2 depends on the core (each host with its wider instructions switched
-off): on the Intel host of the sixth pass of ``docs/benchmarks.md`` 23-40 % at 1-24 rows, 3 % at
-48, 5 % slower at 64 and 20 % at 128; on the AMD EPYC (Zen 4) host of its nineteenth pass, three
-runs, 15-28 % at 1 row, 8-13 % at 48, 4-8 % at 64, 3 % slower to 1 % faster at 80 and equal or
-5 % slower at 96, and a decode step of 64 sequences ran 3-5 % faster with the kernel than on
-oneDNN. The AVX2-only servers in use are
-mostly AMD's (Zen 2 and 3, whose vector units are Zen 4's at 256 bits), so AVX2's limit is
-64 rows. Hence ``MAX_ROWS``; and a weight stays on oneDNN where its panels do not give every
-thread two (``Fp32FewRowWeight.takes``).
+off): on the Intel host of the sixth pass of ``docs/benchmarks.md`` 23-40 % at 1-24 rows, 3 % at 48,
+5 % slower at 64 and 20 % at 128; on the AMD EPYC (Zen 4) host of its nineteenth pass, three runs,
+15-28 % at 1 row, 8-13 % at 48, 4-8 % at 64, 3 % slower to 1 % faster at 80 and equal or 5 % slower
+at 96, and a decode step of 64 sequences ran 3-5 % faster with the kernel than on oneDNN. The
+AVX2-only servers in use are mostly AMD's (Zen 2 and 3, whose vector units are Zen 4's at 256 bits),
+so AVX2's limit is 64 rows. Hence ``MAX_ROWS``; and a weight stays on oneDNN where its panels do not
+give every thread two (``Fp32FewRowWeight.takes``).
 
 It reads the very buffer ``mkldnn._reorder_linear_weight`` made: oneDNN packs an fp32 linear
 weight for its AVX2 and AVX-512 kernels as ``[out/64][in][64]``, each panel's 64 output columns
