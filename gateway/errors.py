@@ -2,8 +2,10 @@
 
 Anything a client can get wrong, or any refusal (auth, limits, no capacity), is raised as a
 ``GatewayError`` before the first byte of a response; the HTTP bridge renders it as an OpenAI
-error body with the status below, the public gRPC API aborts with the status code below. An error
-after tokens were streamed is not an exception: it is a ``Finished`` with reason ``error``.
+error body with the status below, the public gRPC API aborts with the status code below; either
+counts it once in ``pdserve:request_errors_total`` under its ``reason`` (``gateway/metrics.py``).
+An error after tokens were streamed is not an exception: it is a ``Finished`` with reason
+``error``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class GatewayError(Exception):
         param: str | None = None,
         *,
         retry_after_s: int | None = None,
+        reason: str | None = None,
     ) -> None:
         super().__init__(message)
         self.kind = kind
@@ -57,6 +60,9 @@ class GatewayError(Exception):
         self.param = param
         self.retry_after_s = retry_after_s
         """Whole seconds after which a refused request may succeed (HTTP ``Retry-After``)."""
+        self.reason = reason or kind.name.lower()
+        """The ``pdserve:request_errors_total`` reason the front end counts the refusal under,
+        once: the kind's name, or what raised it knows more precisely (``no_node``)."""
 
     def http_headers(self) -> list[tuple[bytes, bytes]]:
         """Extra response headers: a 429 says when to come back (its own ``retry_after_s``, as a

@@ -5,13 +5,16 @@ iterates ``Generator.generate``: ``TokenChunk``s in order, then exactly one ``Fi
 before the first chunk are raised as ``GatewayError`` (no capacity → RESOURCE_EXHAUSTED, no
 healthy node → UNAVAILABLE, a node's INVALID_ARGUMENT → INVALID_ARGUMENT); after the first chunk a
 failure is a ``Finished`` with reason ``error``. Closing the iterator early (``aclose``, a
-cancelled task) cancels both node legs at once and frees their blocks.
+cancelled task) cancels both node legs at once and frees their blocks. A consumer that finds the
+output complete first (a stop string) ends it with ``stop_early`` instead: the legs are cancelled
+the same way, and the iterator's last event is a ``Finished(STOP)``, so the request counts as
+finished, not as cancelled.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -57,6 +60,26 @@ class Finished:
 
 
 GenerationEvent = TokenChunk | Finished
+
+
+class StopGeneration(Exception):
+    """Thrown into a generation's events (``stop_early``) when the output is complete before the
+    nodes finished it. The generator cancels its node legs as on ``aclose``, then yields one last
+    ``Finished(STOP)`` with what it knows by then; one that wraps another passes it on."""
+
+
+async def stop_early(events: AsyncIterator[GenerationEvent]) -> Finished | None:
+    """Ends ``events`` with ``StopGeneration``: the ``Finished`` they end with, or None from
+    events that cannot end so (not a generator, or one that knows no ``StopGeneration``)."""
+    if not isinstance(events, AsyncGenerator):
+        return None
+    try:
+        last = await events.athrow(StopGeneration())
+    except (StopGeneration, StopAsyncIteration):
+        return None
+    finally:
+        await events.aclose()
+    return last if isinstance(last, Finished) else None
 
 
 class Generator(Protocol):

@@ -26,6 +26,7 @@ from gateway.frontend import Frontend
 from gateway.generation import CLIENT_REQUEST_ID, GenerationRequest
 from gateway.grpc_chat import ChatInput, chat_input
 from gateway.guided import check
+from gateway.metrics import stream_failure
 from gateway.pipeline import TextOptions, admitted, generate_text, tokenize
 from gateway.text.bad_words import bad_words_token_ids
 from gateway.text.text_stream import TextDelta, TextFinished
@@ -94,10 +95,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                         if isinstance(item, TextDelta):
                             yield _delta_response(item, output)
                         else:
+                            failure = stream_failure(item.finish_reason)
+                            if failure is not None:
+                                frontend.metrics.request_errors.labels(reason=failure).inc()
                             for response in _final_responses(item, output, generation.request_id):
                                 yield response
         except GatewayError as exc:
-            frontend.metrics.request_errors.labels(reason=exc.kind.name.lower()).inc()
+            frontend.metrics.request_errors.labels(reason=exc.reason).inc()
             if exc.retry_after_s is not None:
                 context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
             await context.abort(exc.kind.grpc_code, exc.message)

@@ -38,7 +38,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gateway.auth import ApiKey
 from gateway.errors import ErrorKind, GatewayError
-from gateway.generation import GenerationEvent, GenerationRequest, Generator, TokenChunk
+from gateway.generation import (
+    GenerationEvent,
+    GenerationRequest,
+    Generator,
+    StopGeneration,
+    TokenChunk,
+    stop_early,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -233,7 +240,13 @@ class KeyMeteredGenerator:
                     if isinstance(event, TokenChunk):
                         lease.add_tokens(len(event.token_ids))
                 is_first = False
-                yield event
+                try:
+                    yield event
+                except StopGeneration:  # the output is complete: the inner generation ends it
+                    finished = await stop_early(events)
+                    if finished is not None:
+                        yield finished
+                    return
         finally:
             # Closing this iterator early must close the inner one: that cancels the node legs.
             aclose = getattr(events, "aclose", None)

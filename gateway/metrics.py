@@ -3,11 +3,39 @@
 Latencies are observed where tokens leave for the client: TTFT from arrival to the first token,
 ITL between token chunks, e2e to the last; stage timings come from the nodes' ``Finished``.
 Served on the HTTP port's ``/metrics``; one registry per gateway so tests can run several.
+
+Every generation that finishes, whatever ended it (EOS, a stop token or a stop string,
+``max_tokens``, an abort or an error after its first token), is counted once in
+``request_success{finished_reason}``, ``e2e_request_latency`` and ``request_stage_seconds`` by
+the routed generator. A stop string ends the generation before the nodes do: its legs are
+cancelled before the decode node's ``Finished``, so the stages only that ``Finished`` reports
+(``decode_queue``, ``first_decode_step``, ``decode``, and the prefill stages of a node that
+prefilled the prompt itself: colocated, local prefill, recompute) are not observed for it;
+``gateway_queue`` and a prefill node's stages (``prefill_queue``, ``prefill_compute``,
+``kv_transfer``, from its reply) are. A request whose client went away is
+not finished: it counts in ``request_errors`` (HTTP), never in ``request_success``.
+
+``request_errors{reason}`` counts each failed request once, by the front end that answers it
+(per HTTP request, whatever its ``n``), under its most specific reason:
+
+- a refusal before any output, a ``GatewayError``'s ``reason``: its kind (``invalid_argument``,
+  ``unauthenticated``, ``not_found``, ``request_timeout``, ``payload_too_large``,
+  ``resource_exhausted``: the admission queue or a key's limits, ``unavailable``,
+  ``deadline_exceeded``: the deadline passed before the first token), or ``no_node`` (503: no
+  healthy pair or colocated node could serve it) or ``no_capacity`` (429: every decode node
+  tried was full, its wait queue too);
+- a generation that ended early after it began (``stream_failure``): ``stream_error`` (finish
+  reason ``error``: a node failed mid-stream) or ``stream_abort`` (``abort``: the request
+  deadline passed, or a node aborted it);
+- HTTP only: ``client_disconnected``, ``slow_client`` (``--client-send-timeout-s``) and
+  ``internal`` (a bug in the gateway).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.types import FinishReason
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _STAGES = (
@@ -46,11 +74,13 @@ class GatewayMetrics:
             "request_stage_seconds", "Per-stage time of finished requests", ("stage",)
         )
         self.requests_finished = Counter(
-            "pdserve:request_success", "Finished requests by finish reason",
+            "pdserve:request_success", "Finished requests by finish reason (stop: EOS, a stop "
+            "token or a stop string)",
             ("finished_reason",), registry=registry,
         )  # fmt: skip
         self.request_errors = Counter(
-            "pdserve:request_errors", "Requests refused or failed, by reason",
+            "pdserve:request_errors", "Requests refused or failed, each once, by its most "
+            "specific reason (the list: gateway/metrics.py)",
             ("reason",), registry=registry,
         )  # fmt: skip
         self.retries = Counter(
@@ -79,3 +109,13 @@ class GatewayMetrics:
             seconds = getattr(timings, f"{stage}_s")
             if seconds > 0:
                 self.stage_seconds.labels(stage=stage).observe(seconds)
+
+
+def stream_failure(finish_reason: FinishReason) -> str | None:
+    """The ``request_errors`` reason of a generation that ended ``finish_reason`` after it began;
+    None for an end that is no failure (``stop``, ``length``)."""
+    if finish_reason is FinishReason.ERROR:
+        return "stream_error"
+    if finish_reason is FinishReason.ABORT:
+        return "stream_abort"
+    return None

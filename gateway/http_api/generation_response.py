@@ -37,6 +37,7 @@ from gateway.http_api.openai_format import (
 from gateway.http_api.openai_job import OpenAIJob, choice_requests, prompt_token_ids, renamed
 from gateway.http_api.openai_protocol import PromptTokensDetails, UsageInfo
 from gateway.http_api.sse import DONE, MEDIA_TYPE, sse_event
+from gateway.metrics import stream_failure
 from gateway.pipeline import TextOptions, admitted, tokenize
 from gateway.text.text_stream import TextDelta, TextFinished
 from services.types import FinishReason, StageTimings, Usage
@@ -58,6 +59,8 @@ class GenerationResponse(Response):
         self._job = job
         self._is_started = False
         self._is_client_gone = False
+        self._is_internal_error = False
+        """A bug in the gateway failed a choice: the request's error reason is ``internal``."""
         self._n = job.body.n
         self._format: OpenAIFormat = output or (ChatFormat if job.is_chat else CompletionFormat)(
             job, frontend.tokenizer, frontend.served_model_name
@@ -121,7 +124,7 @@ class GenerationResponse(Response):
             logger.warning("request %s: aborted: %s", self._job.request_id, error)
             metrics.request_errors.labels(reason="slow_client").inc()
         except GatewayError as error:
-            metrics.request_errors.labels(reason=error.kind.name.lower()).inc()
+            metrics.request_errors.labels(reason=error.reason).inc()
             refusal = renamed(error, self._job.param_names)  # as the client named the field
             if not self._is_started:
                 await self._send_json(
@@ -207,15 +210,16 @@ class GenerationResponse(Response):
             raise  # the client reads nothing: no error event could reach it either
         except Exception:  # a bug: end the stream visibly rather than leave the client hanging
             logger.exception("request %s: stream failed", self._job.request_id)
-            self._frontend.metrics.request_errors.labels(reason="internal").inc()
+            self._is_internal_error = True
             errors.append("internal error")
         if errors:
-            self._frontend.metrics.request_errors.labels(reason="generation_failed").inc()
             error = GatewayError(ErrorKind.UNAVAILABLE, "; ".join(errors))
             await self._send_body(send, sse_event(error.openai_body()))
         if self._format.ends_with_done:
             await self._send_body(send, DONE)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+        # After the last send: a client that left or stopped reading meanwhile is the reason.
+        self._count_failure(states)
 
     async def _respond(
         self,
@@ -239,13 +243,26 @@ class GenerationResponse(Response):
                 for s in failed
                 if s.finished is not None
             )
-            self._frontend.metrics.request_errors.labels(reason="generation_failed").inc()
             await self._send_json(
                 send, 503, GatewayError(ErrorKind.UNAVAILABLE, message).openai_body()
             )
-            return
-        response = self._format.response(states, self._usage(states))
-        await self._send_json(send, 200, response)
+        else:
+            response = self._format.response(states, self._usage(states))
+            await self._send_json(send, 200, response)
+        self._count_failure(states)
+
+    def _count_failure(self, states: Sequence[ChoiceState]) -> None:
+        """Counts the request in ``request_errors`` once if it failed: a bug, or else the first
+        choice that ended early (``stream_failure``). Refusals are counted where they are caught.
+        """
+        reasons = ["internal"] if self._is_internal_error else []
+        reasons += [
+            reason
+            for state in states
+            if state.finished and (reason := stream_failure(state.finished.finish_reason))
+        ]
+        if reasons:
+            self._frontend.metrics.request_errors.labels(reason=reasons[0]).inc()
 
     def _update(self, state: ChoiceState, item: ChoiceEvent | Exception) -> ChoiceEvent:
         """Record one event of a choice; an exception after the choice's first event ends it
@@ -255,6 +272,7 @@ class GenerationResponse(Response):
         end's tokens); observing them here too would count each request twice.
         """
         if isinstance(item, Exception):
+            self._is_internal_error = True  # generators raise only before their first event
             item = TextFinished(
                 finish_reason=FinishReason.ERROR,
                 usage=Usage(len(state.prompt_token_ids), state.num_tokens),

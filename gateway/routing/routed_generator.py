@@ -23,6 +23,15 @@ Life cycle of one request here:
    a silent truncation — and a passed deadline with ``Finished(ABORT)``.
 5. CLOSED: however the consumer leaves (aclose, cancellation), each leg's context exit cancels
    its call, and a cancelled RPC aborts the request on its node (peers.md #4, #5).
+   STOPPED: a consumer that found the output complete (a stop string) throws ``StopGeneration``
+   instead: the legs are cancelled the same way, then a ``Finished(STOP)`` goes out with what
+   the attempt knew (``_Progress``), and the request is counted finished like any other.
+
+Metrics: every ``Finished`` that goes out is counted here (``request_success``, e2e latency, stage
+timings), as are TTFT and ITL: this is where every front end's tokens pass. Failed requests are
+not: the front end that answers one counts it once (``GatewayError.reason``, ``stream_failure``
+in ``gateway/metrics.py``), since only it knows the request (its ``n`` generations, a client
+gone).
 
 Request ids: the nodes key everything by the id they are sent (the engine's request, the decode
 node's reservation and transfer, the prefill node's held KV and push) and refuse one in use, so
@@ -45,12 +54,19 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import replace
+from contextlib import aclosing
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.config import RouterConfig
 from gateway.errors import ErrorKind, GatewayError
-from gateway.generation import Finished, GenerationEvent, GenerationRequest, TokenChunk
+from gateway.generation import (
+    Finished,
+    GenerationEvent,
+    GenerationRequest,
+    StopGeneration,
+    TokenChunk,
+)
 from gateway.metrics import GatewayMetrics
 from gateway.routing.grpc_legs import GrpcLegs
 from gateway.routing.legs import (
@@ -64,9 +80,26 @@ from gateway.routing.legs import (
 )
 from gateway.routing.node import Node
 from gateway.routing.router import Route, Router
-from services.types import StageTimings, Usage
+from services.types import FinishReason, StageTimings, Usage
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Progress:
+    """What an attempt has learned before its ``Finished``: all a request stopped early can be
+    told, since legs cancelled before their ``Finished`` never send it."""
+
+    cached_prompt_tokens: int = 0
+    prefill_timings: StageTimings = field(default_factory=StageTimings)
+    """The prefill node's queue, compute and KV push, from its reply (disaggregated only). The
+    decode node's stages, and a colocated node's prefill, come only with its ``Finished``."""
+
+    def stopped(self, num_prompt_tokens: int, num_sent: int) -> Finished:
+        """The ``Finished`` of an attempt stopped after ``num_sent`` tokens; the stages it never
+        heard of stay 0 (not observed), no number is made up for them."""
+        usage = Usage(num_prompt_tokens, num_sent, self.cached_prompt_tokens)
+        return Finished(FinishReason.STOP, usage, self.prefill_timings)
 
 
 class RoutedGenerator:
@@ -105,25 +138,29 @@ class RoutedGenerator:
             # A retry never reuses an id: the prefill node keeps a held id reserved (peers #13).
             leg_id = node_id if attempt == 0 else f"{node_id}.r{attempt}"
             num_sent, last_sent = 0, 0.0
+            progress = _Progress()
             try:
-                async for event in self._attempt(route, leg_id, request, wait_for_room):
-                    now = time.monotonic()
-                    if isinstance(event, TokenChunk):
+                async with aclosing(
+                    self._attempt(route, leg_id, request, progress, wait_for_room)
+                ) as events:
+                    async for event in events:
+                        now = time.monotonic()
+                        if isinstance(event, Finished):
+                            yield self._finish(event, now - arrival, gateway_queue_s, attempt)
+                            continue
                         if num_sent == 0:
                             self.metrics.time_to_first_token.observe(now - arrival)
                         else:
                             self.metrics.inter_token_latency.observe(now - last_sent)
                         num_sent, last_sent = num_sent + len(event.token_ids), now
-                    else:
-                        event = replace(
-                            event,
-                            timings=replace(event.timings, gateway_queue_s=gateway_queue_s),
-                            num_retries=attempt,
-                        )
-                        self.metrics.e2e_request_latency.observe(now - arrival)
-                        self.metrics.observe_stages(event.timings)
-                        self.metrics.requests_finished.labels(event.finish_reason.value).inc()
-                    yield event
+                        try:
+                            yield event
+                        except StopGeneration:
+                            e2e_s = time.monotonic() - arrival
+                            await events.aclose()  # the nodes stop decoding before it goes out
+                            stopped = progress.stopped(len(request.prompt_token_ids), num_sent)
+                            yield self._finish(stopped, e2e_s, gateway_queue_s, attempt)
+                            return
                 return
             except RetryableFailure as failure:
                 # A full decode node is admission at work (the request waits next), not a fault.
@@ -143,21 +180,37 @@ class RoutedGenerator:
 
     def _no_route(self, failures: list[RetryableFailure]) -> GatewayError:
         if _all_full(failures):
-            self.metrics.request_errors.labels(reason="no_capacity").inc()
             return GatewayError(
                 ErrorKind.RESOURCE_EXHAUSTED,
                 f"no KV capacity: every decode node tried ({len(failures)}) is full; retry later",
+                reason="no_capacity",
             )
-        self.metrics.request_errors.labels(reason="no_node").inc()
         detail = "; ".join(f"{f.node.address}: {f.message}" for f in failures)
         return GatewayError(
             ErrorKind.UNAVAILABLE,
             "no healthy prefill/decode pair or colocated node could serve the request"
             + (f" ({detail})" if detail else ""),
+            reason="no_node",
         )
 
+    def _finish(
+        self, finished: Finished, e2e_s: float, gateway_queue_s: float, num_retries: int
+    ) -> Finished:
+        """The request's ``Finished`` with what only the gateway knows, counted."""
+        timings = replace(finished.timings, gateway_queue_s=gateway_queue_s)
+        finished = replace(finished, timings=timings, num_retries=num_retries)
+        self.metrics.e2e_request_latency.observe(e2e_s)
+        self.metrics.observe_stages(finished.timings)
+        self.metrics.requests_finished.labels(finished.finish_reason.value).inc()
+        return finished
+
     async def _attempt(
-        self, route: Route, leg_id: str, request: GenerationRequest, wait_for_room: bool = False
+        self,
+        route: Route,
+        leg_id: str,
+        request: GenerationRequest,
+        progress: _Progress,
+        wait_for_room: bool = False,
     ) -> AsyncGenerator[GenerationEvent, None]:
         """Yields the attempt's events; raises ``RetryableFailure`` only before the first.
 
@@ -166,13 +219,13 @@ class RoutedGenerator:
         """
         timeout = None if request.deadline is None else request.deadline - time.monotonic()
         if timeout is not None and timeout <= 0:
-            raise _deadline_error(self.metrics)
+            raise _deadline_error()
         self.metrics.attempts.labels(route=route.kind).inc()
         if route.prefill is None:
             leg = self._colocated(route.decode, leg_id, request, timeout)
         else:
             leg = self._disaggregated(
-                route.prefill, route.decode, leg_id, request, timeout, wait_for_room
+                route.prefill, route.decode, leg_id, request, timeout, progress, wait_for_room
             )
         num_sent = 0
         try:
@@ -181,7 +234,6 @@ class RoutedGenerator:
                     num_sent += len(event.token_ids)
                 yield event
         except StreamEnded as ended:
-            self.metrics.request_errors.labels(reason=f"stream_{ended.reason.value}").inc()
             prompt = len(request.prompt_token_ids)
             yield Finished(ended.reason, Usage(prompt, num_sent), error=ended.message)
         finally:
@@ -207,6 +259,7 @@ class RoutedGenerator:
         leg_id: str,
         request: GenerationRequest,
         timeout: float | None,
+        progress: _Progress,
         wait_for_room: bool = False,
     ) -> AsyncGenerator[GenerationEvent, None]:
         legs = self.legs
@@ -221,10 +274,10 @@ class RoutedGenerator:
             pending: asyncio.Future[DecodeEvent] | None = None
             try:
                 held, recomputing, pending = await _hold_until_prefill(decode, reply)
-                cached, prefill_timings = 0, StageTimings()
                 if not recomputing:
                     answer = reply.result()  # a failed prefill raises here: retryable
-                    cached, prefill_timings = answer.cached_prompt_tokens, answer.timings
+                    progress.cached_prompt_tokens = answer.cached_prompt_tokens
+                    progress.prefill_timings = answer.timings
                     decode.streamed = True
                     yield answer.first
                 while True:
@@ -241,7 +294,7 @@ class RoutedGenerator:
                         decode.streamed = True
                         yield event
                         continue
-                    yield _merge(event, cached, prefill_timings)
+                    yield _merge(event, progress)
                     return
             finally:
                 for future in (pending, reply):
@@ -289,16 +342,16 @@ def _all_full(failures: list[RetryableFailure]) -> bool:
     return bool(failures) and all(f.cause == "decode_full" for f in failures)
 
 
-def _deadline_error(metrics: GatewayMetrics) -> GatewayError:
-    metrics.request_errors.labels(reason="deadline").inc()
+def _deadline_error() -> GatewayError:
     return GatewayError(
         ErrorKind.DEADLINE_EXCEEDED, "the request deadline passed before the first token"
     )
 
 
-def _merge(finished: Finished, cached: int, prefill_timings: StageTimings) -> Finished:
+def _merge(finished: Finished, progress: _Progress) -> Finished:
     """The decode's Finished, completed with what only the prefill leg reported."""
     usage = finished.usage
+    cached, prefill_timings = progress.cached_prompt_tokens, progress.prefill_timings
     if usage.cached_prompt_tokens == 0 and cached:
         usage = replace(usage, cached_prompt_tokens=cached)
     timings = finished.timings

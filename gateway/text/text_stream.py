@@ -5,8 +5,10 @@ Both API front ends iterate ``stream_text`` over ``Generator.generate``. Per req
 1. Each ``TokenChunk`` becomes one ``TextDelta`` with the chunk's ids and logprobs and the text
    they complete; the text is empty while a character or a possible stop string is held back.
 2. A stop string ends the stream: the text before it goes out in the last delta, the node legs
-   are cancelled at once (the events are closed before anything else is yielded), and the
-   ``TextFinished`` counts the tokens up to and including the one that completed the match.
+   are cancelled at once (the events are stopped, ``stop_early``, before anything else is
+   yielded), and the ``TextFinished`` counts the tokens up to and including the one that
+   completed the match, with the stage timings and retries of the events' own last ``Finished``
+   (none from events that cannot stop early: they are closed).
 3. Otherwise the events' ``Finished`` flushes the held text into a last delta (when there is
    any) and becomes the ``TextFinished``.
 
@@ -27,10 +29,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
-from gateway.generation import Finished, GenerationEvent, TokenChunk
+from gateway.generation import Finished, GenerationEvent, TokenChunk, stop_early
 from gateway.text.detokenizer import IncrementalDetokenizer
 from gateway.text.stop_strings import StopMatch, StopStringMatcher
 from gateway.text.tokenizer import Tokenizer
@@ -144,15 +146,19 @@ async def stream_text(
                 yield TextDelta(chunk.text, token_ids, logprobs, event.prompt_logprobs)
                 continue
             # Cancel the node legs before the client sees anything: they are still decoding.
+            stopped = await stop_early(events)
             await _close(events)
             yield TextDelta(chunk.text, token_ids, logprobs, event.prompt_logprobs)
+            if stopped is None:
+                stopped = Finished(FinishReason.STOP, Usage(len(prompt_token_ids), 0))
             yield TextFinished(
                 finish_reason=FinishReason.STOP,
-                usage=Usage(len(prompt_token_ids), num_output_tokens),
-                # NOTE: the legs are cancelled before their Finished, so stage timings are lost.
-                timings=StageTimings(),
+                # The events counted every token sent, past the stop's too.
+                usage=replace(stopped.usage, completion_tokens=num_output_tokens),
+                timings=stopped.timings,
                 error=None,
                 stop_reason=chunk.matched,
+                num_retries=stopped.num_retries,
             )
             return
         logger.error("generation events ended without a Finished event")

@@ -6,14 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import re
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 
 import pytest
 
 from gateway.config import RouterConfig
 from gateway.errors import ErrorKind, GatewayError
-from gateway.generation import Finished, GenerationEvent, GenerationRequest, TokenChunk
+from gateway.generation import (
+    Finished,
+    GenerationEvent,
+    GenerationRequest,
+    TokenChunk,
+    stop_early,
+)
+from gateway.key_limiter import KeyMeteredGenerator
 from gateway.metrics import GatewayMetrics
 from gateway.routing.legs import (
     DecodeEvent,
@@ -244,9 +252,12 @@ def test_every_decode_full_then_one_attempt_waits_for_room_and_a_full_queue_is_4
          enumerate(routes)},
         {"p0": reply(10), "p1": reply(10)},
     )  # fmt: skip
+    generator = make_generator(routes, legs)
     with pytest.raises(GatewayError) as raised:
-        asyncio.run(collect(make_generator(routes, legs)))
+        asyncio.run(collect(generator))
     assert raised.value.kind is ErrorKind.RESOURCE_EXHAUSTED
+    assert raised.value.reason == "no_capacity"
+    assert errors_counted(generator) == {}, "the front end counts it, once"
     waits = [leg.wait_for_room for leg in legs.opened if isinstance(leg, FakeDecodeLeg)]
     assert waits == [False, False, True], "two refusals, then one attempt that queues"
     assert_no_work_left(routes, legs)
@@ -348,3 +359,85 @@ def test_a_colocated_node_serves_alone_and_skips_a_recomputing_notice() -> None:
     assert token_ids(events) == [1, 2]
     assert [type(leg) for leg in legs.opened] == [FakeDecodeLeg]
     assert_no_work_left(routes, legs)
+
+
+# --- metrics: finished requests here, failed ones by the front end -----------------------------
+
+
+def sample(generator: RoutedGenerator, name: str, **labels: str) -> float:
+    value = generator.metrics.registry.get_sample_value(f"pdserve:{name}", labels)
+    return 0.0 if value is None else value
+
+
+def errors_counted(generator: RoutedGenerator) -> dict[str, float]:
+    return {
+        s.labels["reason"]: s.value
+        for metric in generator.metrics.request_errors.collect()
+        for s in metric.samples
+        if s.name.endswith("_total")
+    }
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["routed", "key_metered"])
+def test_a_stop_string_ends_the_request_as_finished_with_the_stages_known(wrapped: bool) -> None:
+    """The consumer stops the generation (a stop string) after two tokens: the legs are
+    cancelled before the Finished goes out, and the request counts as finished with reason stop,
+    with the prefill node's stages (its reply) and none of the decode node's (its Finished never
+    comes). Counted the same through the key-metering wrapper the server puts around it."""
+    routes = pairs(1)
+    legs = FakeLegs({"d0": served(11, 12, 13)}, {"p0": reply(10)})
+    generator = make_generator(routes, legs)
+
+    async def run() -> Finished | None:
+        outer = KeyMeteredGenerator(generator) if wrapped else generator
+        queued = replace(request(), arrival=time.monotonic() - 0.5)  # waited for admission
+        events = outer.generate(queued)
+        assert token_ids([await anext(events), await anext(events)]) == [10, 11]
+        final = await stop_early(events)
+        assert routes[0].decode.num_in_flight == 0, "cancelled before the Finished went out"
+        return final
+
+    final = asyncio.run(run())
+    assert final is not None and final.finish_reason is FinishReason.STOP
+    assert final.usage == Usage(len(PROMPT), 2, cached_prompt_tokens=2)
+    assert final.timings == replace(PREFILL_TIMINGS, gateway_queue_s=final.timings.gateway_queue_s)
+    assert final.timings.gateway_queue_s >= 0.5
+    assert_no_work_left(routes, legs)
+    assert sample(generator, "request_success_total", finished_reason="stop") == 1
+    assert sample(generator, "e2e_request_latency_seconds_count") == 1
+    for stage in ("gateway_queue", "prefill_queue", "prefill_compute", "kv_transfer"):
+        assert sample(generator, "request_stage_seconds_count", stage=stage) == 1, stage
+    for stage in ("decode_queue", "first_decode_step", "decode"):
+        assert sample(generator, "request_stage_seconds_count", stage=stage) == 0, stage
+
+
+def test_a_request_closed_early_is_not_counted_finished() -> None:
+    """A client gone closes the events (no StopGeneration): nothing says the request finished."""
+    routes = pairs(1)
+    legs = FakeLegs({"d0": served(11, 12, 13)}, {"p0": reply(10)})
+    generator = make_generator(routes, legs)
+
+    async def run() -> None:
+        events = generator.generate(request())
+        await anext(events)
+        await events.aclose()
+
+    asyncio.run(run())
+    assert_no_work_left(routes, legs)
+    assert sample(generator, "e2e_request_latency_seconds_count") == 0
+    assert not [s for m in generator.metrics.requests_finished.collect() for s in m.samples]
+
+
+def test_failures_are_named_for_the_front_end_not_counted_here() -> None:
+    generator = make_generator([], FakeLegs({}))  # no pair to pick
+    with pytest.raises(GatewayError) as raised:
+        asyncio.run(collect(generator))
+    assert raised.value.kind is ErrorKind.UNAVAILABLE and raised.value.reason == "no_node"
+
+    lost = StreamEnded(FinishReason.ERROR, "decode node lost")
+    legs = FakeLegs({"d0": (None, [TokenChunk((11,)), lost])}, {"p0": reply(10)})
+    generator = make_generator(pairs(1), legs)
+    events = asyncio.run(collect(generator))
+    assert isinstance(events[-1], Finished) and events[-1].finish_reason is FinishReason.ERROR
+    assert sample(generator, "request_success_total", finished_reason="error") == 1
+    assert errors_counted(generator) == {}, "the front end counts it, once"

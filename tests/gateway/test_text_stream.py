@@ -10,12 +10,14 @@ from typing import Any
 import pytest
 
 from gateway.errors import ErrorKind, GatewayError, invalid
-from gateway.generation import Finished, GenerationEvent, TokenChunk
+from gateway.generation import Finished, GenerationEvent, StopGeneration, TokenChunk
 from gateway.text.text_stream import TextDelta, TextEvent, TextFinished, stream_text
 from gateway.text.tokenizer import Tokenizer
 from services.types import FinishReason, StageTimings, TokenLogprob, Usage
 
 TIMINGS = StageTimings(prefill_compute_s=0.5, decode_s=1.5)
+STOPPED_TIMINGS = StageTimings(prefill_compute_s=0.5, gateway_queue_s=0.25)
+"""What legs stopped early know: no decode stage (that comes with the decode node's Finished)."""
 PROMPT = "Say it:"
 
 
@@ -25,9 +27,11 @@ class FakeLegs:
 
     events: list[GenerationEvent]
     error_before_first: GatewayError | None = None
+    can_stop_early: bool = True
+    """Answers ``StopGeneration`` as the routed generator does; else it ends as on a close."""
     num_pulled: int = 0
     is_cancelled: bool = False
-    """Closed before yielding its Finished, as a cancelled request's legs are."""
+    """Closed or stopped before yielding its Finished, as a cancelled request's legs are."""
     pulled: list[GenerationEvent] = field(default_factory=list)
     is_cancelled_when_seen: list[bool] = field(default_factory=list)
     """``is_cancelled`` as the consumer received each text event."""
@@ -38,7 +42,18 @@ class FakeLegs:
         try:
             for event in self.events:
                 self.pulled.append(event)
-                yield event
+                try:
+                    yield event
+                except StopGeneration:
+                    self.is_cancelled = True
+                    if not self.can_stop_early:
+                        raise
+                    num_sent = sum(
+                        len(e.token_ids) for e in self.pulled if isinstance(e, TokenChunk)
+                    )
+                    usage = Usage(7, num_sent, cached_prompt_tokens=3)
+                    yield Finished(FinishReason.STOP, usage, STOPPED_TIMINGS, num_retries=1)
+                    return
         except GeneratorExit:
             # Closed after the Finished is harmless: the legs are done by then.
             self.is_cancelled = not any(isinstance(event, Finished) for event in self.pulled)
@@ -146,13 +161,33 @@ def test_stop_string_mid_chunk_cancels_the_legs(tokenizer: Tokenizer) -> None:
     assert isinstance(last_delta, TextDelta)
     # The last delta ends with the token that completed the stop; later ones are dropped.
     assert last_delta.token_ids[-1] == token_ids[stop_index]
-    num_prompt_tokens = len(tokenizer.encode(PROMPT))
+    # The legs' own last Finished says what they knew: the cache hits, the stages, the retries.
+    # Its count of tokens sent (the stop's whole chunk) gives way to the tokens up to the stop.
     assert final == TextFinished(
+        FinishReason.STOP,
+        Usage(7, stop_index + 1, cached_prompt_tokens=3),
+        STOPPED_TIMINGS,
+        None,
+        stop_reason="END",
+        num_retries=1,
+    )
+
+
+def test_a_stop_string_closes_events_that_cannot_stop_early(tokenizer: Tokenizer) -> None:
+    token_ids = tokenizer.encode("one, two, three, four", add_special_tokens=False)
+    stop_index = first_token_completing(tokenizer, token_ids, "two")
+    legs = FakeLegs([*chunks_of(token_ids, 1), finished(len(token_ids))], can_stop_early=False)
+    events = run(legs, tokenizer, stop=("two",))
+    assert legs.is_cancelled_when_seen[-2:] == [True, True]
+    assert len(legs.pulled) == stop_index + 1
+    assert text_of(events) == "one, "
+    num_prompt_tokens = len(tokenizer.encode(PROMPT))
+    assert events[-1] == TextFinished(  # nothing known of the stages: none made up
         FinishReason.STOP,
         Usage(num_prompt_tokens, stop_index + 1),
         StageTimings(),
         None,
-        stop_reason="END",
+        stop_reason="two",
     )
 
 

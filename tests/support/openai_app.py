@@ -19,7 +19,13 @@ import uvicorn
 from gateway.admission import Admission
 from gateway.auth import ApiKeys
 from gateway.frontend import Frontend
-from gateway.generation import Finished, GenerationEvent, GenerationRequest, TokenChunk
+from gateway.generation import (
+    Finished,
+    GenerationEvent,
+    GenerationRequest,
+    StopGeneration,
+    TokenChunk,
+)
 from gateway.http_api.openai_app import build_openai_app
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
@@ -67,7 +73,7 @@ class FakeGenerator:
                     await asyncio.Event().wait()
                 else:
                     yield step  # type: ignore[misc]
-        except (GeneratorExit, asyncio.CancelledError):
+        except (GeneratorExit, asyncio.CancelledError, StopGeneration):  # stopped: as closed
             if isinstance(steps[-1], Finished) and step is steps[-1]:
                 raise  # closed after its Finished: a normal end, not a cancellation
             self.closed_ids.append(request.request_id)

@@ -1,0 +1,227 @@
+"""The gateway's request metrics as a client's requests leave them: a real gateway (both APIs,
+the routed generator, the key-metering wrapper, the gRPC legs) over fake nodes
+(``support.fake_node``, no model). Each finished request is counted once in
+``request_success``, whatever stopped it; each failed one once in ``request_errors``, under its
+most specific reason, on either API."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+
+from gateway.config import parse_gateway_config
+from gateway.server import GatewayServer
+from gateway.text.tokenizer import Tokenizer
+from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from support import fake_node
+
+COUNTING = "Count: 1, 2, 3, 4, 5, 6, 7, 8"
+
+
+@dataclass
+class Stack:
+    gateway: GatewayServer
+    http: httpx.AsyncClient
+    grpc: gateway_pb2_grpc.GatewayServiceStub
+
+    def sample(self, name: str, **labels: str) -> float:
+        value = self.gateway.metrics.registry.get_sample_value(f"pdserve:{name}", labels)
+        return 0.0 if value is None else value
+
+    def counted(self, counter: str, label: str) -> dict[str, float]:
+        """``{label value: count}`` of one counter's series (``request_errors``, ...)."""
+        return {
+            sample.labels[label]: sample.value
+            for metric in self.gateway.metrics.registry.collect()
+            if metric.name == f"pdserve:{counter}"
+            for sample in metric.samples
+            if sample.name.endswith("_total")
+        }
+
+    async def generate(
+        self, stop: tuple[str, ...] = (), max_tokens: int = 16
+    ) -> tuple[grpc.StatusCode, list[gateway_pb2.GatewayGenerateResponse]]:
+        request = gateway_pb2.GatewayGenerateRequest(
+            text="Count:", sampling=common_pb2.SamplingParams(max_tokens=max_tokens), stop=stop
+        )
+        responses: list[gateway_pb2.GatewayGenerateResponse] = []
+        try:
+            async for response in self.grpc.Generate(request, timeout=20):
+                responses.append(response)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), responses
+        return grpc.StatusCode.OK, responses
+
+
+Body = Callable[[Stack], Awaitable[None]]
+
+
+async def _start_node(role: str, **script: Any) -> tuple[grpc.aio.Server, str]:
+    args = argparse.Namespace(
+        role=role, port=0, ttft_ms=0.0, itl_ms=0.0, fail_after_tokens=None, refuse=False,
+        script=None,
+    )  # fmt: skip
+    vars(args).update(script)
+    server = grpc.aio.server()
+    node = fake_node.FakeNode(args)
+    fake_node.prefill_pb2_grpc.add_PrefillServiceServicer_to_server(node, server)
+    fake_node.decode_pb2_grpc.add_DecodeServiceServicer_to_server(node, server)
+    fake_node.health_pb2_grpc.add_HealthServicer_to_server(
+        fake_node.health.aio.HealthServicer(), server
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def serve(model_dir: Path, body: Body, **roles: list[dict[str, Any]]) -> None:
+    """Runs ``body`` against a gateway over fake nodes: ``roles`` maps prefill, decode or
+    colocated to one script (``fake_node`` flags) per node."""
+
+    async def main() -> None:
+        servers, flags = [], []
+        for role, scripts in roles.items():
+            addresses = []
+            for script in scripts:
+                server, address = await _start_node(role, **script)
+                servers.append(server)
+                addresses.append(address)
+            flags.append(f"--{role}={','.join(addresses)}")
+        config = parse_gateway_config(
+            ["--model", str(model_dir), "--host", "127.0.0.1", "--http-port", "0",
+             "--grpc-port", "0", "--max-model-len", "512", "--health-interval-s", "60", *flags],
+            {},
+        )  # fmt: skip
+        gateway = GatewayServer(config)
+        await gateway.start()
+        try:
+            async with (
+                httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.http_port}", timeout=20)
+                as http,
+                grpc.aio.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel,
+            ):  # fmt: skip
+                await body(Stack(gateway, http, gateway_pb2_grpc.GatewayServiceStub(channel)))
+        finally:
+            await gateway.stop(grace_s=0.5)
+            for server in servers:
+                await server.stop(0)
+
+    asyncio.run(main())
+
+
+def sse_chunks(body: str) -> list[dict[str, Any]]:
+    events = [line.removeprefix("data: ") for line in body.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    return [json.loads(event) for event in events[:-1]]
+
+
+# --- finished requests ----------------------------------------------------------------------
+
+
+def test_a_stop_string_is_a_finished_request(tiny_llama_dir: Path, tokenizer: Tokenizer) -> None:
+    """The reproduction: ``"stop": ", "`` over an answer that goes on past it. The stop string
+    ends the generation before the node's Finished; the request is counted finished (stop), with
+    its latency and the stages the gateway knows, once per request on either API."""
+    script = tokenizer.encode(COUNTING, add_special_tokens=False)
+
+    async def body(stack: Stack) -> None:
+        request = {"prompt": "Count:", "max_tokens": 16, "temperature": 0, "stop": ", "}
+        response = await stack.http.post("/v1/completions", json=request)
+        assert response.status_code == 200, response.text
+        (choice,) = response.json()["choices"]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", ", ")
+
+        response = await stack.http.post("/v1/completions", json={**request, "stream": True})
+        assert sse_chunks(response.text)[-1]["choices"][0]["finish_reason"] == "stop"
+
+        status, responses = await stack.generate(stop=(", ",))
+        assert status == grpc.StatusCode.OK
+        assert responses[-1].finished.finish_reason == common_pb2.FINISH_REASON_STOP
+        assert responses[-1].finished.stop_reason == ", "
+
+        assert stack.counted("request_success", "finished_reason") == {"stop": 3}
+        assert stack.sample("e2e_request_latency_seconds_count") == 3
+        assert stack.sample("request_stage_seconds_count", stage="gateway_queue") == 3
+        assert stack.counted("request_errors", "reason") == {}
+
+    serve(tiny_llama_dir, body, colocated=[{"script": script}])
+
+
+def test_a_client_gone_is_no_finished_request(tiny_llama_dir: Path) -> None:
+    """A client that leaves mid-stream: counted as such, never as a success."""
+
+    async def body(stack: Stack) -> None:
+        request = {"prompt": "Count:", "max_tokens": 50, "stream": True}
+        async with stack.http.stream("POST", "/v1/completions", json=request) as response:
+            lines = response.aiter_lines()
+            assert (await anext(lines)).startswith("data: {")
+        for _ in range(200):
+            if stack.gateway.admission.num_running == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert stack.counted("request_errors", "reason") == {"client_disconnected": 1}
+        assert stack.counted("request_success", "finished_reason") == {}
+        assert stack.sample("e2e_request_latency_seconds_count") == 0
+
+    serve(tiny_llama_dir, body, colocated=[{"itl_ms": 100}])
+
+
+# --- failed requests: once each, the most specific reason --------------------------------------
+
+
+def test_no_healthy_node_counts_once_as_no_node(tiny_llama_dir: Path) -> None:
+    async def body(stack: Stack) -> None:
+        for node in stack.gateway.pool.nodes:
+            node.mark_failed("test")
+        response = await stack.http.post("/v1/completions", json={"prompt": "x"})
+        assert response.status_code == 503
+        status, _ = await stack.generate()
+        assert status == grpc.StatusCode.UNAVAILABLE
+        assert stack.counted("request_errors", "reason") == {"no_node": 2}
+
+    serve(tiny_llama_dir, body, colocated=[{}])
+
+
+def test_no_kv_capacity_counts_once_as_no_capacity(tiny_llama_dir: Path) -> None:
+    async def body(stack: Stack) -> None:
+        response = await stack.http.post("/v1/completions", json={"prompt": "x"})
+        assert response.status_code == 429
+        status, _ = await stack.generate()
+        assert status == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert stack.counted("request_errors", "reason") == {"no_capacity": 2}
+
+    serve(tiny_llama_dir, body, prefill=[{}], decode=[{"refuse": True}])
+
+
+@pytest.mark.parametrize("api", ["http", "http_stream", "http_n2", "grpc"])
+def test_a_stream_cut_off_counts_once_as_stream_error(tiny_llama_dir: Path, api: str) -> None:
+    """The node fails after three tokens: the request fails once (per request, whatever its
+    ``n``), as ``stream_error``; and its generations finished, with reason error."""
+
+    async def body(stack: Stack) -> None:
+        request: dict[str, Any] = {"prompt": "Count:", "max_tokens": 10}
+        if api == "grpc":
+            status, responses = await stack.generate(max_tokens=10)
+            assert status == grpc.StatusCode.OK
+            assert responses[-1].finished.finish_reason == common_pb2.FINISH_REASON_ERROR
+        elif api == "http_stream":
+            response = await stack.http.post("/v1/completions", json={**request, "stream": True})
+            assert response.status_code == 200 and '"error"' in response.text
+        else:
+            n = 2 if api == "http_n2" else 1
+            response = await stack.http.post("/v1/completions", json={**request, "n": n})
+            assert response.status_code == 503
+        assert stack.counted("request_errors", "reason") == {"stream_error": 1}
+        num_generations = 2 if api == "http_n2" else 1
+        assert stack.counted("request_success", "finished_reason") == {"error": num_generations}
+
+    serve(tiny_llama_dir, body, colocated=[{"fail_after_tokens": 3, "itl_ms": 10}])
