@@ -372,7 +372,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 def _delta(out: EngineCoreOutput, prompt: Sequence[int]) -> decode_pb2.TokenDelta:
     delta = decode_pb2.TokenDelta(token_ids=out.new_token_ids)
     if out.prompt_logprobs is not None:  # the first token's, when this node computed the prompt
-        delta.prompt_logprobs.extend(prompt_logprobs_to_proto(prompt, out.prompt_logprobs))
+        assert out.prompt_logprob_ranks is not None
+        delta.prompt_logprobs.extend(
+            prompt_logprobs_to_proto(prompt, out.prompt_logprobs, out.prompt_logprob_ranks)
+        )
     if out.new_logprobs is not None:
         for token_id, logprobs in zip(out.new_token_ids, out.new_logprobs, strict=True):
             delta.logprobs.append(logprobs_to_proto(token_id, logprobs))

@@ -196,8 +196,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 logprobs_to_proto(first.new_token_ids[0], first.new_logprobs[0])
             )
         if first.prompt_logprobs is not None:
+            assert first.prompt_logprob_ranks is not None
             result.prompt_logprobs.extend(
-                prompt_logprobs_to_proto(request.prompt_token_ids, first.prompt_logprobs)
+                prompt_logprobs_to_proto(
+                    request.prompt_token_ids, first.prompt_logprobs, first.prompt_logprob_ranks
+                )
             )
         # The first token may already end the request (EOS, max_tokens=1).
         if first.finish_reason is not None and _stops_for_good(first, params.max_tokens):

@@ -160,24 +160,31 @@ def finish_reason_from_proto(value: int) -> FinishReason | None:
     return _FINISH_FROM_PROTO.get(value)
 
 
-def logprobs_to_proto(token_id: int, logprobs: dict[int, float]) -> common_pb2.TokenLogprobs:
-    """``logprobs`` holds the sampled token and its top-n alternatives (engine convention)."""
+def logprobs_to_proto(
+    token_id: int, logprobs: dict[int, float], rank: int | None = None
+) -> common_pb2.TokenLogprobs:
+    """``logprobs`` holds the sampled token and its top-n alternatives (engine convention);
+    ``rank``: the token's in the vocabulary, where computed."""
     top = sorted(logprobs.items(), key=lambda item: item[1], reverse=True)
     return common_pb2.TokenLogprobs(
         token_id=token_id,
         logprob=logprobs[token_id],
         top_token_ids=[t for t, _ in top],
         top_logprobs=[lp for _, lp in top],
+        rank=rank or 0,
     )
 
 
 def prompt_logprobs_to_proto(
-    prompt_token_ids: Sequence[int], entries: Sequence[dict[int, float] | None]
+    prompt_token_ids: Sequence[int],
+    entries: Sequence[dict[int, float] | None],
+    ranks: Sequence[int | None],
 ) -> list[common_pb2.TokenLogprobs]:
-    """The engine's prompt logprobs (entry 0 None) as prompt tokens 1, 2, ...'s messages."""
+    """The engine's prompt logprobs and their tokens' ranks (entry 0 None) as prompt tokens
+    1, 2, ...'s messages."""
     return [
-        logprobs_to_proto(token_id, entry)
-        for token_id, entry in zip(prompt_token_ids[1:], entries[1:], strict=True)
+        logprobs_to_proto(token_id, entry, rank)
+        for token_id, entry, rank in zip(prompt_token_ids[1:], entries[1:], ranks[1:], strict=True)
         if entry is not None
     ]
 
@@ -194,6 +201,7 @@ def token_logprob_from_proto(message: common_pb2.TokenLogprobs) -> TokenLogprob:
         token_id=message.token_id,
         logprob=message.logprob,
         top=tuple(zip(message.top_token_ids, message.top_logprobs, strict=True)),
+        rank=message.rank or None,  # 0: not computed (ranks start at 1)
     )
 
 
@@ -203,6 +211,7 @@ def token_logprob_to_proto(logprob: TokenLogprob) -> common_pb2.TokenLogprobs:
         logprob=logprob.logprob,
         top_token_ids=[token_id for token_id, _ in logprob.top],
         top_logprobs=[value for _, value in logprob.top],
+        rank=logprob.rank or 0,
     )
 
 

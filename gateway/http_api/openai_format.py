@@ -54,6 +54,10 @@ class ChoiceState:
     texts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text_offsets: list[int] = field(default_factory=list)
+    """Where each of ``logprobs``' tokens starts in the generated text (``texts`` joined)."""
+    num_echo_chars: int = 0
+    """Characters of the echoed prompt that the choice's text starts with (completions with
+    ``echo``), set with its first chunk: its legacy text offsets count them too."""
     num_chars: int = 0
     num_tokens: int = 0
     is_started: bool = False
@@ -65,6 +69,16 @@ class ChoiceState:
 
 def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else _MIN_LOGPROB
+
+
+def _top_with_token(lp: TokenLogprob, num_top: int) -> tuple[tuple[int, float], ...]:
+    """The legacy ``top_logprobs`` of a token: its top ``num_top`` and the token itself, so up
+    to ``num_top`` + 1 (OpenAI's, vLLM's). The nodes may have sent more alternatives (an echoed
+    prompt's are asked for ``max(logprobs, prompt_logprobs)``)."""
+    top = lp.top[:num_top]
+    if all(token_id != lp.token_id for token_id, _ in top):
+        top += ((lp.token_id, lp.logprob),)  # below the others: lp.top is best first
+    return top
 
 
 Chunk = BaseModel | list[dict[str, Any]]
@@ -123,18 +137,19 @@ class OpenAIFormat:
         text = self.token_text
         entries: PromptLogprobs = [None]
         for lp in state.prompt_logprobs or ():
+            # vLLM's: the top-n ranked by their place, the prompt's token by its rank in the
+            # whole vocabulary (the node's; from a node without ranks, its place or None).
             ranked = {
                 token_id: PromptLogprob(
-                    logprob=_finite(value),
-                    rank=rank + 1 if rank < num_top else None,
-                    decoded_token=text(token_id),
+                    logprob=_finite(value), rank=place, decoded_token=text(token_id)
                 )
-                for rank, (token_id, value) in enumerate(lp.top)
+                for place, (token_id, value) in enumerate(lp.top[:num_top], start=1)
             }
-            if lp.token_id not in ranked:
-                ranked[lp.token_id] = PromptLogprob(
-                    logprob=_finite(lp.logprob), decoded_token=text(lp.token_id)
-                )
+            own = ranked.get(lp.token_id)
+            rank = lp.rank if lp.rank is not None else own.rank if own is not None else None
+            ranked[lp.token_id] = PromptLogprob(
+                logprob=_finite(lp.logprob), rank=rank, decoded_token=text(lp.token_id)
+            )
             entries.append(ranked)
         return entries
 
@@ -143,20 +158,26 @@ class CompletionFormat(OpenAIFormat):
     def legacy_logprobs(
         self, logprobs: Sequence[TokenLogprob], offsets: Sequence[int]
     ) -> CompletionLogprobs:
+        """The choice's own tokens' logprobs; ``offsets``: where each starts in the choice's
+        text, an echoed prompt included."""
         text = self.token_text
+        num_top = self.job.num_logprobs or 0
         return CompletionLogprobs(
             tokens=[text(lp.token_id) for lp in logprobs],
             token_logprobs=[_finite(lp.logprob) for lp in logprobs],
-            top_logprobs=[{text(t): _finite(lp_) for t, lp_ in lp.top} for lp in logprobs],
+            top_logprobs=[
+                {text(t): _finite(v) for t, v in _top_with_token(lp, num_top)} for lp in logprobs
+            ],
             text_offset=list(offsets),
         )
 
     def echo_logprobs(self, state: ChoiceState) -> CompletionLogprobs | None:
         """With ``echo`` and ``logprobs``: the legacy logprobs of the echoed prompt's tokens (the
         first has none), which the choice's own tokens' follow; their offsets count the token
-        texts from 0, and the choice's own are shifted past the echoed text."""
+        texts from 0."""
         body = self.job.body
-        if not getattr(body, "echo", False) or self.job.num_logprobs is None:
+        num_top = self.job.num_logprobs
+        if not getattr(body, "echo", False) or num_top is None:
             return None
         text = self.token_text
         prompt = state.prompt_token_ids
@@ -169,7 +190,9 @@ class CompletionFormat(OpenAIFormat):
             logprobs.tokens.append(token)
             logprobs.token_logprobs.append(None if lp is None else _finite(lp.logprob))
             logprobs.top_logprobs.append(
-                None if lp is None else {text(t): _finite(v) for t, v in lp.top}
+                None
+                if lp is None
+                else {text(t): _finite(v) for t, v in _top_with_token(lp, num_top)}
             )
             logprobs.text_offset.append(offset)
             offset += len(self.tokenizer.token_text(token_id))  # offsets index the text
@@ -178,16 +201,16 @@ class CompletionFormat(OpenAIFormat):
     def with_echo_logprobs(
         self, state: ChoiceState, logprobs: CompletionLogprobs | None
     ) -> CompletionLogprobs | None:
-        """``logprobs`` (the choice's own tokens') after the echoed prompt's, when echoed."""
+        """``logprobs`` (the choice's own tokens', offsets already past the echoed text) after
+        the echoed prompt's, when echoed."""
         echoed = self.echo_logprobs(state)
         if echoed is None:
             return logprobs
         if logprobs is not None:
-            shift = len(self.echo_text(state))
             echoed.tokens += logprobs.tokens
             echoed.token_logprobs += logprobs.token_logprobs
             echoed.top_logprobs += logprobs.top_logprobs
-            echoed.text_offset += [offset + shift for offset in logprobs.text_offset]
+            echoed.text_offset += logprobs.text_offset
         return echoed
 
     def echo_text(self, state: ChoiceState) -> str:
@@ -207,11 +230,16 @@ class CompletionFormat(OpenAIFormat):
     def delta_chunk(self, state: ChoiceState, delta: TextDelta) -> BaseModel | None:
         if not delta.text and not self.has_logprobs(delta):
             return None
+        echo = ""
+        if not state.is_started:
+            echo = self.echo_text(state)
+            state.num_echo_chars = len(echo)
         logprobs = None
         if self.has_logprobs(delta):
-            logprobs = self.legacy_logprobs(
-                delta.logprobs or (), state.text_offsets[-len(delta.logprobs or ()) :]
-            )
+            num_tokens = len(delta.logprobs or ())
+            # Offsets into the whole choice text, as the response's: past the echoed prompt.
+            offsets = [state.num_echo_chars + o for o in state.text_offsets[-num_tokens:]]
+            logprobs = self.legacy_logprobs(delta.logprobs or (), offsets)
         if state.is_started:
             return self._chunk(
                 CompletionChoice(index=state.index, text=delta.text, logprobs=logprobs)
@@ -220,7 +248,7 @@ class CompletionFormat(OpenAIFormat):
         return self._chunk(
             CompletionChoice(
                 index=state.index,
-                text=self.echo_text(state) + delta.text,
+                text=echo + delta.text,
                 logprobs=self.with_echo_logprobs(state, logprobs),
                 prompt_logprobs=self.prompt_logprobs(state),
             )
@@ -252,13 +280,15 @@ class CompletionFormat(OpenAIFormat):
         choices = []
         for state in states:
             assert state.finished is not None
+            echo = self.echo_text(state)
             logprobs = None
             if self.job.num_logprobs is not None:
-                logprobs = self.legacy_logprobs(state.logprobs, state.text_offsets)
+                offsets = [len(echo) + offset for offset in state.text_offsets]
+                logprobs = self.legacy_logprobs(state.logprobs, offsets)
             choices.append(
                 CompletionChoice(
                     index=state.index,
-                    text=self.echo_text(state) + "".join(state.texts),
+                    text=echo + "".join(state.texts),
                     logprobs=self.with_echo_logprobs(state, logprobs),
                     prompt_logprobs=self.prompt_logprobs(state),
                     finish_reason=state.finished.finish_reason.value,
@@ -280,12 +310,16 @@ class ChatFormat(OpenAIFormat):
                 bytes=list(self.token_bytes(token_id)),
             )
 
+        # OpenAI's top_logprobs: exactly the top n asked for; lp.top also holds the sampled
+        # token when it is not among them (the legacy format's n + 1).
+        num_top = self.job.num_logprobs or 0
         content = []
         for lp in logprobs:
             sampled = top(lp.token_id, lp.logprob)
             content.append(
                 TokenLogprobInfo(
-                    **sampled.model_dump(), top_logprobs=[top(t, lp_) for t, lp_ in lp.top]
+                    **sampled.model_dump(),
+                    top_logprobs=[top(t, lp_) for t, lp_ in lp.top[:num_top]],
                 )
             )
         return ChatLogprobs(content=content)

@@ -302,7 +302,8 @@ class PromptLogprob(ResponseModel):
 
     logprob: float
     rank: int | None = None
-    """Its place among the alternatives returned (1 = most likely); None when not among them."""
+    """Its rank in the vocabulary (1 = most likely): an alternative's place, the prompt token's
+    1 + the tokens with a greater logprob; None only from a node that sends no ranks."""
     decoded_token: str
 
 

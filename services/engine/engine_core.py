@@ -255,8 +255,9 @@ class EngineCore:
         sampled, prompt_logprobs = self.runner.execute(scheduler_output)
         for request_id, entries in prompt_logprobs.items():
             request = self.scheduler.requests[request_id]
-            for position, entry in entries:
+            for position, entry, rank in entries:
                 request.prompt_logprobs[position] = entry
+                request.prompt_logprob_ranks[position] = rank
         if len(self.structured_outputs):
             self._accept_grammar_tokens(sampled)
         updated = self.scheduler.update_from_output(scheduler_output, sampled)
@@ -275,12 +276,13 @@ class EngineCore:
         if finish_reason is not None:
             self.runner.release(request.request_id)
             self.structured_outputs.remove(request.request_id)
-        is_first = request.num_output_tokens == 1
+        has_prompt_logprobs = (
+            request.num_output_tokens == 1 and request.params.prompt_logprobs is not None
+        )
         return EngineCoreOutput(
-            prompt_logprobs=(
-                list(request.prompt_logprobs)
-                if is_first and request.params.prompt_logprobs is not None
-                else None
+            prompt_logprobs=list(request.prompt_logprobs) if has_prompt_logprobs else None,
+            prompt_logprob_ranks=(
+                list(request.prompt_logprob_ranks) if has_prompt_logprobs else None
             ),
             request_id=request.request_id,
             new_token_ids=request.output_token_ids[-1:],

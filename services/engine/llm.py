@@ -120,6 +120,7 @@ class LLM:
                     result.num_cached_tokens = out.num_cached_tokens
                     if out.prompt_logprobs is not None:
                         result.prompt_logprobs = out.prompt_logprobs
+                        result.prompt_logprob_ranks = out.prompt_logprob_ranks
                     if out.finished:
                         result.finish_reason = out.finish_reason
                         pending -= 1

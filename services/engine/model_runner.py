@@ -48,8 +48,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _KV_DTYPES = {**_DTYPES, FP8_KV_DTYPE: torch.float8_e5m2}
 
 
-PromptLogprobs = list[tuple[int, dict[int, float]]]
-"""(prompt position, {the prompt token there: its logprob, plus the top-n ids}) pairs."""
+PromptLogprobs = list[tuple[int, dict[int, float], int]]
+"""(prompt position, {the prompt token there: its logprob, plus the top-n ids}, that token's rank
+in the vocabulary) triples."""
 
 _PROMPT_LOGPROB_ROWS = 256
 """Rows whose logits one slice of a prompt-logprobs chunk holds at once."""
@@ -342,8 +343,8 @@ class ModelRunner:
     def _prompt_logprobs(
         self, hidden: torch.Tensor, chunk: ScheduledChunk, first_row: int
     ) -> PromptLogprobs:
-        """(position, {prompt token at position: logprob, plus the top-n ids}) for each prompt
-        token this chunk predicts: the chunk's row for position p gives token p + 1's."""
+        """(position, {prompt token at position: logprob, plus the top-n ids}, its rank) for each
+        prompt token this chunk predicts: the chunk's row for position p gives token p + 1's."""
         request = chunk.request
         num_top = request.params.prompt_logprobs or 0
         begin = chunk.start_position
@@ -357,16 +358,19 @@ class ModelRunner:
             logprobs = self.model.compute_logits(rows).float().log_softmax(dim=-1)
             targets = request.prompt_token_ids[start + 1 : stop + 1]
             index = torch.tensor(targets, device=logprobs.device).unsqueeze(1)
-            chosen = logprobs.gather(1, index).squeeze(1).tolist()
+            chosen = logprobs.gather(1, index)  # [rows, 1]
+            # vLLM's rank: 1 + the tokens more likely than the prompt's, whatever n was asked.
+            ranks = (logprobs > chosen).sum(dim=-1).add_(1).tolist()  # [rows]
+            chosen_values = chosen.squeeze(1).tolist()
             top_values: list[list[float]] = [[] for _ in targets]
             top_ids: list[list[int]] = [[] for _ in targets]
             if num_top:
                 values, ids = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1)
                 top_values, top_ids = values.tolist(), ids.tolist()
             for offset, token_id in enumerate(targets):
-                entry = {token_id: chosen[offset]}
+                entry = {token_id: chosen_values[offset]}
                 entry.update(zip(top_ids[offset], top_values[offset], strict=True))
-                entries.append((start + offset + 1, entry))
+                entries.append((start + offset + 1, entry, ranks[offset]))
         return entries
 
     def _generator(self, request: Request) -> torch.Generator | None:

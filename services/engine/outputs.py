@@ -21,6 +21,8 @@ class EngineCoreOutput:
     """time.monotonic() of the request's first scheduled step (None: never scheduled)."""
     prompt_logprobs: list[dict[int, float] | None] | None = None
     """With the request's first token, when it asked for them: ``Request.prompt_logprobs``."""
+    prompt_logprob_ranks: list[int | None] | None = None
+    """Beside ``prompt_logprobs``: ``Request.prompt_logprob_ranks``."""
 
     @property
     def finished(self) -> bool:
@@ -41,6 +43,9 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     """Per prompt token (the first None): {its id: logprob, plus the top-n ids}; None unless
     asked."""
+    prompt_logprob_ranks: list[int | None] | None = None
+    """Beside ``prompt_logprobs``: each prompt token's rank in the vocabulary (1 + the tokens
+    with a greater logprob; the first None)."""
 
     @property
     def finished(self) -> bool:

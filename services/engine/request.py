@@ -78,6 +78,9 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     """With ``params.prompt_logprobs``: entry i is prompt token i's {id: logprob, plus the top-n
     ids}, given the tokens before it (entry 0 stays None); filled as its chunks are computed."""
+    prompt_logprob_ranks: list[int | None] = field(default_factory=list)
+    """Beside ``prompt_logprobs``: entry i is prompt token i's rank in the vocabulary (1 + the
+    tokens with a greater logprob), whether or not it is among the top-n."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Chained hashes of the full blocks of ``token_ids``, extended as tokens are added."""
     token_ids: list[int] = field(init=False)
@@ -87,6 +90,7 @@ class Request:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+            self.prompt_logprob_ranks = [None] * len(self.prompt_token_ids)
 
     @property
     def needs_prompt_logprobs(self) -> bool:

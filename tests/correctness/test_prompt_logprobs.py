@@ -1,7 +1,8 @@
 """Prompt logprobs (``SamplingParams.prompt_logprobs``) equal a Hugging Face forward pass over
-the same prompt (fp32): every prompt token's logprob given the tokens before it, and the top-n
-alternatives; whole prompts, prompts cut into chunks (one of a single token), and a prompt whose
-prefix sits in the prefix cache (it must still be computed, not skipped)."""
+the same prompt (fp32): every prompt token's logprob given the tokens before it, its rank in the
+vocabulary, and the top-n alternatives; whole prompts, prompts cut into chunks (one of a single
+token), and a prompt whose prefix sits in the prefix cache (it must still be computed, not
+skipped)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.engine import LLM, SamplingParams
+from services.engine import LLM, RequestOutput, SamplingParams
 
 PROMPT_LENS = (15, 17, 1, 2, 45)  # at a budget of 16 the 17 starts with a 1-token chunk
 TOP = 3
@@ -31,15 +32,22 @@ def reference(tiny_llama_dir: Path) -> tuple[list[list[int]], list[torch.Tensor]
     return prompts, logprobs
 
 
-def check(prompt: list[int], expected: torch.Tensor, got: list[dict[int, float] | None]) -> None:
-    assert len(got) == len(prompt) and got[0] is None
+def check(prompt: list[int], expected: torch.Tensor, output: RequestOutput, num_top: int) -> None:
+    got, ranks = output.prompt_logprobs, output.prompt_logprob_ranks
+    assert got is not None and ranks is not None
+    assert len(got) == len(ranks) == len(prompt) and got[0] is None and ranks[0] is None
     for position in range(1, len(prompt)):
         entry = got[position]
         assert entry is not None
         row = expected[position - 1]
         token = prompt[position]
         assert entry[token] == pytest.approx(row[token].item(), abs=1e-4)
-        top_values, top_ids = row.topk(TOP)
+        # 1 + the tokens more likely, up to those within the two computations' rounding.
+        value = row[token].item()
+        rank = ranks[position]
+        assert rank is not None
+        assert 1 + int((row > value + 1e-4).sum()) <= rank <= 1 + int((row > value - 1e-4).sum())
+        top_values, top_ids = row.topk(num_top)
         for token_id, value in zip(top_ids.tolist(), top_values.tolist(), strict=True):
             assert entry[token_id] == pytest.approx(value, abs=1e-4)
         assert set(entry) == {token, *top_ids.tolist()}
@@ -59,8 +67,7 @@ def test_prompt_logprobs_match_hf(tiny_llama_dir: Path, reference, budget: int) 
     for prompt, logprobs, output in zip(
         prompts, expected, llm.generate(prompts, params), strict=True
     ):
-        assert output.prompt_logprobs is not None
-        check(prompt, logprobs, output.prompt_logprobs)
+        check(prompt, logprobs, output, TOP)
     # Without the option there are none, and the cache is as it was.
     (plain,) = llm.generate(prompts[:1], SamplingParams(max_tokens=1))
     assert plain.prompt_logprobs is None
@@ -77,5 +84,13 @@ def test_a_cached_prefix_is_computed_for_its_logprobs(tiny_llama_dir: Path, refe
     params = SamplingParams(max_tokens=1, prompt_logprobs=TOP)
     (output,) = llm.generate([prompt], params)
     assert output.num_cached_tokens == 0
-    assert output.prompt_logprobs is not None
-    check(prompt, logprobs, output.prompt_logprobs)
+    check(prompt, logprobs, output, TOP)
+
+
+def test_the_prompt_tokens_rank_needs_no_alternatives(tiny_llama_dir: Path, reference) -> None:
+    # vLLM's rank is the token's place in the whole vocabulary, with prompt_logprobs=0 too.
+    prompts, expected = reference
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_dtype="float32", max_model_len=128)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    (output,) = llm.generate([prompts[-1]], params)
+    check(prompts[-1], expected[-1], output, 0)

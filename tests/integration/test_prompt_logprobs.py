@@ -21,21 +21,24 @@ TOP = 2
 
 
 @pytest.fixture(scope="module")
-def case(tiny_llama_dir: Path) -> tuple[list[int], list[dict[int, float] | None]]:
-    """A prompt and the offline engine's prompt logprobs for it (the nodes' settings)."""
+def case(
+    tiny_llama_dir: Path,
+) -> tuple[list[int], list[dict[int, float] | None], list[int | None]]:
+    """A prompt, the offline engine's prompt logprobs for it and its tokens' ranks (the nodes'
+    settings)."""
     prompt = [random.Random(3).randrange(5, 4000) for _ in range(70)]  # two 64-token chunks
     llm = LLM(
         tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64
     )
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=TOP)
     (output,) = llm.generate([prompt], params)
-    assert output.prompt_logprobs is not None
-    return prompt, output.prompt_logprobs
+    assert output.prompt_logprobs is not None and output.prompt_logprob_ranks is not None
+    return prompt, output.prompt_logprobs, output.prompt_logprob_ranks
 
 
 @pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
 def test_prompt_logprobs_reach_both_apis(tiny_llama_dir: Path, case, colocated: bool) -> None:
-    prompt, expected = case
+    prompt, expected, ranks = case
 
     def logprob_of(position: int) -> float:
         entry = expected[position]
@@ -57,6 +60,7 @@ def test_prompt_logprobs_reach_both_apis(tiny_llama_dir: Path, case, colocated: 
         assert [lp.token_id for lp in first] == prompt[1:]
         for position, lp in enumerate(first, start=1):
             assert lp.logprob == pytest.approx(logprob_of(position), abs=1e-3)
+            assert lp.rank == ranks[position]
             assert len(lp.top_token_ids) >= TOP
         assert not any(d.prompt_logprobs for d in deltas[1:])
 
@@ -86,10 +90,20 @@ def test_prompt_logprobs_reach_both_apis(tiny_llama_dir: Path, case, colocated: 
             for position in range(1, len(prompt)):
                 entry = field[position][str(prompt[position])]
                 assert entry["logprob"] == pytest.approx(logprob_of(position), abs=1e-3)
-            ranked = sorted(
-                (v for v in field[1].values() if v["rank"] is not None), key=lambda v: v["rank"]
+                # The prompt's token: its rank in the vocabulary, among the top TOP or not.
+                assert entry["rank"] == ranks[position]
+                # The alternatives: the top TOP, ranked by place.
+                assert {v["rank"] for v in field[position].values()} >= set(range(1, TOP + 1))
+            assert any(rank > TOP for rank in ranks[1:])  # type: ignore[operator]
+            # With no alternatives asked, the prompt's token alone, still with its rank.
+            response = await http.post(
+                "/v1/completions",
+                json={"model": model, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0},
             )
-            assert [v["rank"] for v in ranked] == list(range(1, TOP + 1))
+            field = response.json()["choices"][0]["prompt_logprobs"]
+            assert [list(entry) for entry in field[1:]] == [[str(t)] for t in prompt[1:]]
+            own = [entry[str(t)]["rank"] for entry, t in zip(field[1:], prompt[1:], strict=True)]
+            assert own == ranks[1:]
         await stack.wait_all_free()
 
     run_stack(tiny_llama_dir, body, colocated=colocated)
@@ -101,7 +115,7 @@ def test_a_prompts_n_choices_share_one_computation_of_its_prompt_logprobs(
     # Only each prompt's first choice asks the nodes for prompt logprobs (a prefill that scores
     # every position and skips the prefix cache); the response gives every choice the same, in
     # the JSON body and in each choice's first streamed chunk.
-    prompt, expected = case
+    prompt, expected, _ = case
     asked: list[int | None] = []
     real_generate_text = choice_fanout.generate_text
 

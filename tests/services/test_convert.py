@@ -12,6 +12,7 @@ from services.convert import (
     load_report_to_proto,
     logprobs_from_proto,
     logprobs_to_proto,
+    prompt_logprobs_to_proto,
     refusal_metadata,
     refused_param,
     sampling_params_from_proto,
@@ -147,6 +148,20 @@ def test_logprobs_round_trip_and_sort_by_likelihood() -> None:
     assert list(message.top_token_ids) == [5, 2, 8]
     decoded = logprobs_from_proto(common_pb2.TokenLogprobs.FromString(message.SerializeToString()))
     assert decoded == pytest.approx(entries)
+
+
+def test_prompt_tokens_carry_their_rank_and_generated_ones_none() -> None:
+    # A prompt token's rank is its place in the whole vocabulary, outside the top-n too.
+    messages = prompt_logprobs_to_proto(
+        [1, 7, 9], [None, {7: -3.0, 5: -0.5}, {9: -0.1}], [None, 12, 1]
+    )
+    decoded = [token_logprob_from_proto(m) for m in messages]
+    assert [(lp.token_id, lp.rank) for lp in decoded] == [(7, 12), (9, 1)]
+    assert decoded[0].top == ((5, -0.5), (7, -3.0))
+    # Generated tokens' ranks are not computed: 0 on the wire, None in the gateway's type.
+    assert token_logprob_from_proto(logprobs_to_proto(8, {8: -0.5})).rank is None
+    ranked = TokenLogprob(7, -3.0, ((5, -0.5), (7, -3.0)), rank=12)
+    assert token_logprob_from_proto(token_logprob_to_proto(ranked)) == ranked
 
 
 def test_load_report_carries_the_routers_inputs() -> None:
