@@ -33,6 +33,7 @@ from gateway.routing.router import Router
 from gateway.text.tokenizer import Tokenizer
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.listen import add_grpc_port, bind_tcp
+from services.malformed_requests import RejectMalformedRequests
 from services.tls import edge_server_credentials
 from services.types import Role
 
@@ -98,7 +99,7 @@ class GatewayServer:
         await self.pool.poll_once()
         self._tasks.append(asyncio.create_task(self._watch_health(), name="gateway-health"))
 
-        self._grpc = grpc.aio.server()
+        self._grpc = grpc.aio.server(interceptors=[RejectMalformedRequests()])
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
             GatewayServicer(self.frontend), self._grpc
         )

@@ -28,6 +28,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from services.listen import add_grpc_port
+from services.malformed_requests import RejectMalformedRequests
 from services.tls import TlsFiles, server_credentials
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class NodeServer:
         self.address = address
         self.service_names = list(service_names)
         self.drain_grace_s = drain_grace_s
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(interceptors=[RejectMalformedRequests()])
         for register in registrars:
             register(self.server)
         self.health = HealthServicer()

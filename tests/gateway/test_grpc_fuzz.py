@@ -4,6 +4,7 @@ and no request is left running on the node behind it (a fake node, so examples a
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -146,6 +147,45 @@ def test_allowed_token_ids_past_the_vocabulary_or_against_min_tokens_are_invalid
         request.sampling.min_tokens = 1
         code, details, _ = served.call(request)
         assert code is grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in details
+        assert served.node.running == 0
+    finally:
+        served.close()
+
+
+def test_bytes_that_are_no_request_are_invalid_argument(
+    tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every RPC the public port serves, with a string field that is not UTF-8 or a corrupt wire
+    format: INVALID_ARGUMENT naming the type, and no traceback in the log."""
+    served = FakeGateway.start(tiny_llama_dir)
+    corrupt = b"\xff\xff\xff"
+    calls = [  # (method, kind, payload); a string field: Generate's text (2), Check's service (1)
+        ("/pdserve.v1.GatewayService/Generate", "unary_stream", b"\x12\x03\xff\xfe\x41"),
+        ("/pdserve.v1.GatewayService/Generate", "unary_stream", corrupt),
+        ("/pdserve.v1.GatewayService/ListModels", "unary_unary", corrupt),
+        ("/grpc.health.v1.Health/Check", "unary_unary", b"\x0a\x03\xff\xfe\x41"),
+        ("/grpc.health.v1.Health/Check", "unary_unary", corrupt),
+    ]
+
+    async def call(method: str, kind: str, payload: bytes) -> grpc.aio.AioRpcError:
+        multi = getattr(served.channel, kind)(
+            method, request_serializer=lambda x: x, response_deserializer=lambda x: x
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            if kind == "unary_stream":
+                async for _ in multi(payload, timeout=10):
+                    pass
+            else:
+                await multi(payload, timeout=10)
+        return refused.value
+
+    try:
+        with caplog.at_level(logging.INFO):
+            for method, kind, payload in calls:
+                error = served.loop.run_until_complete(call(method, kind, payload))
+                assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, (method, payload, error)
+                assert (error.details() or "").startswith("malformed request: Error parsing")
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert served.node.running == 0
     finally:
         served.close()

@@ -105,3 +105,24 @@ def test_drain_cancels_what_outlives_the_grace() -> None:
         await channel.close()
 
     asyncio.run(main())
+
+
+def test_a_malformed_request_is_invalid_argument() -> None:
+    """The nodes' servers refuse bytes that are no request as the gateway's does (shared
+    ``services.malformed_requests``)."""
+
+    async def main() -> None:
+        node, servicer, channel = await start(grace_s=1)
+        get_load = channel.unary_unary(
+            f"/{SERVICE}/GetLoad", request_serializer=lambda x: x, response_deserializer=lambda x: x
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await get_load(b"\xff\xff\xff", timeout=5)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "GetLoadRequest" in (refused.value.details() or "")
+        assert not servicer.entered.is_set()
+        servicer.release.set()
+        await node.drain()
+        await channel.close()
+
+    asyncio.run(main())
