@@ -84,6 +84,27 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
+class CorsConfig:
+    """Cross-origin access to the HTTP API from browsers (vLLM's flags and defaults): Starlette's
+    ``CORSMiddleware``, which answers preflights before the API key is asked for."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    """Origins whose pages may call the API; ``*``: any."""
+    allowed_methods: tuple[str, ...] = ("*",)
+    """Methods a preflight may ask for; ``*``: any."""
+    allowed_headers: tuple[str, ...] = ("*",)
+    """Request headers a preflight may ask for (``Authorization``, ``Content-Type``); ``*``: any."""
+    allow_credentials: bool = False
+    """Whether a page may send cookies and HTTP auth with its requests."""
+
+    def __post_init__(self) -> None:
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            values = getattr(self, name)
+            if not all(isinstance(value, str) and value.strip() for value in values):
+                raise ValueError(f"{name} must be non-empty strings, got {list(values)}")
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     model_dir: Path
     """Tokenizer, chat template and config.json come from here (no weights are read)."""
@@ -112,6 +133,8 @@ class GatewayConfig:
     """What a request's unset sampling fields take (``--generation-config``)."""
     served_model_aliases: tuple[str, ...] = ()
     """``--served-model-name``'s further names (vLLM's): accepted, and listed by ``/v1/models``."""
+    cors: CorsConfig = field(default_factory=CorsConfig)
+    """Which browser pages may call the HTTP API (``--allowed-origins`` and the like)."""
 
     def __post_init__(self) -> None:
         names = (self.served_model_name, *self.served_model_aliases)
@@ -131,6 +154,21 @@ class GatewayConfig:
 
 def _addresses(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _string_list(text: str) -> tuple[str, ...]:
+    """vLLM's JSON list (``'["https://a.example"]'``), or this project's comma-separated list
+    (``https://a.example,https://b.example``, as an environment variable or a topology value
+    reads more easily)."""
+    if not text.lstrip().startswith("["):
+        return _addresses(text)
+    try:
+        values = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a JSON list: {text!r}") from None
+    if not isinstance(values, list) or not all(isinstance(value, str) for value in values):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r}")
+    return tuple(values)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,6 +270,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_tls_flags(parser)
     add("--public-tls-cert", type=Path, default=None, help="TLS certificate of the public ports")
     add("--public-tls-key", type=Path, default=None, help="its private key (PEM)")
+    add(
+        "--allowed-origins",
+        type=_string_list,
+        default=("*",),
+        help="CORS: origins whose pages may call the HTTP API, a JSON list or comma-separated; "
+        "* allows any",
+    )
+    add("--allowed-methods", type=_string_list, default=("*",), help="CORS: allowed methods")
+    add("--allowed-headers", type=_string_list, default=("*",), help="CORS: allowed headers")
+    add(
+        "--allow-credentials",
+        action="store_true",
+        help="CORS: pages may send cookies and HTTP auth",
+    )
     return parser  # fmt: skip
 
 
@@ -297,6 +349,12 @@ def parse_gateway_config(
                 None if args.reasoning_parser is None else ReasoningParser(args.reasoning_parser)
             ),
             sampling_defaults=load_sampling_defaults(args.generation_config, args.model),
+            cors=CorsConfig(
+                allowed_origins=args.allowed_origins,
+                allowed_methods=args.allowed_methods,
+                allowed_headers=args.allowed_headers,
+                allow_credentials=args.allow_credentials,
+            ),
         )
     except ValueError as exc:
         parser.error(str(exc))

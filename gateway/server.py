@@ -126,7 +126,7 @@ class GatewayServer:
         ssl_certfile, ssl_keyfile = self._http_tls()
         self._http = _EmbeddedUvicorn(
             uvicorn.Config(
-                build_openai_app(self.frontend),
+                build_openai_app(self.frontend, config.cors),
                 log_level=config.log_level,
                 access_log=False,
                 # SSE streams idle between tokens of a slow model; keep-alive must outlast that.

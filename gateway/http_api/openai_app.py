@@ -3,6 +3,9 @@
 Life of one ``/v1/completions``, ``/v1/chat/completions`` or ``/v1/responses`` request here
 (a Responses request runs as the chat it means, ``responses_job.py``):
 
+0. ``CORSMiddleware`` (``--allowed-origins`` and the like): a browser's preflight ``OPTIONS``
+   is answered here, before any API key is asked for (as vLLM); other responses get the
+   ``Access-Control-Allow-*`` headers.
 1. ``HttpGate`` (ASGI middleware, ``http_gate.py``): arrival time; the API key on ``/v1/*``
    (401); the body read whole and bounded by ``limits.max_body_bytes``, by Content-Length and by
    the bytes themselves (413).
@@ -33,7 +36,9 @@ from fastapi import APIRouter, FastAPI, Request, Security
 from fastapi.responses import Response
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.middleware.cors import CORSMiddleware
 
+from gateway.config import CorsConfig
 from gateway.errors import ErrorKind, GatewayError
 from gateway.frontend import Frontend
 from gateway.http_api.generation_response import GenerationResponse
@@ -72,6 +77,9 @@ _ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
         (504, "The request's deadline passed"),
     )
 }
+_HEALTH_RESPONSES: dict[int | str, dict[str, object]] = {
+    503: {"model": ErrorResponse, "description": "No healthy node"}
+}
 _STREAM_RESPONSE: dict[int | str, dict[str, object]] = {
     200: {
         "description": "JSON, or with `stream: true` server-sent events: `data: {chunk}` "
@@ -89,9 +97,11 @@ _RESPONSES_STREAM: dict[int | str, dict[str, object]] = {
 }
 
 
-def build_openai_app(frontend: Frontend) -> FastAPI:
-    """The HTTP API of one gateway: OpenAI routes under ``/v1``, vLLM's ``/tokenize`` and
-    ``/detokenize``, ``/health`` and ``/metrics``."""
+def build_openai_app(frontend: Frontend, cors: CorsConfig | None = None) -> FastAPI:
+    """The HTTP API of one gateway: OpenAI routes under ``/v1``, vLLM's ``/tokenize``,
+    ``/detokenize`` and ``/ping``, ``/health`` and ``/metrics``; ``cors``: which browser pages
+    may call it (None: vLLM's default, any)."""
+    cors = CorsConfig() if cors is None else cors
     app = FastAPI(
         title="pdserve",
         summary="OpenAI-compatible API of a disaggregated prefill/decode LLM server",
@@ -102,6 +112,15 @@ def build_openai_app(frontend: Frontend) -> FastAPI:
     metrics.num_requests_running.set_function(lambda: frontend.admission.num_running)
     metrics.num_requests_waiting.set_function(lambda: frontend.admission.num_queued)
     app.add_middleware(HttpGate, frontend=frontend)
+    # Added last, so outermost: a preflight never reaches HttpGate's key check, and the gate's
+    # own refusals (401, 413, 429) carry the CORS headers a browser needs to read them.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(cors.allowed_origins),
+        allow_methods=list(cors.allowed_methods),
+        allow_headers=list(cors.allowed_headers),
+        allow_credentials=cors.allow_credentials,
+    )
     install_error_handlers(app, frontend)
     drop_fastapi_422(app)
     created = int(time.time())
@@ -159,10 +178,7 @@ def build_openai_app(frontend: Frontend) -> FastAPI:
     app.include_router(v1)
     app.include_router(tokenize_router(frontend, bearer))
 
-    @app.get(
-        "/health",
-        responses={503: {"model": ErrorResponse, "description": "No healthy node"}},
-    )
+    @app.get("/health", responses=_HEALTH_RESPONSES)
     async def health() -> dict[str, object]:
         """200 while a pair or a colocated node can serve (what load balancers and probes read);
         the body also counts the healthy and known nodes of each role, since one ready pair is
@@ -171,6 +187,13 @@ def build_openai_app(frontend: Frontend) -> FastAPI:
         if not census.is_ready:
             raise GatewayError(ErrorKind.UNAVAILABLE, "no healthy prefill/decode pair or node")
         return {"status": "ok", "nodes": census.as_json()}
+
+    # vLLM's /ping (SageMaker's probe), GET or POST: what /health answers. One route per
+    # method: one route of both would give the OpenAPI document one operation id twice.
+    for method in ("GET", "POST"):
+        app.add_api_route(
+            "/ping", health, methods=[method], responses=_HEALTH_RESPONSES, name=f"ping_{method}"
+        )
 
     @app.get("/version")
     async def version() -> dict[str, str]:

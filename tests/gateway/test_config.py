@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import GatewayConfig, parse_gateway_config
+from gateway.config import CorsConfig, GatewayConfig, parse_gateway_config
 
 
 def parse(tiny_llama_dir: Path, *flags: str, **environ: str) -> GatewayConfig:
@@ -56,3 +56,32 @@ def test_served_model_names_from_flag_env_or_default(tiny_llama_dir: Path, capsy
     with pytest.raises(SystemExit):
         parse(tiny_llama_dir, "--served-model-name", "tiny", "tiny")
     assert "distinct" in capsys.readouterr().err
+
+
+def test_cors_flags_from_flag_env_or_default(tiny_llama_dir: Path, capsys) -> None:
+    default = parse(tiny_llama_dir).cors
+    assert default == CorsConfig(("*",), ("*",), ("*",), allow_credentials=False)  # vLLM's
+    flags = parse(
+        tiny_llama_dir,
+        "--allowed-origins", '["https://a.example", "https://b.example"]',
+        "--allowed-methods", "GET,POST",
+        "--allowed-headers", '["Authorization"]',
+        "--allow-credentials",
+    ).cors  # fmt: skip
+    assert flags == CorsConfig(
+        ("https://a.example", "https://b.example"), ("GET", "POST"), ("Authorization",), True
+    )
+    from_env = parse(
+        tiny_llama_dir,
+        PDSERVE_ALLOWED_ORIGINS="https://a.example, https://b.example",
+        PDSERVE_ALLOW_CREDENTIALS="1",
+    ).cors
+    assert from_env.allowed_origins == ("https://a.example", "https://b.example")
+    assert from_env.allow_credentials
+    for bad in ('["https://a.example"', '["a", 1]', '[["a"]]'):
+        with pytest.raises(SystemExit):
+            parse(tiny_llama_dir, "--allowed-origins", bad)
+        assert "--allowed-origins" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(tiny_llama_dir, "--allowed-headers", '["Authorization", " "]')
+    assert "allowed_headers must be non-empty strings" in capsys.readouterr().err
