@@ -24,7 +24,7 @@ from gateway.chat_output import ChatOutput
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
 from gateway.generation import CLIENT_REQUEST_ID, GenerationRequest
-from gateway.grpc_chat import ChatInput, chat_input
+from gateway.grpc_chat import ChatInput, chat_input, in_chat
 from gateway.guided import check
 from gateway.metrics import stream_failure
 from gateway.pipeline import TextOptions, admitted, generate_text, tokenize
@@ -215,12 +215,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             assert checked.chat is not None
             chat = checked.chat
             tools = None if chat.tools is None else chat.tools.template_tools
-            prompt = frontend.tokenizer.encode_chat(
-                chat.messages,
-                add_generation_prompt=chat.add_generation_prompt,
-                continue_final_message=chat.continue_final_message,
-                **{**chat.template_kwargs, "tools": tools},
-            )
+            try:
+                prompt = frontend.tokenizer.encode_chat(
+                    chat.messages,
+                    add_generation_prompt=chat.add_generation_prompt,
+                    continue_final_message=chat.continue_final_message,
+                    **{**chat.template_kwargs, "tools": tools},
+                )
+            except GatewayError as exc:  # the template names the OpenAI request's fields
+                raise in_chat(exc) from None
         if checked.prompt_tokens_kept is not None:  # vLLM's left truncation
             prompt = prompt[-checked.prompt_tokens_kept :]
         if request.bad_words:

@@ -1,16 +1,18 @@
 """The gRPC API's chat input (``pdserve.v1.ChatMessages``) as the chat template and the tool
 plan take it: the OpenAI bridge's message dicts, template controls and tools, each checked, a bad
-field an INVALID_ARGUMENT naming ``chat.<field>``. Roles and content are the template's to check
-(``gateway.text.chat_template``)."""
+field an INVALID_ARGUMENT naming ``chat.<field>`` (``chat.messages[0].role``). Roles are the ones
+the OpenAI bridge takes (``chat_template.ROLES``); what only rendering finds is the template's to
+refuse, renamed into the chat by ``in_chat``."""
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.errors import invalid
-from gateway.text.chat_template import OPENAI_TEMPLATE_FIELDS, check_template_kwargs
+from gateway.errors import GatewayError, invalid
+from gateway.text.chat_template import OPENAI_TEMPLATE_FIELDS, ROLES, check_template_kwargs
 from gateway.tool_calls import ToolPlan, plan_tools
 from pdserve.v1 import gateway_pb2
 
@@ -37,10 +39,15 @@ class ChatInput:
 
 def chat_input(chat: gateway_pb2.ChatMessages) -> ChatInput:
     """The chat fields checked (INVALID_ARGUMENT naming the field) and turned into the OpenAI
-    message dicts the template renders: roles and content are the template's to check."""
+    message dicts the template renders."""
+    if not chat.messages:
+        raise invalid("chat.messages must be a non-empty list", param="chat.messages")
     messages: list[dict[str, Any]] = []
     for index, message in enumerate(chat.messages):
         where = f"chat.messages[{index}]"
+        if message.role not in ROLES:
+            param = f"{where}.role"
+            raise invalid(f"{param}: {message.role!r} is not one of {', '.join(ROLES)}", param)
         fields: dict[str, Any] = {"role": message.role, "content": message.content}
         if message.name:
             fields["name"] = message.name
@@ -68,11 +75,19 @@ def chat_input(chat: gateway_pb2.ChatMessages) -> ChatInput:
             param = f"{where}.tool_call_id"
             raise invalid(f"{param}: only a tool message answers a call", param=param)
         messages.append(fields)
+    add_generation_prompt = (
+        chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    )
+    if chat.continue_final_message and add_generation_prompt:
+        # The template's refusal too; here before admission, naming this request's fields.
+        raise invalid(
+            "chat.continue_final_message needs chat.add_generation_prompt: false (the model "
+            "continues the last message instead of starting a new turn)",
+            param="chat.continue_final_message",
+        )
     return ChatInput(
         messages=messages,
-        add_generation_prompt=(
-            chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-        ),
+        add_generation_prompt=add_generation_prompt,
         continue_final_message=chat.continue_final_message,
         template_kwargs=_template_kwargs(chat.chat_template_kwargs),
         tools=_tool_plan(chat),
@@ -113,3 +128,21 @@ def _template_kwargs(text: str) -> dict[str, Any]:
         raise invalid(f"{param} must be a JSON object, got {type(kwargs).__name__}", param=param)
     check_template_kwargs(kwargs, param, _OWN_TEMPLATE_FIELDS)
     return kwargs
+
+
+def in_chat(error: GatewayError) -> GatewayError:
+    """A refusal of the chat template, which names the OpenAI request's fields (``messages``,
+    ``continue_final_message``), naming this request's: ``chat.<field>`` as its param, and its
+    message starting with that path, as every other refusal of a chat field does."""
+    param = error.param
+    if param is None or param.startswith("chat."):
+        return error
+    message = error.message
+    field_name = re.match(r"\w+", param)
+    if field_name is not None and message.startswith(field_name.group()):
+        message = f"chat.{message}"  # "continue_final_message: ..." names its field already
+    else:
+        message = f"chat.{param}: {message}"
+    return GatewayError(
+        error.kind, message, f"chat.{param}", retry_after_s=error.retry_after_s, reason=error.reason
+    )

@@ -65,6 +65,10 @@ def _validation_error(exc: RequestValidationError) -> GatewayError:
     loc = list(first.get("loc", ()))
     if loc and loc[0] == "body":
         loc = loc[1:]
+    if loc and isinstance(loc[0], str) and loc[0][:1].isupper():
+        # A body that is a union of models (/tokenize's): pydantic names the member, a class,
+        # first; it is no part of the field's path (request fields are snake_case).
+        loc = loc[1:]
     if first.get("type") == "json_invalid":
         reason = (first.get("ctx") or {}).get("error", "")
         return invalid(f"the request body is not valid JSON: {reason}".rstrip(": "))

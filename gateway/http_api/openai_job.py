@@ -21,6 +21,7 @@ from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
 from gateway.generation import CLIENT_REQUEST_ID, GenerationRequest
 from gateway.guided import check, guided_from_request
+from gateway.http_api.chat_messages import check_chat_messages
 from gateway.http_api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from gateway.reasoning import ReasoningParser
 from gateway.text.bad_words import bad_words_token_ids
@@ -136,23 +137,7 @@ def chat_job(
         raise invalid("audio output is not supported", param="audio")
     if body.modalities is not None and body.modalities != ["text"]:
         raise invalid("only the 'text' modality is supported", param="modalities")
-    for index, message in enumerate(body.messages):
-        if message.role == "tool" and not message.tool_call_id:
-            # OpenAI refuses it too: a tool result must say which call it answers, and templates
-            # that render tool results read the id.
-            where = f"messages[{index}].tool_call_id"
-            raise invalid(f"{where}: a tool message needs the id of the call it answers", where)
-        if isinstance(message.content, list):
-            for part_index, part in enumerate(message.content):
-                where = f"messages[{index}].content[{part_index}]"
-                if part.type != "text":
-                    raise invalid(
-                        f"{where}: content of type {part.type!r} is not supported; "
-                        "this server takes text only",
-                        param=f"{where}.type",
-                    )
-                if part.text is None:
-                    raise invalid(f"{where}: a text part needs 'text'", param=f"{where}.text")
+    check_chat_messages(body.messages)  # /tokenize's checks too
     check_template_kwargs(
         body.chat_template_kwargs or {}, "chat_template_kwargs", OPENAI_TEMPLATE_FIELDS
     )

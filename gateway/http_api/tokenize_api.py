@@ -19,14 +19,15 @@ Prompts are not checked against ``max_model_len``: ``count`` is what a client co
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Security
 from fastapi.security import HTTPBearer
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag
 
 from gateway.errors import invalid
 from gateway.frontend import Frontend
+from gateway.http_api.chat_messages import check_chat_messages
 from gateway.http_api.openai_job import check_model
 from gateway.http_api.openai_protocol import (
     ChatMessage,
@@ -62,6 +63,22 @@ class TokenizeChatRequest(RequestModel):
     return_token_strs: Flag = False
 
 
+def _tokenize_kind(body: Any) -> str:
+    """A body with ``messages`` is a chat's, any other a prompt's: one member is validated, so
+    an error names that request's field (``messages``, not the prompt's missing ``prompt``).
+    The tags are the class names pydantic would put in an error's location anyway; the error
+    handler drops a leading one (``openai_errors.py``)."""
+    is_chat = isinstance(body, dict) and "messages" in body
+    return "TokenizeChatRequest" if is_chat else "TokenizeCompletionRequest"
+
+
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")]
+    | Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")],
+    Discriminator(_tokenize_kind),
+]
+
+
 class TokenizeResponse(ResponseModel):
     count: int
     max_model_len: int
@@ -82,9 +99,7 @@ def tokenize_router(frontend: Frontend, bearer: HTTPBearer) -> APIRouter:
     router = APIRouter(dependencies=[Security(bearer)])
 
     @router.post("/tokenize", response_model=TokenizeResponse)
-    async def tokenize(
-        body: TokenizeCompletionRequest | TokenizeChatRequest,
-    ) -> TokenizeResponse:
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         check_model(body.model, frontend)
         async with frontend.tokenizer_admission.admit():
             # In a thread: a long prompt or a heavy template would stall every stream on the
@@ -115,6 +130,7 @@ def _tokenize(
     if isinstance(body, TokenizeCompletionRequest):
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
+        check_chat_messages(body.messages)  # as the chat route checks them
         kwargs = body.chat_template_kwargs or {}
         check_template_kwargs(kwargs, "chat_template_kwargs", OPENAI_TEMPLATE_FIELDS)
         plan_tools(body.tools or [], None, None)  # the chat route's checks of each tool

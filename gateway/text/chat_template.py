@@ -25,8 +25,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from gateway.errors import invalid
 
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-"""Message roles the OpenAI chat API defines; any other is refused before rendering."""
+ROLES = ("system", "developer", "user", "assistant", "tool")
+"""Message roles the chat APIs take (the OpenAI bridge's and the gRPC API's): OpenAI's, less its
+deprecated ``function`` (function calling is not supported; tools are). Any other is refused
+before rendering."""
 # Appended to the final message to find its end in the rendered text (transformers' marker).
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
@@ -120,14 +122,15 @@ def message_text(index: int, role: str, content: object) -> str:
             # null). vLLM renders it as "": ChatML-style templates concatenate the content, and
             # a missing key fails them (transformers would leave the key out).
             return ""
-        raise invalid(f"messages[{index}] ({role}) has no content", param="messages")
+        where = f"messages[{index}].content"
+        raise invalid(f"{where}: a {role} message needs content", param=where)
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise invalid(
             f"messages[{index}].content must be a string or a list of text parts, "
             f"got {type(content).__name__}",
-            param="messages",
+            param=f"messages[{index}].content",
         )
     texts = []
     for part_index, part in enumerate(content):
@@ -136,11 +139,11 @@ def message_text(index: int, role: str, content: object) -> str:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise invalid(
                 f"{where} has type {kind!r}; this model accepts only text parts",
-                param="messages",
+                param=f"{where}.type" if isinstance(part, dict) else where,
             )
         text = part.get("text")
         if not isinstance(text, str):
-            raise invalid(f"{where}.text must be a string", param="messages")
+            raise invalid(f"{where}.text must be a string", param=f"{where}.text")
         texts.append(text)
     # vLLM joins text parts with newlines when a template takes string content.
     return "\n".join(texts)
@@ -155,13 +158,14 @@ def _template_tool_calls(index: int, tool_calls: object) -> list[dict[str, Any]]
     An empty list is dropped, so that templates take their plain assistant path.
     """
     if not isinstance(tool_calls, list):
-        raise invalid(f"messages[{index}].tool_calls must be a list", param="messages")
+        where = f"messages[{index}].tool_calls"
+        raise invalid(f"{where} must be a list", param=where)
     calls = []
     for call_index, call in enumerate(tool_calls):
         where = f"messages[{index}].tool_calls[{call_index}]"
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise invalid(f"{where} needs a 'function' object with a 'name'", param="messages")
+            raise invalid(f"{where} needs a 'function' object with a 'name'", param=where)
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             try:
@@ -202,14 +206,12 @@ def normalize_messages(messages: object) -> list[dict[str, Any]]:
         if not isinstance(message, dict):
             raise invalid(
                 f"messages[{index}] must be an object, got {type(message).__name__}",
-                param="messages",
+                param=f"messages[{index}]",
             )
         role = message.get("role")
         if not isinstance(role, str) or role not in ROLES:
-            raise invalid(
-                f"messages[{index}] has role {role!r}; expected one of {sorted(ROLES)}",
-                param="messages",
-            )
+            where = f"messages[{index}].role"
+            raise invalid(f"{where}: {role!r} is not one of {', '.join(ROLES)}", param=where)
         fields = {key: value for key, value in message.items() if value is not None}
         fields["content"] = message_text(index, role, message.get("content"))
         if role == "assistant" and "tool_calls" in fields:

@@ -7,11 +7,15 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import grpc
 import pytest
 
+from gateway.errors import ErrorKind, invalid
+from gateway.grpc_chat import in_chat
+from gateway.http_api.openai_protocol import Role
+from gateway.text.chat_template import ROLES
 from pdserve.v1 import common_pb2, gateway_pb2
 from support.fake_gateway import FakeGateway
 
@@ -160,9 +164,26 @@ def test_template_controls_reach_the_template(served: FakeGateway) -> None:
         ),
         (
             dict(messages=[dict(role="user", content="hi")], continue_final_message=True),
-            "continue_final_message",
+            "chat.continue_final_message needs chat.add_generation_prompt: false",
         ),
-        (dict(messages=[]), "messages"),
+        (dict(messages=[]), "chat.messages must be a non-empty list"),
+        (
+            dict(messages=[dict(role="user", content="hi"), dict(role="bogus", content="x")]),
+            "chat.messages[1].role: 'bogus' is not one of system, developer, user, assistant, tool",
+        ),
+        # OpenAI's deprecated role, refused as the OpenAI bridge refuses it.
+        (dict(messages=[dict(role="function", content="x")]), "chat.messages[0].role: 'function'"),
+        (dict(messages=[dict(content="x")]), "chat.messages[0].role: '' is not one of"),
+        (
+            # Found only by rendering (TEMPLATE iterates over the arguments as a mapping).
+            dict(
+                messages=[
+                    dict(role="user", content="hi"),
+                    dict(role="assistant", tool_calls=[dict(id="c1", name="f", arguments="[1]")]),
+                ]
+            ),
+            "chat.messages: the chat template rejected the messages: TypeError",
+        ),
     ],
 )
 def test_bad_chat_fields_are_invalid_argument(
@@ -174,7 +195,30 @@ def test_bad_chat_fields_are_invalid_argument(
     )
     assert code is grpc.StatusCode.INVALID_ARGUMENT, details
     assert needle in details
+    assert details.startswith("chat."), details  # every refusal names the field's full path
     assert len(served.node.prompts) == before  # refused before any node saw it
+
+
+def test_the_roles_are_the_openai_bridges() -> None:
+    """One list: the gRPC chat and the template refuse what the bridge's model refuses."""
+    assert get_args(Role) == ROLES
+
+
+def test_a_template_refusal_is_renamed_into_the_chat() -> None:
+    cut = in_chat(invalid("continue_final_message: cannot be continued", "continue_final_message"))
+    assert (cut.param, cut.message) == (
+        "chat.continue_final_message",
+        "chat.continue_final_message: cannot be continued",
+    )
+    part = in_chat(
+        invalid("messages[0].content: a user message needs content", "messages[0].content")
+    )
+    assert part.message == "chat.messages[0].content: a user message needs content"
+    rejected = in_chat(invalid("the chat template rejected the messages: no", "messages"))
+    assert rejected.message == "chat.messages: the chat template rejected the messages: no"
+    assert rejected.kind is ErrorKind.INVALID_ARGUMENT
+    named = invalid("chat.tools[0].name: bad", "chat.tools[0].name")
+    assert in_chat(named) is named
 
 
 WEATHER = gateway_pb2.ChatTool(

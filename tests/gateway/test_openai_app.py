@@ -547,7 +547,7 @@ def test_return_tokens_as_token_ids_names_tokens_by_id(serve: Callable[..., Serv
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
          "messages[0].role"),
-        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"},
          {"role": "tool", "content": "42"}]}, 400, "messages[1].tool_call_id"),
         ("/v1/chat/completions", {"tools": [{"type": "function"}]}, 400, "tools[0]"),

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
 import pytest
 
 from gateway.admission import Admission
@@ -67,10 +68,14 @@ def test_detokenize_inverts_tokenize(served: Served) -> None:
     ("path", "body", "status", "param"),
     [
         ("/tokenize", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
-        ("/tokenize", {}, 400, None),
-        ("/tokenize", {"prompt": "x", "temperature": 1}, 400, None),
-        ("/tokenize", {"messages": []}, 400, None),
-        ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, None),
+        # The field as the client spelled it, not the name of the request class tried.
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"prompt": 5}, 400, "prompt"),
+        ("/tokenize", {"prompt": "x", "temperature": 1}, 400, "temperature"),
+        ("/tokenize", {"messages": []}, 400, "messages"),  # a chat's error, not a prompt's
+        ("/tokenize", {"messages": MESSAGES, "prompt": "x"}, 400, "prompt"),
+        ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+        ("/tokenize", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
         (
             "/tokenize",
             {"messages": MESSAGES, "chat_template_kwargs": {"tools": []}},
@@ -96,6 +101,38 @@ def test_bad_input_is_a_client_error(
     error = assert_error(response, status, response.json()["error"]["param"])
     if param is not None:
         assert error["param"] == param, error
+
+
+def test_a_lone_surrogate_names_the_prompt(served: Served) -> None:
+    response = httpx.post(
+        f"{served.url}/tokenize",
+        content=b'{"prompt": "\\ud800"}',
+        headers={"content-type": "application/json"},
+    )
+    error = assert_error(response, 400, "prompt")
+    assert error["message"].startswith("prompt: ") and "surrogate" in error["message"]
+    assert_error(served.post("/tokenize", []), 400, None)  # not an object: no field to name
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([{"role": "tool", "content": "x"}], "messages[0].tool_call_id"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            "messages[0].content[0].type",
+        ),
+        ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text"),
+        ([{"role": "function", "content": "x"}], "messages[0].role"),
+    ],
+)
+def test_messages_are_checked_as_the_chat_route_checks_them(
+    served: Served, messages: list[dict[str, Any]], param: str
+) -> None:
+    """The same messages get the same 400 from both routes, not a count from one."""
+    tokenized = assert_error(served.post("/tokenize", {"messages": messages}), 400, param)
+    chat = served.post("/v1/chat/completions", {"model": MODEL, "messages": messages})
+    assert assert_error(chat, 400, param) == tokenized
 
 
 def test_the_api_key_guards_both(tokenizer: Tokenizer) -> None:

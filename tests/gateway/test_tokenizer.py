@@ -241,31 +241,42 @@ def test_none_fields_are_dropped(tokenizer: Tokenizer) -> None:
 
 
 @pytest.mark.parametrize(
-    ("messages", "fragment"),
+    ("messages", "fragment", "param"),
     [
-        ([], "non-empty list"),
-        ("hello", "non-empty list"),
-        (["hello"], "messages[0] must be an object"),
-        ([{"content": "hi"}], "role None"),
-        ([{"role": "wizard", "content": "hi"}], "role 'wizard'"),
-        ([{"role": "user", "content": 42}], "got int"),
-        ([{"role": "user"}], "has no content"),
-        ([{"role": "user", "content": {"text": "hi"}}], "got dict"),
+        ([], "non-empty list", "messages"),
+        ("hello", "non-empty list", "messages"),
+        (["hello"], "messages[0] must be an object", "messages[0]"),
+        ([{"content": "hi"}], "None is not one of", "messages[0].role"),
+        (
+            [{"role": "wizard", "content": "hi"}],
+            "messages[0].role: 'wizard' is not one of system, developer, user, assistant, tool",
+            "messages[0].role",
+        ),
+        # OpenAI's deprecated role: refused by the OpenAI bridge's model, and so here.
+        ([{"role": "function", "content": "hi"}], "'function' is not one of", "messages[0].role"),
+        ([{"role": "user", "content": 42}], "got int", "messages[0].content"),
+        ([{"role": "user"}], "a user message needs content", "messages[0].content"),
+        ([{"role": "user", "content": {"text": "hi"}}], "got dict", "messages[0].content"),
         (
             [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
             "'image_url'",
+            "messages[0].content[0].type",
         ),
-        ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "text must be a string"),
-        ([{"role": "user", "content": ["plain string part"]}], "'str'"),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": 3}]}],
+            "text must be a string",
+            "messages[0].content[0].text",
+        ),
+        ([{"role": "user", "content": ["plain string part"]}], "'str'", "messages[0].content[0]"),
     ],
 )
 def test_bad_messages_are_invalid_argument(
-    tokenizer: Tokenizer, messages: Any, fragment: str
+    tokenizer: Tokenizer, messages: Any, fragment: str, param: str
 ) -> None:
     with pytest.raises(GatewayError) as raised:
         tokenizer.apply_chat_template(messages)
     assert raised.value.kind is ErrorKind.INVALID_ARGUMENT
-    assert raised.value.param == "messages"
+    assert raised.value.param == param
     assert fragment in raised.value.message
 
 
@@ -345,7 +356,7 @@ def test_malformed_tool_calls_are_invalid_argument(
     ]
     with pytest.raises(GatewayError) as raised:
         tokenizer.apply_chat_template(conversation)
-    assert raised.value.param == "messages"
+    assert raised.value.param == f"messages[1].{fragment.split()[0]}"
     assert f"messages[1].{fragment}" in raised.value.message
 
 
