@@ -7,8 +7,12 @@ by the components that find them and passed on as arguments; they are never writ
 from __future__ import annotations
 
 import enum
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from services.types.sampling_params import MAX_SEED, MIN_SEED
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 FP8_KV_DTYPE = "fp8_e5m2"
@@ -37,9 +41,27 @@ tokens and 128 outputs: 12,157-16,152 output tok/s at 2,048, 21,009-25,632 at 8,
 def default_max_num_batched_tokens(device: str, *, offline: bool) -> int:
     """The step token budget where none is given: per device kind, and on a GPU larger for the
     offline ``LLM`` than for a serving node."""
-    if device.startswith("cuda"):
+    # isinstance: ``LLM`` asks before ``EngineConfig`` has checked ``device`` and named it.
+    if isinstance(device, str) and device.startswith("cuda"):
         return MAX_NUM_BATCHED_TOKENS_GPU_OFFLINE if offline else MAX_NUM_BATCHED_TOKENS_GPU_SERVING
     return MAX_NUM_BATCHED_TOKENS_CPU
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    """ValueError naming ``name`` unless ``value`` is an int >= 1 (a bool is not one: True would
+    pass as 1)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    """ValueError naming ``name`` unless ``value`` is a bool: any other value would pass as
+    truthy or falsy (``"no"`` would turn a feature on)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 class SchedulingPolicy(enum.StrEnum):
@@ -59,14 +81,21 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
+        _check_positive_int("block_size", self.block_size)
+        if self.kv_cache_memory is not None:
+            memory = self.kv_cache_memory
+            if isinstance(memory, bool) or not isinstance(memory, int):
+                raise ValueError(
+                    f"kv_cache_memory must be an integer number of bytes, got {memory!r}"
+                )
+            if memory <= 0:
+                raise ValueError(f"kv_cache_memory must be > 0 bytes, got {memory}")
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, int | float):
+            raise ValueError(f"gpu_memory_utilization must be a number, got {utilization!r}")
+        if not 0.0 < utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+        _check_bool("enable_prefix_caching", self.enable_prefix_caching)
 
 
 @dataclass(frozen=True)
@@ -80,13 +109,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
-        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
-        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
-            raise ValueError(
-                "max_num_batched_tokens must be a positive integer, "
-                f"got {self.max_num_batched_tokens!r}"
-            )
+        _check_positive_int("max_num_seqs", self.max_num_seqs)
+        _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
 
 
 @dataclass(frozen=True)
@@ -102,10 +126,16 @@ class EngineConfig:
     compute dtype on CUDA (the Triton kernels read the cache in the query's dtype). See
     ``dtype_choice.py``."""
     device: str = "cpu"
+    """``cpu``, ``cuda`` or ``cuda:N``. CUDA's presence is checked when the engine starts (a
+    config for a GPU node may be built on a machine without one)."""
     max_model_len: int | None = None
     """Longest prompt + output; default: the model's max_position_embeddings."""
-    seed: int = 0
-    """Seed of the sampler's shared generator (requests with their own seed are unaffected)."""
+    seed: int | None = 0
+    """Seed of the generator that the rows of requests without a seed of their own draw from:
+    the same seed and the same calls give the same tokens run after run, whatever else uses
+    torch's global RNG. None: a fresh seed from the OS, different for every engine (vLLM's
+    ``seed=None``). Requests with their own ``SamplingParams.seed`` do not depend on it. Any
+    seed ``torch.Generator.manual_seed`` takes: [-2**63, 2**64 - 1]."""
     attention_backend: str = "auto"
     """``torch`` (portable), ``native`` (C++ CPU kernel, built on first use), ``triton`` (GPU
     kernels), or ``auto``: triton on CUDA, native on CPU where it builds, torch otherwise."""
@@ -117,10 +147,15 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model_dir, str | os.PathLike):
+            raise ValueError(
+                "model_dir must be a path (a Hugging Face model directory, a GGUF file, or a "
+                f"directory holding one), got {self.model_dir!r}"
+            )
         object.__setattr__(self, "model_dir", Path(self.model_dir))
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype == "float16" and self.device == "cpu":
             raise ValueError("dtype float16 is supported on GPU only; use bfloat16 or float32")
@@ -148,5 +183,12 @@ class EngineConfig:
                 "attention_backend must be auto, torch, native or triton, "
                 f"got {self.attention_backend!r}"
             )
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_model_len is not None:
+            _check_positive_int("max_model_len", self.max_model_len)
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {seed!r}")
+        if seed is not None and not MIN_SEED <= seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {seed}")
+        if self.cuda_graphs is not None:
+            _check_bool("cuda_graphs", self.cuda_graphs)

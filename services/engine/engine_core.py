@@ -31,7 +31,7 @@ from services.engine.dtype_choice import (
 )
 from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.kv_layout import KvLayout
-from services.engine.model_runner import ModelRunner
+from services.engine.model_runner import ModelRunner, check_device
 from services.engine.outputs import EngineCoreOutput, EngineStats
 from services.engine.request import Request
 from services.engine.scheduler import SampledToken, Scheduler
@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
+        check_device(torch.device(config.device))  # before the model's files are read
         self.config = config
         self.model_config = ModelConfig.from_model_path(config.model_dir)
         self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
@@ -226,6 +227,11 @@ class EngineCore:
         vocab_size = self.model_config.vocab_size
         check_token_ids(prompt_token_ids, vocab_size)
         params.check_vocabulary(vocab_size)
+        # What the sampler could not satisfy, refused before any step: it would return a token
+        # outside allowed_token_ids.
+        conflict = params.bad_words_conflict()
+        if conflict is not None:
+            raise SamplingParamError("bad_words_token_ids", conflict)
         conflict = params.min_tokens_conflict(tuple(self.model_config.eos_token_ids))
         if conflict is not None:
             raise SamplingParamError("allowed_token_ids", conflict)

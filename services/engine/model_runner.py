@@ -56,6 +56,20 @@ _PROMPT_LOGPROB_ROWS = 256
 """Rows whose logits one slice of a prompt-logprobs chunk holds at once."""
 
 
+def check_device(device: torch.device) -> None:
+    """ValueError naming ``device`` when this process cannot use it. Without it torch fails
+    deep in the weights' load, with an error that names no argument (an ``AssertionError`` from
+    a CPU-only build, an ``AttributeError`` from ``set_device``)."""
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = "torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise ValueError(f"device {str(device)!r}: CUDA is not available ({why})")
+    num_gpus = torch.cuda.device_count()
+    if device.index is not None and device.index >= num_gpus:
+        raise ValueError(f"device {str(device)!r}: CUDA sees {num_gpus} GPU(s), numbered from 0")
+
+
 def use_device(device: torch.device) -> None:
     """Makes ``device`` (``cuda:N``) this thread's current CUDA device. CUDA graphs, streams and
     events are made on the current device, and Triton launches its kernels there, whatever
@@ -86,6 +100,7 @@ class ModelRunner:
         """Grammar matchers of constrained requests: their rows get a token bitmask."""
         self.model_config = model_config
         self.device = torch.device(config.device)
+        check_device(self.device)
         use_device(self.device)
         dtype = dtype if dtype is not None else config.dtype
         if dtype not in _DTYPES:
@@ -133,8 +148,16 @@ class ModelRunner:
             else self.device.type == "cuda" and self.backend.reads_only_context_blocks
         )
         self.static_decode: StaticDecode | None = None
-        self._shared_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        # On the device: the draws are made where the logits are (_inverse_cdf).
+        self._shared_generator = torch.Generator(device=self.device)
+        """What the rows of requests without a seed of their own draw from (``config.seed``);
+        torch's global generator would make them follow whatever else the process draws."""
+        if config.seed is None:
+            self._shared_generator.seed()  # from the OS: differs from engine to engine
+        else:
+            self._shared_generator.manual_seed(config.seed)
         self._generators: dict[str, torch.Generator] = {}
+        """Per request with a seed: its own generator, so its tokens do not depend on the batch."""
 
     def _choose_prefill_kernel(self, backend: TorchPagedAttention) -> None:
         """Times the backend's prefill attention kernels on this CPU at this model's heads (a
@@ -328,6 +351,7 @@ class ModelRunner:
                 prompt_token_ids=[r.prompt_token_ids for r in requests],
                 output_token_ids=[r.output_token_ids for r in requests],
                 generators=[self._generator(r) for r in requests],
+                shared_generator=self._shared_generator,
                 grammar_bitmask=None if grammar is None else grammar[0],
                 grammar_rows=() if grammar is None else tuple(grammar[1]),
             ),

@@ -12,7 +12,8 @@ What happens to the logits of a step, ``[num_rows, vocab_size]``:
 6. Greedy rows take the argmax of what steps 2-5 left.
 7. Random rows: temperature, top-k, top-p, min-p, then one uniform draw per row against the
    row's cumulative distribution, from the row's own generator when its request has a seed, so
-   its tokens do not depend on the other rows.
+   its tokens do not depend on the other rows, and from the engine's shared generator (seeded
+   by ``EngineConfig.seed``) when it has none.
 
 Each step is skipped when no row of the batch needs it.
 """
@@ -42,13 +43,16 @@ class SamplingMetadata:
     output_token_ids: list[list[int]]
     """Per row: tokens generated so far (penalties, ``min_tokens``)."""
     generators: list[torch.Generator | None]
-    """Per row: a generator seeded from the request's seed (on the logits' device, which
-    ``exponential_`` requires), None for requests without one."""
+    """Per row: a generator seeded from the request's seed (on the logits' device, where the
+    draws are made), None for requests without one."""
     grammar_bitmask: torch.Tensor | None = None
     """``[len(grammar_rows), ceil(vocab_size / 32)]`` int32: bit ``j`` of word ``w`` allows token
     ``32 * w + j`` (llguidance's layout); None when no row is constrained."""
     grammar_rows: tuple[int, ...] = ()
     """The rows ``grammar_bitmask`` constrains, in its order."""
+    shared_generator: torch.Generator | None = None
+    """What the rows without a generator of their own draw from, on the logits' device (the
+    model runner's, seeded by ``EngineConfig.seed``); None: torch's global generator."""
 
     @property
     def num_rows(self) -> int:
@@ -118,14 +122,16 @@ class Sampler:
         """[num_rows] token ids from the processed logits: the argmax of greedy rows, a draw for
         the ``random_rows``."""
         params = metadata.params
+        shared = metadata.shared_generator
         if len(random_rows) == len(params):
-            return _sample_random(processed, params, metadata.generators)
+            return _sample_random(processed, params, metadata.generators, shared)
         token_ids = self.greedy_argmax(processed)  # [num_rows]
         if random_rows:
             token_ids[random_rows] = _sample_random(
                 processed[random_rows],
                 [params[i] for i in random_rows],
                 [metadata.generators[i] for i in random_rows],
+                shared,
             )
         return token_ids
 
@@ -350,9 +356,10 @@ def _sample_random(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    shared_generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Sample ``[num_rows]`` token ids from ``logits: [num_rows, vocab_size]`` (modified in place),
-    all of whose rows are non-greedy."""
+    all of whose rows are non-greedy; rows without a generator draw from ``shared_generator``."""
     vocab_size = logits.shape[1]
     device = logits.device
     if any(p.temperature != 1.0 for p in params):
@@ -377,7 +384,7 @@ def _sample_random(
         logits.masked_fill_(logits < threshold, float("-inf"))
 
     probs = logits.softmax(dim=-1)  # [num_rows, vocab_size]
-    return _inverse_cdf(probs, generators)
+    return _inverse_cdf(probs, generators, shared_generator)
 
 
 _MIN_CANDIDATES = 256
@@ -539,20 +546,25 @@ def _top_k_top_p_by_sort(
     return logits.scatter_(1, sorted_ids, sorted_logits)
 
 
-def _inverse_cdf(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+def _inverse_cdf(
+    probs: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    shared_generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Token ids ``[num_rows]`` drawn from ``probs: [num_rows, vocab_size]``: the first token whose
     cumulative probability exceeds a uniform draw. One random number per row, no CPU sync.
     (An exponential race, argmax(probs / q) with q ~ Exp(1), needs vocab_size random numbers a
     row: 35 ms for 64 x 32,000 on 2 CPU cores against 1.5 ms for this — a third of a decode
     step. torch.multinomial costs the same 35 ms.) Seeded rows draw from their own generator, so
-    their tokens depend only on their seed and their own logits."""
+    their tokens depend only on their seed and their own logits; the others draw from
+    ``shared_generator`` (None: torch's global one), one draw each."""
     num_rows = probs.shape[0]
     # float64: summing 10^5 float32 probabilities would drift by more than the smallest ones.
     cumulative = probs.to(torch.float64).cumsum_(dim=-1)  # [num_rows, vocab_size]
     u = torch.empty(num_rows, 1, dtype=torch.float64, device=probs.device)
     seeded = [(i, g) for i, g in enumerate(generators) if g is not None]
     if len(seeded) < num_rows:
-        u.uniform_()
+        u.uniform_(generator=shared_generator)
     for i, generator in seeded:
         u[i].uniform_(generator=generator)
     # Scaled by each row's total, which rounding keeps a hair off 1. A token of probability 0

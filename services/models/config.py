@@ -80,6 +80,13 @@ class ModelConfig:
     @classmethod
     def from_model_dir(cls, model_dir: Path | str) -> ModelConfig:
         model_dir = Path(model_dir)
+        expected = "a Hugging Face model directory, a GGUF file, or a directory holding one"
+        if not model_dir.exists():
+            raise FileNotFoundError(f"{model_dir} does not exist: expected {expected}")
+        if not model_dir.is_dir():
+            raise FileNotFoundError(
+                f"{model_dir} is a file, but not a GGUF file (*.gguf): expected {expected}"
+            )
         path = model_dir / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model dir")

@@ -7,12 +7,17 @@ The one set of range checks: the engine, the nodes' servicers and the gateway (w
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 from services.guided_decoding import GuidedDecoding
 
 _GREEDY_EPS = 1e-5
+MIN_SEED = -(2**63)
+MAX_SEED = 2**64 - 1
+"""The seeds ``torch.Generator.manual_seed`` takes (a negative one is read modulo 2**64); beyond
+them it raises mid-step, taking the whole batch down with it, so they are refused up front."""
 
 
 class SamplingParamError(ValueError):
@@ -44,7 +49,8 @@ class SamplingParams:
     min_p: float = 0.0
     """Drop tokens whose probability is below min_p times the most likely token's, in [0, 1]."""
     seed: int | None = None
-    """Per-request seed: the same seed, prompt and parameters give the same tokens."""
+    """Per-request seed, in [``MIN_SEED``, ``MAX_SEED``]: the same seed, prompt and parameters
+    give the same tokens whatever else is in the batch; None: the engine's shared generator."""
     repetition_penalty: float = 1.0
     """HF/CTRL-style penalty over prompt and output tokens; > 0, 1 disables it."""
     presence_penalty: float = 0.0
@@ -52,7 +58,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     """OpenAI-style: subtracted per occurrence of each token already generated, in [-2, 2]."""
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    """Token ids that finish the request with ``stop`` (the stop token is kept in the output)."""
+    """Token ids that finish the request with ``stop`` (the stop token is kept in the output).
+    Any iterable of ids; None is unset, as in vLLM."""
     ignore_eos: bool = False
     """Keep generating past the model's EOS token (benchmarks)."""
     logprobs: int | None = None
@@ -66,17 +73,21 @@ class SamplingParams:
     guided: GuidedDecoding | None = None
     """Constrain the output to a grammar (JSON schema, regex, choice, Lark); None: free text."""
     logit_bias: tuple[tuple[int, float], ...] = ()
-    """(token id, bias) pairs: the bias, in [-100, 100], is added to that token's logit."""
+    """(token id, bias) pairs, or a ``{token id: bias}`` dict: the bias, in [-100, 100], is
+    added to that token's logit. None is unset, as in vLLM."""
     allowed_token_ids: tuple[int, ...] = ()
-    """Only these tokens may be sampled (vLLM's ``allowed_token_ids``); empty: every token."""
+    """Only these tokens may be sampled (vLLM's ``allowed_token_ids``); empty (or None): every
+    token."""
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     """Token sequences never to generate (vLLM's ``bad_words``, tokenized by the gateway): a
     sequence's last token is forbidden whenever the output so far ends with the tokens before
     it (a one-token sequence: always)."""
 
     def __post_init__(self) -> None:
-        # Accept any iterable of ints for stop_token_ids, but store an immutable tuple.
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        # Any iterable of ints (None: unset, as vLLM's default), stored as an immutable tuple.
+        object.__setattr__(
+            self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids)
+        )
         _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
@@ -98,7 +109,7 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise SamplingParamError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
-            _check_int("seed", self.seed, minimum=-(2**63))
+            _check_int("seed", self.seed, minimum=MIN_SEED, maximum=MAX_SEED)
         _check_float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             raise SamplingParamError(
@@ -125,19 +136,18 @@ class SamplingParams:
             raise SamplingParamError(
                 "guided", f"guided must be a GuidedDecoding, got {type(self.guided).__name__}"
             )
-        bias = tuple(sorted(dict(self.logit_bias).items()))  # one canonical order
-        object.__setattr__(self, "logit_bias", bias)
-        for token_id, value in self.logit_bias:
-            _check_int("logit_bias", token_id, minimum=0)
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        for _, value in self.logit_bias:
             _check_float("logit_bias", value)
             if not -100.0 <= value <= 100.0:
                 raise SamplingParamError(
                     "logit_bias", f"logit_bias values must be in [-100, 100], got {value}"
                 )
-        for token_id in self.allowed_token_ids:
-            _check_int("allowed_token_ids", token_id, minimum=0)
+        allowed = _token_ids("allowed_token_ids", self.allowed_token_ids)
+        for allowed_id in allowed:
+            _check_int("allowed_token_ids", allowed_id, minimum=0)
         # Sorted and unique: one canonical form, whatever order or repeats a client sent.
-        object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(self.allowed_token_ids))))
+        object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
         object.__setattr__(self, "bad_words_token_ids", _token_sequences(self.bad_words_token_ids))
 
     @property
@@ -174,16 +184,34 @@ class SamplingParams:
                     name, f"{name} must be <= vocab size {vocab_size}, got {value}"
                 )
 
+    def bad_words_conflict(self) -> str | None:
+        """Why no token could ever be sampled because one-token ``bad_words_token_ids`` ban every
+        token of ``allowed_token_ids``, or None. The engine refuses such a request (a node:
+        INVALID_ARGUMENT, which the gateway answers as a 400): every logit of the row would be
+        -inf, and the sampler would return a token outside ``allowed_token_ids``."""
+        singles = self.bad_word_endings[0]
+        if self.allowed_token_ids and set(singles).issuperset(self.allowed_token_ids):
+            return (
+                "bad_words_token_ids ban every token of allowed_token_ids (as words of one "
+                "token): no token could be sampled"
+            )
+        return None
+
     def min_tokens_conflict(self, eos_token_ids: tuple[int, ...]) -> str | None:
-        """Why no token could ever be sampled before ``min_tokens`` (every allowed token is EOS
-        or a stop id, which ``min_tokens`` masks), or None. The engine and the gateway refuse
-        such a request: the sampler would have nothing to draw from."""
+        """Why no token could ever be sampled before ``min_tokens`` (every allowed token that no
+        one-token bad word bans is EOS or a stop id, which ``min_tokens`` masks), or None. The
+        engine and the gateway refuse such a request: the sampler would have nothing to draw
+        from. (Allowed tokens that bad words alone ban: ``bad_words_conflict``.)"""
         if not self.min_tokens or not self.allowed_token_ids:
             return None
-        if set(self.allowed_token_ids) <= {*eos_token_ids, *self.stop_token_ids}:
+        singles = set(self.bad_word_endings[0])
+        if set(self.allowed_token_ids) - singles <= {*eos_token_ids, *self.stop_token_ids}:
+            held = "EOS or stop token ids"
+            if singles.intersection(self.allowed_token_ids):
+                held = f"ids that bad_words_token_ids ban, and {held}"
             return (
-                "allowed_token_ids holds only EOS or stop token ids, which min_tokens "
-                f"({self.min_tokens}) forbids: no token could be sampled"
+                f"allowed_token_ids holds only {held}, which min_tokens ({self.min_tokens}) "
+                "forbids: no token could be sampled"
             )
         return None
 
@@ -209,9 +237,47 @@ class SamplingParams:
         )
 
 
+def _token_ids(name: str, token_ids: object) -> tuple[object, ...]:
+    """``token_ids`` as a tuple (ids checked by the caller); None is empty, as vLLM's unset."""
+    if token_ids is None:
+        return ()
+    if isinstance(token_ids, (str, bytes, Mapping)) or not isinstance(token_ids, Iterable):
+        raise SamplingParamError(name, f"{name} must be a list of token ids, got {token_ids!r}")
+    return tuple(token_ids)
+
+
+def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """``{token id: bias}`` or (id, bias) pairs as pairs sorted by id (one canonical order); the
+    ids and values are checked by the caller. None is empty, as vLLM's unset."""
+    name = "logit_bias"
+    if bias is None:
+        return ()
+    if isinstance(bias, Mapping):
+        pairs: list[object] = list(bias.items())
+    elif isinstance(bias, (str, bytes)) or not isinstance(bias, Iterable):
+        raise SamplingParamError(name, f"{name} must map token ids to biases, got {bias!r}")
+    else:
+        pairs = list(bias)
+    by_id: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            raise SamplingParamError(
+                name,
+                f"{name} must map token ids to biases (a dict, or (id, bias) pairs), "
+                f"got the entry {pair!r}",
+            )
+        token_id, value = pair
+        _check_int(name, token_id, minimum=0)  # before sorting: ids of mixed types do not order
+        by_id[cast(int, token_id)] = cast(float, value)  # the value is checked by the caller
+    return tuple(sorted(by_id.items()))
+
+
 def _token_sequences(words: object) -> tuple[tuple[int, ...], ...]:
-    """``bad_words_token_ids`` as tuples, each a non-empty sequence of token ids."""
+    """``bad_words_token_ids`` as tuples, each a non-empty sequence of token ids; None is
+    empty, like the other lists' unset."""
     name = "bad_words_token_ids"
+    if words is None:
+        return ()
     if isinstance(words, (str, bytes)) or not isinstance(words, Iterable):
         raise SamplingParamError(name, f"{name} must be a list of token-id lists, got {words!r}")
     sequences = []
@@ -227,11 +293,13 @@ def _token_sequences(words: object) -> tuple[tuple[int, ...], ...]:
     return tuple(sequences)
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> None:
+def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise SamplingParamError(name, f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise SamplingParamError(name, f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise SamplingParamError(name, f"{name} must be <= {maximum}, got {value}")
 
 
 def _check_float(name: str, value: object) -> None:

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+from services.convert import PARAM_METADATA_KEY, refusal_metadata
 from services.engine import LLM, CacheConfig, EngineConfig, EngineCore, SamplingParams
 from services.engine.config import SchedulerConfig
-from services.types import FinishReason
+from services.types import FinishReason, SamplingParamError
 
 VOCAB_SIZE = 4096
 MAX_MODEL_LEN = 64
@@ -109,6 +111,17 @@ def test_prompt_of_max_model_len_is_accepted(llm: LLM) -> None:
         ({"allowed_token_ids": [3, "7"]}, "allowed_token_ids"),
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"seed": 1.0}, "seed"),
+        # torch.Generator.manual_seed's range, [-2**63, 2**64 - 1]: past it torch raises mid-step.
+        ({"seed": 2**64}, "seed must be <= 18446744073709551615"),
+        ({"seed": -(2**63) - 1}, "seed must be >= -9223372036854775808"),
+        ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids"),
+        ({"stop_token_ids": "57"}, "stop_token_ids must be a list of token ids"),
+        ({"allowed_token_ids": 5}, "allowed_token_ids must be a list of token ids"),
+        ({"allowed_token_ids": {5: 1}}, "allowed_token_ids must be a list of token ids"),
+        ({"logit_bias": [5]}, r"logit_bias must map token ids to biases .* the entry 5"),
+        ({"logit_bias": [(5, 1.0, 2)]}, "logit_bias must map token ids to biases"),
+        ({"logit_bias": 5}, "logit_bias must map token ids to biases"),
+        ({"logit_bias": {"a": 1.0, 2: 1.0}}, "logit_bias must be an integer"),
         ({"priority": "high"}, "priority"),
         ({"bad_words_token_ids": [[]]}, r"bad_words_token_ids\[0\] is empty"),
         ({"bad_words_token_ids": [[1, -2]]}, "bad_words_token_ids"),
@@ -117,8 +130,39 @@ def test_prompt_of_max_model_len_is_accepted(llm: LLM) -> None:
     ],
 )
 def test_bad_sampling_params_are_refused(kwargs: dict, field: str) -> None:
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(SamplingParamError, match=field) as refused:
         SamplingParams(**kwargs)
+    assert str(refused.value).startswith(refused.value.param)  # the message names the field
+
+
+@pytest.mark.parametrize(
+    "name", ["stop_token_ids", "allowed_token_ids", "logit_bias", "bad_words_token_ids"]
+)
+def test_none_is_an_unset_list(name: str) -> None:
+    # vLLM's default for these fields is None.
+    assert SamplingParams(**{name: None}) == SamplingParams()
+
+
+def test_logit_bias_is_a_dict_or_pairs() -> None:
+    expected = ((3, -1.0), (5, 2.0))
+    assert SamplingParams(logit_bias={5: 2.0, 3: -1.0}).logit_bias == expected
+    assert SamplingParams(logit_bias=[(5, 2.0), [3, -1.0]]).logit_bias == expected
+
+
+def test_seeds_at_torchs_bounds_sample_beside_other_requests(llm: LLM) -> None:
+    # 2**64 - 1 and -(2**63) are the last seeds manual_seed takes (one past them crashed the
+    # step, and the valid prompts of the batch with it).
+    params = [
+        SamplingParams(max_tokens=3, ignore_eos=True, seed=1),
+        SamplingParams(max_tokens=3, ignore_eos=True, seed=2**64 - 1),
+        SamplingParams(max_tokens=3, ignore_eos=True, seed=-(2**63)),
+    ]
+    outputs = llm.generate([PROMPT] * 3, params)
+    assert [len(output.token_ids) for output in outputs] == [3, 3, 3]
+    # A seed gives its tokens: the same again, alone.
+    [alone] = llm.generate([PROMPT], params[1])
+    assert alone.token_ids == outputs[1].token_ids
+    assert_engine_clean(llm)
 
 
 @pytest.mark.parametrize(
@@ -157,6 +201,41 @@ def test_bad_words_change_the_greedy_output_where_they_would_complete(llm: LLM) 
     (output,) = llm.generate([PROMPT], banned)
     assert output.token_ids[0] == first and output.token_ids[1] != second
     assert_engine_clean(llm)
+
+
+def test_allowed_tokens_that_bad_words_ban_are_refused(llm: LLM) -> None:
+    # Every logit would be -inf: greedy returned token 0, a draw the last id, neither allowed.
+    for params in (
+        SamplingParams(
+            max_tokens=4, temperature=0.0, allowed_token_ids=[5], bad_words_token_ids=[[5]]
+        ),
+        SamplingParams(max_tokens=4, allowed_token_ids=[5, 9], bad_words_token_ids=[[9], [7], [5]]),
+    ):
+        assert_refused(llm, [PROMPT], params, "bad_words_token_ids ban every token")
+        with pytest.raises(SamplingParamError) as refused:
+            llm.engine.add_request("x", PROMPT, params)
+        # A node answers it INVALID_ARGUMENT naming the field, which the gateway passes on (400).
+        assert refusal_metadata(refused.value) == ((PARAM_METADATA_KEY, "bad_words_token_ids"),)
+    assert_engine_clean(llm)
+    # One allowed token left free, or a longer word only banning it after its first token:
+    # the sampler has something to draw from, and draws only allowed tokens.
+    for params in (
+        SamplingParams(max_tokens=4, allowed_token_ids=[5, 9], bad_words_token_ids=[[5]], seed=0),
+        SamplingParams(max_tokens=4, allowed_token_ids=[5], bad_words_token_ids=[[6, 5]], seed=0),
+    ):
+        (output,) = llm.generate([PROMPT], params)
+        assert len(output.token_ids) == 4 and set(output.token_ids) <= {5, 9}
+
+
+def test_allowed_tokens_that_bad_words_and_min_tokens_forbid_are_refused(llm: LLM) -> None:
+    # 5 is banned, EOS forbidden until min_tokens: nothing to sample for the first tokens.
+    eos = llm.engine.model_config.eos_token_ids[0]
+    params = SamplingParams(
+        max_tokens=4, min_tokens=2, allowed_token_ids=[eos, 5], bad_words_token_ids=[[5]]
+    )
+    assert_refused(llm, [PROMPT], params, "ids that bad_words_token_ids ban, and EOS")
+    # The gateway runs the same check before routing.
+    assert params.min_tokens_conflict((eos,)) is not None
 
 
 def test_allowed_tokens_that_min_tokens_forbids_are_refused(llm: LLM) -> None:
@@ -274,6 +353,30 @@ def test_max_model_len_beyond_the_model_is_refused(tiny_llama_dir: Path) -> None
         (lambda: EngineConfig(model_dir="m", dtype="float64"), "dtype"),
         (lambda: EngineConfig(model_dir="m", device="tpu"), "device"),
         (lambda: EngineConfig(model_dir="m", max_model_len=0), "max_model_len"),
+        # Each type up front, naming the field: a wrong one failed deep in torch, or (a str
+        # for a bool, True for 1, a fractional length) was taken silently.
+        (lambda: CacheConfig(block_size=True), "block_size must be a positive integer, got True"),
+        (lambda: CacheConfig(block_size=16.0), "block_size must be a positive integer"),
+        (lambda: CacheConfig(kv_cache_memory=6.4e7), "kv_cache_memory must be an integer"),
+        (lambda: CacheConfig(kv_cache_memory=True), "kv_cache_memory must be an integer"),
+        (lambda: CacheConfig(gpu_memory_utilization="0.5"), "gpu_memory_utilization must be a"),
+        (lambda: CacheConfig(gpu_memory_utilization=True), "gpu_memory_utilization must be a"),
+        (lambda: CacheConfig(enable_prefix_caching="no"), "enable_prefix_caching must be True"),
+        (lambda: CacheConfig(enable_prefix_caching=1), "enable_prefix_caching must be True"),
+        (lambda: SchedulerConfig(max_num_seqs=True), "max_num_seqs must be a positive integer"),
+        (lambda: SchedulerConfig(max_num_batched_tokens=8.0), "max_num_batched_tokens must be"),
+        (lambda: EngineConfig(model_dir="m", max_model_len="64"), "max_model_len must be a pos"),
+        (lambda: EngineConfig(model_dir="m", max_model_len=64.5), "max_model_len must be a pos"),
+        (lambda: EngineConfig(model_dir="m", max_model_len=True), "max_model_len must be a pos"),
+        (lambda: EngineConfig(model_dir="m", seed=1.5), "seed must be an integer or None"),
+        (lambda: EngineConfig(model_dir="m", seed=True), "seed must be an integer or None"),
+        (lambda: EngineConfig(model_dir="m", seed=2**64), r"seed must be in \[-2\*\*63"),
+        (lambda: EngineConfig(model_dir="m", seed=-(2**63) - 1), r"seed must be in \[-2\*\*63"),
+        (lambda: EngineConfig(model_dir="m", cuda_graphs="no"), "cuda_graphs must be True"),
+        (lambda: EngineConfig(model_dir="m", device="cudax"), "device must be"),
+        (lambda: EngineConfig(model_dir="m", device="cuda:"), "device must be"),
+        (lambda: EngineConfig(model_dir="m", device=None), "device must be"),
+        (lambda: EngineConfig(model_dir=None), "model_dir must be a path"),
     ],
 )
 def test_bad_engine_config_is_refused(make_config, field: str) -> None:
@@ -281,9 +384,68 @@ def test_bad_engine_config_is_refused(make_config, field: str) -> None:
         make_config()
 
 
+def test_seeds_and_devices_a_config_takes() -> None:
+    # seed None: no fixed seed (vLLM's); any seed torch takes. A CUDA device is checked when an
+    # engine starts, not here: a GPU node's config may be built where there is no GPU.
+    for seed in (None, 0, -(2**63), 2**64 - 1):
+        assert EngineConfig(model_dir="m", seed=seed).seed == seed
+    for device in ("cpu", "cuda", "cuda:1"):
+        assert EngineConfig(model_dir="m", device=device).device == device
+
+
 def test_llm_with_block_size_zero_is_refused(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="block_size"):
         LLM(tiny_llama_dir, dtype="float32", block_size=0, kv_cache_memory=KV_CACHE_MEMORY)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"block_size": True}, "block_size"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"kv_cache_memory": 6.4e7}, "kv_cache_memory"),
+        ({"max_model_len": "64"}, "max_model_len"),
+        ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization"),
+        ({"enable_prefix_caching": "no"}, "enable_prefix_caching"),
+        ({"max_num_seqs": 2.0}, "max_num_seqs"),
+        ({"device": None}, "device"),
+    ],
+)
+def test_llm_arguments_of_the_wrong_type_are_refused_by_name(
+    tiny_llama_dir: Path, kwargs: dict, match: str
+) -> None:
+    kwargs = {"kv_cache_memory": KV_CACHE_MEMORY, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        LLM(tiny_llama_dir, dtype="float32", **kwargs)
+
+
+def test_cuda_without_cuda_is_refused_naming_the_device(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Torch failed deep in the weights' load instead (an AssertionError on a CPU-only build, an
+    # AttributeError from set_device), naming no argument.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:0"):
+        with pytest.raises(ValueError, match=f"device '{device}': CUDA is not available"):
+            LLM(tiny_llama_dir, device=device, kv_cache_memory=KV_CACHE_MEMORY)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="device 'cuda:1': CUDA sees 1 GPU"):
+        LLM(tiny_llama_dir, device="cuda:1", kv_cache_memory=KV_CACHE_MEMORY)
+
+
+def test_model_paths_that_are_no_model_say_what_they_are(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="model_dir must be a path"):
+        LLM(None)  # type: ignore[arg-type]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(tmp_path / "no-such-model")
+    text = tmp_path / "model.txt"
+    text.write_text("not a model")
+    with pytest.raises(FileNotFoundError, match="is a file, but not a GGUF file"):
+        LLM(text)
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        LLM(tmp_path)
 
 
 # --- aborts through the engine ---------------------------------------------------------------
@@ -343,3 +505,48 @@ def test_prompts_that_are_not_lists_of_token_ids_are_refused(llm: LLM, prompts) 
     with pytest.raises(ValueError, match="prompt_token_ids must be a list"):
         llm.generate(prompts, SamplingParams(max_tokens=2))
     assert_engine_clean(llm)
+
+
+def test_vllm_tokens_prompts_are_prompts(llm: LLM) -> None:
+    # vLLM's TokensPrompt: a list of them, one alone, or mixed with plain lists.
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    [expected] = llm.generate([PROMPT], greedy)
+    [alone] = llm.generate({"prompt_token_ids": PROMPT}, greedy)
+    listed = llm.generate([{"prompt_token_ids": PROMPT}, PROMPT], greedy)
+    assert [o.token_ids for o in (alone, *listed)] == [expected.token_ids] * 3
+    assert alone.prompt_token_ids == PROMPT
+    assert_engine_clean(llm)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "match"),
+    [
+        ([{"prompt": "hi"}], r"prompt 0 is a dict with the keys \['prompt'\]: .* no text"),
+        ([PROMPT, {"prompt_token_ids": PROMPT, "multi_modal_data": {}}], "prompt 1 is a dict"),
+        ({"prompt_token_ids": "text"}, "prompt_token_ids must be a list of token ids"),
+        ([{"prompt_token_ids": [1, VOCAB_SIZE]}], r"prompt_token_ids\[1\] = 4096 is outside"),
+    ],
+)
+def test_tokens_prompts_that_are_not_token_ids_are_refused(llm: LLM, prompts, match: str) -> None:
+    assert_refused(llm, prompts, SamplingParams(max_tokens=2), match)
+
+
+def test_params_may_be_any_iterable_of_sampling_params(llm: LLM) -> None:
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([PROMPT, PROMPT], (p for p in [greedy, greedy]))
+    assert [len(o.token_ids) for o in outputs] == [2, 2]
+    assert_engine_clean(llm)
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({"max_tokens": 2}, "params must be SamplingParams or a list of them, got dict"),
+        ("greedy", "params must be SamplingParams or a list of them, got str"),
+        (2, "params must be SamplingParams or a list of them, got int"),
+        ([SamplingParams(), {"max_tokens": 2}], r"params\[1\] must be SamplingParams, got dict"),
+        ((p for p in [SamplingParams()] * 3), "got 3 SamplingParams for 2 prompts"),
+    ],
+)
+def test_params_that_are_not_sampling_params_are_refused(llm: LLM, params, match: str) -> None:
+    assert_refused(llm, [PROMPT, PROMPT], params, match)

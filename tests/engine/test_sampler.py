@@ -405,3 +405,29 @@ def test_metadata_must_cover_every_row() -> None:
     metadata = make_metadata([SamplingParams()] * 2)
     with pytest.raises(ValueError, match="params has 2 rows, logits have 3"):
         make_sampler()(torch.zeros(3, 10), metadata)
+
+
+def run_unseeded(shared_generator: torch.Generator, num_steps: int) -> list[int]:
+    """Tokens of a batch of 4 rows without seeds of their own, over ``num_steps`` steps."""
+    sampler = make_sampler()
+    params = [SamplingParams(temperature=1.0)] * 3 + [SamplingParams(temperature=0.9, seed=5)]
+    seeded = make_generator(5)
+    tokens = []
+    for step in range(num_steps):
+        logits = make_logits(4, 1000, seed=300 + step, scale=0.1)  # nearly flat
+        metadata = dataclasses.replace(
+            make_metadata(params, generators=[None, None, None, seeded]),
+            shared_generator=shared_generator,
+        )
+        tokens.extend(sampler(logits, metadata).token_ids)
+    return tokens
+
+
+def test_rows_without_a_seed_draw_from_the_shared_generator_only() -> None:
+    global_state = torch.get_rng_state()
+    first = run_unseeded(make_generator(11), num_steps=20)
+    # The global generator plays no part, and is left as it was.
+    assert torch.equal(torch.get_rng_state(), global_state)
+    torch.manual_seed(999)
+    assert run_unseeded(make_generator(11), num_steps=20) == first
+    assert run_unseeded(make_generator(12), num_steps=20) != first
