@@ -231,6 +231,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             sampling = dataclasses.replace(
                 sampling, bad_words_token_ids=sampling.bad_words_token_ids + words
             )
+        conflict = sampling.bad_words_conflict()
+        if conflict is not None:  # the engine's refusal, here before routing
+            raise invalid(f"sampling.{conflict}", param="sampling.bad_words_token_ids")
         if not prompt:
             raise invalid(f"{kind}: the prompt is empty", param=kind)
         if request.sampling.HasField("max_tokens"):

@@ -409,6 +409,9 @@ def sampling_params(
         )
     except SamplingParamError as exc:
         raise invalid(str(exc), param=exc.param) from None
+    conflict = params.bad_words_conflict()
+    if conflict is not None:  # the engine's refusal, here before routing (bad_words: its words)
+        raise invalid(conflict, param="bad_words")
     conflict = params.min_tokens_conflict(frontend.tokenizer.eos_token_ids)
     if conflict is not None:
         raise invalid(conflict, param="allowed_token_ids")

@@ -101,3 +101,34 @@ def test_grpc_takes_words_and_token_sequences(tiny_llama_dir: Path) -> None:
         assert served.node.running == 0
     finally:
         served.close()
+
+
+def test_bad_words_that_ban_every_allowed_token_are_refused_before_routing(
+    served: Served, tokenizer: Tokenizer
+) -> None:
+    """The engine would refuse it (no token could be sampled); the gateway does first, naming
+    the field its client set."""
+    (word,) = {ids for ids in spellings(tokenizer, "hello") if len(ids) == 1} or {None}
+    assert word is not None, "the test needs a one-token spelling of 'hello'"
+    before = len(served.generator.requests)
+    body = {"model": MODEL, "prompt": "x", "bad_words": ["hello"], "allowed_token_ids": list(word)}
+    assert_error(served.post("/v1/completions", body), 400, "bad_words")
+    assert len(served.generator.requests) == before
+
+
+def test_grpc_refuses_bad_words_that_ban_every_allowed_token(tiny_llama_dir: Path) -> None:
+    served = FakeGateway.start(tiny_llama_dir)
+    try:
+        sampling = common_pb2.SamplingParams(
+            allowed_token_ids=[5], bad_words_token_ids=[common_pb2.TokenSequence(ids=[5])]
+        )
+        request = gateway_pb2.GatewayGenerateRequest(text="hi", sampling=sampling)
+        code, details, _ = served.call(request)
+        assert code is grpc.StatusCode.INVALID_ARGUMENT
+        assert details.startswith("sampling.bad_words_token_ids"), details
+        assert not served.node.samplings  # refused before any node was asked
+        request.sampling.allowed_token_ids.append(6)  # one allowed token left: served
+        code, details, _ = served.call(request)
+        assert code is grpc.StatusCode.OK, details
+    finally:
+        served.close()
