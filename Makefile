@@ -76,8 +76,11 @@ $(MODEL_DIR)/config.json:
 # A *_METRICS_PORT is the first node's Prometheus /metrics port (node i on port + i); without
 # one (and without base_metrics_port in the topology) the nodes serve no metrics.
 # Variables given override the topology file; without MODEL or TOPOLOGY, SmolLM2 is served.
-RUN_ARGS = $(if $(TOPOLOGY),--topology $(TOPOLOGY)) \
-	$(if $(MODEL),--model $(MODEL),$(if $(TOPOLOGY),,--model $(DEFAULT_MODEL))) \
+# The paths are quoted for the shell (a model directory may hold a space); quote() also
+# escapes a single quote inside one.
+quote = '$(subst ','\'',$(1))'
+RUN_ARGS = $(if $(TOPOLOGY),--topology $(call quote,$(TOPOLOGY))) \
+	$(if $(MODEL),--model $(call quote,$(MODEL)),$(if $(TOPOLOGY),,--model $(DEFAULT_MODEL))) \
 	$(if $(DTYPE),--dtype $(DTYPE)) $(if $(KV_CACHE_DTYPE),--kv-cache-dtype $(KV_CACHE_DTYPE)) \
 	$(if $(KV_TRANSPORT),--kv-transport $(KV_TRANSPORT)) \
 	$(if $(PREFILL),--prefill $(PREFILL)) \
@@ -92,7 +95,7 @@ RUN_ARGS = $(if $(TOPOLOGY),--topology $(TOPOLOGY)) \
 	$(if $(TLS),--tls)
 
 run: protos $(if $(MODEL),,model)
-	$(PY) -m deploy.launch $(strip $(RUN_ARGS))
+	$(PY) -m deploy.launch $(RUN_ARGS)
 
 # make up [TOPOLOGY=deploy/topology.yaml] [CPU=1] [CONTAINER_ENGINE=auto|docker|podman]: the
 # compose deployment, Envoy included, on Docker Engine (docker compose v2) when its daemon answers,

@@ -214,6 +214,7 @@ def gateway_name(topology: Topology, index: int) -> str:
 
 
 def compose_dict(topology: Topology) -> dict[str, Any]:
+    topology.check_compose_ports()
     services: dict[str, Any] = {IPC_SERVICE: ipc_service(topology)}
     for node in topology.nodes:
         services[node.name] = node_service(topology, topology.group(node.role), node)

@@ -80,7 +80,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m deploy.generate", description=__doc__)
     parser.add_argument("--topology", type=Path, default=DEFAULT_TOPOLOGY)
     args = parser.parse_args()
-    topology = load_topology(args.topology)
+    try:
+        topology = load_topology(args.topology)
+        topology.check_compose_ports()
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
     write_yaml(COMPOSE_FILE, compose_dict(topology), source=args.topology)
     write_yaml(CPU_OVERRIDE_FILE, cpu_override_dict(topology), source=args.topology)
     write_yaml(PODMAN_OVERRIDE_FILE, podman_override_dict(topology), source=args.topology)

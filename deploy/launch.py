@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import math
 import shlex
 import shutil
 import signal
@@ -46,6 +47,20 @@ from deploy.topology import (
 )
 
 LAUNCH = "launch"
+
+
+def positive_seconds(text: str) -> float:
+    seconds = float(text)
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return seconds
+
+
+def non_negative_seconds(text: str) -> float:
+    seconds = float(text)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return seconds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-gateway", action="store_true", help="run the nodes only (to develop the gateway)")
     add(
         "--startup-timeout-s",
-        type=float,
+        type=positive_seconds,
         default=600.0,
         help="how long every process may take to become healthy, and the gateway to see every "
         "node healthy (model loading; default %(default)g)",
@@ -113,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--grace-s",
-        type=float,
+        type=non_negative_seconds,
         default=40.0,
         help="after SIGTERM, how long a process may drain before SIGKILL (default %(default)g)",
     )
@@ -165,16 +180,45 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
     return topology.with_counts(prefill=args.prefill, decode=args.decode, colocated=args.colocated)
 
 
+def bind_family(host: str) -> socket.AddressFamily:
+    """The address family servers bound to ``host`` use; raises ``ValueError`` naming the
+    host when it does not resolve or is no address of this machine."""
+    where = f"host {host!r} (--host, HOST=, topology host)"
+    family = socket.AF_INET
+    try:
+        # IPv4 first, as the servers resolve a name; IPv6 for an address only it has (::1).
+        for family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                socket.getaddrinfo(host or "0.0.0.0", 0, family, socket.SOCK_STREAM)
+                break
+            except socket.gaierror:
+                if family == socket.AF_INET6:
+                    raise
+        with socket.socket(family) as sock:
+            sock.bind((host, 0))
+    except socket.gaierror:
+        raise ValueError(f"{where}: cannot resolve it") from None
+    except OSError as exc:
+        if exc.errno != errno.EADDRNOTAVAIL:
+            raise
+        raise ValueError(
+            f"{where} is not an address of this machine: bind 127.0.0.1, 0.0.0.0 or one of its "
+            "own addresses"
+        ) from None
+    return family
+
+
 def taken_ports(topology: Topology, with_gateway: bool) -> list[int]:
     """Ports something already listens on. gRPC servers bind with SO_REUSEPORT, so a stale node
     would share the port silently instead of failing: better to refuse up front."""
+    family = bind_family(topology.host)
     ports = [node.grpc_port for node in topology.nodes]
     ports += [n.metrics_port for n in topology.nodes if n.metrics_port is not None]
     if with_gateway:
         ports += [topology.gateway.http_port, topology.gateway.grpc_port]
     taken = []
     for port in ports:
-        with socket.socket() as sock:
+        with socket.socket(family) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind((topology.host, port))
@@ -363,7 +407,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"model {topology.model} does not exist: give a model directory or a GGUF file "
             "(make model builds the tiny one and fetches SmolLM2)"
         )
-    taken = taken_ports(topology, with_gateway)
+    try:
+        taken = taken_ports(topology, with_gateway)
+    except ValueError as exc:
+        parser.error(str(exc))
     if taken:
         parser.error(
             f"port(s) {taken} on {topology.host} are in use (another pdserve?); "
@@ -385,9 +432,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tls:
         # A directory of our own holds private keys that are good for this run only: it goes
         # when the launcher exits. One the user named is theirs and stays.
+        if args.tls_dir is not None and args.tls_dir.exists() and not args.tls_dir.is_dir():
+            parser.error(f"--tls-dir {args.tls_dir} is not a directory")
         tls_dir = args.tls_dir or Path(tempfile.mkdtemp(prefix="pdserve-tls-"))
         names = ["gateway", *(node.name for node in topology.nodes)]
-        write_deployment(tls_dir, names, sans=[connect_host(topology)])
+        try:
+            write_deployment(tls_dir, names, sans=[connect_host(topology)])
+        except OSError as exc:
+            if args.tls_dir is None:
+                shutil.rmtree(tls_dir, ignore_errors=True)
+            parser.error(f"--tls-dir {tls_dir}: cannot write the certificates: {exc}")
         print(f"[{LAUNCH}] TLS on: CA and certificates in {tls_dir}", flush=True)
     try:
         specs = local_processes(topology, with_gateway=with_gateway, tls_dir=tls_dir)

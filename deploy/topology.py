@@ -7,14 +7,21 @@ A topology file is YAML (``deploy/topology.example.yaml`` documents every key)::
     prefill: {count: 2, gpu_ids: [0, 1]}
     decode: {count: 2, gpu_ids: [2, 3], args: {max-num-seqs: 128}}
 
-Every key is optional; an unknown key is an error naming it. ``Topology`` and its parts are
-frozen and validated on construction; ``Topology.nodes`` derives the node instances
-(``prefill-0`` on ``base_grpc_port``, ``prefill-1`` on ``base_grpc_port + 1``, ...).
+Every key is optional; an unknown key, a key given twice, or a value of the wrong type is an
+error naming it. ``Topology`` and its parts are frozen and validated on construction;
+``Topology.nodes`` derives the node instances (``prefill-0`` on ``base_grpc_port``,
+``prefill-1`` on ``base_grpc_port + 1``, ...).
+
+The flags the launcher and compose derive from the topology (ports, host, model, dtypes,
+device, peers, TLS files) may not be set again through ``args``: the launcher health-checks and
+reports what it derived, so an override would make it wait on the wrong port or print the wrong
+dtype. Each has its own topology key instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,6 +31,7 @@ from typing import Any
 import yaml
 
 from services.types import Role as Role  # re-exported: deploy takes Role from here
+from services.yaml_load import DuplicateKeyError, load_yaml
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = (*DTYPES, "fp8_e5m2")
@@ -39,23 +47,68 @@ FlagArgs = tuple[tuple[str, str], ...]
 EnvVars = tuple[tuple[str, str], ...]
 
 
+NODE_DERIVED_FLAGS = frozenset({
+    "role", "model", "dtype", "kv-cache-dtype", "device", "host", "grpc-port", "metrics-port",
+    "kv-transport", "node-id", "tls-cert", "tls-key", "tls-ca",
+})  # fmt: skip
+"""Node flags the launcher (``deploy/commands.py``) and compose set from the topology."""
+GATEWAY_DERIVED_FLAGS = frozenset({
+    "model", "served-model-name", "host", "http-port", "grpc-port", *(str(r) for r in Role),
+    "tls-cert", "tls-key", "tls-ca", "public-tls-cert", "public-tls-key",
+})  # fmt: skip
+"""Gateway flags the launcher and compose set from the topology."""
+
 DEFAULT_BASE_PORTS = {Role.PREFILL: 50061, Role.DECODE: 50071, Role.COLOCATED: 50081}
 # A group left out of a topology, or given without a count: one prefill+decode pair.
 DEFAULT_COUNTS = {Role.PREFILL: 1, Role.DECODE: 1, Role.COLOCATED: 0}
 
 
-def _check_port(name: str, port: int) -> None:
+def _check_int(name: str, value: object) -> None:
+    # bool is an int to Python, but `count: true` is a mistake, not 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def _check_str(name: str, value: object) -> None:
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {value!r}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def _check_port(name: str, port: object) -> None:
+    _check_int(name, port)
+    assert isinstance(port, int)
     if not 1 <= port <= 65535:
         raise ValueError(f"{name} must be in [1, 65535], got {port}")
 
 
-def _check_flags(owner: str, args: FlagArgs, env: EnvVars) -> None:
+def _check_flags(owner: str, args: FlagArgs, env: EnvVars, derived: frozenset[str]) -> None:
     for flag, _ in args:
         if not _FLAG_NAME.match(flag):
             raise ValueError(f"{owner}.args: {flag!r} is not a flag name like 'max-num-seqs'")
+    # argparse takes a unique prefix for the whole flag (--http-p for --http-port): a prefix of
+    # a derived flag overrides it just the same.
+    overriding = sorted(flag for flag, _ in args if any(name.startswith(flag) for name in derived))
+    if overriding:
+        raise ValueError(
+            f"{owner}.args may not set {overriding}: the topology derives them "
+            f"({', '.join(sorted(derived))}); set its own key instead"
+        )
     for name, _ in env:
         if not _ENV_NAME.match(name):
             raise ValueError(f"{owner}.env: {name!r} is not an environment variable name")
+
+
+def _check_unique_ports(ports: list[tuple[str, int]]) -> None:
+    owners: dict[int, str] = {}
+    for owner, port in ports:
+        if port in owners:
+            raise ValueError(f"port {port} is used by both {owners[port]} and {owner}")
+        owners[port] = owner
 
 
 @dataclass(frozen=True)
@@ -92,6 +145,7 @@ class NodeGroup:
     env: EnvVars = ()
 
     def __post_init__(self) -> None:
+        _check_int(f"{self.role}.count", self.count)
         if self.count < 0:
             raise ValueError(f"{self.role}.count must be >= 0, got {self.count}")
         _check_port(f"{self.role}.base_grpc_port", self.first_grpc_port)
@@ -105,14 +159,11 @@ class NodeGroup:
                 f"{self.role}.gpu_ids names {len(self.gpu_ids)} GPUs for {self.count} nodes; "
                 "give one per node, or none for CPU"
             )
+        for gpu in self.gpu_ids:
+            _check_int(f"{self.role}.gpu_ids[]", gpu)
         if any(gpu < 0 for gpu in self.gpu_ids):
             raise ValueError(f"{self.role}.gpu_ids must be >= 0, got {list(self.gpu_ids)}")
-        _check_flags(str(self.role), self.args, self.env)
-        reserved = {"role", "grpc-port", "metrics-port", "node-id"} & {f for f, _ in self.args}
-        if reserved:
-            raise ValueError(
-                f"{self.role}.args may not set {sorted(reserved)}: the topology derives them"
-            )
+        _check_flags(str(self.role), self.args, self.env, NODE_DERIVED_FLAGS)
 
     @property
     def first_grpc_port(self) -> int:
@@ -152,9 +203,10 @@ class GatewaySpec:
     def __post_init__(self) -> None:
         _check_port("gateway.http_port", self.http_port)
         _check_port("gateway.grpc_port", self.grpc_port)
+        _check_int("gateway.replicas", self.replicas)
         if self.replicas < 1:
             raise ValueError(f"gateway.replicas must be >= 1, got {self.replicas}")
-        _check_flags("gateway", self.args, self.env)
+        _check_flags("gateway", self.args, self.env, GATEWAY_DERIVED_FLAGS)
 
 
 @dataclass(frozen=True)
@@ -178,8 +230,14 @@ class EnvoySpec:
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port", "admin_port"):
             _check_port(f"envoy.{name}", getattr(self, name))
-        if self.stream_idle_timeout_s <= 0:
+        _check_str("envoy.image", self.image)
+        _check_bool("envoy.tls", self.tls)
+        timeout = self.stream_idle_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise ValueError(f"envoy.stream_idle_timeout_s must be a number, got {timeout!r}")
+        if not math.isfinite(timeout) or timeout <= 0:
             raise ValueError("envoy.stream_idle_timeout_s must be > 0")
+        _check_int("envoy.max_requests", self.max_requests)
         if self.max_requests < 1:
             raise ValueError("envoy.max_requests must be >= 1")
 
@@ -202,6 +260,11 @@ class KubernetesSpec:
     ``PDSERVE_TLS_CERT`` / ``_KEY`` / ``_CA`` at it."""
 
     def __post_init__(self) -> None:
+        for name in ("namespace", "models_claim"):
+            _check_str(f"kubernetes.{name}", getattr(self, name))
+        for name in ("gateway_max_replicas", "gateway_queue_target"):
+            _check_int(f"kubernetes.{name}", getattr(self, name))
+        _check_bool("kubernetes.tls", self.tls)
         if not re.match(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", self.namespace):
             raise ValueError(f"kubernetes.namespace {self.namespace!r} is not a DNS label")
         if not self.models_claim:
@@ -247,8 +310,12 @@ class Topology:
     kubernetes: KubernetesSpec = field(default_factory=KubernetesSpec)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.tls, bool) or not isinstance(self.envoy.tls, bool):
-            raise ValueError("tls and envoy.tls must be true or false")
+        _check_bool("tls", self.tls)
+        for name in ("model", "dtype", "kv_cache_dtype", "kv_transport", "host", "image",
+                     "model_volume", "shm_size"):  # fmt: skip
+            _check_str(name, getattr(self, name))
+        if self.served_model_name is not None:
+            _check_str("served_model_name", self.served_model_name)
         if not self.model:
             raise ValueError("model must name a model directory or a GGUF file")
         if self.dtype not in DTYPES:
@@ -262,6 +329,14 @@ class Topology:
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(
                 f"kv_transport must be one of {KV_TRANSPORTS}, got {self.kv_transport!r}"
+            )
+        if self.kv_transport == "loopback" and self.prefill.count:
+            # Every deployment runs each node as its own process; loopback moves KV pages only
+            # between objects of one process, so every request would fail at the KV push.
+            raise ValueError(
+                "kv_transport (--kv-transport) loopback works only inside one process, and "
+                "prefill and decode nodes run as separate processes: use auto, shm, cuda_ipc "
+                "or ucx"
             )
         for group, role in (
             (self.prefill, Role.PREFILL),
@@ -277,7 +352,7 @@ class Topology:
             )
         if self.decode.count == 0 and self.colocated.count == 0:
             raise ValueError("no nodes: give prefill and decode counts, or a colocated count")
-        self._check_ports_unique()
+        _check_unique_ports(self.local_ports())
         if self.kubernetes.gateway_max_replicas < self.gateway.replicas:
             raise ValueError("kubernetes.gateway_max_replicas must be >= gateway.replicas")
         self._check_shared_gpus()
@@ -300,22 +375,26 @@ class Topology:
                     f"must each set args.kv-cache-memory ({unsized} do not)"
                 )
 
-    def _check_ports_unique(self) -> None:
-        """Under compose every service shares the host's network, so no two may share a port."""
-        owners: dict[int, str] = {}
-        ports = [(f"envoy {name}", getattr(self.envoy, f"{name}_port"))
-                 for name in ("http", "grpc", "admin")]  # fmt: skip
-        for i in range(self.gateway.replicas):
-            ports += [(f"gateway-{i} http", self.gateway.http_port + i),
-                      (f"gateway-{i} grpc", self.gateway.grpc_port + i)]  # fmt: skip
+    def local_ports(self) -> list[tuple[str, int]]:
+        """(owner, port) of every port the local launcher binds: each node's, one gateway's.
+        Every deployment binds these, so construction checks they differ."""
+        ports = [("gateway-0 http", self.gateway.http_port),
+                 ("gateway-0 grpc", self.gateway.grpc_port)]  # fmt: skip
         for node in self.nodes:
             ports.append((f"{node.name} grpc", node.grpc_port))
             if node.metrics_port is not None:
                 ports.append((f"{node.name} metrics", node.metrics_port))
-        for owner, port in ports:
-            if port in owners:
-                raise ValueError(f"port {port} is used by both {owners[port]} and {owner}")
-            owners[port] = owner
+        return ports
+
+    def check_compose_ports(self) -> None:
+        """Under compose every service shares the host's network, so no two may share a port:
+        Envoy's and every gateway replica's too, which the local launcher never binds."""
+        ports = [(f"envoy {name}", getattr(self.envoy, f"{name}_port"))
+                 for name in ("http", "grpc", "admin")]  # fmt: skip
+        for i in range(1, self.gateway.replicas):
+            ports += [(f"gateway-{i} http", self.gateway.http_port + i),
+                      (f"gateway-{i} grpc", self.gateway.grpc_port + i)]  # fmt: skip
+        _check_unique_ports(ports + self.local_ports())
 
     @property
     def nodes(self) -> tuple[NodeInstance, ...]:
@@ -352,9 +431,17 @@ def load_topology(path: str | Path) -> Topology:
     """Reads a topology YAML file; errors name the file and the offending key."""
     text = Path(path).read_text()
     try:
-        raw = yaml.safe_load(text) or {}
-        return topology_from_dict(raw)
-    except (ValueError, TypeError) as exc:
+        raw = load_yaml(text)
+    except DuplicateKeyError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = "" if mark is None else f" (line {mark.line + 1})"
+        problem = getattr(exc, "problem", None) or "syntax error"
+        raise ValueError(f"{path}: not valid YAML{where}: {problem}") from None
+    try:
+        return topology_from_dict(raw or {})
+    except (ValueError, TypeError) as exc:  # TypeError: a shape no check above foresaw
         raise ValueError(f"{path}: {exc}") from exc
 
 
@@ -417,6 +504,8 @@ def _flag_args(owner: str, raw: Any) -> FlagArgs:
     for flag, value in raw.items():
         if value is False or value is None:
             continue  # a switch that is off is simply not passed
+        if isinstance(value, Mapping | list):
+            raise ValueError(f"{owner}.args.{flag} must be a single value, got {value!r}")
         pairs.append((str(flag), "" if value is True else str(value)))
     return tuple(pairs)
 
@@ -424,7 +513,17 @@ def _flag_args(owner: str, raw: Any) -> FlagArgs:
 def _env_vars(owner: str, raw: Any) -> EnvVars:
     if not isinstance(raw, Mapping):
         raise ValueError(f"{owner}.env must map variable names to values, got {raw!r}")
-    return tuple((str(name), str(value)) for name, value in raw.items())
+    pairs: list[tuple[str, str]] = []
+    for name, value in raw.items():
+        # An int is what it reads (OMP_NUM_THREADS: 2); anything else str() would turn into a
+        # word the process never meant: an empty value into "None", yes into "True".
+        if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+            pairs.append((str(name), str(value)))
+        else:
+            raise ValueError(
+                f'{owner}.env.{name} must be a string (quote it; "" for empty), got {value!r}'
+            )
+    return tuple(pairs)
 
 
 def _scalar(key: str, value: Any) -> Any:
@@ -437,6 +536,6 @@ def _check_keys(
     owner: str, raw: Mapping[str, Any], cls: type, exclude: tuple[str, ...] = ()
 ) -> None:
     known = {f.name for f in dataclasses.fields(cls)} - set(exclude)
-    unknown = set(raw) - known
+    unknown = set(map(str, raw)) - known
     if unknown:
         raise ValueError(f"{owner}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")

@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from gateway.auth import ApiKey, KeyLimits
+from services.yaml_load import DuplicateKeyError, load_yaml
 
 _LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
 _FIELDS = ("name", "key", *_LIMIT_FIELDS)
@@ -26,9 +27,17 @@ _FIELDS = ("name", "key", *_LIMIT_FIELDS)
 def load_api_key_file(path: Path) -> tuple[ApiKey, ...]:
     """The keys of ``path``; raises ``ValueError`` naming the file and the entry at fault."""
     try:
-        document = yaml.safe_load(path.read_text())
+        document = load_yaml(path.read_text())
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"--api-key-file: cannot read {path}: {exc}") from None
+    except DuplicateKeyError as exc:
+        # Last-wins would drop the first value (a whole team's keys) silently. A field name is
+        # safe to show; any other key might be a secret written in the wrong place.
+        shown = repr(exc.key) if exc.key in ("keys", *_FIELDS) else "a key"
+        raise ValueError(
+            f"--api-key-file: {path}: duplicate {shown} (line {exc.line}, first on line "
+            f"{exc.first_line})"
+        ) from None
     except yaml.YAMLError:
         # The parser's message may quote the line, which may hold a key: say only where.
         raise ValueError(f"--api-key-file: {path} is not valid YAML or JSON") from None

@@ -4,6 +4,7 @@ which prints the commands without running them)."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -34,7 +35,7 @@ def test_run_passes_every_variable_to_the_launcher() -> None:
                     "COLOCATED_METRICS_PORT=9121",
                     "TOPOLOGY=deploy/topology.example.yaml")  # fmt: skip
     (launch,) = [line for line in lines if "-m deploy.launch" in line]
-    assert launch.split()[3:] == [
+    assert shlex.split(launch)[3:] == [
         "--topology", "deploy/topology.example.yaml", "--model", "/m/qwen",
         "--dtype", "float32", "--prefill", "2", "--decode", "3", "--colocated", "1",
         "--host", "0.0.0.0", "--http-port", "9000", "--grpc-port", "9051",
@@ -62,12 +63,20 @@ def test_plain_run_serves_smollm2_fetched_when_missing(tmp_path: Path) -> None:
 
 def test_a_topology_without_model_keeps_its_own_model() -> None:
     launch = dry_run("run", "TOPOLOGY=deploy/topology.example.yaml")[-1]
-    assert launch.split()[1:] == [
+    assert shlex.split(launch)[1:] == [
         "-m",
         "deploy.launch",
         "--topology",
         "deploy/topology.example.yaml",
     ]
+
+
+def test_paths_with_spaces_or_quotes_reach_the_launcher_whole() -> None:
+    model, topology = "/m/tiny  llama", "/t/it's a topology.yaml"
+    launch = dry_run("run", f"MODEL={model}", f"TOPOLOGY={topology}")[-1]
+    assert shlex.split(launch)[1:] == [
+        "-m", "deploy.launch", "--topology", topology, "--model", model,
+    ]  # fmt: skip
 
 
 def test_up_and_down_go_through_the_engine_with_the_cpu_override_on_request() -> None:

@@ -86,11 +86,104 @@ def test_the_example_files_load() -> None:
         ({"decode": {"args": {"--max-num-seqs": 1}}}, "not a flag name"),
         ({"gateway": {"replicas": 0}}, "replicas"),
         ({"model": ["a"]}, "single value"),
+        # Every field is type-checked, naming its key; bool is no integer.
+        ({"prefill": {"count": "two"}}, r"prefill.count must be an integer, got 'two'"),
+        ({"prefill": {"count": 1.5}}, r"prefill.count must be an integer, got 1.5"),
+        ({"prefill": {"count": True}}, r"prefill.count must be an integer, got True"),
+        ({"prefill": {"base_grpc_port": "50061"}}, r"prefill.base_grpc_port must be an integer"),
+        ({"decode": {"base_metrics_port": 9.5}}, r"decode.base_metrics_port must be an integer"),
+        ({"decode": {"gpu_ids": [True]}}, r"decode.gpu_ids\[\] must be an integer"),
+        ({"gateway": {"http_port": 8000.5}}, r"gateway.http_port must be an integer, got 8000.5"),
+        ({"gateway": {"replicas": "2"}}, r"gateway.replicas must be an integer"),
+        ({"envoy": {"max_requests": 1.5}}, r"envoy.max_requests must be an integer"),
+        ({"envoy": {"stream_idle_timeout_s": "5"}}, r"envoy.stream_idle_timeout_s must be a num"),
+        ({"envoy": {"stream_idle_timeout_s": float("nan")}}, r"stream_idle_timeout_s must be >"),
+        ({"kubernetes": {"gateway_queue_target": True}}, r"kubernetes.gateway_queue_target"),
+        ({"kubernetes": {"namespace": 5}}, r"kubernetes.namespace must be a string"),
+        ({"model": 123}, r"model must be a string, got 123"),
+        ({"host": 127}, r"host must be a string"),
+        ({"served_model_name": 5}, r"served_model_name must be a string"),
+        ({"tls": "yes"}, r"tls must be true or false"),
+        # The flags the topology derives (and the launcher health-checks) are not overridable.
+        ({"gateway": {"args": {"http-port": 18500}}}, r"gateway.args may not set \['http-port'\]"),
+        ({"gateway": {"args": {"host": "0.0.0.0"}}}, r"gateway.args may not set \['host'\]"),
+        ({"gateway": {"args": {"colocated": "h:1"}}}, r"may not set \['colocated'\]"),
+        ({"gateway": {"args": {"served-model-name": "x"}}}, r"may not set"),
+        ({"gateway": {"args": {"http-p": 18500}}}, r"may not set \['http-p'\]"),  # argparse prefix
+        ({"prefill": {"args": {"dtype": "float32"}}}, r"prefill.args may not set \['dtype'\]"),
+        ({"decode": {"args": {"model": "m"}}}, r"decode.args may not set \['model'\]"),
+        ({"colocated": {"count": 1, "args": {"device": "cuda"}}}, r"may not set \['device'\]"),
+        ({"decode": {"args": {"host": "0.0.0.0"}}}, r"may not set \['host'\]"),
+        ({"decode": {"args": {"tls-cert": "c"}}}, r"may not set \['tls-cert'\]"),
+        ({"decode": {"args": {"seed": [1]}}}, r"decode.args.seed must be a single value"),
+        # Two processes cannot share a loopback transport.
+        ({"kv_transport": "loopback"}, r"loopback works only inside one process.*use auto"),
+        # env values: a string or an integer, never str(None) / str(True).
+        ({"prefill": {"env": {"UCX_TLS": None}}}, r"prefill.env.UCX_TLS must be a string"),
+        ({"gateway": {"env": {"X": True}}}, r"gateway.env.X must be a string .*, got True"),
+        ({"decode": {"env": {"X": 1.5}}}, r"decode.env.X must be a string"),
     ],
 )
 def test_bad_topologies_name_what_is_wrong(raw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         topology_from_dict(raw)
+
+
+def test_env_integers_are_passed_as_written_and_loopback_serves_colocated_nodes() -> None:
+    topology = topology_from_dict(
+        {
+            "kv_transport": "loopback",
+            "prefill": {"count": 0},
+            "decode": {"count": 0},
+            "colocated": {"count": 1, "env": {"OMP_NUM_THREADS": 2, "UCX_TLS": ""}},
+        }
+    )
+    assert local_processes(topology, python="py")[0].env == (
+        ("OMP_NUM_THREADS", "2"),
+        ("UCX_TLS", ""),
+    )
+
+
+def test_the_launcher_reserves_only_the_ports_it_binds_and_compose_checks_the_rest() -> None:
+    from deploy.compose import compose_dict
+
+    # Envoy's ports and replica 1's are not the launcher's: 8080, 9901 and 8001 are free for it.
+    for raw in (
+        {"gateway": {"http_port": 8080, "grpc_port": 9901}},
+        {"gateway": {"replicas": 2}, "decode": {"base_grpc_port": 8001}},
+        {"prefill": {"base_metrics_port": 8081}},
+    ):
+        topology = topology_from_dict(raw)
+        with pytest.raises(ValueError, match="is used by both"):
+            compose_dict(topology)
+    compose_dict(topology_from_dict({"gateway": {"replicas": 2}}))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("model: models/tiny-llama\nmodel: models/small-llama\n",
+         "duplicate key 'model' (line 2, first on line 1)"),
+        ("prefill:\n  count: 1\n  count: 2\n", "duplicate key 'count' (line 3, first on line 2)"),
+        ("prefill:\n  count: 1\n\t bad\n", "not valid YAML (line 3)"),
+        ("model: 123\n", "model must be a string, got 123"),
+    ],
+)  # fmt: skip
+def test_a_bad_file_names_itself_the_key_and_the_line(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    path = tmp_path / "t.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as refused:
+        load_topology(path)
+    assert str(refused.value).startswith(f"{path}: {message}")
+
+
+def test_yaml_merge_keys_may_still_override() -> None:
+    from services.yaml_load import load_yaml
+
+    text = "base: &b {count: 1, base_grpc_port: 50061}\nprefill:\n  <<: *b\n  count: 2\n"
+    assert load_yaml(text)["prefill"] == {"count": 2, "base_grpc_port": 50061}
 
 
 def test_nodes_with_their_own_cache_size_share_a_gpu() -> None:
