@@ -66,7 +66,9 @@ class ApiKey:
 
 class ApiKeys:
     def __init__(self, keys: Sequence[str | ApiKey]) -> None:
-        plain = [k for k in keys if isinstance(k, str) and k]
+        # Empty keys are kept so that ApiKey refuses them: dropping the only one would serve
+        # with no authentication at all.
+        plain = [k for k in keys if isinstance(k, str)]
         entries = [ApiKey(f"key-{i}", k) for i, k in enumerate(plain, start=1)]
         entries += [k for k in keys if isinstance(k, ApiKey)]
         for i, entry in enumerate(entries):

@@ -4,13 +4,16 @@ a frozen ``GatewayConfig``; the router, the limits and the servers each get only
 Node lists are comma-separated ``host:port`` lists (``--prefill a:50061,b:50061``, or
 ``PDSERVE_PREFILL``); an entry ``dns:///name:port`` stands for every address the name resolves
 to, re-resolved every health interval (``gateway.routing.node_discovery``). API keys: ``--api-key``
-(repeatable) or ``PDSERVE_API_KEYS=k1,k2``, and ``--api-key-file`` (names and per-key limits).
+(repeatable; ``PDSERVE_API_KEY`` is one key) or ``PDSERVE_API_KEYS=k1,k2``, and ``--api-key-file``
+(names and per-key limits). An empty key is refused, never taken as "no authentication": an unset
+shell variable in ``--api-key "$KEY"`` must not open the API.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -22,11 +25,19 @@ from gateway.auth import ApiKey, ApiKeys
 from gateway.limits import RequestLimits
 from gateway.reasoning import ReasoningParser
 from gateway.sampling_defaults import SamplingDefaults, load_sampling_defaults
-from services.cli import ENV_PREFIX, apply_env_defaults, parse_bytes
+from services.cli import (
+    ENV_PREFIX,
+    AppendOverDefault,
+    apply_env_defaults,
+    finite_float,
+    parse_bytes,
+)
 from services.models.gguf_file import find_gguf, open_gguf
 from services.tls import EdgeTlsFiles, TlsFiles, add_tls_flags, tls_from_args
 
 _ADDRESS = re.compile(r"^(dns:///)?[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
+MAX_LEASE_MS = 2**32 - 1
+"""``lease_ms`` travels as a proto ``uint32``: a larger value fails every request."""
 
 
 class KvFailurePolicy:
@@ -68,18 +79,25 @@ class RouterConfig:
         if not (self.decode or self.colocated):
             raise ValueError("no nodes: give --prefill and --decode, or --colocated")
         if self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+            raise ValueError(f"--max-retries must be >= 0, got {self.max_retries}")
         if self.on_kv_failure not in KvFailurePolicy.ALL:
-            raise ValueError(f"on_kv_failure must be one of {KvFailurePolicy.ALL}")
-        if self.lease_ms < 100:
-            raise ValueError(f"lease_ms must be >= 100, got {self.lease_ms}")
-        if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
-            raise ValueError("health_interval_s and health_timeout_s must be > 0")
-        if self.affinity_block_size < 1 or self.affinity_max_imbalance < 0:
-            raise ValueError("affinity_block_size must be >= 1, affinity_max_imbalance >= 0")
+            raise ValueError(f"--on-kv-failure must be one of {', '.join(KvFailurePolicy.ALL)}")
+        if not 100 <= self.lease_ms <= MAX_LEASE_MS:
+            raise ValueError(f"--lease-ms must be in [100, {MAX_LEASE_MS}], got {self.lease_ms}")
+        # not (x > 0) rather than x <= 0: NaN compares false either way and must fail.
+        if not (math.isfinite(self.health_interval_s) and self.health_interval_s > 0):
+            raise ValueError(f"--health-interval-s must be > 0, got {self.health_interval_s}")
+        if not (math.isfinite(self.health_timeout_s) and self.health_timeout_s > 0):
+            raise ValueError(f"health_timeout_s must be > 0, got {self.health_timeout_s}")
+        if self.affinity_block_size < 1:
+            raise ValueError(f"affinity_block_size must be >= 1, got {self.affinity_block_size}")
+        if self.affinity_max_imbalance < 0:
+            raise ValueError(
+                f"affinity_max_imbalance must be >= 0, got {self.affinity_max_imbalance}"
+            )
         if self.local_prefill_max_tokens < 0:
             raise ValueError(
-                f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}"
+                f"--local-prefill-max-tokens must be >= 0, got {self.local_prefill_max_tokens}"
             )
 
 
@@ -138,22 +156,56 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         names = (self.served_model_name, *self.served_model_aliases)
-        if not all(names) or len(set(names)) != len(names):
-            raise ValueError(f"served model names must be non-empty and distinct, got {names}")
+        if not all(name.strip() for name in names) or len(set(names)) != len(names):
+            raise ValueError(
+                f"--served-model-name: names must be non-blank and distinct, got {list(names)}"
+            )
         for name in ("http_port", "grpc_port"):
-            if not 0 <= getattr(self, name) <= 65535:
-                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
-        if self.max_concurrent_requests < 1 or self.max_queued_requests < 0:
-            raise ValueError("max_concurrent_requests must be >= 1, max_queued_requests >= 0")
-        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
-            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
-        if self.client_send_timeout_s is not None and self.client_send_timeout_s <= 0:
-            raise ValueError(f"client_send_timeout_s must be > 0, got {self.client_send_timeout_s}")
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 65535], got {port}")
+        if self.max_concurrent_requests < 1:
+            raise ValueError(
+                f"--max-concurrent-requests must be >= 1, got {self.max_concurrent_requests}"
+            )
+        if self.max_queued_requests < 0:
+            raise ValueError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
+        for name in ("request_timeout_s", "client_send_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                flag = f"--{name.replace('_', '-')}"
+                raise ValueError(f"{flag} must be >= 0 (0: none), got {value}")
         ApiKeys(self.api_keys)  # raises for two keys with one name or one key under two names
 
 
 def _addresses(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _api_key(text: str) -> str:
+    """One ``--api-key``. The message never shows the key: it may be a real one mistyped."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "empty API key (an unset variable?); omit --api-key to serve without authentication"
+        )
+    if text != text.strip():
+        # The server strips the token it receives: such a key could never match.
+        raise argparse.ArgumentTypeError("the API key has surrounding spaces")
+    return text
+
+
+def _env_api_keys(environ: Mapping[str, str]) -> tuple[str, ...]:
+    """``PDSERVE_API_KEYS=k1,k2``; set but naming no key is an error, not "no authentication"."""
+    raw = environ.get(f"{ENV_PREFIX}API_KEYS")
+    if raw is None:
+        return ()
+    keys = _addresses(raw)
+    if not keys:
+        raise ValueError(
+            f"{ENV_PREFIX}API_KEYS is set but names no key; unset it to serve without "
+            "authentication"
+        )
+    return keys
 
 
 def _string_list(text: str) -> tuple[str, ...]:
@@ -199,9 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--colocated", type=_addresses, default=(), help="colocated nodes, host:port,...")
     add(
         "--api-key",
-        action="append",
+        action=AppendOverDefault,
+        type=_api_key,
         default=None,
-        help="accept this API key (repeatable; env PDSERVE_API_KEYS=k1,k2); unset: no auth",
+        help="accept this API key (repeatable; env PDSERVE_API_KEY is one key, PDSERVE_API_KEYS="
+        "k1,k2 several); unset: no auth; an empty key is refused",
     )
     add(
         "--api-key-file",
@@ -220,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-model-len",
         type=int,
         default=None,
-        help="default: the model's max_position_embeddings",
+        help="at most the model's max_position_embeddings, which is the default",
     )
     add(
         "--max-tokens-limit",
@@ -231,20 +285,25 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-body-bytes", type=parse_bytes, default=4 * 2**20)
     add(
         "--body-read-timeout-s",
-        type=float,
+        type=finite_float,
         default=30.0,
         help="an HTTP request body with no new byte for this long is answered 408; 0: never",
     )
-    add("--request-timeout-s", type=float, default=600.0, help="0: no deadline")
+    add("--request-timeout-s", type=finite_float, default=600.0, help="0: no deadline")
     add(
         "--client-send-timeout-s",
-        type=float,
+        type=finite_float,
         default=30.0,
         help="abort a request whose client reads nothing this long with its buffers full; 0: never",
     )
     add("--max-retries", type=int, default=2)
     add("--on-kv-failure", default=KvFailurePolicy.FAIL, choices=KvFailurePolicy.ALL)
-    add("--lease-ms", type=int, default=30_000)
+    add(
+        "--lease-ms",
+        type=int,
+        default=30_000,
+        help=f"how long a decode reservation waits for its KV, in [100, {MAX_LEASE_MS}]",
+    )
     add(
         "--local-prefill-max-tokens",
         type=int,
@@ -252,12 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompts of at most this many tokens are prefilled on their decode node (no KV "
         "handoff); 0: all go to a prefill node",
     )
-    add("--health-interval-s", type=float, default=1.0)
+    add("--health-interval-s", type=finite_float, default=1.0)
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add(
         "--reasoning-parser",
         default=None,
-        choices=list(ReasoningParser),
+        choices=[parser.value for parser in ReasoningParser],
         help="chat completions return a thinking model's <think> text as reasoning_content: "
         "qwen3 (the model opens <think>), deepseek_r1 (the template does); default: none",
     )
@@ -295,10 +354,8 @@ def parse_gateway_config(
     environ = os.environ if environ is None else environ
     apply_env_defaults(parser, environ)
     args = parser.parse_args(argv)
-    api_keys: tuple[str | ApiKey, ...] = tuple(
-        args.api_key or _addresses(environ.get(f"{ENV_PREFIX}API_KEYS", ""))
-    )
     try:
+        api_keys: tuple[str | ApiKey, ...] = tuple(args.api_key or _env_api_keys(environ))
         if args.api_key_file is not None:
             api_keys += load_api_key_file(args.api_key_file)
         if (args.public_tls_cert is None) != (args.public_tls_key is None):
@@ -308,10 +365,20 @@ def parse_gateway_config(
             if args.public_tls_cert is not None
             else None
         )
-        max_model_len = args.max_model_len or model_max_len(args.model)
+        max_model_len = _max_model_len(args.max_model_len, args.model)
+        max_tokens = max_model_len if args.max_tokens_limit is None else args.max_tokens_limit
+        if not 1 <= max_tokens <= max_model_len:
+            raise ValueError(
+                f"--max-tokens-limit must be in [1, {max_model_len}] (--max-model-len), "
+                f"got {max_tokens}"
+            )
+        if args.body_read_timeout_s < 0:
+            raise ValueError(
+                f"--body-read-timeout-s must be >= 0 (0: never), got {args.body_read_timeout_s}"
+            )
         limits = RequestLimits(
             max_model_len=max_model_len,
-            max_tokens=args.max_tokens_limit or max_model_len,
+            max_tokens=max_tokens,
             max_body_bytes=args.max_body_bytes,
             body_read_timeout_s=args.body_read_timeout_s or None,
         )
@@ -326,8 +393,6 @@ def parse_gateway_config(
             health_interval_s=args.health_interval_s,
         )
         names = args.served_model_name or [args.model.resolve().name]
-        if isinstance(names, str):  # PDSERVE_SERVED_MODEL_NAME: one string
-            names = [name.strip() for name in names.split(",")]
         return GatewayConfig(
             model_dir=args.model,
             served_model_name=names[0],
@@ -361,9 +426,34 @@ def parse_gateway_config(
         raise  # unreachable: parser.error exits
 
 
+def _max_model_len(flag: int | None, model_dir: Path) -> int:
+    """``--max-model-len``, at most the model's (vLLM refuses more too: positions past it
+    were never trained, and the nodes refuse it); unset: the model's."""
+    if flag is None:
+        return model_max_len(model_dir)
+    if flag < 2:
+        raise ValueError(f"--max-model-len must be >= 2, got {flag}")
+    limit = _model_context_len(model_dir)
+    if limit is not None and flag > limit:
+        raise ValueError(
+            f"--max-model-len {flag} exceeds the model's max_position_embeddings ({limit})"
+        )
+    return flag
+
+
 def model_max_len(model_dir: Path) -> int:
     """The context length from ``config.json`` (``max_position_embeddings``), or from a GGUF
     file's metadata."""
+    value = _model_context_len(model_dir)
+    if value is None:
+        raise ValueError(
+            f"--model: {model_dir} has no usable max_position_embeddings; pass --max-model-len"
+        )
+    return value
+
+
+def _model_context_len(model_dir: Path) -> int | None:
+    """``max_position_embeddings``; None when the model does not say (or says nonsense)."""
     path = model_dir / "config.json"
     try:
         gguf_path = find_gguf(model_dir)
@@ -375,8 +465,6 @@ def model_max_len(model_dir: Path) -> int:
     except (OSError, ValueError) as exc:
         raise ValueError(f"--model: cannot read {path}: {exc}") from None
     value = config.get("max_position_embeddings")
-    if not isinstance(value, int) or value < 2:
-        raise ValueError(
-            f"--model: {path} has no usable max_position_embeddings; pass --max-model-len"
-        )
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        return None
     return value

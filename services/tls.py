@@ -9,7 +9,9 @@ that does not present a certificate signed by the CA (``require_client_auth=True
 every channel it opens verify the peer's certificate against the same CA and the target's host
 name (so a certificate's SANs must name the address peers dial: the service name, or 127.0.0.1).
 
-The files are read once, when credentials are built: replacing them needs a restart.
+The files are parsed when the config is built (a file that is not PEM, or a key that is not its
+certificate's, is a usage error naming the flag, not a handshake failure found later) and read
+again when credentials are built: replacing them needs a restart.
 
 The gateway's public ports may also terminate TLS (``EdgeTlsFiles``): server authentication
 only, since its clients prove who they are with API keys.
@@ -26,6 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
 
 TLS_FLAGS = ("tls_cert", "tls_key", "tls_ca")
 
@@ -44,6 +49,8 @@ class TlsFiles:
             path = getattr(self, name)
             if not path.is_file() or not os.access(path, os.R_OK):
                 raise ValueError(f"--tls-{name}: {path} is not a readable file")
+        check_pem_pair(self.cert, self.key, "--tls-cert", "--tls-key")
+        load_pem_certificates(self.ca, "--tls-ca")
 
     def read_pem(self) -> tuple[bytes, bytes, bytes]:
         """(key, cert, ca) bytes."""
@@ -63,6 +70,29 @@ class EdgeTlsFiles:
             path = getattr(self, name)
             if not path.is_file() or not os.access(path, os.R_OK):
                 raise ValueError(f"--public-tls-{name}: {path} is not a readable file")
+        check_pem_pair(self.cert, self.key, "--public-tls-cert", "--public-tls-key")
+
+
+def load_pem_certificates(path: Path, flag: str) -> list[x509.Certificate]:
+    """The certificates of a PEM file (a chain, or a CA bundle); ``ValueError`` naming ``flag``
+    when it holds none (gRPC would only log "Invalid cert chain file" and fail every handshake)."""
+    try:
+        return x509.load_pem_x509_certificates(path.read_bytes())
+    except ValueError:
+        raise ValueError(f"{flag} {path}: not a PEM certificate") from None
+
+
+def check_pem_pair(cert: Path, key: Path, cert_flag: str, key_flag: str) -> None:
+    """``cert`` is a PEM chain and ``key`` an unencrypted PEM private key for its first
+    certificate; ``ValueError`` naming the flag otherwise. The key itself is never shown."""
+    leaf = load_pem_certificates(cert, cert_flag)[0]
+    try:
+        private_key = serialization.load_pem_private_key(key.read_bytes(), password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm):  # TypeError: it is encrypted
+        raise ValueError(f"{key_flag} {key}: not a PEM private key (unencrypted)") from None
+    spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    if private_key.public_key().public_bytes(*spki) != leaf.public_key().public_bytes(*spki):
+        raise ValueError(f"{key_flag} {key}: not the private key of {cert_flag} {cert}")
 
 
 def edge_server_credentials(tls: EdgeTlsFiles) -> grpc.ServerCredentials:

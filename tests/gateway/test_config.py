@@ -33,7 +33,7 @@ def test_local_prefill_max_tokens_from_flag_env_or_default(tiny_llama_dir, capsy
     assert from_env.router.local_prefill_max_tokens == 64
     with pytest.raises(SystemExit):
         parse(tiny_llama_dir, "--local-prefill-max-tokens", "-1")
-    assert "local_prefill_max_tokens must be >= 0" in capsys.readouterr().err
+    assert "--local-prefill-max-tokens must be >= 0, got -1" in capsys.readouterr().err
 
 
 def test_reasoning_parser_from_flag_env_or_default(tiny_llama_dir: Path, capsys) -> None:
@@ -85,3 +85,120 @@ def test_cors_flags_from_flag_env_or_default(tiny_llama_dir: Path, capsys) -> No
     with pytest.raises(SystemExit):
         parse(tiny_llama_dir, "--allowed-headers", '["Authorization", " "]')
     assert "allowed_headers must be non-empty strings" in capsys.readouterr().err
+
+
+def test_api_key_env_is_one_key(tiny_llama_dir: Path) -> None:
+    # PDSERVE_API_KEY is --api-key given once, never one key per character.
+    assert parse(tiny_llama_dir, PDSERVE_API_KEY="sk-abc").api_keys == ("sk-abc",)
+    flags = parse(tiny_llama_dir, "--api-key", "k1", "--api-key", "k2", PDSERVE_API_KEY="sk-abc")
+    assert flags.api_keys == ("k1", "k2")
+    listed = parse(tiny_llama_dir, PDSERVE_API_KEYS="k1, k2")
+    assert listed.api_keys == ("k1", "k2")
+
+
+@pytest.mark.parametrize(
+    ("flags", "environ", "named"),
+    [
+        (("--api-key", ""), {}, "argument --api-key"),
+        (("--api-key", "k1", "--api-key", "  "), {}, "argument --api-key"),
+        ((), {"PDSERVE_API_KEY": ""}, "PDSERVE_API_KEY (for --api-key)"),
+        ((), {"PDSERVE_API_KEYS": " , "}, "PDSERVE_API_KEYS"),
+        ((), {"PDSERVE_API_KEYS": ""}, "PDSERVE_API_KEYS"),
+    ],
+)
+def test_empty_api_key_is_refused_not_auth_off(
+    tiny_llama_dir: Path, capsys, flags: tuple[str, ...], environ: dict[str, str], named: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse(tiny_llama_dir, *flags, **environ)
+    assert exit_.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_api_key_with_spaces_is_refused_without_showing_it(tiny_llama_dir: Path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse(tiny_llama_dir, "--api-key", " sk-secret-77 ")
+    err = capsys.readouterr().err
+    assert "argument --api-key" in err and "sk-secret-77" not in err
+
+
+@pytest.mark.parametrize(
+    "flag",
+    ["--health-interval-s", "--request-timeout-s", "--client-send-timeout-s",
+     "--body-read-timeout-s"],
+)  # fmt: skip
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_float_flags_must_be_finite(tiny_llama_dir: Path, capsys, flag: str, value: str) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse(tiny_llama_dir, f"{flag}={value}")  # "-inf" alone reads as a flag
+    assert exit_.value.code == 2
+    assert f"argument {flag}: must be a finite number" in capsys.readouterr().err
+
+
+def test_health_interval_must_be_positive(tiny_llama_dir: Path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse(tiny_llama_dir, "--health-interval-s", "0")
+    assert "--health-interval-s must be > 0, got 0.0" in capsys.readouterr().err
+
+
+def test_lease_ms_fits_the_proto_uint32(tiny_llama_dir: Path, capsys) -> None:
+    assert parse(tiny_llama_dir, "--lease-ms", str(2**32 - 1)).router.lease_ms == 2**32 - 1
+    for bad in (str(2**32), "5000000000", "99"):
+        with pytest.raises(SystemExit) as exit_:
+            parse(tiny_llama_dir, "--lease-ms", bad)
+        assert exit_.value.code == 2
+        assert f"--lease-ms must be in [100, 4294967295], got {bad}" in capsys.readouterr().err
+
+
+def test_max_model_len_above_the_model_is_refused(tiny_llama_dir: Path, capsys) -> None:
+    from gateway.config import model_max_len
+
+    limit = model_max_len(tiny_llama_dir)
+    assert parse(tiny_llama_dir, "--max-model-len", str(limit)).limits.max_model_len == limit
+    with pytest.raises(SystemExit) as exit_:
+        parse(tiny_llama_dir, "--max-model-len", str(limit + 1))
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    expected = f"--max-model-len {limit + 1} exceeds the model's max_position_embeddings ({limit})"
+    assert expected in err
+
+
+@pytest.mark.parametrize("flag", ["--max-model-len", "--max-tokens-limit"])
+def test_zero_limits_are_refused_not_unset(tiny_llama_dir: Path, capsys, flag: str) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse(tiny_llama_dir, flag, "0")
+    assert exit_.value.code == 2
+    assert f"{flag} must be" in capsys.readouterr().err
+
+
+def test_limit_errors_name_the_flag_and_value(tiny_llama_dir: Path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse(tiny_llama_dir, "--max-tokens-limit", "-5")
+    assert "--max-tokens-limit must be in [1, 2048] (--max-model-len), got -5" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        parse(tiny_llama_dir, "--max-concurrent-requests", "0")
+    assert "--max-concurrent-requests must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(tiny_llama_dir, "--max-queued-requests", "-1")
+    assert "--max-queued-requests must be >= 0, got -1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(tiny_llama_dir, "--http-port", "70000")
+    assert "--http-port must be in [0, 65535], got 70000" in capsys.readouterr().err
+
+
+def test_reasoning_parser_choices_are_plain_values(tiny_llama_dir: Path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse(tiny_llama_dir, "--reasoning-parser", "foo")
+    err = capsys.readouterr().err
+    assert "(choose from 'qwen3', 'deepseek_r1')" in err and "ReasoningParser" not in err
+
+
+@pytest.mark.parametrize("names", [(" ",), ("tiny", " ")])
+def test_whitespace_served_model_name_is_refused(
+    tiny_llama_dir: Path, capsys, names: tuple[str, ...]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse(tiny_llama_dir, "--served-model-name", *names)
+    assert "--served-model-name" in capsys.readouterr().err

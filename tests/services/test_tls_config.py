@@ -76,3 +76,56 @@ def test_gateway_public_tls_and_key_file_errors(tiny_llama_dir: Path, certs: Pat
     assert "same key" in err and secret not in err
     config = parse_gateway_config([*base, "--api-key", "legacy", "--api-key-file", str(keys)], {})
     assert secret not in repr(config) and "legacy" not in repr(config)
+
+
+@pytest.mark.parametrize("flag", ["--tls-cert", "--tls-key", "--tls-ca"])
+def test_tls_files_that_are_not_pem_are_refused_by_flag(
+    certs: Path, tmp_path: Path, capsys, flag: str
+) -> None:
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    files = {"--tls-cert": certs / "node.crt", "--tls-key": certs / "node.key",
+             "--tls-ca": certs / "ca.crt"}  # fmt: skip
+    files[flag] = garbage
+    argv = [item for pair in files.items() for item in (pair[0], str(pair[1]))]
+    with pytest.raises(SystemExit) as exit_:
+        parse_node_config(argv, {}, role=Role.DECODE)
+    assert exit_.value.code == 2
+    assert f"{flag} {garbage}: not a PEM" in capsys.readouterr().err
+
+
+def test_tls_key_that_does_not_match_the_cert_is_refused(certs: Path, capsys) -> None:
+    # ca.key is a valid key, but not node.crt's.
+    argv = ["--tls-cert", str(certs / "node.crt"), "--tls-key", str(certs / "ca.key"),
+            "--tls-ca", str(certs / "ca.crt")]  # fmt: skip
+    with pytest.raises(SystemExit):
+        parse_node_config(argv, {}, role=Role.DECODE)
+    assert "--tls-key" in capsys.readouterr().err
+
+
+def test_gateway_tls_files_that_are_not_pem_are_refused(
+    tiny_llama_dir: Path, certs: Path, tmp_path: Path, capsys
+) -> None:
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_bytes(b"\x00\x01 junk")
+    base = ["--model", str(tiny_llama_dir), "--colocated", "127.0.0.1:50081"]
+    with pytest.raises(SystemExit) as exit_:
+        parse_gateway_config(
+            [*base, "--public-tls-cert", str(garbage), "--public-tls-key", str(certs / "node.key")],
+            {},
+        )
+    assert exit_.value.code == 2
+    assert f"--public-tls-cert {garbage}: not a PEM certificate" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_gateway_config(
+            [*base, "--public-tls-cert", str(certs / "node.crt"), "--public-tls-key", str(garbage)],
+            {},
+        )
+    assert f"--public-tls-key {garbage}: not a PEM private key" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_gateway_config(
+            [*base, "--tls-cert", str(certs / "node.crt"), "--tls-key", str(certs / "node.key"),
+             "--tls-ca", str(garbage)],
+            {},
+        )  # fmt: skip
+    assert f"--tls-ca {garbage}: not a PEM certificate" in capsys.readouterr().err
