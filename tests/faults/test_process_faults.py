@@ -40,7 +40,6 @@ MAX_MODEL_LEN = 512
 REQUEST_TIMEOUT_S = 8
 NODE_ARGS = (
     ("kv-cache-memory", "8MiB"), ("max-model-len", str(MAX_MODEL_LEN)), ("drain-grace-s", "2"),
-    ("dtype", "float32"),
 )  # fmt: skip
 # prefill-0 pauses before the last message of each push, so a test can kill it mid-push, and
 # computes 16 tokens a step, each at least 20 ms long, so a long prompt keeps it computing for a
@@ -59,6 +58,7 @@ def cluster(tiny_llama_dir: Path) -> Iterator[ProcessCluster]:
     topology = Topology(
         model=str(tiny_llama_dir),
         served_model_name="tiny-llama",
+        dtype="float32",  # the offline engine's, which some tests compare with
         kv_transport="ucx",
         host="127.0.0.1",
         prefill=NodeGroup(Role.PREFILL, count=2, base_grpc_port=base, args=NODE_ARGS),

@@ -33,10 +33,11 @@ DECODE_ARGS = ("--max-num-seqs", "4", "--max-waiting-reservations", "6")
 def slow(tiny_llama_dir: Path) -> Iterator[ProcessCluster]:
     base = free_ports(4, consecutive=True)[0]
     node_args = (("kv-cache-memory", "8MiB"), ("max-model-len", str(MAX_MODEL_LEN)),
-                 ("dtype", "float32"), ("drain-grace-s", "2"))  # fmt: skip
+                 ("drain-grace-s", "2"))  # fmt: skip
     topology = Topology(
         model=str(tiny_llama_dir),
         served_model_name="tiny-llama",
+        dtype="float32",  # the offline engine's, which some tests compare with
         kv_transport="ucx",
         host="127.0.0.1",
         prefill=NodeGroup(Role.PREFILL, count=1, base_grpc_port=base, args=node_args),
