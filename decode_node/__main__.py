@@ -13,11 +13,8 @@ def main() -> None:
     from services.node.runtime import run
     from services.types import Role
 
+    # --role prefill is a usage error here (exit 2), naming prefill_node.
     config = parse_node_config(role=Role.DECODE)
-    if config.role is Role.PREFILL:
-        raise SystemExit(
-            "decode_node serves --role decode or colocated; use python -m prefill_node"
-        )
     run(config, decode_services)
 
 

@@ -11,6 +11,7 @@ import sys
 from gateway.config import parse_gateway_config
 from gateway.server import GatewayServer
 from services.listen import ListenError
+from services.models import ModelFileError
 
 logger = logging.getLogger("gateway")
 
@@ -23,7 +24,13 @@ async def main(argv: list[str] | None = None) -> int:
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    server = GatewayServer(config)
+    try:
+        server = GatewayServer(config)
+    except ModelFileError as exc:
+        # A model file the flags' checks do not read (a tokenizer file, its chat template):
+        # refused like a bad flag, in one line, before any port opens.
+        print(f"python -m gateway: error: --model: {exc}", file=sys.stderr)
+        return 2
     try:
         await server.start()
     except ListenError as exc:

@@ -13,9 +13,8 @@ def main() -> None:
     from services.node.runtime import run
     from services.types import Role
 
+    # --role decode or colocated is a usage error here (exit 2), naming decode_node.
     config = parse_node_config(role=Role.PREFILL)
-    if config.role is not Role.PREFILL:
-        raise SystemExit("prefill_node serves --role prefill; use python -m decode_node")
     run(config, prefill_services)
 
 

@@ -94,11 +94,16 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+class ChatTemplateSyntaxError(ValueError):
+    """A chat template that does not compile; the message says where, the caller which file."""
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile ``source`` in the sandbox transformers renders chat templates in.
 
     Templates come from model repositories and are untrusted code: the immutable sandbox keeps
-    them from mutating their inputs or reaching Python internals.
+    them from mutating their inputs or reaching Python internals. ``ChatTemplateSyntaxError``
+    for a template that is not valid Jinja.
     """
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True,
@@ -111,7 +116,12 @@ def compile_chat_template(source: str) -> jinja2.Template:
     env.globals["namespace"] = _TemplateNamespace
     # NOTE: transformers' `dict` global is a restricted callable; a plain function is as safe.
     env.globals["dict"] = lambda *args, **kwargs: dict(*args, **kwargs)
-    return env.from_string(source)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateSyntaxError(
+            f"chat_template is not valid Jinja: {exc.message} (line {exc.lineno})"
+        ) from None
 
 
 def message_text(index: int, role: str, content: object) -> str:

@@ -21,8 +21,9 @@ from typing import Any
 from tokenizers import Tokenizer as HfTokenizer
 
 from gateway.errors import invalid
-from gateway.text.chat_template import ChatTemplate
+from gateway.text.chat_template import ChatTemplate, ChatTemplateSyntaxError
 from services.gguf_tokenizer import gguf_tokenizer_parts
+from services.models import ModelFileError
 from services.models.gguf_file import find_gguf, open_gguf
 
 logger = logging.getLogger(__name__)
@@ -75,10 +76,19 @@ def _token_content(value: object) -> str | None:
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
-    data = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        data = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelFileError(path, f"not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path} holds a {type(data).__name__}, expected a JSON object")
+        raise ModelFileError(path, f"holds a {type(data).__name__}, expected a JSON object")
     return data
+
+
+def _chat_template_origin(model_dir: Path) -> Path:
+    """The file ``_read_chat_template`` reads the template from."""
+    template_file = model_dir / "chat_template.jinja"
+    return template_file if template_file.is_file() else model_dir / "tokenizer_config.json"
 
 
 def _read_chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
@@ -124,11 +134,20 @@ class Tokenizer:
         """From a Hugging Face model directory, a GGUF file, or a directory holding one."""
         model_dir = Path(model_dir)
         gguf_path = find_gguf(model_dir)
-        if gguf_path is not None:
-            parts = gguf_tokenizer_parts(open_gguf(gguf_path))
-            return cls(
-                parts.backend, parts.special_tokens, parts.eos_token_ids, parts.chat_template
-            )
+        try:
+            if gguf_path is not None:
+                parts = gguf_tokenizer_parts(open_gguf(gguf_path))
+                return cls(
+                    parts.backend, parts.special_tokens, parts.eos_token_ids, parts.chat_template
+                )
+            return cls._from_hf_dir(model_dir)
+        except ChatTemplateSyntaxError as exc:
+            # The template comes from the checkpoint: name the file to fix.
+            origin = gguf_path or _chat_template_origin(model_dir)
+            raise ModelFileError(origin, str(exc)) from None
+
+    @classmethod
+    def _from_hf_dir(cls, model_dir: Path) -> Tokenizer:
         tokenizer_file = model_dir / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise ValueError(

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from services.models.gguf_file import find_gguf, open_gguf
+from services.models.model_file_error import ModelFileError
 
 logger = logging.getLogger(__name__)
 
@@ -89,10 +90,14 @@ class ModelConfig:
             )
         path = model_dir / "config.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model dir")
-        raw = json.loads(path.read_text())
+            if not any(model_dir.iterdir()):
+                raise FileNotFoundError(f"{model_dir} is an empty directory: expected {expected}")
+            raise FileNotFoundError(
+                f"{model_dir} has no config.json and no GGUF file: expected {expected}"
+            )
+        raw = _read_json(path)
         generation_path = model_dir / "generation_config.json"
-        generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
+        generation = _read_json(generation_path) if generation_path.is_file() else {}
         return cls.from_hf_dict(raw, generation)
 
     @classmethod
@@ -131,6 +136,16 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
         )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelFileError(path, f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ModelFileError(path, f"expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _architecture(raw: dict[str, Any]) -> str:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.models.model_file_error import ModelFileError
+
 logger = logging.getLogger(__name__)
 
 GGUF_SUFFIX = ".gguf"
@@ -148,7 +150,7 @@ class GgufFile:
             with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
                 self._metadata, self._tensors = self._parse(m)
         except (ValueError, OSError, struct.error, UnicodeDecodeError) as exc:
-            raise ValueError(f"{self.path} is not a readable GGUF file: {exc}") from exc
+            raise ModelFileError(self.path, f"not a readable GGUF file: {exc}") from exc
 
     @staticmethod
     def _parse(data: mmap.mmap) -> tuple[dict[str, Any], list[GgufTensorInfo]]:

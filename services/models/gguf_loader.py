@@ -22,6 +22,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from services.models.config import ModelConfig
 from services.models.gguf_file import GgufFile, GgufTensorInfo
+from services.models.model_file_error import ModelFileError
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +83,12 @@ def gguf_weights(gguf: GgufFile, config: ModelConfig) -> Iterator[tuple[str, tor
     unpermute = gguf.architecture in _PERMUTED_QK_ARCHITECTURES
     data = np.memmap(gguf.path, dtype=np.uint8, mode="r")
     for tensor in gguf.tensors:
-        name = hf_tensor_name(tensor.name)
-        weight = dequantize(data, tensor)
+        try:
+            name = hf_tensor_name(tensor.name)
+            weight = dequantize(data, tensor)
+        except ValueError as exc:
+            # The messages name the tensor; a node's log line must name the file too.
+            raise ModelFileError(gguf.path, str(exc)) from exc
         if unpermute and (".q_proj." in name or ".k_proj." in name):
             num_heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
             weight = unpermute_rotary_rows(weight, num_heads)

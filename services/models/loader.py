@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from services.host_memory import advise_huge_pages
 from services.models.attention import AttentionBackend
@@ -23,6 +23,7 @@ from services.models.gguf_file import find_gguf, open_gguf
 from services.models.gguf_loader import gguf_weights
 from services.models.layer_ops import LayerOps
 from services.models.llama import LlamaForCausalLM
+from services.models.model_file_error import ModelFileError
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,10 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_bytes())["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+            raise ModelFileError(index, f"not a safetensors index ({exc!r})") from None
         files = sorted({model_dir / name for name in weight_map.values()})
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -105,9 +109,13 @@ def load_model(
 
 def _safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor, str]]:
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name), path.name
+        # SafetensorError names no file ("header too large"): a corrupt or truncated shard.
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, f.get_tensor(name), path.name
+        except SafetensorError as exc:
+            raise ModelFileError(path, f"not a valid safetensors file ({exc})") from None
 
 
 def _named(

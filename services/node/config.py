@@ -8,14 +8,18 @@ then to its default. A bad value is reported by argparse (exit 2) naming the fla
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import re
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from kv_transfer.transport_choice import KV_SCOPES
-from services.cli import ENV_PREFIX, apply_env_defaults, parse_bytes
+from services.cli import ENV_PREFIX, apply_env_defaults, finite_float, parse_bytes
 from services.engine import (
     CacheConfig,
     EngineConfig,
@@ -23,6 +27,7 @@ from services.engine import (
     SchedulingPolicy,
     default_max_num_batched_tokens,
 )
+from services.engine.model_runner import check_device
 from services.tls import TlsFiles, add_tls_flags, tls_from_args
 from services.types import Role
 
@@ -30,6 +35,13 @@ KV_TRANSPORTS = ("auto", "shm", "cuda_ipc", "ucx", "loopback")
 
 
 DEFAULT_GRPC_PORTS = {Role.PREFILL: 50061, Role.DECODE: 50071, Role.COLOCATED: 50081}
+
+MAX_BLOCK_SIZE = 128
+"""vLLM's largest ``--block-size`` choice. Unbounded, start-up times the prefill kernels on a
+block-sized buffer first: ``--block-size 1000000`` asks for gigabytes before any KV check runs."""
+
+# Config fields whose flag is not ``--`` + the field name with dashes.
+_FIELD_FLAGS = {"model_dir": "--model", "policy": "--scheduling-policy"}
 
 
 @dataclass(frozen=True)
@@ -72,10 +84,13 @@ class NodeConfig:
             )
         if self.kv_scope not in KV_SCOPES:
             raise ValueError(f"kv_scope must be one of {KV_SCOPES}, got {self.kv_scope!r}")
-        for name in ("grpc_port", "kv_port"):
+        for name in ("grpc_port", "kv_port", "metrics_port"):
             port = getattr(self, name)
-            if not 0 <= port <= 65535:
+            if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {port}")
+        # Port 0 asks for any free port, so two zeros do not collide.
+        if self.metrics_port == self.grpc_port != 0:
+            raise ValueError(f"metrics_port and grpc_port must differ, both are {self.grpc_port}")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
         if self.test_kv_push_pause_s < 0:
@@ -104,7 +119,14 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = parser.add_argument
-    add("--role", type=Role, choices=list(Role), default=role, help="what this node runs")
+    served = [r for r in Role if r.module == module] if role is not None else list(Role)
+    add(
+        "--role",
+        type=functools.partial(_parse_role, served=served),
+        default=role,
+        metavar="{" + ",".join(served) + "}",
+        help="what this node runs",
+    )
     add("--model", type=Path, default=Path("models/tiny-llama"), help="HF model dir or GGUF file")
     add(
         "--dtype",
@@ -151,9 +173,9 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
     )
     add("--metrics-port", type=int, default=None, help="Prometheus /metrics port (unset: none)")
     add("--node-id", default=None, help="default: hostname:grpc-port")
-    add("--block-size", type=int, default=16)
+    add("--block-size", type=int, default=16, help=f"tokens per KV block, 1 to {MAX_BLOCK_SIZE}")
     add("--kv-cache-memory", type=parse_bytes, default=None, help="e.g. 2GiB; default 1GiB on CPU")
-    add("--gpu-memory-utilization", type=float, default=0.9)
+    add("--gpu-memory-utilization", type=finite_float, default=0.9)
     add("--max-model-len", type=int, default=None)
     add("--max-num-seqs", type=int, default=256)
     add(
@@ -172,11 +194,11 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
         help="decode steps on static buffers replayed as CUDA graphs "
         "(default: on for CUDA with the triton attention backend)",
     )
-    add("--drain-grace-s", type=float, default=30.0)
+    add("--drain-grace-s", type=finite_float, default=30.0)
     add("--seed", type=int, default=0)
     add(
         "--test-kv-push-pause-s",
-        type=float,
+        type=finite_float,
         default=0.0,
         help="testing only: each KV push pauses this long before its last message (to kill or "
         "cancel a node while pages are moving)",
@@ -184,13 +206,13 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
     add_tls_flags(parser)
     add(
         "--test-step-delay-s",
-        type=float,
+        type=finite_float,
         default=0.0,
         help="testing only: every engine step that did work sleeps this long after it",
     )
     add(
         "--test-step-slowdown",
-        type=float,
+        type=finite_float,
         default=1.0,
         help="testing and benchmarks only: every engine step that did work takes this many "
         "times as long (a slower host, simulated)",
@@ -252,7 +274,7 @@ def parse_node_config(
                 policy=SchedulingPolicy(args.scheduling_policy),
             ),
         )
-        return NodeConfig(
+        config = NodeConfig(
             role=args.role,
             node_id=args.node_id or f"{socket.gethostname()}:{grpc_port}",
             host=args.host,
@@ -270,6 +292,79 @@ def parse_node_config(
             max_unstarted_reservations=args.max_unstarted_reservations,
             max_waiting_reservations=args.max_waiting_reservations,
         )
+        check_before_load(config)
     except ValueError as exc:
-        parser.error(str(exc))
+        parser.error(name_flags(str(exc)))
         raise  # unreachable: parser.error exits
+    return config
+
+
+def _parse_role(value: str, *, served: Sequence[Role]) -> Role:
+    try:
+        role = Role(value)
+    except ValueError:
+        choices = ", ".join(repr(str(r)) for r in served)
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {value!r} (choose from {choices})"
+        ) from None
+    if role not in served:
+        raise argparse.ArgumentTypeError(f"--role {role} runs as python -m {role.module}")
+    return role
+
+
+def check_before_load(config: NodeConfig) -> None:
+    """Refusals that need only the flags, made before the model loads (seconds to minutes):
+    ValueError naming the flag."""
+    engine = config.engine
+    block_size = engine.cache.block_size
+    if block_size > MAX_BLOCK_SIZE:
+        raise ValueError(f"--block-size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
+    device = torch.device(engine.device)
+    try:
+        check_device(device)
+    except ValueError as exc:
+        problem = str(exc).removeprefix(f"device {engine.device!r}: ")
+        raise ValueError(f"--device {engine.device}: {problem}") from None
+    on_cpu = device.type == "cpu"
+    # TRITON_INTERPRET=1 runs the Triton kernels on the CPU, for tests.
+    if engine.attention_backend == "triton" and on_cpu and not _triton_interpreted():
+        raise ValueError(
+            "--attention-backend triton needs a CUDA --device (its kernels are GPU-only), "
+            f"got --device {engine.device}"
+        )
+    if config.kv_transport == "cuda_ipc" and on_cpu:
+        raise ValueError(
+            "--kv-transport cuda_ipc carries GPU memory, and this node's KV cache is on the "
+            f"CPU (--device {engine.device}): use shm, or auto"
+        )
+    memory = engine.cache.kv_cache_memory
+    if memory is not None and on_cpu:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if memory > total:
+            raise ValueError(
+                f"--kv-cache-memory of {memory} bytes is more than this machine's memory "
+                f"({total} bytes)"
+            )
+
+
+def _triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _flags_by_field() -> dict[str, str]:
+    fields = {
+        action.dest: action.option_strings[0]
+        for action in build_parser(None)._actions  # argparse has no public iterator
+        if action.option_strings and "_" in action.dest
+    }
+    return fields | _FIELD_FLAGS
+
+
+def name_flags(message: str) -> str:
+    """``message`` with each config field it names (``max_num_seqs``) replaced by its flag
+    (``--max-num-seqs``): the engine's messages name fields, for its offline API's callers.
+    Only underscored names are replaced: a bare word like "model" is prose too."""
+    flags = _flags_by_field()
+    pattern = r"\b(" + "|".join(map(re.escape, sorted(flags, key=len, reverse=True))) + r")\b"
+    return re.sub(pattern, lambda m: flags[m.group(1)], message)

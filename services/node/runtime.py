@@ -1,7 +1,8 @@
 """Runs one node process: engine, engine thread, gRPC server, drain on SIGTERM, exit 0.
 
 Life cycle: load the engine (the slow part, before the port opens, so health never says
-SERVING for a node that cannot serve) → start the engine thread → open the gRPC and metrics
+SERVING for a node that cannot serve; a flag value or model file it refuses ends the process with
+a one-line error, exit 2 or 1) → start the engine thread → open the gRPC and metrics
 ports (a taken one ends the process with exit code 1 and a one-line error) → start the server
 → serve until SIGTERM/SIGINT → drain (see ``NodeServer``) → stop the engine thread.
 """
@@ -25,13 +26,31 @@ from services.convert import load_report_to_proto
 from services.engine import EngineCore
 from services.host_memory import heap_on_huge_pages
 from services.listen import ListenError
+from services.models import ModelFileError
 from services.models.native_build import UnsupportedIsaError
-from services.node.config import NodeConfig
+from services.node.config import NodeConfig, name_flags
 from services.node.grpc_server import NodeServer, Registrar
 from services.node.metrics import NodeMetrics
 from services.types import Role
 
 logger = logging.getLogger(__name__)
+
+
+class EngineRefusedError(Exception):
+    """The engine could not be built as configured: a one-line message naming the flag or the
+    file, and the exit code (2: a flag's value, like argparse; 1: a file or this machine)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    @classmethod
+    def from_error(cls, exc: ValueError | OSError) -> EngineRefusedError:
+        if isinstance(exc, ModelFileError):
+            return cls(f"--model: {exc}", 1)
+        if isinstance(exc, OSError):
+            return cls(str(exc), 1)
+        return cls(name_flags(str(exc)), 2)
 
 
 @dataclass(frozen=True)
@@ -87,7 +106,15 @@ async def start_node(config: NodeConfig, role: RoleFactory) -> tuple[NodeServer,
         test_step_delay_s=config.test_step_delay_s,
         test_step_slowdown=config.test_step_slowdown,
     )
-    engine.start()
+    try:
+        engine.start()
+    except UnsupportedIsaError:
+        raise  # names its own setting (PDSERVE_NATIVE_ISA)
+    except (ValueError, OSError) as exc:
+        # The engine's errors for inputs: ValueError for a setting or a model it cannot use,
+        # ModelFileError (a ValueError) for a file it cannot parse, OSError for one it cannot
+        # open. Anything else is a bug and keeps its traceback.
+        raise EngineRefusedError.from_error(exc) from exc
     config = resolve_kv_transport(config)
     ref = NodeServerRef()
     metrics = NodeMetrics(str(config.role), config.node_id, config.kv_transport)
@@ -158,3 +185,6 @@ def run(config: NodeConfig, role: RoleFactory) -> None:
     except (ListenError, UnsupportedMemoryError, UnsupportedIsaError) as exc:
         logger.error("%s", exc)
         raise SystemExit(1) from None
+    except EngineRefusedError as exc:
+        logger.error("%s", exc)
+        raise SystemExit(exc.exit_code) from None

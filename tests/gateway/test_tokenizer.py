@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from gateway.errors import ErrorKind, GatewayError
 from gateway.text.tokenizer import Tokenizer
+from services.models import ModelFileError
 
 TEXTS = (
     "Hello world",
@@ -437,3 +440,36 @@ def test_bos_comes_from_tokenizer_json(
 def test_missing_tokenizer_json_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="tokenizer.json"):
         Tokenizer.from_model_dir(tmp_path)
+
+
+def _with_chat_template(model_dir: Path, tmp_path: Path, template: str) -> Path:
+    copy = Path(shutil.copytree(model_dir, tmp_path / "model"))
+    config_path = copy / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = template
+    config_path.write_text(json.dumps(config))
+    return copy
+
+
+def test_a_chat_template_that_is_not_jinja_names_the_file(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    model_dir = _with_chat_template(tiny_llama_dir, tmp_path, "{% for m in messages %}{{ m }")
+    pattern = r"tokenizer_config\.json: chat_template is not valid Jinja: unexpected '}' \(line 1\)"
+    with pytest.raises(ModelFileError, match=pattern):
+        Tokenizer.from_model_dir(model_dir)
+
+
+def test_the_gateway_refuses_a_broken_chat_template_in_one_line_with_exit_2(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    model_dir = _with_chat_template(tiny_llama_dir, tmp_path, "{{ messages }")
+    argv = [sys.executable, "-m", "gateway", "--colocated", "127.0.0.1:59999",
+            "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
+            "--model", str(model_dir)]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"python -m gateway: error: --model: {model_dir}/tokenizer_config.json: "
+        "chat_template is not valid Jinja: unexpected '}' (line 1)"
+    ]

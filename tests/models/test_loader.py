@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from services.engine import LLM, SamplingParams
+from services.models import ModelFileError
 from services.models.attention import AttentionMetadata, PrefillSpan, TorchPagedAttention
 from services.models.config import ModelConfig
 from services.models.llama import LlamaForCausalLM
@@ -277,3 +278,41 @@ def test_missing_shard_is_a_clear_error(tiny_model_factory, tmp_path: Path) -> N
 
     with pytest.raises(FileNotFoundError, match="model-00002-of-00004.safetensors"):
         load_ours(model_dir)
+
+
+def test_config_json_that_is_not_json_is_named(tiny_model_factory, tmp_path: Path) -> None:
+    model_dir = copy_model(tiny_model_factory("llama"), tmp_path)
+    (model_dir / "config.json").write_text("{")
+
+    with pytest.raises(ModelFileError, match=r"config\.json: not valid JSON: Expecting"):
+        ModelConfig.from_model_path(model_dir)
+
+
+@pytest.mark.parametrize(
+    ("cut", "problem"),
+    [
+        (lambda data: b"\xff" * 100, "header too large"),
+        (lambda data: data[: len(data) // 2], "incomplete"),
+    ],
+    ids=["garbage", "truncated"],
+)
+def test_a_corrupt_safetensors_file_is_named(
+    tiny_model_factory, tmp_path: Path, cut: Callable[[bytes], bytes], problem: str
+) -> None:
+    model_dir = copy_model(tiny_model_factory("llama"), tmp_path)
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(cut(weights.read_bytes()))
+
+    with pytest.raises(ModelFileError, match=rf"model\.safetensors: not a valid .*{problem}"):
+        load_ours(model_dir)
+
+
+def test_an_empty_model_dir_says_it_is_empty(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"is an empty directory: expected a Hugging"):
+        ModelConfig.from_model_path(tmp_path)
+
+
+def test_a_dir_of_other_files_says_what_it_lacks(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(FileNotFoundError, match=r"has no config\.json and no GGUF file: expected"):
+        ModelConfig.from_model_path(tmp_path)

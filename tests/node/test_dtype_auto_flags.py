@@ -93,7 +93,7 @@ def test_kv_cache_dtype_defaults_to_auto_and_a_bad_one_is_refused_naming_it(
     # float16 is GPU only: the engine config's error, reported by the parser.
     with pytest.raises(SystemExit):
         parse_node_config(["--kv-cache-dtype", "float16"], {}, role=Role.DECODE)
-    assert "kv_cache_dtype float16 is supported on GPU only" in capsys.readouterr().err
+    assert "--kv-cache-dtype float16 is supported on GPU only" in capsys.readouterr().err
 
 
 def test_a_node_exports_its_kv_cache_dtype() -> None:

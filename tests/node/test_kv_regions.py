@@ -115,7 +115,10 @@ def test_the_node_exits_with_one_line_not_a_traceback(tmp_path) -> None:
 
 
 def test_auto_choice_is_logged(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    cuda_visible: None,
 ) -> None:
     from kv_transfer import transport_choice
     from services.node.config import parse_node_config

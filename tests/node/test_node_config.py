@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.engine import SchedulingPolicy
 from services.node.config import Role, parse_bytes, parse_node_config
@@ -46,7 +47,7 @@ def test_environment_fills_what_the_command_line_leaves_out() -> None:
     assert config.test_kv_push_pause_s == 0.5
 
 
-def test_step_budget_defaults_to_the_devices_and_a_flag_or_variable_wins() -> None:
+def test_step_budget_defaults_to_the_devices_and_a_flag_or_variable_wins(cuda_visible) -> None:
     def budget(argv: list[str], env: dict[str, str] | None = None) -> int:
         config = parse_node_config(argv, env or {}, role=Role.DECODE)
         return config.engine.scheduler.max_num_batched_tokens
@@ -67,15 +68,32 @@ def test_role_can_come_from_the_environment() -> None:
         ([], {"PDSERVE_MAX_NUM_SEQS": "lots"}, "PDSERVE_MAX_NUM_SEQS (for --max-num-seqs)"),
         ([], {"PDSERVE_KV_TRANSPORT": "carrier-pigeon"}, "PDSERVE_KV_TRANSPORT"),
         (["--kv-cache-memory", "huge"], {}, "not a byte size"),
-        (["--block-size", "0"], {}, "block_size must be a positive integer"),
+        (["--block-size", "0"], {}, "--block-size must be a positive integer"),
         (["--dtype", "int8"], {}, "--dtype"),
-        (["--grpc-port", "70000"], {}, "grpc_port must be in [0, 65535]"),
-        (["--test-kv-push-pause-s", "-1"], {}, "test_kv_push_pause_s must be >= 0"),
+        (["--grpc-port", "70000"], {}, "--grpc-port must be in [0, 65535]"),
+        (["--test-kv-push-pause-s", "-1"], {}, "--test-kv-push-pause-s must be >= 0"),
         ([], {}, "--role is required"),
+        # Engine and node fields are named by their flags.
+        (["--max-num-seqs", "0"], {}, "--max-num-seqs must be a positive integer, got 0"),
+        (["--gpu-memory-utilization", "2"], {}, "--gpu-memory-utilization must be in (0, 1]"),
+        (["--max-unstarted-reservations", "0"], {}, "--max-unstarted-reservations must be"),
+        # Checked before the model loads: a port, and settings this machine cannot run.
+        (["--metrics-port", "70000"], {}, "--metrics-port must be in [0, 65535], got 70000"),
+        (["--metrics-port", "-1"], {}, "--metrics-port must be in [0, 65535], got -1"),
+        (["--grpc-port", "9100", "--metrics-port", "9100"], {}, "must differ, both are 9100"),
+        (["--block-size", "100000"], {}, "--block-size must be in [1, 128], got 100000"),
+        (["--attention-backend", "triton"], {}, "--attention-backend triton needs a CUDA"),
+        (["--kv-transport", "cuda_ipc"], {}, "--kv-transport cuda_ipc carries GPU memory"),
+        (["--kv-cache-memory", "100000GiB"], {}, "--kv-cache-memory of 107374182400000 bytes"),
+        # The role flag lists its choices, and names the other module for the other role.
+        (["--role", "prefil"], {}, "invalid choice: 'prefil' (choose from 'decode', 'colocated')"),
+        (["--role", "prefill"], {}, "--role prefill runs as python -m prefill_node"),
+        ([], {"PDSERVE_ROLE": "prefill"}, "--role prefill runs as python -m prefill_node"),
     ],
 )
-def test_bad_values_exit_2_naming_the_flag(argv, env, message, capsys) -> None:
-    role = None if message.startswith("--role") else Role.DECODE
+def test_bad_values_exit_2_naming_the_flag(argv, env, message, capsys, monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    role = None if message == "--role is required" else Role.DECODE
     with pytest.raises(SystemExit) as exit_info:
         parse_node_config(argv, env, role=role)
     assert exit_info.value.code == 2
@@ -87,3 +105,36 @@ def test_parse_bytes() -> None:
     assert parse_bytes("512MiB") == 512 * 2**20
     assert parse_bytes("1.5GB") == 1_500_000_000
     assert parse_bytes("2 gib") == 2 * 2**30
+
+
+def test_metrics_and_grpc_ports_of_0_are_any_free_ports_and_do_not_collide() -> None:
+    config = parse_node_config(["--grpc-port", "0", "--metrics-port", "0"], {}, role=Role.DECODE)
+    assert config.grpc_port == config.metrics_port == 0
+
+
+def test_prefill_node_refuses_the_decode_roles_naming_decode_node(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_node_config(["--role", "colocated"], {}, role=Role.PREFILL)
+    assert exit_info.value.code == 2
+    assert "--role colocated runs as python -m decode_node" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_refused_before_the_model_loads(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_node_config(["--device", "cuda"], {}, role=Role.DECODE)
+    assert exit_info.value.code == 2
+    assert "--device cuda: CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag", ["--gpu-memory-utilization", "--drain-grace-s", "--test-step-delay-s"]
+)
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_float_flags_refuse_values_that_are_not_finite(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_node_config(["--role", "colocated", f"{flag}={value}"])
+    assert exited.value.code == 2
+    assert flag in capsys.readouterr().err
