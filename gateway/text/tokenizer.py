@@ -25,6 +25,7 @@ from gateway.text.chat_template import ChatTemplate, ChatTemplateSyntaxError
 from services.gguf_tokenizer import gguf_tokenizer_parts
 from services.models import ModelFileError
 from services.models.gguf_file import find_gguf, open_gguf
+from services.models.model_file_error import read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -74,15 +75,8 @@ def _token_content(value: object) -> str | None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelFileError(path, f"not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ModelFileError(path, f"holds a {type(data).__name__}, expected a JSON object")
-    return data
+    """The file's JSON object, or {} when the model has no such file (each is optional)."""
+    return read_json_object(path) if path.is_file() else {}
 
 
 def _chat_template_origin(model_dir: Path) -> Path:

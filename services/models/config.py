@@ -3,14 +3,13 @@ GGUF file's metadata (``gguf_file`` translates it to the same keys)."""
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from services.models.gguf_file import find_gguf, open_gguf
-from services.models.model_file_error import ModelFileError
+from services.models.model_file_error import read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +94,9 @@ class ModelConfig:
             raise FileNotFoundError(
                 f"{model_dir} has no config.json and no GGUF file: expected {expected}"
             )
-        raw = _read_json(path)
+        raw = read_json_object(path)
         generation_path = model_dir / "generation_config.json"
-        generation = _read_json(generation_path) if generation_path.is_file() else {}
+        generation = read_json_object(generation_path) if generation_path.is_file() else {}
         return cls.from_hf_dict(raw, generation)
 
     @classmethod
@@ -136,16 +135,6 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
         )
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelFileError(path, f"not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ModelFileError(path, f"expected a JSON object, got {type(value).__name__}")
-    return value
 
 
 def _architecture(raw: dict[str, Any]) -> str:

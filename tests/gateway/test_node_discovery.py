@@ -4,7 +4,6 @@ requests are in flight."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import socket
 
@@ -46,20 +45,9 @@ async def start_fake(fake_node, role: str, **script):
             async for response in super().Generate(request, context):
                 yield response
 
-    args = argparse.Namespace(
-        role=role, port=0, ttft_ms=0.0, itl_ms=0.0, fail_after_tokens=None, refuse=False
-    )
-    vars(args).update(script)
-    server = grpc.aio.server()
-    node = Counting(args)
-    fake_node.prefill_pb2_grpc.add_PrefillServiceServicer_to_server(node, server)
-    fake_node.decode_pb2_grpc.add_DecodeServiceServicer_to_server(node, server)
-    fake_node.health_pb2_grpc.add_HealthServicer_to_server(
-        fake_node.health.aio.HealthServicer(), server
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, node, f"127.0.0.1:{port}"
+    node = Counting(fake_node.in_process_args(role, **script))
+    server, address = await fake_node.serve_in_process(node)
+    return server, node, address
 
 
 async def wait_for(predicate, what: str) -> None:

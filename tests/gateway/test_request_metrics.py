@@ -6,7 +6,6 @@ most specific reason, on either API."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
@@ -66,21 +65,9 @@ Body = Callable[[Stack], Awaitable[None]]
 
 
 async def _start_node(role: str, **script: Any) -> tuple[grpc.aio.Server, str]:
-    args = argparse.Namespace(
-        role=role, port=0, ttft_ms=0.0, itl_ms=0.0, fail_after_tokens=None, refuse=False,
-        script=None,
-    )  # fmt: skip
-    vars(args).update(script)
-    server = grpc.aio.server()
-    node = fake_node.FakeNode(args)
-    fake_node.prefill_pb2_grpc.add_PrefillServiceServicer_to_server(node, server)
-    fake_node.decode_pb2_grpc.add_DecodeServiceServicer_to_server(node, server)
-    fake_node.health_pb2_grpc.add_HealthServicer_to_server(
-        fake_node.health.aio.HealthServicer(), server
+    return await fake_node.serve_in_process(
+        fake_node.FakeNode(fake_node.in_process_args(role, **script))
     )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, f"127.0.0.1:{port}"
 
 
 def serve(model_dir: Path, body: Body, **roles: list[dict[str, Any]]) -> None:

@@ -148,6 +148,28 @@ class FakeNode(prefill_pb2_grpc.PrefillServiceServicer, decode_pb2_grpc.DecodeSe
         )
 
 
+def in_process_args(role: str, **script: object) -> argparse.Namespace:
+    """The flags of a fake node a test drives in its own event loop; ``script`` overrides them
+    (``ttft_ms``, ``fail_after_tokens``, ``script``...)."""
+    args = argparse.Namespace(
+        role=role, port=0, ttft_ms=0.0, itl_ms=0.0, fail_after_tokens=None, refuse=False
+    )
+    vars(args).update(script)
+    return args
+
+
+async def serve_in_process(node: FakeNode) -> tuple[grpc.aio.Server, str]:
+    """``node`` served on a free loopback port in the running event loop: the server (the test
+    stops it) and its address."""
+    server = grpc.aio.server()
+    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(node, server)
+    decode_pb2_grpc.add_DecodeServiceServicer_to_server(node, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
 async def serve(args: argparse.Namespace) -> None:
     server = grpc.aio.server()
     node = FakeNode(args)
