@@ -52,14 +52,14 @@ LAUNCH = "launch"
 def positive_seconds(text: str) -> float:
     seconds = float(text)
     if not math.isfinite(seconds) or seconds <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return seconds
 
 
 def non_negative_seconds(text: str) -> float:
     seconds = float(text)
     if not math.isfinite(seconds) or seconds < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return seconds
 
 
@@ -141,13 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--restart-window-s",
-        type=float,
+        type=positive_seconds,
         default=300.0,
         help="the window --restart-budget counts in (default %(default)g)",
     )
     add(
         "--restart-backoff-s",
-        type=float,
+        type=non_negative_seconds,
         default=1.0,
         help="first delay before a restart; doubles with each death in the window, up to 30 s "
         "(default %(default)g)",

@@ -74,18 +74,22 @@ def test_a_tls_dir_that_is_a_file_is_refused(
 
 
 @pytest.mark.parametrize(
-    ("flags", "message"),
+    ("flag", "value", "rule"),
     [
-        (["--startup-timeout-s", "-5"], "argument --startup-timeout-s: must be > 0, got -5"),
-        (["--startup-timeout-s", "0"], "argument --startup-timeout-s: must be > 0"),
-        (["--startup-timeout-s", "nan"], "argument --startup-timeout-s: must be > 0"),
-        (["--grace-s", "-5"], "argument --grace-s: must be >= 0, got -5"),
+        ("--startup-timeout-s", "-5", "> 0, got -5"),
+        ("--startup-timeout-s", "0", "> 0"),
+        ("--startup-timeout-s", "nan", "> 0"),
+        ("--grace-s", "-5", ">= 0, got -5"),
+        ("--restart-window-s", "inf", "> 0, got inf"),
+        ("--restart-backoff-s", "-1", ">= 0, got -1"),
+        ("--restart-backoff-s", "nan", ">= 0"),
     ],
 )
 def test_timeouts_must_be_positive(
-    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+    flag: str, value: str, rule: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert message in refusal(flags, capsys)
+    message = f"argument {flag}: must be a finite number {rule}"
+    assert message in refusal([flag, value], capsys)
 
 
 def test_loopback_between_separate_node_processes_is_refused_naming_the_option(
