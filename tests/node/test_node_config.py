@@ -128,7 +128,7 @@ def test_cuda_without_cuda_is_refused_before_the_model_loads(capsys) -> None:
 
 
 @pytest.mark.parametrize(
-    "flag", ["--gpu-memory-utilization", "--drain-grace-s", "--test-step-delay-s"]
+    "flag", ["--test-kv-push-pause-s", "--drain-grace-s", "--test-step-delay-s"]
 )
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_float_flags_refuse_values_that_are_not_finite(
