@@ -10,6 +10,7 @@ import sys
 
 from gateway.config import parse_gateway_config
 from gateway.server import GatewayServer
+from gateway.text.chat_template import ChatTemplateError
 from services.listen import ListenError
 from services.models import ModelFileError
 
@@ -30,6 +31,10 @@ async def main(argv: list[str] | None = None) -> int:
         # A model file the flags' checks do not read (a tokenizer file, its chat template):
         # refused like a bad flag, in one line, before any port opens.
         print(f"python -m gateway: error: --model: {exc}", file=sys.stderr)
+        return 2
+    except ChatTemplateError as exc:
+        # --chat-template's template: read at parse time, compiled and tried only here.
+        print(f"python -m gateway: error: --chat-template: {exc}", file=sys.stderr)
         return 2
     try:
         await server.start()

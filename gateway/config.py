@@ -36,6 +36,8 @@ from services.models.gguf_file import find_gguf, open_gguf
 from services.tls import EdgeTlsFiles, TlsFiles, add_tls_flags, tls_from_args
 
 _ADDRESS = re.compile(r"^(dns:///)?[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
+_JINJA_CHARS = "{}\n"
+"""What tells an inline ``--chat-template`` from a path (vLLM's test): no real path holds them."""
 MAX_LEASE_MS = 2**32 - 1
 """``lease_ms`` travels as a proto ``uint32``: a larger value fails every request."""
 
@@ -153,6 +155,9 @@ class GatewayConfig:
     """``--served-model-name``'s further names (vLLM's): accepted, and listed by ``/v1/models``."""
     cors: CorsConfig = field(default_factory=CorsConfig)
     """Which browser pages may call the HTTP API (``--allowed-origins`` and the like)."""
+    chat_template: str | None = field(default=None, repr=False)
+    """``--chat-template``'s Jinja source, rendered in place of the model's for every chat
+    input; None: the model's. Compiled and tried when the tokenizer loads (``Tokenizer``)."""
 
     def __post_init__(self) -> None:
         names = (self.served_model_name, *self.served_model_aliases)
@@ -321,6 +326,13 @@ def build_parser() -> argparse.ArgumentParser:
         "qwen3 (the model opens <think>), deepseek_r1 (the template does); default: none",
     )
     add(
+        "--chat-template",
+        default=None,
+        help="Jinja chat template used in place of the model's (chat completions, /tokenize, "
+        "gRPC chat): a file, or the template itself when no such file exists and the value "
+        "holds {, } or a newline",
+    )
+    add(
         "--generation-config",
         default="auto",
         help="sampling defaults for what a request leaves unset: auto (the model dir's "
@@ -414,6 +426,9 @@ def parse_gateway_config(
                 None if args.reasoning_parser is None else ReasoningParser(args.reasoning_parser)
             ),
             sampling_defaults=load_sampling_defaults(args.generation_config, args.model),
+            chat_template=(
+                None if args.chat_template is None else _read_chat_template(args.chat_template)
+            ),
             cors=CorsConfig(
                 allowed_origins=args.allowed_origins,
                 allowed_methods=args.allowed_methods,
@@ -424,6 +439,22 @@ def parse_gateway_config(
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
+
+
+def _read_chat_template(value: str) -> str:
+    """``--chat-template``'s template, as vLLM reads the flag: the file ``value`` names, or else
+    ``value`` itself when it holds Jinja markup; a missing file is otherwise an error, so that a
+    mistyped path is not served as a template that prints the path. It is compiled and tried
+    where the tokenizer loads (``Tokenizer.from_model_dir``)."""
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"--chat-template: {value!r} is not UTF-8 text") from None
+    except OSError as exc:
+        # An inline template fails to open as a file too (ENOENT, or ENAMETOOLONG when long).
+        if any(char in value for char in _JINJA_CHARS):
+            return value
+        raise ValueError(f"--chat-template: cannot read {value!r}: {exc.strerror}") from None
 
 
 def _max_model_len(flag: int | None, model_dir: Path) -> int:

@@ -65,7 +65,7 @@ class GatewayServer:
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests)
         self.frontend = Frontend(
             served_model_name=config.served_model_name,
-            tokenizer=Tokenizer.from_model_dir(config.model_dir),
+            tokenizer=Tokenizer.from_model_dir(config.model_dir, config.chat_template),
             # Charges each request's API key for its tokens (per-key limits).
             generator=KeyMeteredGenerator(routed),
             admission=self.admission,

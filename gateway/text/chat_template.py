@@ -23,7 +23,7 @@ import jinja2.parser
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from gateway.errors import invalid
+from gateway.errors import GatewayError, invalid
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 """Message roles the chat APIs take (the OpenAI bridge's and the gRPC API's): OpenAI's, less its
@@ -94,16 +94,21 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
-class ChatTemplateSyntaxError(ValueError):
-    """A chat template that does not compile; the message says where, the caller which file."""
+class ChatTemplateError(ValueError):
+    """A chat template that does not compile, or (``check_renders``) cannot render a plain
+    conversation; the message says where, the caller which file or flag."""
+
+
+_PROBE_MESSAGES = ({"role": "user", "content": "Hello"},)
+"""The conversation a template given at start-up must render: any chat model takes it."""
 
 
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile ``source`` in the sandbox transformers renders chat templates in.
 
     Templates come from model repositories and are untrusted code: the immutable sandbox keeps
-    them from mutating their inputs or reaching Python internals. ``ChatTemplateSyntaxError``
-    for a template that is not valid Jinja.
+    them from mutating their inputs or reaching Python internals. ``ChatTemplateError`` for a
+    template that is not valid Jinja.
     """
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True,
@@ -119,7 +124,7 @@ def compile_chat_template(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
-        raise ChatTemplateSyntaxError(
+        raise ChatTemplateError(
             f"chat_template is not valid Jinja: {exc.message} (line {exc.lineno})"
         ) from None
 
@@ -280,6 +285,20 @@ class ChatTemplate:
     def __init__(self, source: str, special_tokens: Mapping[str, str]) -> None:
         self._template = compile_chat_template(source)
         self._special_tokens = dict(special_tokens)
+
+    def check_renders(self) -> None:
+        """``ChatTemplateError`` unless a one-message conversation renders to some text: a
+        template given at start-up (``--chat-template``) is refused there, not on every chat."""
+        try:
+            rendered = self.render([dict(message) for message in _PROBE_MESSAGES])
+        except GatewayError as exc:
+            cause = exc.__cause__
+            problem = exc.message if cause is None else f"{type(cause).__name__}: {cause}"
+            raise ChatTemplateError(
+                f"cannot render a conversation of one user message: {problem}"
+            ) from None
+        if not rendered.strip():
+            raise ChatTemplateError("renders a conversation of one user message as no text")
 
     def render(
         self,

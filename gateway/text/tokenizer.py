@@ -7,7 +7,7 @@ gives ``tokenizer.json`` (read through the ``tokenizers`` library), ``tokenizer_
 for the named special tokens and the chat template (``chat_template.jinja`` wins when present, as
 in transformers 5), and ``generation_config.json`` for extra EOS ids. Encoding, decoding and
 template rendering match ``transformers.AutoTokenizer`` on the same model; the tests check it.
-How a conversation is rendered is ``chat_template``'s.
+How a conversation is rendered is ``chat_template``'s; ``--chat-template`` replaces the model's.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 from tokenizers import Tokenizer as HfTokenizer
 
 from gateway.errors import invalid
-from gateway.text.chat_template import ChatTemplate, ChatTemplateSyntaxError
+from gateway.text.chat_template import ChatTemplate, ChatTemplateError
 from services.gguf_tokenizer import gguf_tokenizer_parts
 from services.models import ModelFileError
 from services.models.gguf_file import find_gguf, open_gguf
@@ -124,24 +124,35 @@ class Tokenizer:
         self._added_token_ids = frozenset(backend.get_added_tokens_decoder())
 
     @classmethod
-    def from_model_dir(cls, model_dir: Path) -> Tokenizer:
-        """From a Hugging Face model directory, a GGUF file, or a directory holding one."""
+    def from_model_dir(cls, model_dir: Path, chat_template: str | None = None) -> Tokenizer:
+        """From a Hugging Face model directory, a GGUF file, or a directory holding one.
+
+        ``chat_template``: rendered in place of the model's, which is then not read
+        (``--chat-template``); ``ChatTemplateError`` when it does not compile or cannot render
+        a one-message conversation. A model's own broken template is a ``ModelFileError``.
+        """
         model_dir = Path(model_dir)
         gguf_path = find_gguf(model_dir)
         try:
             if gguf_path is not None:
                 parts = gguf_tokenizer_parts(open_gguf(gguf_path))
-                return cls(
-                    parts.backend, parts.special_tokens, parts.eos_token_ids, parts.chat_template
-                )
-            return cls._from_hf_dir(model_dir)
-        except ChatTemplateSyntaxError as exc:
+                template = parts.chat_template if chat_template is None else chat_template
+                tokenizer = cls(parts.backend, parts.special_tokens, parts.eos_token_ids, template)
+            else:
+                tokenizer = cls._from_hf_dir(model_dir, chat_template)
+        except ChatTemplateError as exc:
+            if chat_template is not None:
+                raise  # the flag's: the caller names it
             # The template comes from the checkpoint: name the file to fix.
             origin = gguf_path or _chat_template_origin(model_dir)
             raise ModelFileError(origin, str(exc)) from None
+        if chat_template is not None:
+            assert tokenizer._chat_template is not None
+            tokenizer._chat_template.check_renders()
+        return tokenizer
 
     @classmethod
-    def _from_hf_dir(cls, model_dir: Path) -> Tokenizer:
+    def _from_hf_dir(cls, model_dir: Path, chat_template: str | None = None) -> Tokenizer:
         tokenizer_file = model_dir / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise ValueError(
@@ -176,12 +187,9 @@ class Tokenizer:
             if isinstance(eos_id, int) and eos_id not in eos_ids:
                 eos_ids.append(eos_id)
 
-        return cls(
-            backend,
-            special_tokens,
-            tuple(eos_ids),
-            _read_chat_template(model_dir, config),
-        )
+        if chat_template is None:
+            chat_template = _read_chat_template(model_dir, config)
+        return cls(backend, special_tokens, tuple(eos_ids), chat_template)
 
     @property
     def backend(self) -> HfTokenizer:
