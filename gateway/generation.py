@@ -8,7 +8,8 @@ failure is a ``Finished`` with reason ``error``. Closing the iterator early (``a
 cancelled task) cancels both node legs at once and frees their blocks. A consumer that finds the
 output complete first (a stop string) ends it with ``stop_early`` instead: the legs are cancelled
 the same way, and the iterator's last event is a ``Finished(STOP)``, so the request counts as
-finished, not as cancelled.
+finished, not as cancelled. Thrown at the ``Finished`` itself (text held back until the end
+completed a stop string), ``stop_early`` gets that ``Finished`` as a ``STOP``.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ GenerationEvent = TokenChunk | Finished
 class StopGeneration(Exception):
     """Thrown into a generation's events (``stop_early``) when the output is complete before the
     nodes finished it. The generator cancels its node legs as on ``aclose``, then yields one last
-    ``Finished(STOP)`` with what it knows by then; one that wraps another passes it on."""
+    ``Finished(STOP)`` with what it knows by then; one that wraps another passes it on. Thrown at
+    the ``Finished``, it yields that one again as a ``STOP``."""
 
 
 async def stop_early(events: AsyncIterator[GenerationEvent]) -> Finished | None:

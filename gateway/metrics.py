@@ -7,13 +7,15 @@ Served on the HTTP port's ``/metrics``; one registry per gateway so tests can ru
 Every generation that finishes, whatever ended it (EOS, a stop token or a stop string,
 ``max_tokens``, an abort or an error after its first token), is counted once in
 ``request_success{finished_reason}``, ``e2e_request_latency`` and ``request_stage_seconds`` by
-the routed generator. A stop string ends the generation before the nodes do: its legs are
-cancelled before the decode node's ``Finished``, so the stages only that ``Finished`` reports
-(``decode_queue``, ``first_decode_step``, ``decode``, and the prefill stages of a node that
-prefilled the prompt itself: colocated, local prefill, recompute) are not observed for it;
-``gateway_queue`` and a prefill node's stages (``prefill_queue``, ``prefill_compute``,
-``kv_transfer``, from its reply) are. A request whose client went away is
-not finished: it counts in ``request_errors`` (HTTP), never in ``request_success``.
+the routed generator, under the finish reason the client is told (``stop`` for a stop string
+that text held back until the end completes, even where ``max_tokens`` ended the nodes' work).
+A stop string ends the generation before the nodes do: its legs are cancelled before the decode
+node's ``Finished``, so the stages only that ``Finished`` reports (``decode_queue``,
+``first_decode_step``, ``decode``, and the prefill stages of a node that prefilled the prompt
+itself: colocated, local prefill, recompute) are not observed for it; ``gateway_queue`` and a
+prefill node's stages (``prefill_queue``, ``prefill_compute``, ``kv_transfer``, from its reply)
+are. A request whose client went away is not finished: it counts in ``request_errors`` (HTTP),
+never in ``request_success``.
 
 ``request_errors{reason}`` counts each failed request once, by the front end that answers it
 (per HTTP request, whatever its ``n``), under its most specific reason:

@@ -25,13 +25,16 @@ Life cycle of one request here:
    its call, and a cancelled RPC aborts the request on its node (peers.md #4, #5).
    STOPPED: a consumer that found the output complete (a stop string) throws ``StopGeneration``
    instead: the legs are cancelled the same way, then a ``Finished(STOP)`` goes out with what
-   the attempt knew (``_Progress``), and the request is counted finished like any other.
+   the attempt knew (``_Progress``), and the request is counted finished like any other. Thrown
+   at the ``Finished`` itself (held-back text completed a stop string at the last token, say at
+   ``max_tokens``), it makes that ``Finished`` a ``STOP``, as the client is told.
 
 Metrics: every ``Finished`` that goes out is counted here (``request_success``, e2e latency, stage
-timings), as are TTFT and ITL: this is where every front end's tokens pass. Failed requests are
-not: the front end that answers one counts it once (``GatewayError.reason``, ``stream_failure``
-in ``gateway/metrics.py``), since only it knows the request (its ``n`` generations, a client
-gone).
+timings), as are TTFT and ITL: this is where every front end's tokens pass. Its finish reason is
+counted once the consumer has settled it (read past it, closed the events, or stopped them at
+it). Failed requests are not: the front end that answers one counts it once
+(``GatewayError.reason``, ``stream_failure`` in ``gateway/metrics.py``), since only it knows the
+request (its ``n`` generations, a client gone).
 
 Request ids: the nodes key everything by the id they are sent (the engine's request, the decode
 node's reservation and transfer, the prefill node's held KV and push) and refuse one in use, so
@@ -146,7 +149,20 @@ class RoutedGenerator:
                     async for event in events:
                         now = time.monotonic()
                         if isinstance(event, Finished):
-                            yield self._finish(event, now - arrival, gateway_queue_s, attempt)
+                            finished = self._finish(event, now - arrival, gateway_queue_s, attempt)
+                            try:
+                                yield finished
+                            except StopGeneration:
+                                # Text held back until the end completed a stop string: the
+                                # client is told "stop", whatever ended the nodes' generation.
+                                finished = replace(
+                                    finished, finish_reason=FinishReason.STOP, error=None
+                                )
+                                yield finished
+                            finally:
+                                # Counted once the consumer has settled it (read on, closed, or
+                                # stopped), so the metric says what the client was told.
+                                self._count(finished)
                             continue
                         if num_sent == 0:
                             self.metrics.time_to_first_token.observe(now - arrival)
@@ -159,7 +175,9 @@ class RoutedGenerator:
                             e2e_s = time.monotonic() - arrival
                             await events.aclose()  # the nodes stop decoding before it goes out
                             stopped = progress.stopped(len(request.prompt_token_ids), num_sent)
-                            yield self._finish(stopped, e2e_s, gateway_queue_s, attempt)
+                            stopped = self._finish(stopped, e2e_s, gateway_queue_s, attempt)
+                            self._count(stopped)
+                            yield stopped
                             return
                 return
             except RetryableFailure as failure:
@@ -196,13 +214,16 @@ class RoutedGenerator:
     def _finish(
         self, finished: Finished, e2e_s: float, gateway_queue_s: float, num_retries: int
     ) -> Finished:
-        """The request's ``Finished`` with what only the gateway knows, counted."""
+        """The request's ``Finished`` with what only the gateway knows; its latency and stages
+        observed (its finish reason is counted by ``_count``, once the consumer settled it)."""
         timings = replace(finished.timings, gateway_queue_s=gateway_queue_s)
         finished = replace(finished, timings=timings, num_retries=num_retries)
         self.metrics.e2e_request_latency.observe(e2e_s)
         self.metrics.observe_stages(finished.timings)
-        self.metrics.requests_finished.labels(finished.finish_reason.value).inc()
         return finished
+
+    def _count(self, finished: Finished) -> None:
+        self.metrics.requests_finished.labels(finished.finish_reason.value).inc()
 
     async def _attempt(
         self,

@@ -10,7 +10,9 @@ Both API front ends iterate ``stream_text`` over ``Generator.generate``. Per req
    completed the match, with the stage timings and retries of the events' own last ``Finished``
    (none from events that cannot stop early: they are closed).
 3. Otherwise the events' ``Finished`` flushes the held text into a last delta (when there is
-   any) and becomes the ``TextFinished``.
+   any) and becomes the ``TextFinished``. When that text completes a stop string, the events
+   are stopped at their ``Finished`` (``stop_early``), so that they count the request as the
+   ``stop`` the client is told, not as what ended the nodes' generation (``length``).
 
 A token that can stop the generation (one of the request's ``stop_token_ids``, or EOS) has its
 text held until the next event says whether it did: when the generation stopped on it, its text
@@ -119,6 +121,11 @@ async def stream_text(
                 else:
                     may_stop = num_output_tokens > min_tokens
                     tail = _flush(detokenizer, matcher, held or "", may_stop)
+                if tail.stopped and event.finish_reason is not FinishReason.STOP:
+                    # The nodes ended it otherwise (max_tokens): the events count it as a stop.
+                    await stop_early(events)
+                # Settled before the client sees the end: the request is counted by then.
+                await _close(events)
                 if tail.text:
                     yield TextDelta(tail.text, (), None)
                 stop_reason: str | int | None = tail.matched

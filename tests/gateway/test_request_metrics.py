@@ -143,6 +143,45 @@ def test_a_stop_string_is_a_finished_request(tiny_llama_dir: Path, tokenizer: To
     serve(tiny_llama_dir, body, colocated=[{"script": script}])
 
 
+def test_a_stop_string_completed_at_max_tokens_counts_as_the_client_is_told(
+    tiny_llama_dir: Path, tokenizer: Tokenizer
+) -> None:
+    """``max_tokens`` ends the generation (the node says ``length``) on a token whose text was
+    held back (a character's first byte); its flushed text (U+FFFD) completes the stop string.
+    The client is told ``stop``, and the metric counts ``stop`` too, once per request."""
+    lead_byte = next(i for i in range(tokenizer.vocab_size) if tokenizer.token_bytes(i) == b"\xc3")
+    stop = "\ufffd"  # what a character cut short decodes to
+
+    async def body(stack: Stack) -> None:
+        # The fake node answers prompt[-1], prompt[-1] + 1, ...: the one output token is lead_byte.
+        request = {"prompt": [lead_byte], "max_tokens": 1, "stop": [stop]}
+        response = await stack.http.post("/v1/completions", json=request)
+        assert response.status_code == 200, response.text
+        (choice,) = response.json()["choices"]
+        assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (
+            "",
+            "stop",
+            stop,
+        )
+
+        response = await stack.http.post("/v1/completions", json={**request, "stream": True})
+        assert sse_chunks(response.text)[-1]["choices"][0]["finish_reason"] == "stop"
+
+        generate = gateway_pb2.GatewayGenerateRequest(
+            token_ids=gateway_pb2.TokenIds(ids=[lead_byte]),
+            sampling=common_pb2.SamplingParams(max_tokens=1),
+            stop=[stop],
+        )
+        responses = [response async for response in stack.grpc.Generate(generate, timeout=20)]
+        assert responses[-1].finished.finish_reason == common_pb2.FINISH_REASON_STOP
+
+        assert stack.counted("request_success", "finished_reason") == {"stop": 3}
+        assert stack.sample("e2e_request_latency_seconds_count") == 3
+        assert stack.counted("request_errors", "reason") == {}
+
+    serve(tiny_llama_dir, body, colocated=[{}])
+
+
 def test_a_client_gone_is_no_finished_request(tiny_llama_dir: Path) -> None:
     """A client that leaves mid-stream: counted as such, never as a success."""
 

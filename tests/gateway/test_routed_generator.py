@@ -411,6 +411,37 @@ def test_a_stop_string_ends_the_request_as_finished_with_the_stages_known(wrappe
         assert sample(generator, "request_stage_seconds_count", stage=stage) == 0, stage
 
 
+@pytest.mark.parametrize("wrapped", [False, True], ids=["routed", "key_metered"])
+def test_stopped_at_its_finished_the_request_counts_as_a_stop(wrapped: bool) -> None:
+    """The nodes ended the generation (length) and the consumer, flushing its held text, found
+    a stop string there: stopped at the Finished, it gets that Finished as a stop, counted so
+    (once: not as length too), with the decode node's stages it reported."""
+    routes = pairs(1)
+    legs = FakeLegs({"d0": served(11, 12)}, {"p0": reply(10)})
+    generator = make_generator(routes, legs)
+
+    async def run() -> Finished | None:
+        outer = KeyMeteredGenerator(generator) if wrapped else generator
+        events = outer.generate(request())
+        seen = [await anext(events) for _ in range(4)]
+        assert isinstance(seen[-1], Finished) and seen[-1].finish_reason is FinishReason.LENGTH
+        return await stop_early(events)
+
+    final = asyncio.run(run())
+    assert final is not None and final.finish_reason is FinishReason.STOP
+    assert final.usage == Usage(len(PROMPT), 3, cached_prompt_tokens=2)
+    assert_no_work_left(routes, legs)
+    counted = {
+        s.labels["finished_reason"]: s.value
+        for m in generator.metrics.requests_finished.collect()
+        for s in m.samples
+        if s.name.endswith("_total")
+    }
+    assert counted == {"stop": 1}
+    assert sample(generator, "e2e_request_latency_seconds_count") == 1
+    assert sample(generator, "request_stage_seconds_count", stage="decode") == 1
+
+
 def test_a_request_closed_early_is_not_counted_finished() -> None:
     """A client gone closes the events (no StopGeneration): nothing says the request finished."""
     routes = pairs(1)
