@@ -115,6 +115,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         try:
             self._authenticate(context)
         except GatewayError as exc:
+            self.frontend.metrics.request_errors.labels(reason=exc.reason).inc()  # as /v1/models
             await context.abort(exc.kind.grpc_code, exc.message)
         return gateway_pb2.ListModelsResponse(
             models=[

@@ -25,7 +25,9 @@ never in ``request_success``.
   ``resource_exhausted``: the admission queue or a key's limits, ``unavailable``,
   ``deadline_exceeded``: the deadline passed before the first token), or ``no_node`` (503: no
   healthy pair or colocated node could serve it) or ``no_capacity`` (429: every decode node
-  tried was full, its wait queue too);
+  tried was full, its wait queue too); a gRPC request whose bytes do not parse is refused
+  before any servicer, by the shared interceptor, and counted by the server as
+  ``invalid_argument`` too;
 - a generation that ended early after it began (``stream_failure``): ``stream_error`` (finish
   reason ``error``: a node failed mid-stream) or ``stream_abort`` (``abort``: the request
   deadline passed, or a node aborted it);

@@ -39,6 +39,8 @@ from services.types import Role
 
 logger = logging.getLogger(__name__)
 
+_API_METHOD_PREFIX = f"/{gateway_pb2.DESCRIPTOR.services_by_name['GatewayService'].full_name}/"
+
 
 class _EmbeddedUvicorn(uvicorn.Server):
     """uvicorn inside our loop: the gateway's entry point owns SIGTERM/SIGINT, not uvicorn."""
@@ -99,7 +101,9 @@ class GatewayServer:
         await self.pool.poll_once()
         self._tasks.append(asyncio.create_task(self._watch_health(), name="gateway-health"))
 
-        self._grpc = grpc.aio.server(interceptors=[RejectMalformedRequests()])
+        self._grpc = grpc.aio.server(
+            interceptors=[RejectMalformedRequests(on_refused=self._count_malformed)]
+        )
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
             GatewayServicer(self.frontend), self._grpc
         )
@@ -147,6 +151,13 @@ class GatewayServer:
             self.http_port, " (TLS)" if config.public_tls else "", config.host, self.grpc_port,
             "on" if config.tls else "off",
         )  # fmt: skip
+
+    def _count_malformed(self, method: str) -> None:
+        """A call whose bytes did not parse never reaches the servicer, which counts the rest:
+        one to the API counts as an HTTP body that is not JSON does. Health and reflection
+        calls are not API requests: no metric counts them."""
+        if method.startswith(_API_METHOD_PREFIX):
+            self.metrics.request_errors.labels(reason="invalid_argument").inc()
 
     def _http_tls(self) -> tuple[str | None, str | None]:
         """uvicorn's ``ssl_certfile`` and ``ssl_keyfile`` (None: plain HTTP)."""

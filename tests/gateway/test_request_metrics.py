@@ -70,22 +70,25 @@ async def _start_node(role: str, **script: Any) -> tuple[grpc.aio.Server, str]:
     )
 
 
-def serve(model_dir: Path, body: Body, **roles: list[dict[str, Any]]) -> None:
+def serve(
+    model_dir: Path, body: Body, flags: tuple[str, ...] = (), **roles: list[dict[str, Any]]
+) -> None:
     """Runs ``body`` against a gateway over fake nodes: ``roles`` maps prefill, decode or
-    colocated to one script (``fake_node`` flags) per node."""
+    colocated to one script (``fake_node`` flags) per node; ``flags``: more gateway flags."""
 
     async def main() -> None:
-        servers, flags = [], []
+        servers, node_flags = [], list(flags)
         for role, scripts in roles.items():
             addresses = []
             for script in scripts:
                 server, address = await _start_node(role, **script)
                 servers.append(server)
                 addresses.append(address)
-            flags.append(f"--{role}={','.join(addresses)}")
+            node_flags.append(f"--{role}={','.join(addresses)}")
         config = parse_gateway_config(
             ["--model", str(model_dir), "--host", "127.0.0.1", "--http-port", "0",
-             "--grpc-port", "0", "--max-model-len", "512", "--health-interval-s", "60", *flags],
+             "--grpc-port", "0", "--max-model-len", "512", "--health-interval-s", "60",
+             *node_flags],
             {},
         )  # fmt: skip
         gateway = GatewayServer(config)
@@ -251,3 +254,48 @@ def test_a_stream_cut_off_counts_once_as_stream_error(tiny_llama_dir: Path, api:
         assert stack.counted("request_success", "finished_reason") == {"error": num_generations}
 
     serve(tiny_llama_dir, body, colocated=[{"fail_after_tokens": 3, "itl_ms": 10}])
+
+
+def test_a_malformed_grpc_request_counts_once_as_invalid_argument(tiny_llama_dir: Path) -> None:
+    """Bytes that do not parse as the request are refused by the shared interceptor before any
+    servicer runs; the gateway counts each such call to its API once, as an HTTP body that is
+    not JSON is counted (``invalid_argument``). A health probe is no API request: not counted."""
+    corrupt = b"\xff\xff\xff"
+    calls = [  # (method, kind, payload): a corrupt wire format, and a text field not UTF-8
+        ("/pdserve.v1.GatewayService/Generate", "unary_stream", corrupt),
+        ("/pdserve.v1.GatewayService/Generate", "unary_stream", b"\x12\x03\xff\xfe\x41"),
+        ("/pdserve.v1.GatewayService/ListModels", "unary_unary", corrupt),
+        ("/grpc.health.v1.Health/Check", "unary_unary", corrupt),
+    ]
+
+    async def body(stack: Stack) -> None:
+        address = f"127.0.0.1:{stack.gateway.grpc_port}"
+        async with grpc.aio.insecure_channel(address) as channel:
+            for method, kind, payload in calls:
+                call = getattr(channel, kind)(
+                    method, request_serializer=lambda x: x, response_deserializer=lambda x: x
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    if kind == "unary_stream":
+                        async for _ in call(payload, timeout=10):
+                            pass
+                    else:
+                        await call(payload, timeout=10)
+                assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT, method
+        assert stack.counted("request_errors", "reason") == {"invalid_argument": 3}
+
+    serve(tiny_llama_dir, body, colocated=[{}])
+
+
+def test_an_unauthenticated_model_list_counts_once_on_either_api(tiny_llama_dir: Path) -> None:
+    """Listing the models without the key is refused on both APIs, and counted on both."""
+
+    async def body(stack: Stack) -> None:
+        response = await stack.http.get("/v1/models")
+        assert response.status_code == 401
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stack.grpc.ListModels(gateway_pb2.ListModelsRequest(), timeout=10)
+        assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        assert stack.counted("request_errors", "reason") == {"unauthenticated": 2}
+
+    serve(tiny_llama_dir, body, flags=("--api-key", "secret"), colocated=[{}])
