@@ -30,6 +30,7 @@ from services.cli import (
     AppendOverDefault,
     apply_env_defaults,
     finite_float,
+    join_negative_sizes,
     parse_bytes,
 )
 from services.models.gguf_file import find_gguf, open_gguf
@@ -365,7 +366,7 @@ def parse_gateway_config(
     parser = build_parser()
     environ = os.environ if environ is None else environ
     apply_env_defaults(parser, environ)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(join_negative_sizes(parser, argv))
     try:
         api_keys: tuple[str | ApiKey, ...] = tuple(args.api_key or _env_api_keys(environ))
         if args.api_key_file is not None:

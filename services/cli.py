@@ -16,19 +16,23 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 ENV_PREFIX = "PDSERVE_"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
           "gib": 2**30}  # fmt: skip
+_NEGATIVE_NUMBER = re.compile(r"-\.?[0-9]")
+"""A word that opens like a negative number: ``-1GiB``, ``-1e9``, ``-0.5``."""
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
 def parse_bytes(text: str) -> int:
-    """``"2GiB"``, ``"512MiB"``, ``"1e9"`` or a plain number of bytes."""
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    """``"2GiB"``, ``"512MiB"``, ``"1e9"`` or a plain number of bytes. A negative one is
+    refused as not positive, not as no size at all."""
+    match = re.fullmatch(r"\s*(-?[0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 2GiB, 512MiB, 1000000)")
@@ -39,6 +43,37 @@ def parse_bytes(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"byte size must be > 0, got {text!r}")
     return value
+
+
+def join_negative_sizes(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None = None
+) -> list[str]:
+    """``argv`` with ``--kv-cache-memory -1GiB`` (a byte-size flag, then a word that opens like
+    a negative number) as ``--kv-cache-memory=-1GiB``. argparse takes a word that starts with
+    "-" for a flag unless it is a plain negative number (``-1`` is one, ``-1GiB`` and ``-1e9``
+    are not) and answers "expected one argument"; joined, the value reaches ``parse_bytes``,
+    which refuses it naming the flag. Abbreviated flags (``--kv-cache-mem``) are not joined.
+    For ``parser.parse_args``; ``argv`` None: the process's arguments, as argparse reads them."""
+    if argv is None:
+        argv = sys.argv[1:]
+    size_flags = {
+        flag
+        for action in parser._actions  # argparse has no public iterator
+        if action.type is parse_bytes
+        for flag in action.option_strings
+    }
+    joined: list[str] = []
+    index = 0
+    while index < len(argv):
+        word = argv[index]
+        value = argv[index + 1] if index + 1 < len(argv) else ""
+        if word in size_flags and _NEGATIVE_NUMBER.match(value):
+            joined.append(f"{word}={value}")
+            index += 2
+        else:
+            joined.append(word)
+            index += 1
+    return joined
 
 
 def finite_float(text: str) -> float:

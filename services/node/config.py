@@ -19,7 +19,13 @@ from pathlib import Path
 import torch
 
 from kv_transfer.transport_choice import KV_SCOPES
-from services.cli import ENV_PREFIX, apply_env_defaults, finite_float, parse_bytes
+from services.cli import (
+    ENV_PREFIX,
+    apply_env_defaults,
+    finite_float,
+    join_negative_sizes,
+    parse_bytes,
+)
 from services.engine import (
     CacheConfig,
     EngineConfig,
@@ -244,7 +250,7 @@ def parse_node_config(
     parser = build_parser(role)
     environ = os.environ if environ is None else environ
     apply_env_defaults(parser, environ)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(join_negative_sizes(parser, argv))
     if args.role is None:
         parser.error("--role is required (prefill, decode or colocated)")
     grpc_port = args.grpc_port if args.grpc_port is not None else DEFAULT_GRPC_PORTS[args.role]

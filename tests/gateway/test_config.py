@@ -135,6 +135,16 @@ def test_float_flags_must_be_finite(tiny_llama_dir: Path, capsys, flag: str, val
     assert f"argument {flag}: must be a finite number" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [("--max-body-bytes", "-1MiB"), ("--max-body-bytes=-1MiB",)])
+def test_a_negative_max_body_bytes_is_refused_as_one(tiny_llama_dir: Path, capsys, argv) -> None:
+    # argparse alone reads "-1MiB" after the flag as another flag ("expected one argument").
+    with pytest.raises(SystemExit) as exit_:
+        parse(tiny_llama_dir, *argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --max-body-bytes: byte size must be > 0, got '-1MiB'" in err, err
+
+
 def test_health_interval_must_be_positive(tiny_llama_dir: Path, capsys) -> None:
     with pytest.raises(SystemExit):
         parse(tiny_llama_dir, "--health-interval-s", "0")
