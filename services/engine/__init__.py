@@ -14,12 +14,13 @@ from services.engine.config import (
 from services.engine.engine_core import EngineCore
 from services.engine.llm import LLM
 from services.engine.outputs import EngineCoreOutput, EngineStats, RequestOutput
-from services.types import FinishReason, SamplingParams
+from services.types import EngineConfigError, FinishReason, SamplingParams
 
 __all__ = [
     "LLM",
     "CacheConfig",
     "EngineConfig",
+    "EngineConfigError",
     "EngineCore",
     "EngineCoreOutput",
     "EngineStats",

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.types.engine_config_error import EngineConfigError
 from services.types.sampling_params import MAX_SEED, MIN_SEED
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -22,6 +23,11 @@ FP8_ON_CPU_ONLY = (
     "kv_cache_dtype fp8_e5m2 is supported on CPU only (the native and torch attention "
     "backends; the Triton kernels read the cache in the compute dtype)"
 )
+
+
+MAX_BLOCK_SIZE = 128
+"""vLLM's largest block size. Unbounded, start-up times the CPU prefill kernels on a block-sized
+buffer before any KV check runs: a block of 1,000,000 tokens asks for gigabytes there."""
 
 
 MAX_NUM_BATCHED_TOKENS_CPU = 2048
@@ -48,17 +54,17 @@ def default_max_num_batched_tokens(device: str, *, offline: bool) -> int:
 
 
 def _check_positive_int(name: str, value: object) -> None:
-    """ValueError naming ``name`` unless ``value`` is an int >= 1 (a bool is not one: True would
-    pass as 1)."""
+    """EngineConfigError naming ``name`` unless ``value`` is an int >= 1 (a bool is not one: True
+    would pass as 1)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise EngineConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
 def _check_bool(name: str, value: object) -> None:
-    """ValueError naming ``name`` unless ``value`` is a bool: any other value would pass as
-    truthy or falsy (``"no"`` would turn a feature on)."""
+    """EngineConfigError naming ``name`` unless ``value`` is a bool: any other value would pass
+    as truthy or falsy (``"no"`` would turn a feature on)."""
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
+        raise EngineConfigError(f"{name} must be True or False, got {value!r}")
 
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
@@ -82,19 +88,23 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise EngineConfigError(
+                f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {self.block_size}"
+            )
         if self.kv_cache_memory is not None:
             memory = self.kv_cache_memory
             if isinstance(memory, bool) or not isinstance(memory, int):
-                raise ValueError(
+                raise EngineConfigError(
                     f"kv_cache_memory must be an integer number of bytes, got {memory!r}"
                 )
             if memory <= 0:
-                raise ValueError(f"kv_cache_memory must be > 0 bytes, got {memory}")
+                raise EngineConfigError(f"kv_cache_memory must be > 0 bytes, got {memory}")
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, int | float):
-            raise ValueError(f"gpu_memory_utilization must be a number, got {utilization!r}")
+            raise EngineConfigError(f"gpu_memory_utilization must be a number, got {utilization!r}")
         if not 0.0 < utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+            raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
 
 
@@ -108,6 +118,11 @@ class SchedulerConfig:
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
 
     def __post_init__(self) -> None:
+        policies = [str(p) for p in SchedulingPolicy]
+        if self.policy not in policies:
+            raise EngineConfigError(
+                f"policy must be one of {', '.join(policies)}, got {self.policy!r}"
+            )
         object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
         _check_positive_int("max_num_seqs", self.max_num_seqs)
         _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -148,38 +163,42 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_dir, str | os.PathLike):
-            raise ValueError(
+            raise EngineConfigError(
                 "model_dir must be a path (a Hugging Face model directory, a GGUF file, or a "
                 f"directory holding one), got {self.model_dir!r}"
             )
         object.__setattr__(self, "model_dir", Path(self.model_dir))
         if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+            raise EngineConfigError(
+                f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}"
+            )
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+            raise EngineConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype == "float16" and self.device == "cpu":
-            raise ValueError("dtype float16 is supported on GPU only; use bfloat16 or float32")
+            raise EngineConfigError(
+                "dtype float16 is supported on GPU only; use bfloat16 or float32"
+            )
         if self.kv_cache_dtype not in _KV_DTYPES:
-            raise ValueError(
+            raise EngineConfigError(
                 f"kv_cache_dtype must be one of {', '.join(_KV_DTYPES)}, "
                 f"got {self.kv_cache_dtype!r}"
             )
         if self.kv_cache_dtype == "float16" and self.device == "cpu":
-            raise ValueError(
+            raise EngineConfigError(
                 "kv_cache_dtype float16 is supported on GPU only; use bfloat16 or float32"
             )
         triton = self.device.startswith("cuda") or self.attention_backend == "triton"
         if triton and self.kv_cache_dtype == FP8_KV_DTYPE:
-            raise ValueError(FP8_ON_CPU_ONLY)
+            raise EngineConfigError(FP8_ON_CPU_ONLY)
         if triton and self.dtype != "auto" and self.kv_cache_dtype not in ("auto", self.dtype):
             # dtype auto is resolved at start-up; dtype_choice.choose_kv_cache_dtype checks it.
-            raise ValueError(
+            raise EngineConfigError(
                 f"kv_cache_dtype {self.kv_cache_dtype} differs from dtype {self.dtype}: the "
                 "Triton attention kernels (CUDA) read the cache in the compute dtype; use "
                 "kv_cache_dtype auto"
             )
         if self.attention_backend not in ("auto", "torch", "native", "triton"):
-            raise ValueError(
+            raise EngineConfigError(
                 "attention_backend must be auto, torch, native or triton, "
                 f"got {self.attention_backend!r}"
             )
@@ -187,8 +206,8 @@ class EngineConfig:
             _check_positive_int("max_model_len", self.max_model_len)
         seed = self.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {seed!r}")
+            raise EngineConfigError(f"seed must be an integer or None, got {seed!r}")
         if seed is not None and not MIN_SEED <= seed <= MAX_SEED:
-            raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {seed}")
+            raise EngineConfigError(f"seed must be in [-2**63, 2**64 - 1], got {seed}")
         if self.cuda_graphs is not None:
             _check_bool("cuda_graphs", self.cuda_graphs)

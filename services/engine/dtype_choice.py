@@ -68,6 +68,7 @@ from services.engine.config import FP8_KV_DTYPE, FP8_ON_CPU_ONLY
 from services.models.config import ModelConfig
 from services.models.cpu_features import cpu_cache_dir
 from services.models.packed_linear import REORDER_BATCH_HINT, packing_unavailable_reason
+from services.types import EngineConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ def choose_kv_cache_dtype(
     """Resolve ``requested`` (``auto`` or a dtype name) given the resolved compute dtype; see
     the module docstring. A cache dtype other than the compute dtype needs the torch or native
     attention on the CPU; elsewhere ``auto`` is the compute dtype and anything else raises
-    ``ValueError`` naming ``kv_cache_dtype``."""
+    ``EngineConfigError`` naming ``kv_cache_dtype``."""
     if compute_dtype == "auto":
         raise ValueError("choose_kv_cache_dtype needs the resolved compute dtype, got 'auto'")
     # The Triton kernels (CUDA, or the CPU interpreter in tests) read K/V in the query's dtype.
@@ -138,16 +139,18 @@ def choose_kv_cache_dtype(
             return KvDtypeChoice(CPU_AUTO_KV_DTYPE, "cpu default")
         return KvDtypeChoice(compute_dtype, "compute dtype")
     if requested not in ("float32", "bfloat16", "float16", FP8_KV_DTYPE):
-        raise ValueError(
+        raise EngineConfigError(
             "kv_cache_dtype must be auto, float32, bfloat16, float16 or fp8_e5m2, "
             f"got {requested!r}"
         )
     if requested == FP8_KV_DTYPE and not mixed_ok:
-        raise ValueError(FP8_ON_CPU_ONLY)
+        raise EngineConfigError(FP8_ON_CPU_ONLY)
     if device == "cpu" and requested == "float16":
-        raise ValueError("kv_cache_dtype float16 is supported on GPU only; use bfloat16 or float32")
+        raise EngineConfigError(
+            "kv_cache_dtype float16 is supported on GPU only; use bfloat16 or float32"
+        )
     if not mixed_ok and requested != compute_dtype:
-        raise ValueError(
+        raise EngineConfigError(
             f"kv_cache_dtype {requested} differs from the compute dtype {compute_dtype}: the "
             "Triton attention kernels read the cache in the compute dtype; use kv_cache_dtype auto"
         )

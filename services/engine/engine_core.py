@@ -1,9 +1,11 @@
 """The step-wise engine that nodes drive: ``add_request``, ``step``, ``abort``.
 
 Life cycle: construction loads the model, sizes and allocates the KV cache and builds the
-scheduler; then callers add requests (validated here, so a bad one never reaches the scheduler)
-and call ``step`` while ``has_work``; ``abort`` removes a request at any point and frees its
-blocks at once. Single-threaded: a node runs it in one loop of its own.
+scheduler (a setting or a model it cannot run with raises ``EngineConfigError`` naming the
+setting, a model file it cannot read ``ModelFileError`` or ``OSError``; anything else is a bug);
+then callers add requests (validated here, so a bad one never reaches the scheduler) and call
+``step`` while ``has_work``; ``abort`` removes a request at any point and frees its blocks at
+once. Single-threaded: a node runs it in one loop of its own.
 
 Disaggregated roles use two more entries. A decode node ``reserve``s blocks for a prompt, a
 peer writes the prompt's KV into them (``kv_caches`` are the memory to register, ``kv_layout``
@@ -38,7 +40,7 @@ from services.engine.scheduler import SampledToken, Scheduler
 from services.engine.structured_output import GrammarMatcher, StructuredOutputs
 from services.models.config import ModelConfig
 from services.models.gguf_file import find_gguf, open_gguf
-from services.types import SamplingParamError, SamplingParams
+from services.types import EngineConfigError, SamplingParamError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +86,7 @@ class EngineCore:
         num_usable = num_blocks - self.runner.num_reserved_blocks
         capacity = num_usable * config.cache.block_size
         if capacity < self.max_model_len:
-            raise ValueError(
+            raise EngineConfigError(
                 f"the KV cache holds {capacity} tokens ({num_usable} blocks), fewer than "
                 f"max_model_len={self.max_model_len}: raise kv_cache_memory or lower max_model_len"
             )
@@ -327,7 +329,7 @@ def resolve_max_model_len(model_config: ModelConfig, requested: int | None) -> i
     if requested is None:
         return limit
     if requested > limit:
-        raise ValueError(
+        raise EngineConfigError(
             f"max_model_len={requested} exceeds what the model supports ({limit}: "
             "max_position_embeddings, or the sliding window)"
         )

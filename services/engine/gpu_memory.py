@@ -19,6 +19,8 @@ from typing import Protocol
 
 import torch
 
+from services.types import EngineConfigError
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,11 +46,11 @@ class MemorySnapshot:
 
 def kv_cache_budget(snapshot: MemorySnapshot, gpu_memory_utilization: float) -> int:
     """Bytes for the KV cache: ``utilization x total`` minus the profiled peak and the memory
-    outside torch. Raises ValueError (naming the flag) when nothing is left."""
+    outside torch. Raises EngineConfigError (naming the setting) when nothing is left."""
     allowed = int(snapshot.total_bytes * gpu_memory_utilization)
     budget = allowed - snapshot.torch_peak_bytes - snapshot.non_torch_bytes
     if budget <= 0:
-        raise ValueError(
+        raise EngineConfigError(
             f"gpu_memory_utilization={gpu_memory_utilization} allows {allowed / 2**30:.2f} GiB, "
             f"but the model's peak step needs {snapshot.torch_peak_bytes / 2**30:.2f} GiB and "
             f"{snapshot.non_torch_bytes / 2**30:.2f} GiB are used outside torch: no room for "
@@ -59,10 +61,10 @@ def kv_cache_budget(snapshot: MemorySnapshot, gpu_memory_utilization: float) -> 
 
 def check_kv_cache_fits(kv_cache_memory: int, snapshot: MemorySnapshot) -> None:
     """An explicit ``kv_cache_memory`` must fit in the device's free memory, read after the
-    weights are loaded: else a ValueError naming the flag at start-up, not an out-of-memory
-    traceback from the allocation (other processes may hold most of the device)."""
+    weights are loaded: else an EngineConfigError naming the setting at start-up, not an
+    out-of-memory error from the allocation (other processes may hold most of the device)."""
     if kv_cache_memory > snapshot.free_bytes:
-        raise ValueError(
+        raise EngineConfigError(
             f"kv_cache_memory={kv_cache_memory / 2**30:.2f} GiB does not fit: the device has "
             f"{snapshot.free_bytes / 2**30:.2f} GiB free of {snapshot.total_bytes / 2**30:.2f} "
             "GiB (the weights and other processes hold the rest); lower kv_cache_memory, or "

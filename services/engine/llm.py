@@ -16,7 +16,7 @@ from services.engine.config import (
 )
 from services.engine.engine_core import EngineCore
 from services.engine.outputs import RequestOutput
-from services.types import SamplingParams
+from services.types import EngineConfigError, SamplingParams
 
 
 class TokensPrompt(TypedDict):
@@ -57,7 +57,14 @@ class LLM:
         """``max_num_batched_tokens``: None picks ``default_max_num_batched_tokens`` for
         ``device`` (2,048 on a CPU, 16,384 on a GPU). ``seed``: what requests without a seed of
         their own sample from, reproducibly from run to run; None: a fresh seed each time
-        (``EngineConfig.seed``). Bad arguments raise ``ValueError`` naming the argument."""
+        (``EngineConfig.seed``). Bad arguments, a model the engine cannot run and a KV cache
+        this process cannot allocate raise ``EngineConfigError`` (a ``ValueError``) naming the
+        argument."""
+        policies = [str(policy) for policy in SchedulingPolicy]
+        if scheduling_policy not in policies:
+            raise EngineConfigError(
+                f"scheduling_policy must be one of {', '.join(policies)}, got {scheduling_policy!r}"
+            )
         if max_num_batched_tokens is None:
             max_num_batched_tokens = default_max_num_batched_tokens(device, offline=True)
         config = EngineConfig(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 import torch
 
@@ -32,6 +33,7 @@ from services.models.config import ModelConfig
 from services.models.loader import load_model
 from services.models.packed_linear import pack_linears
 from services.models.prefill_kernel_choice import choose_prefill_kernel, prefill_kernel_timer
+from services.types import EngineConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -55,19 +57,27 @@ in the vocabulary) triples."""
 _PROMPT_LOGPROB_ROWS = 256
 """Rows whose logits one slice of a prompt-logprobs chunk holds at once."""
 
+MAX_STATIC_DECODE_BATCH = 512
+"""The static decode path's largest batch (vLLM's largest CUDA graph batch by default). Its
+buffers, and on a GPU its graphs, come one bucket per 16 requests: sized by ``max_num_seqs``
+alone, 10**7 took 25 s and 1.3 GB on a CPU, and a GPU would capture 625,000 graphs. Larger
+decode batches run the dynamic path."""
+
 
 def check_device(device: torch.device) -> None:
-    """ValueError naming ``device`` when this process cannot use it. Without it torch fails
+    """EngineConfigError naming ``device`` when this process cannot use it. Without it torch fails
     deep in the weights' load, with an error that names no argument (an ``AssertionError`` from
     a CPU-only build, an ``AttributeError`` from ``set_device``)."""
     if device.type != "cuda":
         return
     if not torch.cuda.is_available():
         why = "torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
-        raise ValueError(f"device {str(device)!r}: CUDA is not available ({why})")
+        raise EngineConfigError(f"device {str(device)!r}: CUDA is not available ({why})")
     num_gpus = torch.cuda.device_count()
     if device.index is not None and device.index >= num_gpus:
-        raise ValueError(f"device {str(device)!r}: CUDA sees {num_gpus} GPU(s), numbered from 0")
+        raise EngineConfigError(
+            f"device {str(device)!r}: CUDA sees {num_gpus} GPU(s), numbered from 0"
+        )
 
 
 def use_device(device: torch.device) -> None:
@@ -195,13 +205,21 @@ class ModelRunner:
         elif self.device.type == "cuda" or reader is not None:
             reader = reader or CudaMemoryReader(self.device)
             reader.reset_peak()
-            self.profile_run()
+            try:
+                self.profile_run()
+            except torch.OutOfMemoryError as exc:
+                # The step the scheduler may issue at its largest does not fit, KV cache or not.
+                raise EngineConfigError(
+                    f"max_num_batched_tokens={self.max_num_batched_tokens}: the profiling step "
+                    f"(the largest step the engine may run) ran out of memory on {self.device} "
+                    f"({_first_line(exc)}); lower max_num_batched_tokens"
+                ) from exc
             budget = kv_cache_budget(reader.snapshot(), cache.gpu_memory_utilization)
         else:
             budget = DEFAULT_CPU_KV_CACHE_MEMORY
         num_blocks = budget // self.block_bytes
         if num_blocks < 1:
-            raise ValueError(
+            raise EngineConfigError(
                 f"kv_cache_memory of {budget} bytes holds no KV block "
                 f"(one block of {self.block_size} tokens takes {self.block_bytes} bytes)"
             )
@@ -258,15 +276,33 @@ class ModelRunner:
         return 1 if self.use_static_decode else 0
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` cache per layer; an
+        ``EngineConfigError`` naming the memory settings when this process cannot get them (a
+        ``ulimit -v``, another process holding the GPU), with nothing of it kept."""
         cfg = self.model_config
         shape = (2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = []
-        for _ in range(cfg.num_layers):
-            cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
+        # Every layer's cache is allocated before any is zeroed: a failed allocation has then
+        # touched no page (a large CPU allocation is mapped, not backed, until written).
+        caches: list[torch.Tensor] = []
+        try:
+            for _ in range(cfg.num_layers):
+                caches.append(torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device))
+        except (RuntimeError, MemoryError) as exc:
+            if not _is_allocation_failure(exc):
+                raise
+            caches.clear()  # freed before the caller hears of it: it may retry smaller
+            raise kv_cache_allocation_error(
+                exc,
+                num_bytes=num_blocks * self.block_bytes,
+                num_blocks=num_blocks,
+                device=self.device,
+            ) from exc
+        for cache in caches:
             if self.device.type == "cpu":
                 advise_huge_pages(cache.data_ptr(), cache.nbytes)
             # Zeroed so that padding slots read by masked attention hold no NaN bit patterns.
-            self.kv_caches.append(cache.zero_())
+            cache.zero_()
+        self.kv_caches = caches
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             num_blocks,
@@ -278,7 +314,7 @@ class ModelRunner:
                 self.model,
                 self.backend,
                 self.kv_caches,
-                max_num_seqs=self.max_num_seqs,
+                max_num_seqs=min(self.max_num_seqs, MAX_STATIC_DECODE_BATCH),
                 max_model_len=self.max_model_len,
                 block_size=self.block_size,
                 dummy_block=num_blocks - 1,
@@ -481,6 +517,35 @@ class ModelRunner:
             torch.cat(position_parts),
             metadata,
         )
+
+
+def kv_cache_allocation_error(
+    exc: BaseException, *, num_bytes: int, num_blocks: int, device: torch.device
+) -> EngineConfigError:
+    """The refusal of a KV cache the allocator could not give, in one line: the bytes asked,
+    torch's reason, and the settings that size the cache on ``device``."""
+    settings = "kv_cache_memory"
+    if device.type == "cuda":  # where gpu_memory_utilization sizes the cache when that is unset
+        settings += " or gpu_memory_utilization"
+    return EngineConfigError(
+        f"kv_cache_memory: cannot allocate a KV cache of {num_bytes} bytes ({num_blocks} "
+        f"blocks) on {device} ({_first_line(exc)}); lower {settings}"
+    )
+
+
+def _is_allocation_failure(exc: BaseException) -> bool:
+    """Whether ``torch.empty`` failed for want of memory (CUDA's ``OutOfMemoryError``, the CPU
+    allocator's RuntimeError "can't allocate memory: you tried to allocate N bytes"), not for
+    a fault that must keep its traceback (a CUDA error left by an earlier kernel)."""
+    return isinstance(exc, torch.OutOfMemoryError | MemoryError) or "allocate" in str(exc)
+
+
+def _first_line(exc: BaseException) -> str:
+    """``exc``'s message as one line, without the C++ check that torch's CPU allocator opens
+    it with (``[enforce fail at alloc_cpu.cpp:127] err == 0.``)."""
+    lines = str(exc).strip().splitlines()
+    line = lines[0] if lines else type(exc).__name__
+    return re.sub(r"^\[enforce fail at [^\]]*\][^.]*\.\s*", "", line)
 
 
 def _pad(block_ids: list[int], length: int) -> list[int]:

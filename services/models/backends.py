@@ -14,6 +14,7 @@ import torch
 
 from services.models.attention import AttentionBackend, TorchPagedAttention
 from services.models.layer_ops import LayerOps
+from services.types import EngineConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def make_layer_ops(backend: AttentionBackend) -> LayerOps:
         return NativeLayerOps(backend.isa)
     choice = os.environ.get(TRITON_LAYER_OPS_ENV, "")
     if choice not in ("", "0", "1"):
-        raise ValueError(f"{TRITON_LAYER_OPS_ENV} must be 0 or 1, got {choice!r}")
+        raise EngineConfigError(f"{TRITON_LAYER_OPS_ENV} must be 0 or 1, got {choice!r}")
     if choice != "0":
         from services.models.triton_attention import INTERPRET, TritonPagedAttention
 
@@ -67,7 +68,7 @@ def make_attention_backend(
             if reason is None:
                 return TritonPagedAttention(block_size, scale)
         if name == "triton":
-            raise ValueError(f"attention_backend 'triton' is unavailable: {reason}")
+            raise EngineConfigError(f"attention_backend 'triton' is unavailable: {reason}")
         logger.warning("Triton attention unavailable (%s); using the torch path", reason)
         return TorchPagedAttention(block_size, scale)
     if name == "torch" or (name == "auto" and device.type != "cpu"):
@@ -82,6 +83,6 @@ def make_attention_backend(
         if error is None and device.type == "cpu":
             return NativePagedAttention(block_size, scale)
     if name == "native":
-        raise ValueError(f"attention_backend 'native' is unavailable: {error or 'CPU only'}")
+        raise EngineConfigError(f"attention_backend 'native' is unavailable: {error or 'CPU only'}")
     logger.warning("native CPU attention unavailable (%s); using the torch path", error)
     return TorchPagedAttention(block_size, scale)

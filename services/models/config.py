@@ -9,9 +9,20 @@ from pathlib import Path
 from typing import Any
 
 from services.models.gguf_file import find_gguf, open_gguf
-from services.models.model_file_error import read_json_object
+from services.models.model_file_error import ModelFileError, read_json_object
+from services.types import EngineConfigError
 
 logger = logging.getLogger(__name__)
+
+_REQUIRED_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "vocab_size",
+)
+"""``config.json`` keys every supported architecture sizes its weights by: without one, loading
+failed with a bare ``KeyError`` (a traceback, no file named)."""
 
 # Hugging Face ``architectures`` entries we implement, and the model_type each implies.
 SUPPORTED_ARCHITECTURES = {
@@ -59,7 +70,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
+            raise EngineConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
@@ -95,6 +106,11 @@ class ModelConfig:
                 f"{model_dir} has no config.json and no GGUF file: expected {expected}"
             )
         raw = read_json_object(path)
+        for key in _REQUIRED_SIZES:
+            value = raw.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problem = "has no" if key not in raw else f"has {value!r} for"
+                raise ModelFileError(path, f"{problem} {key!r}: expected a positive integer")
         generation_path = model_dir / "generation_config.json"
         generation = read_json_object(generation_path) if generation_path.is_file() else {}
         return cls.from_hf_dict(raw, generation)
@@ -144,7 +160,7 @@ def _architecture(raw: dict[str, Any]) -> str:
             return name
     supported = ", ".join(SUPPORTED_ARCHITECTURES)
     found = ", ".join(architectures) or f"model_type={raw.get('model_type')!r}"
-    raise ValueError(f"unsupported architecture {found}; pdserve supports {supported}")
+    raise EngineConfigError(f"unsupported architecture {found}; pdserve supports {supported}")
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -154,7 +170,7 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in _SUPPORTED_ROPE_TYPES:
-        raise ValueError(
+        raise EngineConfigError(
             f"unsupported rope_type {rope_type!r}; "
             f"pdserve supports {', '.join(_SUPPORTED_ROPE_TYPES)}"
         )

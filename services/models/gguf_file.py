@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from services.models.model_file_error import ModelFileError
+from services.types import EngineConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ SUPPORTED_GGUF_ARCHITECTURES = {
 def find_gguf(path: Path | str) -> Path | None:
     """The GGUF file ``path`` names, or None when it is a Hugging Face model directory.
 
-    Raises ``ValueError`` for a directory holding several GGUF files (which one is ambiguous).
+    Raises ``EngineConfigError`` for a directory holding several GGUF files (which one is
+    ambiguous).
     """
     path = Path(path)
     if path.suffix == GGUF_SUFFIX and not path.is_dir():
@@ -54,7 +56,7 @@ def find_gguf(path: Path | str) -> Path | None:
     candidates = sorted(p for p in path.glob(f"*{GGUF_SUFFIX}") if p.is_file())
     if len(candidates) > 1:
         names = ", ".join(p.name for p in candidates)
-        raise ValueError(f"{path} holds several GGUF files ({names}); name one of them")
+        raise EngineConfigError(f"{path} holds several GGUF files ({names}); name one of them")
     return candidates[0] if candidates else None
 
 
@@ -190,7 +192,7 @@ class GgufFile:
         arch = self.value("general.architecture")
         if arch not in SUPPORTED_GGUF_ARCHITECTURES:
             supported = ", ".join(SUPPORTED_GGUF_ARCHITECTURES)
-            raise ValueError(
+            raise EngineConfigError(
                 f"unsupported GGUF architecture {arch!r} in {self.path.name}; "
                 f"pdserve supports {supported}"
             )
@@ -220,14 +222,14 @@ class GgufFile:
         rope_scaling = param("rope.scaling.type", "none")
         if rope_scaling != "none" or "rope_freqs.weight" in self.tensor_names:
             kind = rope_scaling if rope_scaling != "none" else "rope_freqs (Llama 3.1 style)"
-            raise ValueError(
+            raise EngineConfigError(
                 f"unsupported rope scaling {kind!r} in GGUF file {self.path.name}; "
                 "pdserve loads GGUF files with plain rotary embeddings only"
             )
         num_heads = param("attention.head_count")
         num_kv_heads = param("attention.head_count_kv", num_heads)
         if not isinstance(num_heads, int) or not isinstance(num_kv_heads, int):
-            raise ValueError(
+            raise EngineConfigError(
                 f"GGUF file {self.path.name} gives per-layer head counts; pdserve needs one count"
             )
         hidden_size = param("embedding_length")

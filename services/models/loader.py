@@ -2,8 +2,8 @@
 with an index), or a GGUF file (``gguf_loader`` names and dequantizes its tensors).
 
 The checkpoint's separate q/k/v and gate/up projections are copied into our fused parameters;
-every parameter must be filled exactly once, and a missing or unexpected weight is an error that
-names it.
+every parameter must be filled exactly once, and a missing, unexpected or misshapen weight is a
+``ModelFileError`` that names it and its file.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def load_model(
     filled: set[str] = set()
     gguf_path = find_gguf(model_dir)
     if gguf_path is not None:
-        weights = _named(gguf_weights(open_gguf(gguf_path), config), gguf_path.name)
+        weights = _named(gguf_weights(open_gguf(gguf_path), config), gguf_path)
     else:
         weights = _safetensors_weights(model_dir)
     for name, tensor, origin in weights:
@@ -87,14 +87,15 @@ def load_model(
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # some tied checkpoints store the shared matrix twice
         if name not in targets:
-            raise ValueError(f"unexpected weight {name!r} in {origin}")
+            raise ModelFileError(origin, f"unexpected weight {name!r}")
         param_name, offset = targets[name]
         param = params[param_name]
         rows = param.data.narrow(0, offset, tensor.shape[0])
         if rows.shape != tensor.shape:
-            raise ValueError(
-                f"weight {name!r} in {origin} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(rows.shape)} from the model's config"
+            raise ModelFileError(
+                origin,
+                f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(rows.shape)} from the model's config",
             )
         rows.copy_(tensor)
         filled.add(name)
@@ -103,24 +104,24 @@ def load_model(
         shown = ", ".join(missing[:5]) + (
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         )
-        raise ValueError(f"checkpoint in {model_dir} is missing weight(s): {shown}")
+        raise ModelFileError(model_dir, f"the checkpoint is missing weight(s): {shown}")
     return model.eval()
 
 
-def _safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor, str]]:
+def _safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor, Path]]:
     for path in safetensors_files(model_dir):
         # SafetensorError names no file ("header too large"): a corrupt or truncated shard.
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, f.get_tensor(name), path.name
+                    yield name, f.get_tensor(name), path
         except SafetensorError as exc:
             raise ModelFileError(path, f"not a valid safetensors file ({exc})") from None
 
 
 def _named(
-    weights: Iterator[tuple[str, torch.Tensor]], origin: str
-) -> Iterator[tuple[str, torch.Tensor, str]]:
+    weights: Iterator[tuple[str, torch.Tensor]], origin: Path
+) -> Iterator[tuple[str, torch.Tensor, Path]]:
     for name, tensor in weights:
         yield name, tensor, origin
 

@@ -9,9 +9,15 @@ from typing import Any
 
 
 class ModelFileError(ValueError):
-    """A model file (``config.json``, a safetensors shard, a GGUF) that cannot be parsed. The
-    message names the file: the parser's own error (``header too large``, ``Expecting property
-    name``) does not, and a model directory holds several files."""
+    """A model file (``config.json``, a safetensors shard, a GGUF) that cannot be parsed, or a
+    checkpoint whose weights are not the ones its config describes (missing, unexpected, of
+    another shape). The message names the file (or the checkpoint's directory): the parser's
+    own error (``header too large``, ``Expecting property name``) does not, and a model
+    directory holds several files.
+
+    A setting or a kind of model the engine does not support is an ``EngineConfigError``
+    instead; a node refuses to start on either, exiting 1 for this one (a file to fix) and 2
+    for that one (a flag to change)."""
 
     def __init__(self, path: Path, problem: str) -> None:
         super().__init__(f"{path}: {problem}")

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from services.models.attention import AttentionMetadata, PrefillSpan, TorchPagedAttention
+from services.types import EngineConfigError
 
 KERNEL_ENV = "PDSERVE_PREFILL_KERNEL"
 """Forces the prefill attention kernel of every CPU engine of the process (no timing)."""
@@ -167,7 +168,7 @@ def choose_prefill_kernel(
     forced = os.environ.get(KERNEL_ENV)
     if forced:
         if forced not in kernels:
-            raise ValueError(
+            raise EngineConfigError(
                 f"{KERNEL_ENV}={forced!r}: this attention backend's prefill kernels are "
                 f"{', '.join(kernels)}"
             )

@@ -33,6 +33,7 @@ from services.engine import (
     SchedulingPolicy,
     default_max_num_batched_tokens,
 )
+from services.engine.config import MAX_BLOCK_SIZE
 from services.engine.model_runner import check_device
 from services.tls import TlsFiles, add_tls_flags, tls_from_args
 from services.types import Role
@@ -41,10 +42,6 @@ KV_TRANSPORTS = ("auto", "shm", "cuda_ipc", "ucx", "loopback")
 
 
 DEFAULT_GRPC_PORTS = {Role.PREFILL: 50061, Role.DECODE: 50071, Role.COLOCATED: 50081}
-
-MAX_BLOCK_SIZE = 128
-"""vLLM's largest ``--block-size`` choice. Unbounded, start-up times the prefill kernels on a
-block-sized buffer first: ``--block-size 1000000`` asks for gigabytes before any KV check runs."""
 
 # Config fields whose flag is not ``--`` + the field name with dashes.
 _FIELD_FLAGS = {"model_dir": "--model", "policy": "--scheduling-policy"}
@@ -322,9 +319,6 @@ def check_before_load(config: NodeConfig) -> None:
     """Refusals that need only the flags, made before the model loads (seconds to minutes):
     ValueError naming the flag."""
     engine = config.engine
-    block_size = engine.cache.block_size
-    if block_size > MAX_BLOCK_SIZE:
-        raise ValueError(f"--block-size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
     device = torch.device(engine.device)
     try:
         check_device(device)

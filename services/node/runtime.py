@@ -2,9 +2,10 @@
 
 Life cycle: load the engine (the slow part, before the port opens, so health never says
 SERVING for a node that cannot serve; a flag value or model file it refuses ends the process with
-a one-line error, exit 2 or 1) → start the engine thread → open the gRPC and metrics
-ports (a taken one ends the process with exit code 1 and a one-line error) → start the server
-→ serve until SIGTERM/SIGINT → drain (see ``NodeServer``) → stop the engine thread.
+a one-line error, exit 2 or 1; any other error out of it is a bug, and keeps its traceback) →
+start the engine thread → open the gRPC and metrics ports (a taken one ends the process with
+exit code 1 and a one-line error) → start the server → serve until SIGTERM/SIGINT → drain (see
+``NodeServer``) → stop the engine thread.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from services.models.native_build import UnsupportedIsaError
 from services.node.config import NodeConfig, name_flags
 from services.node.grpc_server import NodeServer, Registrar
 from services.node.metrics import NodeMetrics
-from services.types import Role
+from services.types import EngineConfigError, Role
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class EngineRefusedError(Exception):
         self.exit_code = exit_code
 
     @classmethod
-    def from_error(cls, exc: ValueError | OSError) -> EngineRefusedError:
+    def from_error(cls, exc: EngineConfigError | ModelFileError | OSError) -> EngineRefusedError:
         if isinstance(exc, ModelFileError):
             return cls(f"--model: {exc}", 1)
         if isinstance(exc, OSError):
@@ -108,12 +109,11 @@ async def start_node(config: NodeConfig, role: RoleFactory) -> tuple[NodeServer,
     )
     try:
         engine.start()
-    except UnsupportedIsaError:
-        raise  # names its own setting (PDSERVE_NATIVE_ISA)
-    except (ValueError, OSError) as exc:
-        # The engine's errors for inputs: ValueError for a setting or a model it cannot use,
-        # ModelFileError (a ValueError) for a file it cannot parse, OSError for one it cannot
-        # open. Anything else is a bug and keeps its traceback.
+    except (EngineConfigError, ModelFileError, OSError) as exc:
+        # The engine's errors for its inputs: EngineConfigError for a setting or a model it
+        # cannot run with, ModelFileError for a file it cannot parse, OSError for one it cannot
+        # open. Anything else, a ValueError included, is a bug and keeps its traceback;
+        # UnsupportedIsaError names its own setting (PDSERVE_NATIVE_ISA) and exits in run().
         raise EngineRefusedError.from_error(exc) from exc
     config = resolve_kv_transport(config)
     ref = NodeServerRef()

@@ -5,6 +5,7 @@ image runs without torch, and the engine's scheduler imports these too. Protobuf
 lives at the gRPC edge, in ``services.convert``.
 """
 
+from services.types.engine_config_error import EngineConfigError
 from services.types.finish_reason import FinishReason
 from services.types.limits import MAX_LOGPROBS
 from services.types.role import Role
@@ -15,6 +16,7 @@ from services.types.usage import Usage
 
 __all__ = [
     "MAX_LOGPROBS",
+    "EngineConfigError",
     "FinishReason",
     "Role",
     "SamplingParamError",

@@ -1,0 +1,221 @@
+"""What a caller can get wrong in the engine's settings or model is an ``EngineConfigError`` (a
+``ValueError``) naming the setting, raised before any work it would waste: never a torch
+traceback, and never a setting accepted that makes start-up crash or crawl."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.engine import LLM, CacheConfig, EngineConfig, SchedulerConfig
+from services.engine.gpu_memory import MemorySnapshot
+from services.engine.model_runner import ModelRunner
+from services.models import ModelFileError
+from services.models.config import ModelConfig
+from services.types import EngineConfigError
+
+MAX_BLOCK_SIZE = 128  # vLLM's largest block size
+MAX_STATIC_DECODE_BATCH = 512  # vLLM's largest CUDA graph batch size
+MAX_MODEL_LEN = 64
+KV_CACHE_MEMORY = 1 << 20
+
+
+class FakeReader:
+    """A device of ``total`` bytes, half of it free."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+
+    def reset_peak(self) -> None:
+        pass
+
+    def snapshot(self) -> MemorySnapshot:
+        half = self.total // 2
+        return MemorySnapshot(self.total, half, half, half)
+
+
+def make_runner(model_dir: Path) -> ModelRunner:
+    config = EngineConfig(model_dir=model_dir, dtype="float32")
+    return ModelRunner(ModelConfig.from_model_dir(model_dir), config, max_model_len=128)
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: CacheConfig(block_size=0), "block_size"),
+        (lambda: CacheConfig(kv_cache_memory=-1), "kv_cache_memory"),
+        (lambda: CacheConfig(gpu_memory_utilization=0.0), "gpu_memory_utilization"),
+        (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs"),
+        (lambda: SchedulerConfig(policy="lifo"), "policy"),  # type: ignore[arg-type]
+        (lambda: EngineConfig(Path("m"), dtype="int8"), "dtype"),
+        (lambda: EngineConfig(Path("m"), device="tpu"), "device"),
+    ],
+)
+def test_bad_settings_are_engine_config_errors_naming_the_field(make, field: str) -> None:
+    with pytest.raises(EngineConfigError, match=field):
+        make()
+
+
+def test_an_engine_config_error_is_a_value_error_for_the_offline_api() -> None:
+    assert issubclass(EngineConfigError, ValueError)
+
+
+@pytest.mark.parametrize("block_size", [MAX_BLOCK_SIZE + 1, 4096])
+def test_a_block_size_beyond_the_largest_is_refused_by_every_entry_point(
+    tiny_llama_dir: Path, block_size: int
+) -> None:
+    message = rf"block_size must be in \[1, {MAX_BLOCK_SIZE}\], got {block_size}"
+    with pytest.raises(EngineConfigError, match=message):
+        CacheConfig(block_size=block_size)
+    # Refused before the model loads or any prefill kernel is timed on a block-sized buffer.
+    with pytest.raises(EngineConfigError, match=message):
+        LLM(tiny_llama_dir, dtype="float32", block_size=block_size)
+
+
+def test_a_model_of_an_unsupported_kind_is_an_engine_config_error(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    model_dir = Path(shutil.copytree(tiny_llama_dir, tmp_path / "model"))
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["GemmaForCausalLM"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EngineConfigError, match="unsupported architecture GemmaForCausalLM"):
+        LLM(model_dir, dtype="float32", kv_cache_memory=KV_CACHE_MEMORY)
+
+
+def test_a_checkpoint_missing_a_weight_is_a_model_file_error_naming_it(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    model_dir = Path(shutil.copytree(tiny_llama_dir, tmp_path / "model"))
+    weights = load_file(model_dir / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, model_dir / "model.safetensors")
+    with pytest.raises(ModelFileError, match=r"missing weight\(s\): model\.norm\.weight"):
+        LLM(model_dir, dtype="float32", kv_cache_memory=KV_CACHE_MEMORY)
+
+
+@pytest.mark.parametrize(("key", "value"), [("hidden_size", None), ("num_hidden_layers", "12")])
+def test_a_config_without_a_size_it_needs_is_a_model_file_error_naming_the_key(
+    tiny_llama_dir: Path, tmp_path: Path, key: str, value: object
+) -> None:
+    model_dir = Path(shutil.copytree(tiny_llama_dir, tmp_path / "model"))
+    config = json.loads((model_dir / "config.json").read_text())
+    if value is None:
+        del config[key]
+    else:
+        config[key] = value
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFileError, match=rf"config\.json: has .*'{key}'"):
+        LLM(model_dir, dtype="float32", kv_cache_memory=KV_CACHE_MEMORY)
+
+
+def test_the_largest_block_size_is_accepted() -> None:
+    assert CacheConfig(block_size=MAX_BLOCK_SIZE).block_size == MAX_BLOCK_SIZE
+
+
+def test_an_unknown_scheduling_policy_is_refused_naming_the_argument(tiny_llama_dir: Path) -> None:
+    with pytest.raises(EngineConfigError, match="scheduling_policy must be one of fcfs, priority"):
+        LLM(tiny_llama_dir, dtype="float32", scheduling_policy="lifo")
+
+
+def test_a_kv_cache_the_process_cannot_allocate_is_refused_naming_the_setting(
+    tiny_llama_dir: Path,
+) -> None:
+    # 2**60 bytes: 2**58 a layer, beyond any address space, so the allocator fails on any host
+    # (before a page is touched).
+    with pytest.raises(EngineConfigError) as refusal:
+        LLM(tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory=2**60)
+    message = str(refusal.value)
+    assert message.startswith("kv_cache_memory: cannot allocate a KV cache of ")
+    assert "bytes" in message and "lower kv_cache_memory" in message
+    assert "\n" not in message
+    assert "gpu_memory_utilization" not in message  # CPU: that setting plays no part
+
+
+def test_a_failed_kv_cache_allocation_frees_what_it_got_and_a_smaller_cache_works(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = make_runner(tiny_llama_dir)
+    real_empty = torch.empty
+    calls = []
+
+    def empty_failing_on_the_third_layer(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 3:
+            raise RuntimeError(
+                "DefaultCPUAllocator: can't allocate memory: you tried to allocate 4096 bytes."
+            )
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty_failing_on_the_third_layer)
+    with pytest.raises(EngineConfigError, match="can't allocate memory"):
+        runner.allocate_kv_cache(8)
+    assert runner.kv_caches == []
+    monkeypatch.setattr(torch, "empty", real_empty)
+    runner.allocate_kv_cache(8)
+    assert len(runner.kv_caches) == runner.model_config.num_layers
+
+
+def test_an_unrelated_runtime_error_from_the_allocation_keeps_its_type(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = make_runner(tiny_llama_dir)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch, "empty", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access") as raised:
+        runner.allocate_kv_cache(8)
+    assert not isinstance(raised.value, EngineConfigError)
+
+
+def test_on_a_gpu_the_allocation_refusal_names_both_memory_settings() -> None:
+    from services.engine.model_runner import kv_cache_allocation_error
+
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB.\nmore details")
+    error = kv_cache_allocation_error(
+        oom, num_bytes=21474836480, num_blocks=10240, device=torch.device("cuda:0")
+    )
+    assert isinstance(error, EngineConfigError)
+    message = str(error)
+    assert "21474836480 bytes" in message and "cuda:0" in message
+    assert "lower kv_cache_memory or gpu_memory_utilization" in message
+    assert "more details" not in message  # one line
+
+
+def test_a_profiling_step_that_runs_out_of_memory_names_the_step_budget(
+    tiny_llama_dir: Path,
+) -> None:
+    runner = make_runner(tiny_llama_dir)
+
+    def out_of_memory() -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB.")
+
+    runner.profile_run = out_of_memory  # type: ignore[method-assign]
+    reader = FakeReader(total=64 << 20)
+    with pytest.raises(EngineConfigError, match="lower max_num_batched_tokens"):
+        runner.num_blocks_for(CacheConfig(gpu_memory_utilization=0.5), reader)
+
+
+def test_a_huge_max_num_seqs_does_not_size_the_static_decode_buffers(tiny_llama_dir: Path) -> None:
+    # Static decode (CUDA graphs on a GPU) used one bucket per 16 of max_num_seqs, each with its
+    # buffers and graph: 10**7 took 25 s and 1.3 GB on CPU, and a GPU would capture 625,000
+    # graphs. Batches above the largest bucket run the dynamic path.
+    llm = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_memory=KV_CACHE_MEMORY,
+        max_num_seqs=10**5,
+        cuda_graphs=True,
+    )
+    static = llm.engine.runner.static_decode
+    assert static is not None
+    assert static.max_batch == MAX_STATIC_DECODE_BATCH
+    assert len(static.buckets) <= MAX_STATIC_DECODE_BATCH // 16 + 4
