@@ -405,11 +405,14 @@ class ChatCompletionResponse(ResponseModel):
 
 
 class ChatDelta(ResponseModel):
-    role: Role | None = None
+    """A field left None is not sent, as OpenAI and vLLM do (``{"content": " Paris"}``; the
+    finish chunk's ``{}``): a strict client's schema may not take ``"role": null``."""
+
+    role: Role | None = Field(default=None, exclude_if=lambda value: value is None)
     """Sent once, in a choice's first chunk, together with its first content."""
     reasoning_content: str | None = Field(default=None, exclude_if=lambda value: value is None)
     """vLLM extension, with ``--reasoning-parser``: the next piece of the ``<think>`` text."""
-    content: str | None = None
+    content: str | None = Field(default=None, exclude_if=lambda value: value is None)
     tool_calls: list[ToolCallDelta] | None = Field(
         default=None, exclude_if=lambda value: value is None
     )

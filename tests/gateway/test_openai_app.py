@@ -176,11 +176,13 @@ def test_sse_framing_and_the_usage_chunk(serve: Callable[..., Served]) -> None:
     assert {chunk["id"] for chunk in chunks} == {"abc-1"}
     *token_chunks, finish, usage_chunk = chunks
     assert len(token_chunks) == 5
+    assert token_chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(set(chunk["choices"][0]["delta"]) == {"content"} for chunk in token_chunks[1:])
     assert all(chunk["usage"] is None for chunk in token_chunks + [finish])
     assert finish["choices"] == [
         {
             "index": 0,
-            "delta": {"role": None, "content": None},
+            "delta": {},  # unset fields are not sent, as OpenAI and vLLM do
             "logprobs": None,
             "finish_reason": "length",
             "stop_reason": None,
