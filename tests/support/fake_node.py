@@ -92,8 +92,15 @@ class FakeNode(prefill_pb2_grpc.PrefillServiceServicer, decode_pb2_grpc.DecodeSe
         prompt = list(request.prompt_token_ids)
         self.prompts.append(prompt)
         self.samplings.append(request.sampling)
-        max_tokens = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16
-        max_tokens = self._limit(max_tokens)
+        requested = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16
+        max_tokens = self._limit(requested)
+        # A script ends in a stop (its last token is the model's EOS) unless max_tokens cuts it
+        # short first, as a real node would say.
+        reason = (
+            common_pb2.FINISH_REASON_STOP
+            if self.script is not None and len(self.script) < requested
+            else common_pb2.FINISH_REASON_LENGTH
+        )
         self.running += 1
         try:
             start = 0
@@ -125,11 +132,7 @@ class FakeNode(prefill_pb2_grpc.PrefillServiceServicer, decode_pb2_grpc.DecodeSe
                 )
             yield decode_pb2.GenerateResponse(
                 finished=decode_pb2.Finished(
-                    finish_reason=(
-                        common_pb2.FINISH_REASON_LENGTH
-                        if self.script is None
-                        else common_pb2.FINISH_REASON_STOP
-                    ),
+                    finish_reason=reason,
                     usage=common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=max_tokens),
                 )
             )
