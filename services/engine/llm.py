@@ -7,6 +7,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TypedDict, cast
 
+from tokenizers import Tokenizer as HfTokenizer
+
 from services.engine.config import (
     CacheConfig,
     EngineConfig,
@@ -16,7 +18,8 @@ from services.engine.config import (
 )
 from services.engine.engine_core import EngineCore
 from services.engine.outputs import RequestOutput
-from services.types import EngineConfigError, SamplingParams
+from services.model_tokenizer import load_tokenizer
+from services.types import EngineConfigError, FinishReason, SamplingParams
 
 
 class TokensPrompt(TypedDict):
@@ -25,14 +28,27 @@ class TokensPrompt(TypedDict):
     prompt_token_ids: Sequence[int]
 
 
-Prompt = Sequence[int] | TokensPrompt
-"""One prompt: its token ids, or vLLM's ``{"prompt_token_ids": [...]}``."""
+class TextPrompt(TypedDict):
+    """A prompt as vLLM's ``TextPrompt``: ``{"prompt": "..."}`` (no other keys)."""
+
+    prompt: str
+
+
+Prompt = str | Sequence[int] | TextPrompt | TokensPrompt
+"""One prompt: its text, its token ids, or vLLM's ``{"prompt": ...}`` /
+``{"prompt_token_ids": [...]}``."""
+
+
+_TEXT_PURPOSE = "text in and out of LLM.generate"
 
 
 class LLM:
-    """``LLM(model_dir).generate(prompt_token_ids, params)`` over the continuous-batching engine.
+    """``LLM(model_dir).generate(prompts, sampling_params)`` over the continuous-batching engine.
 
     ``model_dir`` is a Hugging Face model directory, a GGUF file, or a directory holding one.
+    Text prompts are encoded, and outputs decoded, with the model's own tokenizer (the one the
+    gateway uses); ``skip_tokenizer_init=True`` (vLLM's) loads none: prompts are token ids and
+    outputs carry no text.
     """
 
     def __init__(
@@ -53,6 +69,7 @@ class LLM:
         seed: int | None = 0,
         attention_backend: str = "auto",
         cuda_graphs: bool | None = None,
+        skip_tokenizer_init: bool = False,
     ) -> None:
         """``max_num_batched_tokens``: None picks ``default_max_num_batched_tokens`` for
         ``device`` (2,048 on a CPU, 16,384 on a GPU). ``seed``: what requests without a seed of
@@ -88,23 +105,42 @@ class LLM:
                 policy=SchedulingPolicy(scheduling_policy),
             ),
         )
+        if not isinstance(skip_tokenizer_init, bool):
+            raise EngineConfigError(
+                f"skip_tokenizer_init must be True or False, got {skip_tokenizer_init!r}"
+            )
         self.engine = EngineCore(config)
+        # After the engine: a path that is no model is refused as such, not for its tokenizer.
+        self.tokenizer: HfTokenizer | None = None
+        """The model's tokenizer; None with ``skip_tokenizer_init``."""
+        if not skip_tokenizer_init:
+            try:
+                self.tokenizer = load_tokenizer(config.model_dir, _TEXT_PURPOSE)
+            except ValueError as exc:
+                raise EngineConfigError(
+                    f"{exc}; LLM(skip_tokenizer_init=True) loads none and takes token ids"
+                ) from None
         self._ids = itertools.count()
 
     def generate(
         self,
-        prompt_token_ids: Iterable[Prompt] | TokensPrompt,
-        params: SamplingParams | Iterable[SamplingParams] | None = None,
+        prompts: Iterable[Prompt] | str | TextPrompt | TokensPrompt,
+        sampling_params: SamplingParams | Iterable[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts. A prompt is
-        a list of token ids or vLLM's ``{"prompt_token_ids": [...]}`` (one such dict alone is
-        one prompt); ``params`` is one ``SamplingParams`` for all, or one per prompt."""
-        prompts = _prompts(prompt_token_ids)
-        params_list = _params(params, len(prompts))
-        request_ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        a string, a list of token ids, or vLLM's ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": [...]}`` (one string or dict alone is one prompt); text is
+        encoded with the tokenizer's special tokens (BOS), as the gateway's completions do.
+        ``sampling_params`` (vLLM's name) is one ``SamplingParams`` for all, or one per
+        prompt. Each output's ``text`` is its tokens decoded without special tokens, less the
+        stop token that ended it (as vLLM's); None with ``skip_tokenizer_init``."""
+        given = _prompts(prompts)
+        prompt_ids = self._encode(given)
+        params_list = _params(sampling_params, len(given))
+        request_ids = [f"llm-{next(self._ids)}" for _ in given]
         # Validate everything before queueing anything, so a bad prompt leaves no work behind.
         for request_id, prompt, request_params in zip(
-            request_ids, prompts, params_list, strict=True
+            request_ids, prompt_ids, params_list, strict=True
         ):
             self.engine.validate_request(request_id, prompt, request_params)
         results = {
@@ -114,14 +150,15 @@ class LLM:
                 token_ids=[],
                 finish_reason=None,
                 logprobs=[] if request_params.logprobs is not None else None,
+                prompt=original if isinstance(original, str) else None,
             )
-            for request_id, prompt, request_params in zip(
-                request_ids, prompts, params_list, strict=True
+            for request_id, prompt, original, request_params in zip(
+                request_ids, prompt_ids, given, params_list, strict=True
             )
         }
         try:
             for request_id, prompt, request_params in zip(
-                request_ids, prompts, params_list, strict=True
+                request_ids, prompt_ids, params_list, strict=True
             ):
                 self.engine.add_request(request_id, prompt, request_params)
             pending = len(request_ids)
@@ -143,31 +180,73 @@ class LLM:
             for request_id, result in results.items():
                 if result.finish_reason is None:
                     self.engine.abort(request_id)
+        if self.tokenizer is not None:
+            for request_id, request_params in zip(request_ids, params_list, strict=True):
+                result = results[request_id]
+                result.text = self.tokenizer.decode(
+                    self._text_token_ids(result, request_params), skip_special_tokens=True
+                )
         return [results[request_id] for request_id in request_ids]
 
+    def _encode(self, prompts: list[str | Sequence[int]]) -> list[Sequence[int]]:
+        """Token ids for each prompt, the texts encoded in one batch (``tokenizers`` runs it on
+        all cores)."""
+        texts = [prompt for prompt in prompts if isinstance(prompt, str)]
+        if not texts:
+            return cast(list[Sequence[int]], prompts)
+        if self.tokenizer is None:
+            raise ValueError(
+                "text prompts need the model's tokenizer, which LLM(skip_tokenizer_init=True) "
+                "does not load: give token ids"
+            )
+        encoded = iter(e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=True))
+        return [next(encoded) if isinstance(prompt, str) else prompt for prompt in prompts]
 
-def _prompts(prompts: object) -> list[Sequence[int]]:
-    """The prompts' token ids, one list per prompt (each checked by the engine). vLLM's
-    ``TokensPrompt`` dicts give their ``prompt_token_ids``; a dict with other keys is refused,
-    since the engine would silently drop what they ask for (text, images, ...)."""
-    if isinstance(prompts, Mapping):
+    def _text_token_ids(self, result: RequestOutput, params: SamplingParams) -> list[int]:
+        """The output tokens whose text is the output's: without the stop token (a
+        ``stop_token_ids`` entry, or EOS) that ended it, as vLLM, and as the gateway's text."""
+        token_ids = result.token_ids
+        if result.finish_reason is FinishReason.STOP and token_ids:
+            last = token_ids[-1]
+            eos_ids = () if params.ignore_eos else self.engine.model_config.eos_token_ids
+            if last in params.stop_token_ids or last in eos_ids:
+                return token_ids[:-1]
+        return token_ids
+
+
+def _prompts(prompts: object) -> list[str | Sequence[int]]:
+    """Each prompt's text or token ids (the ids are checked by the engine). vLLM's
+    ``TextPrompt`` and ``TokensPrompt`` dicts give their ``prompt`` or ``prompt_token_ids``; a
+    dict with other keys is refused, since the engine would silently drop what they ask for
+    (images, ...)."""
+    if isinstance(prompts, (str, Mapping)):
         prompts = [prompts]
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
+    if isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
         raise ValueError(
-            "prompt_token_ids must be a list of prompts, each a list of token ids (or "
-            f'{{"prompt_token_ids": [...]}}), got {type(prompts).__name__}'
+            "prompts must be a string or a list of prompts, each a string or a list of token "
+            f'ids (or {{"prompt": ...}}, {{"prompt_token_ids": [...]}}), got '
+            f"{type(prompts).__name__}"
         )
-    token_ids = []
+    listed: list[str | Sequence[int]] = []
     for index, prompt in enumerate(prompts):
         if isinstance(prompt, Mapping):
-            if set(prompt) != {"prompt_token_ids"}:
+            keys = set(prompt)
+            if keys not in ({"prompt"}, {"prompt_token_ids"}):
                 raise ValueError(
                     f"prompt {index} is a dict with the keys {sorted(map(str, prompt))}: the "
-                    'engine takes {"prompt_token_ids": [...]} alone (token ids, no text)'
+                    'engine takes {"prompt": "..."} or {"prompt_token_ids": [...]} alone'
                 )
-            prompt = prompt["prompt_token_ids"]
-        token_ids.append(prompt)
-    return token_ids
+            prompt = prompt["prompt"] if keys == {"prompt"} else prompt["prompt_token_ids"]
+            if keys == {"prompt"} and not isinstance(prompt, str):
+                raise ValueError(f'prompt {index}: "prompt" must be a string, got {prompt!r}')
+            if keys == {"prompt_token_ids"} and isinstance(prompt, str):
+                raise ValueError(
+                    f"prompt {index}: prompt_token_ids must be a list of token ids, got a string"
+                )
+        if isinstance(prompt, bytes):
+            raise ValueError(f"prompt {index} is bytes: give a string or token ids")
+        listed.append(prompt)
+    return listed
 
 
 def _params(params: object, num_prompts: int) -> list[SamplingParams]:
@@ -179,12 +258,14 @@ def _params(params: object, num_prompts: int) -> list[SamplingParams]:
         return [params] * num_prompts
     if isinstance(params, (str, bytes, Mapping)) or not isinstance(params, Iterable):
         raise ValueError(
-            f"params must be SamplingParams or a list of them, got {type(params).__name__}"
+            f"sampling_params must be SamplingParams or a list of them, got {type(params).__name__}"
         )
     listed = list(params)
     for index, item in enumerate(listed):
         if not isinstance(item, SamplingParams):
-            raise ValueError(f"params[{index}] must be SamplingParams, got {type(item).__name__}")
+            raise ValueError(
+                f"sampling_params[{index}] must be SamplingParams, got {type(item).__name__}"
+            )
     if len(listed) != num_prompts:
         raise ValueError(f"got {len(listed)} SamplingParams for {num_prompts} prompts")
     return listed

@@ -46,6 +46,11 @@ class RequestOutput:
     prompt_logprob_ranks: list[int | None] | None = None
     """Beside ``prompt_logprobs``: each prompt token's rank in the vocabulary (1 + the tokens
     with a greater logprob; the first None)."""
+    prompt: str | None = None
+    """The prompt's text, when it was given as text."""
+    text: str | None = None
+    """``token_ids`` decoded, special tokens skipped, the stop token that ended it left out
+    (``LLM.generate``); None where no tokenizer was loaded."""
 
     @property
     def finished(self) -> bool:

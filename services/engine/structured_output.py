@@ -36,9 +36,8 @@ from pathlib import Path
 import llguidance
 import torch
 
-from services.gguf_tokenizer import gguf_tokenizer_parts
 from services.guided_decoding import GuidedDecoding
-from services.models.gguf_file import find_gguf, open_gguf
+from services.model_tokenizer import tokenizer_json
 
 logger = logging.getLogger(__name__)
 
@@ -136,27 +135,9 @@ class StructuredOutputs:
     def _build_llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
             self._tokenizer = llguidance.LLTokenizer(
-                tokenizer_json(self._model_path),
+                tokenizer_json(self._model_path, "guided decoding"),
                 n_vocab=self._vocab_size,
                 eos_token=self._eos_token_ids or None,
             )
         return self._tokenizer
 
-
-def tokenizer_json(model_path: Path) -> str:
-    """The ``tokenizer.json`` text of the model at ``model_path``; ``ValueError`` saying what is
-    missing when it has no tokenizer pdserve can read."""
-    gguf_path = find_gguf(model_path)
-    if gguf_path is not None:
-        try:
-            parts = gguf_tokenizer_parts(open_gguf(gguf_path))
-        except ValueError as exc:
-            raise ValueError(f"guided decoding needs the model's tokenizer: {exc}") from None
-        return parts.backend.to_str()
-    tokenizer_file = model_path / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise ValueError(
-            f"guided decoding needs the model's tokenizer ({tokenizer_file} not found, and "
-            f"{model_path} is not a GGUF checkpoint)"
-        )
-    return tokenizer_file.read_text(encoding="utf-8")

@@ -500,9 +500,18 @@ def test_numpy_integer_token_ids_are_accepted(llm: LLM) -> None:
     assert_engine_clean(llm)
 
 
-@pytest.mark.parametrize("prompts", [[5, 6], ["hello"], [None], "text", 7])
-def test_prompts_that_are_not_lists_of_token_ids_are_refused(llm: LLM, prompts) -> None:
-    with pytest.raises(ValueError, match="prompt_token_ids must be a list"):
+@pytest.mark.parametrize(
+    ("prompts", "match"),
+    [
+        ([5, 6], "prompt_token_ids must be a list"),
+        ([None], "prompt_token_ids must be a list"),
+        (7, "prompts must be a string or a list of prompts"),
+    ],
+)
+def test_prompts_that_are_neither_text_nor_token_ids_are_refused(
+    llm: LLM, prompts, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
         llm.generate(prompts, SamplingParams(max_tokens=2))
     assert_engine_clean(llm)
 
@@ -521,7 +530,6 @@ def test_vllm_tokens_prompts_are_prompts(llm: LLM) -> None:
 @pytest.mark.parametrize(
     ("prompts", "match"),
     [
-        ([{"prompt": "hi"}], r"prompt 0 is a dict with the keys \['prompt'\]: .* no text"),
         ([PROMPT, {"prompt_token_ids": PROMPT, "multi_modal_data": {}}], "prompt 1 is a dict"),
         ({"prompt_token_ids": "text"}, "prompt_token_ids must be a list of token ids"),
         ([{"prompt_token_ids": [1, VOCAB_SIZE]}], r"prompt_token_ids\[1\] = 4096 is outside"),

@@ -1,0 +1,133 @@
+"""``LLM.generate`` on text, as vLLM's: prompts encoded and outputs decoded with the model's own
+tokenizer, the one the gateway uses (so both give the same ids for the same text).
+
+Each prompt form (a string, token ids, vLLM's ``{"prompt": ...}`` and ``{"prompt_token_ids":
+...}``) gives the same tokens for the same text; an output's text leaves out the stop token
+that ended it; ``skip_tokenizer_init`` loads no tokenizer and takes token ids only.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gateway.text.tokenizer import Tokenizer
+from services.engine import LLM, EngineConfigError, FinishReason, SamplingParams
+
+TEXT = "The quick brown fox jumps over"
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def make_llm(model_dir: Path, **kwargs: object) -> LLM:
+    return LLM(
+        model_dir,
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=4,
+        kv_cache_memory=1 << 22,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir: Path) -> LLM:
+    return make_llm(tiny_llama_dir)
+
+
+def test_every_prompt_form_gives_the_ids_and_tokens_of_the_gateways_encoding(
+    llm: LLM, tiny_llama_dir: Path
+) -> None:
+    gateway = Tokenizer.from_model_dir(tiny_llama_dir)
+    ids = gateway.encode(TEXT)
+    outputs = llm.generate(
+        [TEXT, ids, {"prompt": TEXT}, {"prompt_token_ids": ids}, "another prompt"], GREEDY
+    )
+    assert [out.prompt_token_ids for out in outputs[:4]] == [ids] * 4
+    assert outputs[4].prompt_token_ids == gateway.encode("another prompt")
+    assert len({tuple(out.token_ids) for out in outputs[:4]}) == 1
+    assert [out.prompt for out in outputs] == [TEXT, None, TEXT, None, "another prompt"]
+    for out in outputs:
+        assert out.text == gateway.decode(out.token_ids)
+        assert out.text  # eight tokens of a random model decode to something
+
+
+def test_one_string_alone_is_one_prompt(llm: LLM) -> None:
+    (output,) = llm.generate(TEXT, GREEDY)
+    assert output.prompt == TEXT
+    assert len(output.token_ids) == GREEDY.max_tokens
+
+
+def test_the_stop_token_that_ended_an_output_is_not_in_its_text(
+    llm: LLM, tiny_llama_dir: Path
+) -> None:
+    gateway = Tokenizer.from_model_dir(tiny_llama_dir)
+    (free,) = llm.generate(TEXT, GREEDY)
+    stop_id = free.token_ids[3]
+    first = free.token_ids.index(stop_id)
+    params = SamplingParams(
+        max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id]
+    )
+    (stopped,) = llm.generate(TEXT, params)
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.token_ids == free.token_ids[: first + 1]
+    assert stopped.text == gateway.decode(free.token_ids[:first])
+    # Cut by max_tokens instead, the last token's text stays.
+    assert free.finish_reason is FinishReason.LENGTH
+    assert free.text == gateway.decode(free.token_ids)
+
+
+def test_a_gguf_models_text_goes_through_the_tokenizer_its_file_carries(
+    tiny_gguf_factory,
+) -> None:
+    path = tiny_gguf_factory()
+    gateway = Tokenizer.from_model_dir(path)
+    (output,) = make_llm(path).generate(TEXT, GREEDY)
+    assert output.prompt_token_ids == gateway.encode(TEXT)
+    assert output.text == gateway.decode(output.token_ids)
+
+
+def test_skip_tokenizer_init_takes_token_ids_and_gives_no_text(tiny_llama_dir: Path) -> None:
+    llm = make_llm(tiny_llama_dir, skip_tokenizer_init=True)
+    assert llm.tokenizer is None
+    (output,) = llm.generate([[5, 6, 7]], GREEDY)
+    assert output.text is None and len(output.token_ids) == GREEDY.max_tokens
+    with pytest.raises(ValueError, match=r"skip_tokenizer_init=True\) does not load"):
+        llm.generate(TEXT, GREEDY)
+
+
+def test_a_model_without_a_tokenizer_is_refused_unless_skipped(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    model_dir = Path(shutil.copytree(tiny_llama_dir, tmp_path / "model"))
+    (model_dir / "tokenizer.json").unlink()
+    refusal = (
+        r"text in and out of LLM\.generate needs the model's tokenizer \(.*tokenizer\.json not "
+        r"found.*skip_tokenizer_init=True\) loads none"
+    )
+    with pytest.raises(EngineConfigError, match=refusal):
+        make_llm(model_dir)
+    assert make_llm(model_dir, skip_tokenizer_init=True).generate([[5]], GREEDY)[0].text is None
+
+
+@pytest.mark.parametrize(
+    ("prompts", "message"),
+    [
+        ([{"prompt": 5}], r'prompt 0: "prompt" must be a string'),
+        ([{"prompt": TEXT, "images": []}], r"keys \['images', 'prompt'\]"),
+        ([b"bytes"], r"prompt 0 is bytes"),
+        (b"bytes", r"prompts must be a string or a list of prompts"),
+        (5, r"got int"),
+    ],
+)
+def test_malformed_prompts_are_refused_naming_which(
+    llm: LLM, prompts: object, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, GREEDY)  # type: ignore[arg-type]
+
+
+def test_skip_tokenizer_init_must_be_a_bool(tiny_llama_dir: Path) -> None:
+    with pytest.raises(EngineConfigError, match="skip_tokenizer_init must be True or False"):
+        make_llm(tiny_llama_dir, skip_tokenizer_init="no")
