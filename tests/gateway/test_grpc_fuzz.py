@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from pdserve.v1 import common_pb2, gateway_pb2
 from support.fake_gateway import FakeGateway
+from support.raw_grpc import refused_raw_call
 
 ALLOWED = {
     grpc.StatusCode.OK,
@@ -167,22 +168,12 @@ def test_bytes_that_are_no_request_are_invalid_argument(
         ("/grpc.health.v1.Health/Check", "unary_unary", corrupt),
     ]
 
-    async def call(method: str, kind: str, payload: bytes) -> grpc.aio.AioRpcError:
-        multi = getattr(served.channel, kind)(
-            method, request_serializer=lambda x: x, response_deserializer=lambda x: x
-        )
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            if kind == "unary_stream":
-                async for _ in multi(payload, timeout=10):
-                    pass
-            else:
-                await multi(payload, timeout=10)
-        return refused.value
-
     try:
         with caplog.at_level(logging.INFO):
             for method, kind, payload in calls:
-                error = served.loop.run_until_complete(call(method, kind, payload))
+                error = served.loop.run_until_complete(
+                    refused_raw_call(served.channel, method, kind, payload)
+                )
                 assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, (method, payload, error)
                 assert (error.details() or "").startswith("malformed request: Error parsing")
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -22,6 +22,7 @@ from gateway.server import GatewayServer
 from gateway.text.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from support import fake_node
+from support.raw_grpc import refused_raw_call
 
 COUNTING = "Count: 1, 2, 3, 4, 5, 6, 7, 8"
 
@@ -272,16 +273,8 @@ def test_a_malformed_grpc_request_counts_once_as_invalid_argument(tiny_llama_dir
         address = f"127.0.0.1:{stack.gateway.grpc_port}"
         async with grpc.aio.insecure_channel(address) as channel:
             for method, kind, payload in calls:
-                call = getattr(channel, kind)(
-                    method, request_serializer=lambda x: x, response_deserializer=lambda x: x
-                )
-                with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    if kind == "unary_stream":
-                        async for _ in call(payload, timeout=10):
-                            pass
-                    else:
-                        await call(payload, timeout=10)
-                assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT, method
+                error = await refused_raw_call(channel, method, kind, payload)
+                assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, method
         assert stack.counted("request_errors", "reason") == {"invalid_argument": 3}
 
     serve(tiny_llama_dir, body, colocated=[{}])
