@@ -220,6 +220,11 @@ class RoutedGenerator:
         finished = replace(finished, timings=timings, num_retries=num_retries)
         self.metrics.e2e_request_latency.observe(e2e_s)
         self.metrics.observe_stages(finished.timings)
+        # Per generation, as vLLM counts: each of a request's n choices is an engine request of
+        # its own, whose prompt counts once its prefill is done (vllm/v1/metrics/stats.py,
+        # IterationStats.update_from_output); OpenAI's usage counts it once per request.
+        self.metrics.prompt_tokens.inc(finished.usage.prompt_tokens)
+        self.metrics.generation_tokens.inc(finished.usage.completion_tokens)
         return finished
 
     def _count(self, finished: Finished) -> None:

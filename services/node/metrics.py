@@ -1,9 +1,9 @@
 """A node's Prometheus metrics (design §7), under the ``pdserve:`` prefix vLLM users know.
 
 One ``NodeMetrics`` per node, on its own registry (several nodes can share a test process), every
-series labelled by ``role`` and ``node``. Gauges (and the preemption counter) are refreshed from
-``EngineStats`` by a periodic task; latencies, transfer sizes and failures are observed where
-they happen.
+series labelled by ``role`` and ``node``. Gauges, and the counters that follow the engine's running
+totals (preemptions, prefix cache queries and hits), are refreshed from ``EngineStats`` by a
+periodic task; latencies, transfer sizes and failures are observed where they happen.
 """
 
 from __future__ import annotations
@@ -12,7 +12,14 @@ import asyncio
 import logging
 from collections.abc import Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
 
 from services.async_engine import AsyncEngine, EngineDeadError
 from services.listen import ListenError
@@ -23,8 +30,24 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _BYTES_BUCKETS = tuple(float(2**k) for k in range(16, 32, 2))  # 64 KiB .. 1 GiB
 
 
+class _EngineTotal:
+    """A counter that follows one of the engine's running totals, read from its stats: it
+    advances by what the total gained since the last read and never goes down."""
+
+    def __init__(self, counter: Counter) -> None:
+        self.counter = counter
+        self.num_seen = 0
+
+    def advance_to(self, total: int) -> None:
+        if total > self.num_seen:
+            self.counter.inc(total - self.num_seen)
+            self.num_seen = total
+
+
 class NodeMetrics:
     def __init__(self, role: str, node_id: str, transport: str | None = None) -> None:
+        # No ``_created`` series, as on the gateway (gateway/metrics.py says why).
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry()
         labels = {"role": role, "node": node_id}
         names = list(labels)
@@ -60,12 +83,22 @@ class NodeMetrics:
         self.prefix_cache_hit_rate = gauge(
             "prefix_cache_hit_rate", "Prompt tokens served by the prefix cache / tokens looked up"
         )
-        # A counter (exported as pdserve:num_preemptions_total): rate() over it is meaningful,
-        # and Prometheus naming reserves _total for counters.
-        self.num_preemptions = Counter(
-            "pdserve:num_preemptions", "Preemptions since start", names, registry=self.registry
-        ).labels(**labels)
-        self._preemptions_seen = 0
+
+        # Counters (exported with _total): rate() over them is meaningful, over a window of the
+        # dashboard's choosing, which a lifetime ratio is not.
+        def engine_total(name: str, doc: str) -> _EngineTotal:
+            counter = Counter(f"pdserve:{name}", doc, names, registry=self.registry)
+            return _EngineTotal(counter.labels(**labels))
+
+        self.num_preemptions = engine_total("num_preemptions", "Preemptions since start")
+        # vLLM's prefix_cache_queries / prefix_cache_hits: rate(hits) / rate(queries) is the
+        # recent hit rate.
+        self.prefix_cache_queries = engine_total(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
+        )
+        self.prefix_cache_hits = engine_total(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache"
+        )
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Request arrival to first token"
         )
@@ -141,12 +174,6 @@ class NodeMetrics:
             **self._labels, transport=self._transport, lanes=",".join(lanes)
         ).set(1)
 
-    def preemptions_seen(self, total: int) -> None:
-        """Advances the counter to the engine's running total (read from its stats)."""
-        if total > self._preemptions_seen:
-            self.num_preemptions.inc(total - self._preemptions_seen)
-            self._preemptions_seen = total
-
     def serve(self, port: int) -> None:
         try:
             start_http_server(port, registry=self.registry)
@@ -165,5 +192,7 @@ class NodeMetrics:
             self.num_requests_reserved.set(stats.num_reserved)
             self.kv_cache_usage_perc.set(stats.kv_cache_usage)
             self.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate)
-            self.preemptions_seen(stats.num_preemptions_total)
+            self.num_preemptions.advance_to(stats.num_preemptions_total)
+            self.prefix_cache_queries.advance_to(stats.prefix_cache_queried_tokens)
+            self.prefix_cache_hits.advance_to(stats.prefix_cache_hit_tokens)
             await asyncio.sleep(interval_s)

@@ -205,6 +205,46 @@ def test_a_client_gone_is_no_finished_request(tiny_llama_dir: Path) -> None:
     serve(tiny_llama_dir, body, colocated=[{"itl_ms": 100}])
 
 
+def test_tokens_count_once_per_generation(tiny_llama_dir: Path) -> None:
+    """``prompt_tokens_total`` and ``generation_tokens_total`` (vLLM's counters of the same
+    names) add each finished generation's usage once, whichever leg reported it: a request of
+    ``n`` choices counts its prompt ``n`` times, as vLLM's engine does, where the response's
+    usage counts it once (as OpenAI's does)."""
+
+    async def body(stack: Stack) -> None:
+        request = {"prompt": [5, 6, 7], "max_tokens": 4, "n": 2}
+        response = await stack.http.post("/v1/completions", json=request)
+        assert response.status_code == 200, response.text
+        usage = response.json()["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (3, 8)
+        assert stack.sample("prompt_tokens_total") == 2 * 3
+        assert stack.sample("generation_tokens_total") == 8
+
+        status, responses = await stack.generate(max_tokens=5)
+        assert status == grpc.StatusCode.OK
+        finished = responses[-1].finished
+        assert finished.usage.completion_tokens == 5
+        assert stack.sample("prompt_tokens_total") == 6 + finished.usage.prompt_tokens
+        assert stack.sample("generation_tokens_total") == 8 + 5
+
+    serve(tiny_llama_dir, body, prefill=[{}], decode=[{}])
+
+
+def test_metrics_carry_no_created_series(tiny_llama_dir: Path) -> None:
+    """Counters and histograms are exported without their ``_created`` series, as vLLM's are:
+    each doubles the series scraped and says nothing a restart's reset does not."""
+
+    async def body(stack: Stack) -> None:
+        response = await stack.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert response.status_code == 200, response.text
+        exported = (await stack.http.get("/metrics")).text
+        assert "pdserve:request_success_total{" in exported
+        assert "pdserve:e2e_request_latency_seconds_count" in exported
+        assert "_created" not in exported
+
+    serve(tiny_llama_dir, body, colocated=[{}])
+
+
 # --- failed requests: once each, the most specific reason --------------------------------------
 
 

@@ -3,50 +3,82 @@
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 from typing import Any
 
 from prometheus_client import generate_latest
 
 from services.async_engine import EngineDeadError
+from services.engine.outputs import EngineStats
 from services.node.metrics import NodeMetrics
 
 LABELS = {"role": "decode", "node": "d0"}
 
 
+def make_stats(
+    num_preemptions_total: int = 0, num_queried_tokens: int = 0, num_hit_tokens: int = 0
+) -> EngineStats:
+    return EngineStats(
+        num_running=1, num_waiting=0, num_reserved=0, num_held=0, num_blocks_used=5,
+        num_blocks_total=10, prefix_cache_queried_tokens=num_queried_tokens,
+        prefix_cache_hit_tokens=num_hit_tokens, num_preemptions_total=num_preemptions_total,
+    )  # fmt: skip
+
+
 class _StatsThenDead:
     """An engine whose stats are read once per refresh; it dies after the last snapshot."""
 
-    def __init__(self, preemption_totals: list[int]) -> None:
-        self._totals = list(preemption_totals)
+    def __init__(self, snapshots: list[EngineStats]) -> None:
+        self._snapshots = list(snapshots)
 
     @property
-    def stats(self) -> SimpleNamespace:
-        if not self._totals:
+    def stats(self) -> EngineStats:
+        if not self._snapshots:
             raise EngineDeadError("stopped")
-        return SimpleNamespace(
-            num_running=1, num_waiting=0, num_reserved=0, kv_cache_usage=0.5,
-            prefix_cache_hit_rate=0.0, num_preemptions_total=self._totals.pop(0),
-        )  # fmt: skip
+        return self._snapshots.pop(0)
 
 
-def _refresh(metrics: NodeMetrics, totals: list[int]) -> None:
-    engine: Any = _StatsThenDead(totals)
+def _refresh(metrics: NodeMetrics, snapshots: list[EngineStats]) -> None:
+    engine: Any = _StatsThenDead(snapshots)
     asyncio.run(metrics.refresh_forever(engine, interval_s=0))
+
+
+def _sample(metrics: NodeMetrics, name: str) -> float | None:
+    return metrics.registry.get_sample_value(f"pdserve:{name}", LABELS)
 
 
 def test_preemptions_are_a_counter_that_follows_the_engine_total() -> None:
     metrics = NodeMetrics("decode", "d0")
-    _refresh(metrics, [0, 2, 2, 5])
-    value = metrics.registry.get_sample_value("pdserve:num_preemptions_total", LABELS)
-    assert value == 5
+    _refresh(metrics, [make_stats(total) for total in (0, 2, 2, 5)])
+    assert _sample(metrics, "num_preemptions_total") == 5
     exported = generate_latest(metrics.registry).decode()
     assert "# TYPE pdserve:num_preemptions_total counter" in exported
     # The other engine gauges come from the same snapshot.
-    assert metrics.registry.get_sample_value("pdserve:kv_cache_usage_perc", LABELS) == 0.5
+    assert _sample(metrics, "kv_cache_usage_perc") == 0.5
 
 
 def test_the_preemption_counter_never_goes_down() -> None:
     metrics = NodeMetrics("decode", "d0")
-    _refresh(metrics, [3, 1, 4])
-    assert metrics.registry.get_sample_value("pdserve:num_preemptions_total", LABELS) == 4
+    _refresh(metrics, [make_stats(total) for total in (3, 1, 4)])
+    assert _sample(metrics, "num_preemptions_total") == 4
+
+
+def test_prefix_cache_queries_and_hits_are_counters_of_tokens() -> None:
+    """vLLM's ``prefix_cache_queries_total`` / ``prefix_cache_hits_total``: rate() of each gives
+    the hit rate over a recent window, which the lifetime ratio gauge cannot."""
+    metrics = NodeMetrics("decode", "d0")
+    _refresh(metrics, [make_stats(0, 0, 0), make_stats(0, 100, 40), make_stats(0, 250, 140)])
+    assert _sample(metrics, "prefix_cache_queries_total") == 250
+    assert _sample(metrics, "prefix_cache_hits_total") == 140
+    assert _sample(metrics, "prefix_cache_hit_rate") == 140 / 250
+    exported = generate_latest(metrics.registry).decode()
+    assert "# TYPE pdserve:prefix_cache_queries_total counter" in exported
+    assert "# TYPE pdserve:prefix_cache_hits_total counter" in exported
+
+
+def test_node_metrics_carry_no_created_series() -> None:
+    metrics = NodeMetrics("prefill", "p0", transport="loopback")
+    metrics.request_finished("stop")
+    metrics.kv_transfer_seconds.observe(0.01)
+    exported = generate_latest(metrics.registry).decode()
+    assert "pdserve:request_success_total{" in exported
+    assert "_created" not in exported
