@@ -2,6 +2,14 @@
 
 Deadlines are the RPCs' own (``timeout=`` on each call). A cancelled RPC aborts the request on
 its node, which frees its blocks: exiting a leg cancels whatever is still running.
+
+A leg whose node turns unresponsive (``Node.is_unresponsive``: its health polls went unanswered)
+is ended by the node's poll: its RPC is cancelled, and the call waiting on it fails as a killed
+node's does, retryable before the first token (``{leg}_unresponsive``), the stream's error after
+(a prefill leg only under ``on_kv_failure=fail``: under recompute, the reservation's lease
+catches the hung prefill node and the decode node computes the prompt itself).
+grpc.aio reports a call cancelled locally as ``CancelledError``; it is told from the task's own
+cancellation by ``Task.cancelling()``, which only the latter raises.
 """
 
 from __future__ import annotations
@@ -93,7 +101,10 @@ class GrpcLegs:
             sampling=sampling_params_to_proto(request.sampling),
             decode_target=decode.address,
         )
-        return GrpcPrefillLeg(self.pool, node, message, timeout)
+        # Under recompute a hung prefill node is left to the reservation's lease: the decode node
+        # then computes the prompt itself, where a retry might find no other prefill node.
+        ends = self.config.on_kv_failure == KvFailurePolicy.FAIL
+        return GrpcPrefillLeg(self.pool, node, message, timeout, ends_when_unresponsive=ends)
 
 
 class GrpcDecodeLeg(DecodeLeg):
@@ -118,9 +129,11 @@ class GrpcDecodeLeg(DecodeLeg):
             grpc.aio.UnaryStreamCall[decode_pb2.GenerateRequest, decode_pb2.GenerateResponse] | None
         ) = None
         self._counted = False
+        self._ended: str | None = None
+        """Why the node's poll ended this leg (it stopped answering), else None."""
 
     async def __aenter__(self) -> GrpcDecodeLeg:
-        self.node.num_in_flight += 1
+        self.node.add_leg(self._end)
         self._counted = True
         client = self.pool.client(self.node)
         self._stream = client.decode.Generate(self.message, timeout=self.timeout)
@@ -133,12 +146,30 @@ class GrpcDecodeLeg(DecodeLeg):
             self._stream.cancel()
         if self._counted:
             self._counted = False
-            self.node.num_in_flight -= 1
+            self.node.remove_leg(self._end)
+
+    def _end(self, reason: str) -> None:
+        """The node stopped answering: cancels the stream; its reader fails with ``reason``."""
+        self._ended = reason
+        if self._stream is not None:
+            self._stream.cancel()
+
+    def _unresponsive(self) -> Exception:
+        assert self._ended is not None
+        if not self.streamed:
+            return RetryableFailure("decode_unresponsive", self.node, self._ended)
+        return StreamEnded(FinishReason.ERROR, f"decode node {self.node.address}: {self._ended}")
 
     async def _read(self) -> decode_pb2.GenerateResponse | None:
         assert self._stream is not None, "read before the leg was entered"
+        if self._ended is not None:
+            raise self._unresponsive()
         try:
             event = await self._stream.read()
+        except asyncio.CancelledError:
+            if self._ended is None or _is_cancelling():
+                raise
+            raise self._unresponsive() from None
         except grpc.aio.AioRpcError as exc:
             if not self.streamed:
                 raise rpc_failure(exc, self.node, "decode") from None
@@ -148,6 +179,8 @@ class GrpcDecodeLeg(DecodeLeg):
                 FinishReason.ERROR, f"decode node {self.node.address}: {exc.details()}"
             ) from None
         if event is grpc.aio.EOF:
+            if self._ended is not None:
+                raise self._unresponsive()
             return None
         # The stubs type read() as `object | response` (EOF has no type of its own there).
         return cast(decode_pb2.GenerateResponse, event)
@@ -191,18 +224,24 @@ class GrpcPrefillLeg(PrefillLeg):
         node: Node,
         message: prefill_pb2.PrefillRequest,
         timeout: float | None,
+        ends_when_unresponsive: bool = True,
     ) -> None:
+        """``ends_when_unresponsive``: the call fails (retryable) once the node stops answering
+        its health polls; else it waits for its deadline or the decode node's lease."""
         self.pool = pool
         self.node = node
         self.message = message
         self.timeout = timeout
+        self.ends_when_unresponsive = ends_when_unresponsive
         self._call: (
             grpc.aio.UnaryUnaryCall[prefill_pb2.PrefillRequest, prefill_pb2.PrefillResult] | None
         ) = None
         self._counted = False
+        self._ended: str | None = None
+        """Why the node's poll ended this leg (it stopped answering), else None."""
 
     async def __aenter__(self) -> GrpcPrefillLeg:
-        self.node.num_in_flight += 1
+        self.node.add_leg(self._end)
         self._counted = True
         return self
 
@@ -216,10 +255,20 @@ class GrpcPrefillLeg(PrefillLeg):
     def _release(self) -> None:
         if self._counted:
             self._counted = False
-            self.node.num_in_flight -= 1
+            self.node.remove_leg(self._end)
+
+    def _end(self, reason: str) -> None:
+        """The node stopped answering: cancels the call; ``reply`` fails with ``reason``."""
+        if not self.ends_when_unresponsive:
+            return
+        self._ended = reason
+        if self._call is not None:
+            self._call.cancel()
 
     async def reply(self, reservation: object) -> PrefillReply:
         assert isinstance(reservation, kv_pb2.KvReservation), type(reservation)
+        if self._ended is not None:  # while the decode node was reserving
+            raise RetryableFailure("prefill_unresponsive", self.node, self._ended)
         message = prefill_pb2.PrefillRequest()
         message.CopyFrom(self.message)
         message.destination.CopyFrom(reservation)
@@ -231,7 +280,9 @@ class GrpcPrefillLeg(PrefillLeg):
             raise rpc_failure(exc, self.node, "prefill") from None
         except asyncio.CancelledError:
             self._call.cancel()
-            raise
+            if self._ended is None or _is_cancelling():
+                raise
+            raise RetryableFailure("prefill_unresponsive", self.node, self._ended) from None
         self._release()
         return PrefillReply(
             first=TokenChunk(
@@ -244,6 +295,12 @@ class GrpcPrefillLeg(PrefillLeg):
             cached_prompt_tokens=result.cached_prompt_tokens,
             timings=_timings(result.timings, self.node),
         )
+
+
+def _is_cancelling() -> bool:
+    """Whether the running task itself is being cancelled (not merely a call it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def rpc_failure(exc: grpc.aio.AioRpcError, node: Node, leg: str) -> Exception:

@@ -5,6 +5,8 @@ is an async context manager that counts itself in flight on its node from entry 
 done (the prefill leg: until its reply, or until it is cancelled) and, on exit, cancels what is
 still running, so the node aborts the request and frees its blocks. A failure before anything
 reached the client raises ``RetryableFailure`` (another pair may serve); after, ``StreamEnded``.
+A leg counts itself with ``Node.add_leg``, which also lets the node's health poll end it: a node
+that stopped answering (``Node.is_unresponsive``, hung) fails its legs as a killed one's fail.
 Tests drive the generator with fake legs (``tests/gateway/test_routed_generator.py``).
 """
 

@@ -28,6 +28,14 @@ class NodeClient:
         options: list[tuple[str, object]] = [
             # Streams may be idle for long between tokens of a slow model; keep them alive.
             ("grpc.keepalive_time_ms", 30_000),
+            # How long a ping waits for its ack before the connection and its streams fail: the
+            # second line of defence against a hung node (the first is ``Node.is_unresponsive``).
+            # gRPC's default is 60 s, and the pings that catch a node hung mid-stream are the
+            # flow-control (BDP) pings sent as data arrives: a SIGSTOPped node held its streams
+            # 61 s. A node's transport acks a ping without its event loop or engine, so 20 s
+            # (keepalive's own default timeout) is far beyond any loaded host's answer.
+            ("grpc.http2.ping_timeout_ms", 20_000),
+            ("grpc.keepalive_timeout_ms", 20_000),
             ("grpc.max_receive_message_length", 64 * 2**20),
             # A node that is not listening yet (starting, restarting) is redialled at most a
             # poll apart: gRPC's default back-off grows to two minutes, and after 15 s of refused
@@ -44,7 +52,8 @@ class NodeClient:
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     async def poll(self, timeout_s: float) -> tuple[NodeLoad | None, str | None]:
-        """The node's load and, when it is not SERVING or did not answer, why (else None)."""
+        """The node's load and, when it is not SERVING or did not answer, why (else None). The
+        load is None when the node did not answer (a deadline passed, the connection failed)."""
         try:
             # The health stubs (types-grpcio-health-checking) declare no methods on HealthStub.
             status = await self._health.Check(  # type: ignore[attr-defined]

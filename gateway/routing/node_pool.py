@@ -4,7 +4,10 @@
 Life cycle of a node here: UNKNOWN (start) → HEALTHY when grpc.health.v1 says SERVING and a
 GetLoad answered → UNHEALTHY when a poll fails, the node reports NOT_SERVING or draining, or a
 request to it failed with UNAVAILABLE (passive: marked at once, not at the next poll) → HEALTHY
-again at the next good poll. The state is soft (peers.md #12): everything comes from the last
+again at the next good poll. An UNHEALTHY node whose polls went unanswered a few times in a row
+(``Node.is_unresponsive``: hung, not merely draining or slow) also has its open legs ended by
+each such poll, so streams on a hung node fail within seconds instead of waiting for gRPC's
+ping timeout. The state is soft (peers.md #12): everything comes from the last
 poll, so a restarted node is judged by what it reports now, never by what it held before.
 
 Life cycle of the node set: a ``dns:///`` entry is resolved again before every poll
@@ -136,8 +139,8 @@ class NodePool:
                 current.append(self._add(address, role, wanted[address]))
 
     async def poll_once(self) -> list[Node]:
-        """Refreshes the node set, then polls every node; returns those that came back from
-        UNHEALTHY."""
+        """Refreshes the node set, then polls every node (ending the legs on an unresponsive
+        one); returns those that came back from UNHEALTHY."""
         await self.refresh()
         nodes = self.nodes
         polls = await asyncio.gather(*(self._clients[n].poll(self.timeout_s) for n in nodes))

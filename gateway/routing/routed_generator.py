@@ -13,14 +13,18 @@ Life cycle of one request here:
    one ``Generate`` stream without ``kv_source`` carries every token.
 3. RETRY: a refusal or failure before anything was sent to the client ends the attempt (both
    legs cancelled, so both nodes free their blocks); the next attempt uses a fresh leg id, so a
-   fresh reservation and transfer id (peers.md #13), on nodes this request has not tried.
+   fresh reservation and transfer id (peers.md #13), on nodes this request has not tried. A
+   node that stopped answering its health polls fails its legs too (``Node.is_unresponsive``:
+   ``{leg}_unresponsive``), as a killed node's fail at once.
    WAIT: when every decode node tried refused for want of room (``decode_full``), one more
    attempt asks a decode node to hold the request in its bounded wait queue until room frees
    (``wait_for_room``; bounded by the request deadline): overload is a queue, not an error.
    Only a full wait queue is refused, with RESOURCE_EXHAUSTED (HTTP 429 + Retry-After), before
-   any node did work for the request.
-4. STREAMING: once a token was sent, a failure ends the stream with ``Finished(ERROR)`` — never
-   a silent truncation — and a passed deadline with ``Finished(ABORT)``.
+   any node did work for the request. When nothing could serve, the 503 (UNAVAILABLE) says why
+   (``Router.why_none``: no healthy prefill node, say), then each attempt's failure, latest first.
+4. STREAMING: once a token was sent, a failure (a hung decode node's included) ends the stream
+   with ``Finished(ERROR)`` — never a silent truncation — and a passed deadline with
+   ``Finished(ABORT)``.
 5. CLOSED: however the consumer leaves (aclose, cancellation), each leg's context exit cancels
    its call, and a cancelled RPC aborts the request on its node (peers.md #4, #5).
    STOPPED: a consumer that found the output complete (a stop string) throws ``StopGeneration``
@@ -194,20 +198,28 @@ class RoutedGenerator:
                 attempt += 1
                 if wait_for_room and failure.cause == "decode_full":
                     break  # even the wait queue is full: 429
-        raise self._no_route(failures)
+        raise self._no_route(request, failures, attempt)
 
-    def _no_route(self, failures: list[RetryableFailure]) -> GatewayError:
+    def _no_route(
+        self, request: GenerationRequest, failures: list[RetryableFailure], num_attempts: int
+    ) -> GatewayError:
         if _all_full(failures):
             return GatewayError(
                 ErrorKind.RESOURCE_EXHAUSTED,
                 f"no KV capacity: every decode node tried ({len(failures)}) is full; retry later",
                 reason="no_capacity",
             )
-        detail = "; ".join(f"{f.node.address}: {f.message}" for f in failures)
+        if num_attempts > self.config.max_retries:
+            why = f"{num_attempts} attempts failed (--max-retries {self.config.max_retries})"
+        else:
+            why = self.router.why_none(request.prompt_token_ids)
+        # The latest failure first: it is what ended the request (an earlier one may be a decode
+        # node's refusal that the wait for room has since answered).
+        detail = "; ".join(f"{f.node.address}: {f.message}" for f in reversed(failures))
         return GatewayError(
             ErrorKind.UNAVAILABLE,
-            "no healthy prefill/decode pair or colocated node could serve the request"
-            + (f" ({detail})" if detail else ""),
+            f"no node could serve the request: {why}"
+            + (f" (failed attempts, latest first: {detail})" if detail else ""),
             reason="no_node",
         )
 

@@ -82,6 +82,34 @@ class Router:
             return Route(decode=min(colocated, key=_decode_work), prefill=None)
         return None
 
+    def why_none(self, prompt: Sequence[int]) -> str:
+        """Why ``pick`` finds no route for ``prompt`` now (the nodes a request tried aside): what
+        a client's 503 names first."""
+
+        def any_healthy(nodes: list[Node]) -> bool:
+            return any(n.is_healthy for n in nodes)
+
+        causes = []
+        if self.config.decode:
+            missing = []
+            needs_prefill = len(prompt) > self.config.local_prefill_max_tokens
+            if needs_prefill and not any_healthy(self.pool.prefill):
+                missing.append("prefill")
+            if not any_healthy(self.pool.decode):
+                missing.append("decode")
+            if missing:
+                causes.append(f"no healthy {' or '.join(missing)} node")
+            elif needs_prefill:
+                causes.append("this request tried every healthy prefill/decode pair")
+            else:
+                causes.append("this request tried every healthy decode node")
+        if self.config.colocated:
+            if any_healthy(self.pool.colocated):
+                causes.append("this request tried every healthy colocated node")
+            else:
+                causes.append("no healthy colocated node")
+        return "; ".join(causes)
+
     def forget(self, node: Node) -> None:
         """A node came back (perhaps restarted, its prefix cache empty): its affinity goes."""
         self.affinity.forget(node.address)

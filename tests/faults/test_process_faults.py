@@ -184,6 +184,9 @@ def test_a_stopped_node_never_hangs_a_request_past_its_deadline(healthy: Process
     finally:
         healthy.kill("decode-0", signal.SIGCONT)
         healthy.kill("decode-1", signal.SIGCONT)
+        # Their streams were ended once their polls went unanswered; they are routed to again
+        # from the first poll they answer, which may come after the next request.
+        healthy.wait_gateway_ready()
 
 
 def test_clients_that_disconnect_at_random_points_leak_nothing(healthy: ProcessCluster) -> None:

@@ -177,6 +177,9 @@ class PairRouter:
                 return route
         return None
 
+    def why_none(self, prompt: object) -> str:
+        return "every pair was tried"
+
 
 def healthy(address: str, role: Role) -> Node:
     node = Node(address, role)
