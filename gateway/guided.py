@@ -28,7 +28,7 @@ def guided_from_request(
 ) -> tuple[GuidedDecoding, str] | None:
     """The request's constraint and the field it came from; None for free text."""
     found: list[tuple[GuidedDecoding, str]] = []
-    if isinstance(body, ChatCompletionRequest) and body.response_format is not None:
+    if body.response_format is not None:  # completions take it too, as vLLM's do
         guided = _from_response_format(body)
         if guided is not None:
             found.append((guided, "response_format"))
@@ -71,7 +71,7 @@ def check(guided: GuidedDecoding, param: str) -> None:
         raise invalid(f"{param}: {exc}", param=param) from None
 
 
-def _from_response_format(body: ChatCompletionRequest) -> GuidedDecoding | None:
+def _from_response_format(body: CompletionRequest | ChatCompletionRequest) -> GuidedDecoding | None:
     response_format = body.response_format
     assert response_format is not None
     kind = response_format.type

@@ -99,6 +99,15 @@ class StructuredOutputs(RequestModel):
     """Unsupported: only null."""
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, use_attribute_docstrings=True)
+
+    type: str
+    """``text``, ``json_object`` or ``json_schema``."""
+    json_schema: dict[str, Any] | None = None
+    """With ``json_schema``: ``{"name": ..., "schema": {...}, "strict": ...}``."""
+
+
 class _GenerationParams(RequestModel):
     """Parameters shared by completions and chat completions."""
 
@@ -143,6 +152,9 @@ class _GenerationParams(RequestModel):
     """vLLM extension: constrain the output to this Lark grammar (llguidance's dialect)."""
     structured_outputs: StructuredOutputs | None = None
     """vLLM extension (its current form of the ``guided_*`` fields): one constraint."""
+    response_format: ResponseFormat | None = None
+    """OpenAI's structured output: ``json_object`` or ``json_schema``; ``text`` constrains
+    nothing. Completions take it too, as vLLM's do."""
     return_tokens_as_token_ids: Flag = False
     """vLLM extension: logprobs name each token ``token_id:<id>`` instead of by its text."""
     bad_words: list[NonEmptyText] | None = None
@@ -206,15 +218,6 @@ class ChatMessage(RequestModel):
     """A tool message: the call it answers."""
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True, use_attribute_docstrings=True)
-
-    type: str
-    """``text``, ``json_object`` or ``json_schema``."""
-    json_schema: dict[str, Any] | None = None
-    """With ``json_schema``: ``{"name": ..., "schema": {...}, "strict": ...}``."""
-
-
 class ChatCompletionRequest(_GenerationParams):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -237,7 +240,6 @@ class ChatCompletionRequest(_GenerationParams):
     """Unsupported (deprecated by OpenAI): only null or empty."""
     function_call: str | dict[str, Any] | None = None
     """Unsupported beyond ``"none"``."""
-    response_format: ResponseFormat | None = None
     audio: dict[str, Any] | None = None
     """Unsupported: only null."""
     modalities: list[str] | None = None
