@@ -53,7 +53,7 @@ from services.convert import (
     stage_timings_to_proto,
 )
 from services.decode_clock import DecodeClock
-from services.engine import EngineCoreOutput, SamplingParams
+from services.engine import EngineCoreOutput, FinishReason, SamplingParams
 from services.node.config import NodeConfig
 from services.node.metrics import NodeMetrics
 from services.node.runtime import NodeServerRef, load_report
@@ -147,6 +147,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         self.metrics.e2e_request_latency.observe(time.monotonic() - clock.started)
         assert last is not None
+        if last.finish_reason is FinishReason.ERROR and num_generated == 0:
+            # Its grammar failed on the first token, as on a prefill node: the request is at
+            # fault and nothing went out, so it is refused as a whole.
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, last.error or "request failed")
         yield self._finished(
             last, len(prompt), num_generated, last.num_cached_tokens, clock.timings()
         )
@@ -268,6 +272,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     cached_prompt_tokens=cached_prompt_tokens,
                 ),
                 timings=stage_timings_to_proto(timings),
+                error=last.error or "",
             )
         )
 

@@ -2,8 +2,10 @@
 ``structured_outputs`` or older ``guided_*`` fields, or a forced tool call, checked before
 admission.
 
-At most one source may constrain a request; a grammar llguidance cannot compile is a 400 that
-names the request's own field (``response_format``, ``guided_regex``, ...), never a node error.
+At most one source may constrain a request; a grammar llguidance cannot compile, or gives up on
+within its first bytes (``GuidedDecoding.check``: a rule of more than 2,000 alternatives, a regex
+that outgrows its lexer), is a 400 that names the request's own field (``response_format``,
+``guided_regex``, ...), never a node error or a request that runs and fails.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def guided_from_request(
 
 
 def check(guided: GuidedDecoding, param: str) -> None:
-    """A 400 naming ``param`` when llguidance cannot compile the grammar."""
+    """A 400 naming ``param`` when llguidance cannot compile the grammar or run its first bytes
+    (a worker thread's time: ~2 s for ``x{1000}{1000}``, which burns llguidance's lexer fuel)."""
     try:
         guided.check()
     except ValueError as exc:

@@ -342,7 +342,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), refusal_metadata(exc))
         except EngineDeadError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        return outputs[-1]
+        first = outputs[-1]
+        if first.finish_reason is FinishReason.ERROR:
+            # Its grammar failed on the first token (llguidance gave up on it): the request is
+            # at fault, no token went anywhere, and its blocks are already free.
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, first.error or "request failed")
+        return first
 
     async def _push(
         self,

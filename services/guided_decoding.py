@@ -5,13 +5,24 @@ One torch-free vocabulary for both sides of the torch line: the gateway builds a
 checks it here before admission; the nodes receive it in ``SamplingParams.guided`` and compile
 the same grammar into a matcher (``services.engine.structured_output``). The grammar engine is
 llguidance (``docs/design.md`` says why); only this module and the matcher module import it.
+
+llguidance refuses some grammars only once it runs them: a rule of more than 2,000 alternatives
+(its ``max_items_in_row``) when the rule is first predicted, a regex whose lexer outgrows its
+fuel (``x{1000}{1000}``: ~1M fuel, 1-4 s, then "too many expressions constructed") on the first
+transition after the first mask. A compile succeeds on both. So each side also drives the grammar
+over its first tokens (``probe_error``) before admitting it: the gateway along the first 8 bytes,
+with a byte-level vocabulary standing in for the model's, the node along the first token of the
+model's own, in its compile pool, where the seconds such a lexer costs stall no engine step. A
+failure further along is the engine's to report: the request ends with ``error``.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import llguidance
@@ -37,9 +48,16 @@ class GuidedKind(enum.StrEnum):
 
 
 MAX_CHOICES = 16_384
-"""guided.choice entries at most. llguidance's grammars hold fewer than 65,535 symbols: 100,000
-choices passed its validation, then failed to compile against the tokenizer after ~16 s (a panic,
-on the node). 16,384 compile in 0.18 s on the Intel AMX host."""
+"""guided.choice entries at most. The choices are one lexeme (``_grammar``): 16,384 short strings
+take 157k of llguidance's 1M initial lexer fuel and compile in ~0.15 s (0.24 s with the
+gateway's probe) on the 2-core CI host; 100,000 choices passed its validation, then failed to
+compile against the tokenizer after ~16 s (a panic, on the node)."""
+PROBE_MAX_BYTES = 8
+"""How far the gateway's check drives a grammar (``probe_error``), one byte a step: the failures
+seen at run time showed on the first byte."""
+PROBE_MAX_TOKENS = 1
+"""How far a node's compile drives a grammar over the model's vocabulary: the first mask builds
+the lexer (the seconds a bad one costs), the first transition shows the failures it left."""
 
 
 @dataclass(frozen=True)
@@ -109,17 +127,71 @@ class GuidedDecoding:
         if self.kind is GuidedKind.REGEX:
             return matcher.grammar_from_regex(self.spec)
         if self.kind is GuidedKind.CHOICE:
-            # Lark string literals are JSON strings, so json.dumps quotes any text exactly.
+            # Lark string literals are JSON strings, so json.dumps quotes any text exactly. One
+            # terminal (a lexeme the lexer matches), not a rule: llguidance refuses a rule of more
+            # than 2,000 alternatives, and only once the parser predicts it (2,000 choices answered
+            # "l" and stopped).
             literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(self.spec))
-            return matcher.grammar_from_lark(f"start: {literals}")
+            return matcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {literals}")
         return matcher.grammar_from_lark(self.spec)
 
+    def failed(self, error: str) -> str:
+        """The message of a request whose grammar llguidance gave up on while it ran."""
+        return f"{self.field_name} failed while generating: {_first_lines(error)}"
+
     def check(self) -> None:
-        """Raise ``ValueError`` naming the field when llguidance cannot compile the grammar
-        (without a tokenizer: the gateway's check before admission)."""
-        error = llguidance.LLMatcher.validate_grammar(self.to_grammar())
+        """Raise ``ValueError`` naming the field when llguidance cannot compile the grammar, or
+        gives up on it within its first ``PROBE_MAX_BYTES`` bytes (the gateway's check before
+        admission, with no model tokenizer: a byte-level vocabulary stands in)."""
+        tokenizer = _byte_tokenizer()
+        matcher = llguidance.LLMatcher(tokenizer, self.to_grammar(), log_level=0)
+        error = matcher.get_error() or probe_error(matcher, PROBE_MAX_BYTES, tokenizer.eos_tokens)
         if error:
             raise self.invalid(error)
+
+
+def probe_error(
+    matcher: llguidance.LLMatcher, max_tokens: int, eos_token_ids: Sequence[int]
+) -> str:
+    """llguidance's error if it gives up on ``matcher``'s grammar within ``max_tokens`` tokens
+    along the lowest allowed token id that is not EOS, else "". Drives a copy: ``matcher`` keeps
+    its state, and shares the lexer the copy built (its first mask is then cheap)."""
+    probe = matcher.deep_copy()
+    for _ in range(max_tokens):
+        mask = probe.compute_bitmask()
+        if probe.is_error() or probe.is_stopped():
+            break
+        token_id = _lowest_allowed(mask, eos_token_ids)
+        if token_id is None or not probe.consume_token(token_id):
+            break
+    return probe.get_error()
+
+
+def _lowest_allowed(mask: bytes, excluded: Sequence[int]) -> int | None:
+    """The lowest token id whose bit is set in ``mask`` (bit ``i`` of byte ``i // 8``), other than
+    ``excluded``; None when there is none."""
+    bits = int.from_bytes(mask, "little")
+    for token_id in excluded:
+        bits &= ~(1 << token_id)
+    return (bits & -bits).bit_length() - 1 if bits else None
+
+
+class _ByteVocabulary:
+    """The 256 bytes and an EOS, as ``llguidance.TokenizerWrapper`` reads a tokenizer: the
+    smallest vocabulary that can spell any text, for checking a grammar without the model's."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([value]) for value in range(256)] + [b"<eos>"]
+    special_token_ids = [256]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+@functools.cache
+def _byte_tokenizer() -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocabulary()))
 
 
 def _parse_json(text: str, kind: GuidedKind) -> object:
@@ -130,6 +202,8 @@ def _parse_json(text: str, kind: GuidedKind) -> object:
 
 
 def _first_lines(message: str, max_chars: int = 300) -> str:
-    """llguidance's messages carry a grammar dump after the error; the client needs the error."""
+    """llguidance's messages carry a grammar or parser-state dump after the error; the client
+    needs the error."""
+    message = message.split("<state>", 1)[0]
     text = " ".join(line.strip() for line in message.strip().splitlines()[:3])
     return text[:max_chars]

@@ -35,9 +35,9 @@ from services.engine.kv_cache_manager import KVCacheManager
 from services.engine.kv_layout import KvLayout
 from services.engine.model_runner import ModelRunner, check_device
 from services.engine.outputs import EngineCoreOutput, EngineStats
-from services.engine.request import Request
+from services.engine.request import Request, RequestStatus
 from services.engine.scheduler import SampledToken, Scheduler
-from services.engine.structured_output import GrammarMatcher, StructuredOutputs
+from services.engine.structured_output import GrammarMatcher, GrammarState, StructuredOutputs
 from services.models.config import ModelConfig
 from services.models.gguf_file import find_gguf, open_gguf
 from services.types import EngineConfigError, SamplingParamError, SamplingParams
@@ -180,8 +180,7 @@ class EngineCore:
                 raise ValueError(
                     f"first_token_id {first_token_id} is not allowed by the request's grammar"
                 )
-            if self.structured_outputs.accept(request_id, first_token_id):
-                self.scheduler.reserved[request_id].is_grammar_complete = True
+            self._accept_grammar_token(self.scheduler.reserved[request_id], first_token_id)
         request = self.scheduler.commit(request_id, SampledToken(first_token_id, logprobs))
         return self._output(request)
 
@@ -272,18 +271,27 @@ class EngineCore:
         return [self._output(request) for request in updated]
 
     def _accept_grammar_tokens(self, sampled: dict[str, SampledToken]) -> None:
-        """Advance the matchers over this step's tokens; a complete grammar stops its request."""
+        """Advance the matchers over this step's tokens; a complete grammar stops its request,
+        a failed one ends it with ``error``."""
         for request_id, token in sampled.items():
-            is_constrained = request_id in self.structured_outputs
-            if is_constrained and self.structured_outputs.accept(request_id, token.token_id):
-                self.scheduler.requests[request_id].is_grammar_complete = True
+            if request_id in self.structured_outputs:
+                self._accept_grammar_token(self.scheduler.requests[request_id], token.token_id)
+
+    def _accept_grammar_token(self, request: Request, token_id: int) -> None:
+        state = self.structured_outputs.accept(request.request_id, token_id)
+        if state is GrammarState.COMPLETE:
+            request.is_grammar_complete = True
+        elif state is GrammarState.FAILED:
+            request.grammar_error = self.structured_outputs.error(request.request_id)
 
     def _output(self, request: Request) -> EngineCoreOutput:
-        """The request's latest token as a delta; drops its sampling state once it stopped."""
+        """The request's latest token as a delta; drops its sampling state once it stopped.
+        A failed request's last token, the one its grammar could not take, is not handed out."""
         finish_reason = request.finish_reason
         if finish_reason is not None:
             self.runner.release(request.request_id)
             self.structured_outputs.remove(request.request_id)
+        is_failed = request.status is RequestStatus.FINISHED_ERROR
         has_prompt_logprobs = (
             request.num_output_tokens == 1 and request.params.prompt_logprobs is not None
         )
@@ -293,13 +301,16 @@ class EngineCore:
                 list(request.prompt_logprob_ranks) if has_prompt_logprobs else None
             ),
             request_id=request.request_id,
-            new_token_ids=request.output_token_ids[-1:],
+            new_token_ids=[] if is_failed else request.output_token_ids[-1:],
             new_logprobs=(
-                request.output_logprobs[-1:] if request.params.logprobs is not None else None
+                ([] if is_failed else request.output_logprobs[-1:])
+                if request.params.logprobs is not None
+                else None
             ),
             finish_reason=finish_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             first_scheduled_time=request.first_scheduled_time,
+            error=request.grammar_error if is_failed else None,
         )
 
     def stats(self) -> EngineStats:

@@ -23,6 +23,8 @@ class EngineCoreOutput:
     """With the request's first token, when it asked for them: ``Request.prompt_logprobs``."""
     prompt_logprob_ranks: list[int | None] | None = None
     """Beside ``prompt_logprobs``: ``Request.prompt_logprob_ranks``."""
+    error: str | None = None
+    """With finish reason ``error``: why (its grammar failed: ``Request.grammar_error``)."""
 
     @property
     def finished(self) -> bool:

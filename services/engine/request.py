@@ -8,10 +8,10 @@ Life cycle of a request (``RequestStatus``):
 3. ``PREEMPTED`` its blocks were taken back when the cache ran out; it re-enters the waiting
                  queue at the front and recomputes its tokens (prompt and outputs so far), usually
                  mostly from the prefix cache.
-4. ``FINISHED_*`` stopped (EOS / stop token), hit a length limit, or was aborted; every block is
-   freed before the status is set — except that a request added with ``hold_kv`` (a prefill
-   node's) keeps its blocks after it stops, until the node releases them once its pages are
-   pushed.
+4. ``FINISHED_*`` stopped (EOS / stop token), hit a length limit, was aborted, or failed (its
+   grammar: ``grammar_error``); every block is freed before the status is set — except that a
+   request added with ``hold_kv`` (a prefill node's) keeps its blocks after it stops or hits its
+   length, until the node releases them once its pages are pushed.
 
 A decode node's request enters differently: ``RESERVED`` holds blocks for the prompt while a
 prefill node writes its KV into them; nothing is scheduled until ``commit`` hands over the first
@@ -35,21 +35,23 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        return self in _FINISH_REASON
+
+    @property
+    def is_success(self) -> bool:
+        """Finished with an output its client may use: stopped, or cut at its length."""
+        return self is RequestStatus.FINISHED_STOPPED or self is RequestStatus.FINISHED_LENGTH
 
 
-_FINISHED = {
-    RequestStatus.FINISHED_STOPPED,
-    RequestStatus.FINISHED_LENGTH,
-    RequestStatus.FINISHED_ABORTED,
-}
 _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -75,6 +77,9 @@ class Request:
     is_grammar_complete: bool = False
     """Its grammar (``params.guided``) admits no further token but EOS: it stops with ``stop``.
     Set by the engine's structured outputs after each accepted token."""
+    grammar_error: str | None = None
+    """Why llguidance gave up on its grammar, naming the field: it ends with ``error``, whatever
+    else holds. Set by the engine's structured outputs instead of accepting a token."""
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     """With ``params.prompt_logprobs``: entry i is prompt token i's {id: logprob, plus the top-n
     ids}, given the tokens before it (entry 0 stays None); filled as its chunks are computed."""

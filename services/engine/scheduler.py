@@ -267,6 +267,8 @@ class Scheduler:
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.params
         token_id = request.output_token_ids[-1]
+        if request.grammar_error is not None:
+            return RequestStatus.FINISHED_ERROR  # its text no longer matches the grammar
         if request.is_grammar_complete:
             return RequestStatus.FINISHED_STOPPED  # nothing else can follow, min_tokens or not
         if request.num_output_tokens >= params.min_tokens:
@@ -281,7 +283,7 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        if request.hold_kv and status is not RequestStatus.FINISHED_ABORTED:
+        if request.hold_kv and status.is_success:  # a failed request's pages go to no one
             self.held[request.request_id] = request
         else:
             self.kv_cache.free(request)

@@ -8,15 +8,20 @@ Life cycle of one request's matcher:
    engine thread (``AsyncEngine``): a large grammar takes seconds (a Lark grammar of 60,000
    alternatives: 5.4 s on the Intel AMX host, the GIL released throughout), which on the engine
    thread would stall every other request's steps and every commit; ``add`` without a compiled
-   matcher compiles in place (the offline ``LLM``).
+   matcher compiles in place (the offline ``LLM``). The compile also drives the grammar over
+   its first token (``probe_error``): that first mask builds the lexer, which the matcher shares
+   (``x{1000}{1000}`` burns llguidance's lexer fuel for 2-4 s there, then fails), and the
+   grammars llguidance gives up on at once are refused here rather than run.
 2. On a decode node, ``commit`` feeds it the first token, which the prefill node sampled under
    the same grammar: the matcher's state is rebuilt from the tokens so far rather than shipped,
    so a request's constrained output is the same disaggregated, colocated or recomputed.
 3. Each step, ``bitmask`` writes the tokens each constrained row may take next; the sampler
    masks the others to -inf (unconstrained rows are not touched, and a batch without a
    constrained row costs one dict lookup per row).
-4. ``accept`` advances it over the sampled token; once the grammar is complete (no token but EOS
-   could follow) the request stops with ``stop``.
+4. ``accept`` advances it over the sampled token: ``GrammarState.COMPLETE`` once no token but EOS
+   could follow (the request stops with ``stop``); ``FAILED`` when llguidance gave up on the
+   grammar (a limit it hit further along than the compile's probe looked; ``error`` says which),
+   and the request ends with ``error``, never ``stop``: its text would not match the grammar.
 5. ``remove`` when the request finishes or is aborted.
 
 The llguidance tokenizer (token bytes for the whole vocabulary, ~150 ms for 32k tokens) is built
@@ -28,6 +33,7 @@ token ids are the model's.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from collections.abc import Sequence
@@ -36,13 +42,24 @@ from pathlib import Path
 import llguidance
 import torch
 
-from services.guided_decoding import GuidedDecoding
+from services.guided_decoding import PROBE_MAX_TOKENS, GuidedDecoding, probe_error
 from services.model_tokenizer import tokenizer_json
 
 logger = logging.getLogger(__name__)
 
 GrammarMatcher = llguidance.LLMatcher
 """One request's compiled grammar and its state (``StructuredOutputs.compile``)."""
+
+
+class GrammarState(enum.Enum):
+    """Where a request's grammar stands after ``StructuredOutputs.accept``."""
+
+    OPEN = "open"
+    """More tokens may follow."""
+    COMPLETE = "complete"
+    """Nothing but EOS can follow: the request stops with ``stop``."""
+    FAILED = "failed"
+    """llguidance gave up on the grammar (one of its limits): the request ends with ``error``."""
 
 
 class StructuredOutputs:
@@ -57,6 +74,7 @@ class StructuredOutputs:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_lock = threading.Lock()  # compile() runs on any thread
         self._matchers: dict[str, llguidance.LLMatcher] = {}
+        self._guided: dict[str, GuidedDecoding] = {}  # beside _matchers: what an error names
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -74,9 +92,11 @@ class StructuredOutputs:
         Safe on any thread: it touches nothing but the (locked) llguidance tokenizer."""
         # One compile: the matcher refuses what check() would (it used to run first, and took
         # half again as long as the compile itself).
-        matcher = llguidance.LLMatcher(self.llg_tokenizer(), guided.to_grammar(), log_level=0)
-        if matcher.is_error():
-            raise guided.invalid(matcher.get_error())
+        tokenizer = self.llg_tokenizer()
+        matcher = llguidance.LLMatcher(tokenizer, guided.to_grammar(), log_level=0)
+        error = matcher.get_error() or probe_error(matcher, PROBE_MAX_TOKENS, tokenizer.eos_tokens)
+        if error:
+            raise guided.invalid(error)
         return matcher
 
     def add(
@@ -89,23 +109,30 @@ class StructuredOutputs:
         used by no one else), or compiled here."""
         assert request_id not in self._matchers, request_id
         self._matchers[request_id] = self.compile(guided) if matcher is None else matcher
+        self._guided[request_id] = guided
 
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._guided.pop(request_id, None)
 
     def is_allowed(self, request_id: str, token_id: int) -> bool:
         """Whether the grammar lets ``token_id`` come next (a commit's first token)."""
         return self._matchers[request_id].validate_tokens([token_id]) == 1
 
-    def accept(self, request_id: str, token_id: int) -> bool:
-        """Advance over a sampled token; True once the grammar is complete."""
+    def accept(self, request_id: str, token_id: int) -> GrammarState:
+        """Advance over a sampled token."""
         matcher = self._matchers[request_id]
         if not matcher.consume_token(token_id):
-            # The sampler only draws allowed tokens; an error here is a bug, and the request
-            # stops rather than generating text its grammar no longer describes.
-            logger.error("request %s: %s", request_id, matcher.get_error()[:300])
-            return True
-        return matcher.is_stopped()
+            # The sampler only draws allowed tokens, so llguidance gave up: a limit of its own
+            # (lexer fuel, a row of more than 2,000 items), hit here or in the last mask (which
+            # then allowed EOS alone).
+            logger.warning("request %s: %s", request_id, self.error(request_id))
+            return GrammarState.FAILED
+        return GrammarState.COMPLETE if matcher.is_stopped() else GrammarState.OPEN
+
+    def error(self, request_id: str) -> str:
+        """Why ``request_id``'s grammar ``FAILED``, naming its field."""
+        return self._guided[request_id].failed(self._matchers[request_id].get_error())
 
     def bitmask(self, request_ids: Sequence[str]) -> tuple[torch.Tensor, list[int]] | None:
         """The allowed tokens of the constrained rows among ``request_ids`` (one per row), or
@@ -140,4 +167,3 @@ class StructuredOutputs:
                 eos_token=self._eos_token_ids or None,
             )
         return self._tokenizer
-

@@ -15,4 +15,6 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"
     """Cancelled: client gone, deadline, shutdown."""
     ERROR = "error"
-    """A failure after tokens were streamed; only the gateway reports it (the engine never)."""
+    """A failure after tokens were streamed: the gateway's (a node lost), or the engine's when
+    llguidance gave up on a request's grammar while it ran (``EngineCoreOutput.error`` says
+    why)."""
