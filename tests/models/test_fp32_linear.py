@@ -51,6 +51,11 @@ def _rows(num_rows: int, width: int, seed: int) -> torch.Tensor:
 
 def _view(weight: torch.Tensor, packed: torch.Tensor, isa: str) -> Fp32FewRowWeight:
     few_rows = Fp32FewRowWeight.of(weight, packed)
+    if few_rows is None and not Fp32FewRowWeight.in_layout(weight, packed):
+        # oneDNN picks its blocking per CPU and shape: on a real AVX2 host (AMD EPYC) it packs
+        # [192, 48] in 16-wide panels, [1280, 768] in 64-wide ones; the engine then keeps
+        # oneDNN's GEMM for that weight (test_a_weight_packed_another_way_stays_on_onednn).
+        pytest.skip(f"oneDNN packs a {tuple(weight.shape)} weight another way on this CPU")
     assert few_rows is not None
     return Fp32FewRowWeight(few_rows.packed, few_rows.address, few_rows.in_features,
                             few_rows.out_features, isa)  # fmt: skip
