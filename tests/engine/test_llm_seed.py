@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from services.engine import LLM, SamplingParams
+from support.small_llm import small_llm
 
 PROMPTS = [[10, 11, 12, 13], [7, 300, 4000], [42]]
 UNSEEDED = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
@@ -20,16 +21,7 @@ UNSEEDED = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
 def make_llm(
     model_dir: Path, seed: int | None, *, cuda_graphs: bool | None = None, backend: str = "auto"
 ) -> LLM:
-    return LLM(
-        model_dir,
-        dtype="float32",
-        max_model_len=64,
-        max_num_seqs=4,
-        kv_cache_memory=1 << 22,
-        seed=seed,
-        attention_backend=backend,
-        cuda_graphs=cuda_graphs,
-    )
+    return small_llm(model_dir, seed=seed, attention_backend=backend, cuda_graphs=cuda_graphs)
 
 
 def sample(llm: LLM) -> list[list[int]]:

@@ -15,25 +15,15 @@ import pytest
 
 from gateway.text.tokenizer import Tokenizer
 from services.engine import LLM, EngineConfigError, FinishReason, SamplingParams
+from support.small_llm import small_llm
 
 TEXT = "The quick brown fox jumps over"
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-def make_llm(model_dir: Path, **kwargs: object) -> LLM:
-    return LLM(
-        model_dir,
-        dtype="float32",
-        max_model_len=64,
-        max_num_seqs=4,
-        kv_cache_memory=1 << 22,
-        **kwargs,  # type: ignore[arg-type]
-    )
-
-
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir: Path) -> LLM:
-    return make_llm(tiny_llama_dir)
+    return small_llm(tiny_llama_dir)
 
 
 def test_every_prompt_form_gives_the_ids_and_tokens_of_the_gateways_encoding(
@@ -83,13 +73,13 @@ def test_a_gguf_models_text_goes_through_the_tokenizer_its_file_carries(
 ) -> None:
     path = tiny_gguf_factory()
     gateway = Tokenizer.from_model_dir(path)
-    (output,) = make_llm(path).generate(TEXT, GREEDY)
+    (output,) = small_llm(path).generate(TEXT, GREEDY)
     assert output.prompt_token_ids == gateway.encode(TEXT)
     assert output.text == gateway.decode(output.token_ids)
 
 
 def test_skip_tokenizer_init_takes_token_ids_and_gives_no_text(tiny_llama_dir: Path) -> None:
-    llm = make_llm(tiny_llama_dir, skip_tokenizer_init=True)
+    llm = small_llm(tiny_llama_dir, skip_tokenizer_init=True)
     assert llm.tokenizer is None
     (output,) = llm.generate([[5, 6, 7]], GREEDY)
     assert output.text is None and len(output.token_ids) == GREEDY.max_tokens
@@ -107,8 +97,8 @@ def test_a_model_without_a_tokenizer_is_refused_unless_skipped(
         r"found.*skip_tokenizer_init=True\) loads none"
     )
     with pytest.raises(EngineConfigError, match=refusal):
-        make_llm(model_dir)
-    assert make_llm(model_dir, skip_tokenizer_init=True).generate([[5]], GREEDY)[0].text is None
+        small_llm(model_dir)
+    assert small_llm(model_dir, skip_tokenizer_init=True).generate([[5]], GREEDY)[0].text is None
 
 
 @pytest.mark.parametrize(
@@ -130,4 +120,4 @@ def test_malformed_prompts_are_refused_naming_which(
 
 def test_skip_tokenizer_init_must_be_a_bool(tiny_llama_dir: Path) -> None:
     with pytest.raises(EngineConfigError, match="skip_tokenizer_init must be True or False"):
-        make_llm(tiny_llama_dir, skip_tokenizer_init="no")
+        small_llm(tiny_llama_dir, skip_tokenizer_init="no")
