@@ -9,6 +9,7 @@ A cancelled call (client gone, deadline) closes the generator, which cancels bot
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -79,7 +80,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         try:
             key = self._authenticate(context)
             lease = frontend.key_limiter.acquire(key)  # released when the stream ends
-            checked = self._check(request)
+            # In a worker thread, as the HTTP API builds its jobs: a grammar's check can take
+            # seconds (llguidance's lexer on x{1000}{1000}), which would stall every stream.
+            checked = await asyncio.to_thread(self._check, request)
             options = TextOptions(
                 stop=tuple(request.stop),
                 include_stop_str_in_output=request.include_stop_str_in_output,
