@@ -63,11 +63,12 @@ def _view(weight: torch.Tensor, packed: torch.Tensor, isa: str) -> Fp32FewRowWei
 
 @pytest.mark.parametrize("isa", supported_isas())
 @pytest.mark.parametrize("num_rows", [1, 5, 6, 7, 13, 64])
-@pytest.mark.parametrize("shape", [(192, 48), (1280, 768)])
+@pytest.mark.parametrize("shape", [(192, 48), (1280, 768), (256, 528)])
 def test_fp32_linear_computes_what_onednn_computes(
     isa: str, shape: tuple[int, int], num_rows: int
 ) -> None:
-    # Rows around the register tile's 6 and past it; 48 inputs, no multiple of 32.
+    # Rows around the register tile's 6 and past it; 48 inputs, no multiple of 32; 528 inputs,
+    # two whole blocks of the kernel's 256 and a part of one.
     out_features, in_features = shape
     weight, packed = _packed(out_features, in_features, seed=num_rows)
     bias = _rows(1, out_features, seed=7)[0]
@@ -87,9 +88,11 @@ def test_fp32_linear_computes_what_onednn_computes(
 
 @pytest.mark.parametrize("isa", supported_isas())
 def test_fp32_epilogues_are_onednns_swish_and_mul(isa: str) -> None:
-    weight, packed = _packed(128, 96, seed=1)
+    # 400 inputs: the kernel keeps its sums in the output between blocks of 256 inputs and
+    # applies the epilogue after the last block only.
+    weight, packed = _packed(128, 400, seed=1)
     other = _rows(9, 128, seed=2)
-    x = 3 * _rows(9, 96, seed=3)
+    x = 3 * _rows(9, 400, seed=3)
     few_rows = _view(weight, packed, isa)
 
     silu = few_rows.linear(x, None, "silu")

@@ -6,9 +6,9 @@
 // `--dtype auto` picks where bf16 arithmetic is slow) that is compute-bound at 64 rows, yet
 // oneDNN's kernel runs at about three quarters of its own cache-resident rate when the weights
 // come from memory: the arithmetic and the weight stream take turns. This kernel reads the same
-// packed buffer, and while it multiplies one 64-column panel by every row it prefetches the
-// thread's next panel into the L2, a line every few steps, spread evenly over the panel's work,
-// so that the stream runs under the arithmetic (docs/benchmarks.md, issue 21).
+// packed buffer, and while it multiplies a block of one 64-column panel by every row it
+// prefetches the thread's next block into the L2, a line every few steps, spread evenly over the
+// block's work, so that the stream runs under the arithmetic (docs/benchmarks.md, issue 21).
 //
 // A panel is [in_features][64]: for each input k, the 64 output columns' weights, contiguous.
 // Rows go kRows at a time through a register tile of kRows x kVecs accumulators (kVecs vectors,
@@ -40,41 +40,90 @@ constexpr int64_t kVecs = 2;
 #endif
 constexpr int64_t kPassCols = kVecs * kLanes;
 static_assert(kFp32Panel % kPassCols == 0, "a panel is whole passes");
-// Rows [row0, row0 + R) times the kPassCols columns of one pass: `panel` points at the pass's
-// first column of input 0 (inputs kFp32Panel floats apart), `col0` is that column's index.
+// Inputs a step of the arithmetic covers: the loop over k runs kUnroll inputs per iteration and
+// advances the prefetch once per iteration. Its bookkeeping (a multiply, a shift, a compare) at
+// every input took as many instruction slots as the 12 FMAs of a 16-register ISA's tile.
+constexpr int64_t kUnroll = 8;
+
+// Inputs of one block: a panel is multiplied kBlock inputs at a time (its rows [k0, k0 + kBlock)
+// are kBlock x 256 bytes, contiguous), every pass and row of the block before the next, the sums
+// kept in `out` in between. What one core then works on: the block of the panel (64 KiB), the
+// next block coming in (64 KiB) and x's columns of the block (64 KiB at 64 rows) sit in a 512 KiB
+// L2 whatever in_features is; a whole panel ([K][64]: 512 KiB at K = 2048) with the next one
+// coming in and all of x (512 KiB at 64 rows x 2048) did not, and the arithmetic waited on the
+// L3. 128 and 512 were slower (docs/benchmarks.md, issue 21, twenty-third pass).
+constexpr int64_t kBlock = 256;
+
+// One input k of a pass: the pass's kVecs weight vectors times x[r][k] for every row r (`x`
+// points at row 0's x[k], rows K floats apart).
+template <int64_t R>
+inline void multiply_input(const float* x, int64_t K, const float* w, Vec (&acc)[R][kVecs]) {
+  Vec weights[kVecs];
+#pragma GCC unroll 4
+  for (int64_t j = 0; j < kVecs; ++j) {
+    weights[j] = load(w + j * kLanes);
+  }
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < R; ++r) {
+    // A scalar times a vector: one broadcast load (Vec{} + x would add 0.0 first, an extra
+    // operation on the multiply ports, since -0.0 + 0.0 is +0.0).
+    const float xr = x[r * K];
+#pragma GCC unroll 4
+    for (int64_t j = 0; j < kVecs; ++j) {
+      acc[r][j] += xr * weights[j];
+    }
+  }
+}
+
+// Rows [row0, row0 + R) times the kPassCols columns of one pass over inputs [k0, k1): `panel`
+// points at the pass's first column of input 0 (inputs kFp32Panel floats apart), `col0` is that
+// column's index. The sums start from `out` after the first block and end there, with the bias
+// and the epilogue applied after the last (the same additions in the same order as one pass over
+// every input: the products do not depend on kBlock). `prefetch` takes (k1 - k0) / kUnroll steps.
 template <int64_t R>
 void rows_times_pass(const pdserve::Fp32LinearArgs& a, int64_t row0, const float* panel,
-                     int64_t col0, PanelPrefetch& prefetch) {
+                     int64_t col0, int64_t k0, int64_t k1, PanelPrefetch& prefetch) {
   const int64_t K = a.in_features, N = a.out_features;
   const float* x = a.x + row0 * K;
+  float* out = a.out + row0 * N + col0;
   Vec acc[R][kVecs] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    const float* w = panel + k * kFp32Panel;
-    Vec weights[kVecs];
-    for (int64_t j = 0; j < kVecs; ++j) {
-      weights[j] = load(w + j * kLanes);
-    }
-    prefetch.step();
+  if (k0 > 0) {
     for (int64_t r = 0; r < R; ++r) {
-      // A scalar times a vector: one broadcast load (Vec{} + x would add 0.0 first, an extra
-      // operation on the multiply ports, since -0.0 + 0.0 is +0.0).
-      const float xr = x[r * K + k];
       for (int64_t j = 0; j < kVecs; ++j) {
-        acc[r][j] += xr * weights[j];
+        acc[r][j] = load(out + r * N + j * kLanes);
       }
     }
   }
+  // A copy the compiler keeps in registers (through the reference it stored the step count to
+  // memory at every step).
+  PanelPrefetch next = prefetch;
+  int64_t k = k0;
+  for (; k + kUnroll <= k1; k += kUnroll) {
+#pragma GCC unroll 8
+    for (int64_t u = 0; u < kUnroll; ++u) {
+      multiply_input<R>(x + k + u, K, panel + (k + u) * kFp32Panel, acc);
+    }
+    next.step();
+  }
+  for (; k < k1; ++k) {
+    multiply_input<R>(x + k, K, panel + k * kFp32Panel, acc);
+  }
+  prefetch = next;
+  const bool last = k1 == K;
   for (int64_t j = 0; j < kVecs; ++j) {
     const int64_t col = col0 + j * kLanes;
-    const Vec bias = a.bias ? load(a.bias + col) : Vec{};
+    const Vec bias = last && a.bias ? load(a.bias + col) : Vec{};
     for (int64_t r = 0; r < R; ++r) {
-      Vec v = acc[r][j] + bias;
-      if (a.epilogue == LinearEpilogue::kSilu) {
-        v = v / (Vec{} + 1.0f + exp_clamped(Vec{} - v));
-      } else if (a.epilogue == LinearEpilogue::kMul) {
-        v = v * load(a.other + (row0 + r) * N + col);
+      Vec v = acc[r][j];
+      if (last) {
+        v += bias;
+        if (a.epilogue == LinearEpilogue::kSilu) {
+          v = v / (Vec{} + 1.0f + exp_clamped(Vec{} - v));
+        } else if (a.epilogue == LinearEpilogue::kMul) {
+          v = v * load(a.other + (row0 + r) * N + col);
+        }
       }
-      store(a.out + (row0 + r) * N + col, v);
+      store(out + r * N + j * kLanes, v);
     }
   }
 }
@@ -82,12 +131,13 @@ void rows_times_pass(const pdserve::Fp32LinearArgs& a, int64_t row0, const float
 // The rows past the last whole group of kRows, as one group of their count.
 template <int64_t R = kRows - 1>
 void remainder_rows(const pdserve::Fp32LinearArgs& a, int64_t row0, int64_t rows,
-                    const float* panel, int64_t col0, PanelPrefetch& prefetch) {
+                    const float* panel, int64_t col0, int64_t k0, int64_t k1,
+                    PanelPrefetch& prefetch) {
   if constexpr (R > 0) {
     if (rows == R) {
-      rows_times_pass<R>(a, row0, panel, col0, prefetch);
+      rows_times_pass<R>(a, row0, panel, col0, k0, k1, prefetch);
     } else {
-      remainder_rows<R - 1>(a, row0, rows, panel, col0, prefetch);
+      remainder_rows<R - 1>(a, row0, rows, panel, col0, k0, k1, prefetch);
     }
   }
 }
@@ -102,17 +152,25 @@ void pdserve::PDSERVE_FP32_LINEAR_PANELS(const Fp32LinearArgs& a, int64_t panel_
   const int64_t passes = kFp32Panel / kPassCols;
   for (int64_t p = panel_begin; p < panel_end; ++p) {
     const float* panel = a.weight + p * K * kFp32Panel;
-    // This thread's next panel comes in under this one's arithmetic.
-    PanelPrefetch prefetch(p + 1 < panel_end ? panel + K * kFp32Panel : nullptr,
-                           K * kFp32Panel * sizeof(float) / kLineBytes, groups * passes * K);
-    for (int64_t pass = 0; pass < passes; ++pass) {
-      const float* columns = panel + pass * kPassCols;
-      const int64_t col0 = p * kFp32Panel + pass * kPassCols;
-      for (int64_t row0 = 0; row0 < whole; row0 += kRows) {
-        rows_times_pass<kRows>(a, row0, columns, col0, prefetch);
+    for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
+      const int64_t k1 = min64(K, k0 + kBlock);
+      // This thread's next block (the rest of this panel's, else the next panel's first) comes
+      // in under this one's arithmetic.
+      const bool more = k1 < K;
+      const float* next = more ? panel + k1 * kFp32Panel
+                               : p + 1 < panel_end ? panel + K * kFp32Panel : nullptr;
+      const int64_t next_inputs = min64(K, (more ? k1 : 0) + kBlock) - (more ? k1 : 0);
+      PanelPrefetch prefetch(next, next_inputs * kFp32Panel * sizeof(float) / kLineBytes,
+                             groups * passes * ((k1 - k0) / kUnroll));
+      for (int64_t pass = 0; pass < passes; ++pass) {
+        const float* columns = panel + pass * kPassCols;
+        const int64_t col0 = p * kFp32Panel + pass * kPassCols;
+        for (int64_t row0 = 0; row0 < whole; row0 += kRows) {
+          rows_times_pass<kRows>(a, row0, columns, col0, k0, k1, prefetch);
+        }
+        remainder_rows(a, whole, M - whole, columns, col0, k0, k1, prefetch);
       }
-      remainder_rows(a, whole, M - whole, columns, col0, prefetch);
+      prefetch.finish();
     }
-    prefetch.finish();
   }
 }
