@@ -1,7 +1,7 @@
 """Decode-sized linears: oneDNN's packed kernel against our few-row kernel on the same buffer.
 
     python benchmarks/few_row_linear.py [--dtype bfloat16|float32] [--layers 48]
-        [--rows 1,16,32,64,128,256] [--threads N]
+        [--rows 1,16,32,64,128,256] [--threads N] [--trials 9]
 
 Packs the ``small`` model's projections (qkv 768 -> 1280, o 768 -> 768, gate/up 768 -> 4096,
 down 2048 -> 768) for ``--layers`` decoder layers, then times one pass over all of them per
@@ -11,9 +11,10 @@ reads the very buffer oneDNN packed (bf16: ``amx_linear.FewRowWeight`` on AMX, e
 ``fp32_linear.Fp32FewRowWeight``, in the variant ``PDSERVE_NATIVE_ISA`` forces or the CPU's
 best). 48 layers' weights (604 MB in bf16) exceed the L3 of the hosts in
 ``docs/benchmarks.md``, so the default streams them from memory as a decode step does;
-``--layers 2`` keeps them in the cache (the kernels' arithmetic alone). Prints the best of five
-passes, the weight bytes streamed per second and GFLOP/s. ``ONEDNN_MAX_CPU_ISA=AVX512_CORE``
-(or ``AVX2``) holds oneDNN to what a CPU without AMX (or AVX-512) has.
+``--layers 2`` keeps them in the cache (the kernels' arithmetic alone). Prints the best of
+``--trials`` passes (the two kernels' passes taking turns), the weight bytes streamed per second
+and GFLOP/s. ``ONEDNN_MAX_CPU_ISA=AVX512_CORE`` (or ``AVX2``) holds oneDNN to what a CPU
+without AMX (or AVX-512) has.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -45,13 +46,18 @@ SHAPES = [(768, 1280), (768, 768), (768, 4096), (2048, 768)]
 """(in_features, out_features) of one decoder layer's projections in the small model."""
 
 
-def best_seconds(fn: Callable[[], object], trials: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(trials):
-        start = time.perf_counter()
+def best_seconds(fns: Sequence[Callable[[], object]], trials: int) -> list[float]:
+    """The best of ``trials`` timed passes of each of ``fns``, their passes taking turns: on a
+    shared host (a cloud VM's neighbours) the rate drifts by 20 % within a minute, and timing one
+    kernel's passes after the other's put that drift into their ratio."""
+    for fn in fns:
         fn()
-        best = min(best, time.perf_counter() - start)
+    best = [float("inf")] * len(fns)
+    for _ in range(trials):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
     return best
 
 
@@ -61,6 +67,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--rows", default="1,16,32,64,128,256")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--trials", type=int, default=9, help="timed passes of each kernel")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     kernel: type[FewRowWeight | Fp32FewRowWeight]
@@ -106,7 +113,7 @@ def main() -> None:
             for view, x in zip(few_rows, xs, strict=True):
                 view.linear(x)
 
-        onednn_s, ours_s = best_seconds(onednn), best_seconds(ours)
+        onednn_s, ours_s = best_seconds([onednn, ours], args.trials)
         flops = 2 * num_rows * weights
         print(
             f"{num_rows:4d}   {onednn_s * 1e3:7.2f} ({weight_bytes / onednn_s / 1e9:4.1f}, "
