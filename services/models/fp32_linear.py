@@ -1,21 +1,24 @@
 """fp32 linears of few rows on the vector units, reading the weight oneDNN packed.
 
-Why: in fp32 (what ``--dtype auto`` picks on a CPU whose bf16 arithmetic is slow) a decode
-step's linears are compute-bound at 64 rows, yet oneDNN's packed kernel runs them at about three
-quarters of its cache-resident rate once the weights come from memory: its arithmetic and the
-weight stream take turns. ``csrc/fp32_linear_kernel.h`` multiplies one 64-column panel of the
-weight by every row while it prefetches the thread's next panel into the L2, spread evenly over
-the panel's work, so that the stream runs under the arithmetic (``docs/benchmarks.md``, issue 21).
-Where it is faster (``benchmarks/few_row_linear.py --dtype float32``, the small model's
-projections streamed from memory, oneDNN held to the same instruction set): AVX-512 10-14 % at
-1-64 rows, even at 128. AVX2 depends on the core (each host with its wider instructions switched
-off): on the Intel host of the sixth pass of ``docs/benchmarks.md`` 23-40 % at 1-24 rows, 3 % at 48,
-5 % slower at 64 and 20 % at 128; on the AMD EPYC (Zen 4) host of its nineteenth pass, three runs,
-15-28 % at 1 row, 8-13 % at 48, 4-8 % at 64, 3 % slower to 1 % faster at 80 and equal or 5 % slower
-at 96, and a decode step of 64 sequences ran 3-5 % faster with the kernel than on oneDNN. The
-AVX2-only servers in use are mostly AMD's (Zen 2 and 3, whose vector units are Zen 4's at 256 bits),
-so AVX2's limit is 64 rows. Hence ``MAX_ROWS``; and a weight stays on oneDNN where its panels do not
-give every thread two (``Fp32FewRowWeight.takes``).
+Why: in fp32 (what ``--dtype auto`` picks on a CPU whose bf16 arithmetic is slow) a decode step's
+linears are compute-bound at 64 rows, yet oneDNN's packed kernel runs them at about three quarters
+of its cache-resident rate once the weights come from memory: its arithmetic and the weight stream
+take turns. ``csrc/fp32_linear_kernel.h`` multiplies one 64-column panel of the weight by every row,
+256 inputs at a time, while it prefetches the thread's next block into the L2, spread evenly over
+the block's work, so that the stream runs under the arithmetic (``docs/benchmarks.md``, issue 21).
+Where it is faster (``benchmarks/few_row_linear.py --dtype float32``, the small model's projections
+streamed from memory, oneDNN held to the same instruction set): AVX-512 10-14 % at 1-64 rows, even
+at 128 (before the twenty-third pass's unrolling and blocking; not measured since). AVX2 depends on
+the core (each host with its wider instructions switched off): on the Intel host of the sixth pass
+of ``docs/benchmarks.md`` 23-40 % at 1-24 rows, 3 % at 48, 5 % slower at 64 and 20 % at 128; on the
+AMD EPYC (Zen 4) host of its nineteenth pass, three runs, 15-28 % at 1 row, 8-13 % at 48, 4-8 % at
+64, 3 % slower to 1 % faster at 80 and equal or 5 % slower at 96, and a decode step of 64 sequences
+ran 3-5 % faster with the kernel than on oneDNN; on a real AVX2-only AMD EPYC (Zen 3, 512 KiB L2;
+twenty-third pass), after the kernel was unrolled and blocked by 256 inputs for that L2, 66-77 % at
+16 rows, 17-19 % at 64, 3-9 % at 80, 2 % slower to 1 % faster at 96. The AVX2-only servers in use
+are mostly AMD's (Zen 2 and 3, whose vector units are Zen 4's at 256 bits), so AVX2's limit is 64
+rows. Hence ``MAX_ROWS``; and a weight stays on oneDNN where its panels do not give every thread two
+(``Fp32FewRowWeight.takes``).
 
 It reads the very buffer ``mkldnn._reorder_linear_weight`` made: oneDNN packs an fp32 linear
 weight for its AVX2 and AVX-512 kernels as ``[out/64][in][64]``, each panel's 64 output columns

@@ -51,7 +51,8 @@ constexpr int64_t kUnroll = 8;
 // next block coming in (64 KiB) and x's columns of the block (64 KiB at 64 rows) sit in a 512 KiB
 // L2 whatever in_features is; a whole panel ([K][64]: 512 KiB at K = 2048) with the next one
 // coming in and all of x (512 KiB at 64 rows x 2048) did not, and the arithmetic waited on the
-// L3. 128 and 512 were slower (docs/benchmarks.md, issue 21, twenty-third pass).
+// L3. Blocks of 64 and 128 ran alike, 512 slower; 256 takes the sums through `out` the fewest
+// times (docs/benchmarks.md, issue 21, twenty-third pass).
 constexpr int64_t kBlock = 256;
 
 // One input k of a pass: the pass's kVecs weight vectors times x[r][k] for every row r (`x`
