@@ -13,12 +13,18 @@ from services.engine.config import (
 )
 from services.engine.engine_core import EngineCore
 from services.engine.llm import LLM
-from services.engine.outputs import EngineCoreOutput, EngineStats, RequestOutput
+from services.engine.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    EngineStats,
+    RequestOutput,
+)
 from services.types import EngineConfigError, FinishReason, SamplingParams
 
 __all__ = [
     "LLM",
     "CacheConfig",
+    "CompletionOutput",
     "EngineConfig",
     "EngineConfigError",
     "EngineCore",

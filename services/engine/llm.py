@@ -174,6 +174,7 @@ class LLM:
                         result.prompt_logprob_ranks = out.prompt_logprob_ranks
                     if out.finished:
                         result.finish_reason = out.finish_reason
+                        result.error = out.error
                         pending -= 1
         finally:
             # An interrupted call (KeyboardInterrupt, an error in the model) leaves nothing queued.

@@ -31,9 +31,30 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One generated sequence of a ``RequestOutput``, in vLLM's shape (``out.outputs[0].text``):
+    a view of the request's own fields, one per request (the offline engine generates one
+    sequence a request)."""
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: FinishReason | None
+    """A ``str`` enum: ``"stop"``, ``"length"``, ``"abort"`` or ``"error"``."""
+    cumulative_logprob: float | None
+    """The sum of the sampled tokens' logprobs; None unless logprobs were asked for."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
 @dataclass
 class RequestOutput:
-    """A whole generation, as ``LLM.generate`` returns it."""
+    """A whole generation, as ``LLM.generate`` returns it: the generated sequence's fields on the
+    output itself (``out.text``), and in vLLM's shape too (``out.outputs[0].text``)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -53,10 +74,31 @@ class RequestOutput:
     text: str | None = None
     """``token_ids`` decoded, special tokens skipped, the stop token that ended it left out
     (``LLM.generate``); None where no tokenizer was loaded."""
+    error: str | None = None
+    """With finish reason ``error``: why (the request's grammar failed while it ran)."""
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's ``RequestOutput.outputs``: the one generated sequence."""
+        cumulative = (
+            None
+            if self.logprobs is None
+            else sum(step[token] for step, token in zip(self.logprobs, self.token_ids, strict=True))
+        )
+        return [
+            CompletionOutput(
+                index=0,
+                text=self.text,
+                token_ids=self.token_ids,
+                logprobs=self.logprobs,
+                finish_reason=self.finish_reason,
+                cumulative_logprob=cumulative,
+            )
+        ]
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import pytest
 
 from gateway.text.tokenizer import Tokenizer
 from services.engine import LLM, EngineConfigError, FinishReason, SamplingParams
+from services.guided_decoding import GuidedDecoding, GuidedKind
 from support.small_llm import small_llm
 
 TEXT = "The quick brown fox jumps over"
@@ -121,3 +122,38 @@ def test_malformed_prompts_are_refused_naming_which(
 def test_skip_tokenizer_init_must_be_a_bool(tiny_llama_dir: Path) -> None:
     with pytest.raises(EngineConfigError, match="skip_tokenizer_init must be True or False"):
         small_llm(tiny_llama_dir, skip_tokenizer_init="no")
+
+
+def test_outputs_come_in_vllms_shape_too(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    (out,) = llm.generate(TEXT, params)
+    (completion,) = out.outputs
+    assert completion.index == 0
+    assert completion.text == out.text and completion.text
+    assert completion.token_ids == out.token_ids and len(completion.token_ids) == 6
+    assert completion.finish_reason == "length" and completion.finished
+    assert completion.logprobs == out.logprobs
+    assert out.logprobs is not None
+    sampled = [step[token] for step, token in zip(out.logprobs, out.token_ids, strict=True)]
+    assert completion.cumulative_logprob == pytest.approx(sum(sampled))
+    assert completion.cumulative_logprob < 0
+    (plain,) = llm.generate(TEXT, GREEDY)
+    assert plain.outputs[0].cumulative_logprob is None
+    assert plain.outputs[0].logprobs is None
+
+
+def test_a_grammar_that_fails_while_running_says_why(llm: LLM) -> None:
+    # The node's compile drives a grammar over its first token only; this one fails once the
+    # rule of 2,001 alternatives is predicted, after sixteen "q" (logit_bias makes greedy take
+    # them one at a time).
+    wide = " | ".join(f'"label{i}"' for i in range(2_001))
+    guided = GuidedDecoding(GuidedKind.GRAMMAR, f'start: "{"q" * 16}" wide | "a"\nwide: {wide}')
+    assert llm.tokenizer is not None
+    (q_token,) = llm.tokenizer.encode("q", add_special_tokens=False).ids
+    params = SamplingParams(
+        max_tokens=30, temperature=0.0, guided=guided, logit_bias=((q_token, 100.0),)
+    )
+    (out,) = llm.generate(TEXT, params)
+    assert out.finish_reason is FinishReason.ERROR
+    assert out.error is not None and "guided.grammar" in out.error
+    assert out.outputs[0].finish_reason == "error"
