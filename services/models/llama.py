@@ -120,7 +120,15 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling
         )
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # The weight is given, so nn.Embedding skips its normal_() initialisation: the loader
+        # builds the model on the meta device, where normal_() goes through torch._refs and
+        # imports torch._dynamo (2.4 s of every node's start-up on a 2-core host); the
+        # checkpoint overwrites the values anyway.
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(config, backend, ops) for _ in range(config.num_layers)
         )
