@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import json
 import os
 import re
@@ -269,8 +270,15 @@ def smollm2_reference(smollm2_gguf: Path) -> tuple[list[list[int]], list[list[in
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory, name = smollm2_gguf.parent, smollm2_gguf.name
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    with pytest.MonkeyPatch.context() as patch:
+        # transformers parses the file's 49,152-entry vocabulary with a new GGUFReader for the
+        # config, the tokenizer and the weights (~10 s each on a 2-core host) and builds gguf's
+        # tensor-name table once per tensor (~15 s in all): the same reader and table serve every
+        # call (both read-only), and the reference is the same.
+        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     model.eval()
     prompts, outputs = [], []
     with torch.inference_mode():
