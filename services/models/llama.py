@@ -122,7 +122,7 @@ class LlamaModel(nn.Module):
         )
         # The weight is given, so nn.Embedding skips its normal_() initialisation: the loader
         # builds the model on the meta device, where normal_() goes through torch._refs and
-        # imports torch._dynamo (2.4 s of every node's start-up on a 2-core host); the
+        # imports torch._dynamo (1-1.4 s of every node's start-up on a 2-core host); the
         # checkpoint overwrites the values anyway.
         self.embed_tokens = nn.Embedding(
             config.vocab_size,
