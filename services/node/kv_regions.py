@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
 
-from kv_transfer import KvTransport, LoopbackFaults, PageTable, make_transport, run_self_test
+from kv_transfer import KvTransport, PageTable, make_transport, run_self_test
+from kv_transfer.loopback import LoopbackTransport
 from kv_transfer.memory import MemoryKind, describe_memory
 from services.engine.kv_layout import KvLayout, layer_copy_table
 
@@ -37,15 +39,11 @@ def open_kv_transport(
     """Create the transport, register every layer's cache, and run the start-up self-test.
 
     ``push_pause_s`` is fault injection for tests (``NodeConfig.test_kv_push_pause_s``): every
-    push this node writes holds its last message back that long."""
-    if name == "loopback":
-        transport = make_transport(name, faults=LoopbackFaults(pause_before_last_s=push_pause_s))
-    else:
-        transport = make_transport(name, pause_before_last_s=push_pause_s)
-    if push_pause_s:
-        logger.warning(
-            "testing only: every KV push pauses %.3f s before its last message", push_pause_s
-        )
+    push this node writes after the self-test holds its last message back that long. The
+    self-test's own pushes do not pause: they held every such node's start-up back by the pause
+    (30 s for a test that pauses a push until it kills the node) and timed the pause as the
+    transport's rate."""
+    transport = make_transport(name)
     try:
         for layer, cache in enumerate(kv_caches):
             transport.register(region_name(layer), layer_memory(transport, cache))
@@ -54,7 +52,23 @@ def open_kv_transport(
         raise
     report = run_self_test(transport)
     logger.info("KV transport self-test: %s", report)
+    if push_pause_s:
+        pause_pushes(transport, push_pause_s)
+        logger.warning(
+            "testing only: every KV push pauses %.3f s before its last message", push_pause_s
+        )
     return transport
+
+
+def pause_pushes(transport: KvTransport, pause_s: float) -> None:
+    """From now on, each push ``transport`` writes holds its last message back ``pause_s``."""
+    if isinstance(transport, LoopbackTransport):
+        transport.faults = replace(transport.faults, pause_before_last_s=pause_s)
+    elif hasattr(transport, "pause_before_last_s"):  # ucx, shm
+        transport.pause_before_last_s = pause_s
+    else:
+        transport.close()
+        raise ValueError(f"the {transport.name} KV transport cannot pause its pushes")
 
 
 def layer_memory(transport: KvTransport, cache: torch.Tensor) -> object:

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from kv_transfer import make_transport
+from kv_transfer import KvTransport, available_transports, make_transport, run_self_test
+from kv_transfer.loopback import LoopbackTransport
 from kv_transfer.memory import MemoryKind, UnsupportedMemoryError
+from services.node import kv_regions
 from services.node.kv_regions import layer_memory, open_kv_transport, region_name
 
 SHAPE = (2, 8, 16, 2, 8)  # [2, blocks, block_size, kv_heads, head_dim]
@@ -53,6 +55,34 @@ def test_host_caches_are_registered_in_place(name: str) -> None:
             assert torch.equal(layer, before[i])  # moved (shm) or not, the contents stay
             expected = MemoryKind.HOST_SHM if name == "shm" else MemoryKind.HOST
             assert region.memory is expected
+    finally:
+        transport.close()
+
+
+def pause_of(transport: KvTransport) -> float:
+    """The push pause a transport injects (loopback keeps it in its faults)."""
+    if isinstance(transport, LoopbackTransport):
+        return transport.faults.pause_before_last_s
+    return transport.pause_before_last_s  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", ["loopback", "shm", "ucx"])
+def test_the_push_pause_starts_after_the_self_test(name: str, monkeypatch) -> None:
+    # The self-test's pushes paused too: every node started with the test knob waited the pause
+    # before it served (30 s in a test that kills a node mid-push).
+    if name == "ucx" and "ucx" not in available_transports():
+        pytest.skip("ucxx is not installed")
+    during: list[float] = []
+
+    def spy(transport: KvTransport) -> object:
+        during.append(pause_of(transport))
+        return run_self_test(transport)
+
+    monkeypatch.setattr(kv_regions, "run_self_test", spy)
+    transport = open_kv_transport(name, caches(), push_pause_s=7.5)
+    try:
+        assert during == [0.0]
+        assert pause_of(transport) == 7.5
     finally:
         transport.close()
 
