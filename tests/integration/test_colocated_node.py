@@ -28,6 +28,7 @@ from services.node.config import Role, parse_node_config
 from services.node.runtime import start_node
 from support.huge_page_heap import heap_is_huge_page_advised, host_takes_huge_page_heap
 from support.node_argv import node_argv
+from support.startup_channel import startup_channel
 
 MAX_MODEL_LEN = 128
 GREEDY = common_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -208,7 +209,7 @@ def test_the_process_serves_and_exits_0_on_sigterm(tiny_llama_dir: Path) -> None
         text=True,
     )
     try:
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        channel = startup_channel(f"127.0.0.1:{port}")
         health = health_pb2_grpc.HealthStub(channel)
         deadline = time.monotonic() + 60
         while True:

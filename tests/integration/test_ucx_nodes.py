@@ -19,6 +19,7 @@ from deploy.local_ports import free_ports
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.engine import LLM, SamplingParams
 from support.huge_page_heap import heap_is_huge_page_advised, host_takes_huge_page_heap
+from support.startup_channel import startup_channel
 
 # Node processes and a UCX context each: seconds per test.
 pytestmark = pytest.mark.slow
@@ -62,7 +63,7 @@ class NodeProcess:
             text=True,
         )
         self.address = f"127.0.0.1:{self.port}"
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = startup_channel(self.address)
 
     def wait_healthy(self, timeout_s: float = 90) -> None:
         health = health_pb2_grpc.HealthStub(self.channel)
