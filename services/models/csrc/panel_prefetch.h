@@ -1,8 +1,8 @@
-// The next weight panel's prefetch of the few-row linear kernels (fp32_linear_kernel.h,
-// bf16_linear_avx512_bf16.cpp): while a thread multiplies one panel by every row, it asks for
-// its next panel's cache lines into the L2, a few at every step of the current panel's work,
-// spread evenly over it, so that the weight stream runs under the arithmetic instead of taking
-// turns with it. In an anonymous namespace, like simd.h: each variant's file gets its own copy.
+// The next weights' prefetch of the few-row linear kernels (bf16_linear_avx512_bf16.cpp: the
+// next panel; fp32_linear_kernel.h: the next 256-input block of a panel): while a thread
+// multiplies the current ones by every row, it asks for the next ones' cache lines into the L2, a
+// few at every step of the current work, spread evenly over it, so that the weight stream runs
+// under the arithmetic instead of taking turns with it. In an anonymous namespace, like simd.h: each variant's file gets its own copy.
 #pragma once
 
 #include <stdint.h>
