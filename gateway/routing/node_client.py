@@ -19,6 +19,16 @@ from services.types import Role
 logger = logging.getLogger(__name__)
 
 
+REDIAL_OPTIONS: tuple[tuple[str, object], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+"""Channel options that redial a node not listening yet (starting, restarting) at most a poll
+apart: gRPC's default back-off grows to two minutes, and after 15 s of refused connections at
+start-up the gateway saw a node 3-4 s after it listened."""
+
+
 class NodeClient:
     def __init__(
         self, address: str, role: Role, tls: TlsFiles | None = None, tls_name: str | None = None
@@ -37,12 +47,7 @@ class NodeClient:
             ("grpc.http2.ping_timeout_ms", 20_000),
             ("grpc.keepalive_timeout_ms", 20_000),
             ("grpc.max_receive_message_length", 64 * 2**20),
-            # A node that is not listening yet (starting, restarting) is redialled at most a
-            # poll apart: gRPC's default back-off grows to two minutes, and after 15 s of refused
-            # connections at start-up the gateway saw a node 3-4 s after it listened.
-            ("grpc.initial_reconnect_backoff_ms", 250),
-            ("grpc.min_reconnect_backoff_ms", 250),
-            ("grpc.max_reconnect_backoff_ms", 1000),
+            *REDIAL_OPTIONS,
         ]
         if tls is not None and tls_name is not None:
             options.append(("grpc.ssl_target_name_override", tls_name))
