@@ -20,8 +20,9 @@
 // converted to bf16 for the bf16 dot products: that measured ~8% slower on the Zen 4 host (64
 // sequences x 273 tokens, bf16 query) than the fp32 tile.
 // Everything accumulates in fp32; nothing past seq_len (garbage table entries, the rest of the
-// last block) is read. Rows are prefetched into the L2 two tiles ahead, the requests spread over
-// the current tile's work: blocks are scattered, so the hardware prefetcher cannot follow.
+// last block) is read. Rows are prefetched into the L2 two tiles ahead (TilePrefetch), the
+// requests spread over the current tile's work: blocks are scattered, so the hardware prefetcher
+// cannot follow.
 //
 // Vectorised with GCC/Clang vector extensions, one register wide (kLanes fp32: 16 for AVX-512, 8
 // for AVX2, 4 portable), rather than left to the auto-vectoriser, which keeps fp32 reductions (dot
@@ -182,6 +183,75 @@ class RowCursor {
   int64_t block_size_, row_stride_, block_, offset_;
 };
 
+// Blocks are scattered, so the hardware prefetcher cannot guess the next row; without this every
+// row is a cache miss. The kernel reads K's tiles of kLanes tokens, then V's: reading one, it
+// asks for the rows of the tile kPrefetchTiles further along that stream, in parts spread over
+// the current tile's work (a part per query head in pass 1, per KV head or query head in pass 2):
+// issued all at once, 128 lines fill the core's miss buffers and the arithmetic behind them waits
+// for the memory instead of running under it (AMD EPYC, sixteenth pass of docs/benchmarks.md: 64
+// sequences x 320 tokens, 12 layers, 1.26-1.39 -> 0.92 ms a layer call scattered, 0.95 ->
+// 0.62-0.72 in a row; one tile ahead is slower, four no faster). Into the L2, not the L1: on the
+// same host (twelfth pass) the kernel read K/V from memory at 5.3-5.9 GB/s a thread with
+// prefetcht0 and 9.0-9.8 with prefetcht1; on the Intel host of the eleventh pass the two ran
+// alike.
+//
+// Life cycle: made at the start of a work item; next_tile() once per tile the kernel reads (and
+// kPrefetchTiles times before the first), each followed by its parts; done when the item is.
+// The rows come from two cursors that only step forward and a part's share from a fixed-point
+// scale set once a tile: finding each part's rows afresh took four 64-bit divisions a part, and
+// the kernel ran 2-10 % faster without them (AVX2 Zen 3 host, twenty-fourth pass).
+template <typename KV>
+class TilePrefetch {
+ public:
+  TilePrefetch(const KV* key_cache, const KV* value_cache, const int64_t* table, const Shape& s,
+               int64_t kv_begin, int64_t seq_len, int64_t row_bytes)
+      : keys_(key_cache, table, s, kv_begin, 0),
+        values_(value_cache, table, s, kv_begin, 0),
+        seq_len_(seq_len),
+        row_bytes_(row_bytes) {}
+
+  // Moves to the stream's next tile (none past V's last), whose rows the next `num_parts` calls
+  // of part() ask for.
+  void next_tile(int64_t num_parts) {
+    n_ = 0;
+    if (token_ < seq_len_) {
+      RowCursor<KV>& rows = in_values_ ? values_ : keys_;
+      n_ = min64(kLanes, seq_len_ - token_);
+      for (int64_t j = 0; j < n_; ++j, rows.next()) {
+        rows_[j] = reinterpret_cast<const char*>(rows.row());
+      }
+      token_ += kLanes;
+      if (token_ >= seq_len_ && !in_values_) {
+        in_values_ = true;
+        token_ = 0;
+      }
+    }
+    scale_ = (kLanes << 16) / num_parts;
+    parts_ = 0;
+    done_ = 0;
+  }
+
+  // The next part of the tile's rows: after part k (from 1), the first ceil(k * kLanes /
+  // num_parts) rows, or all n of them, have been asked for.
+  void part() {
+    ++parts_;
+    const int64_t due = min64(n_, (parts_ * scale_ + 0xffff) >> 16);
+    for (; done_ < due; ++done_) {
+      for (int64_t b = 0; b < row_bytes_; b += 64) {
+        prefetch_line_l2(rows_[done_] + b);
+      }
+    }
+  }
+
+ private:
+  RowCursor<KV> keys_, values_;
+  const int64_t seq_len_, row_bytes_;
+  const char* rows_[kLanes];
+  int64_t token_ = 0;  // the first token of the next tile of the stream in its cache
+  bool in_values_ = false;
+  int64_t n_ = 0, scale_ = 0, parts_ = 0, done_ = 0;
+};
+
 // acc[g] += sum_j probs[g][j] * v_j for kGroup query heads sharing one KV head: the rows' slices
 // at `head` are widened once each and the kGroup x kChunks sums stay in registers. probs[g][j] is
 // probs[g * probs_stride + j]; acc[g * kChunks + c] is chunk c of query head g.
@@ -300,39 +370,11 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
     }
   };
 
-  // Blocks are scattered, so the hardware prefetcher cannot guess the next row; without this
-  // every row is a cache miss. Reading a tile asks for the rows kPrefetchTiles tiles ahead: K's
-  // tiles, then V's (`token` counts V's tokens after K's padded ones), part `part` of
-  // `num_parts` of that tile's rows at a time. The callers spread a tile's requests over the
-  // current tile's work (a slice of rows per query head in pass 1, per KV head in pass 2):
-  // issued all at once, 128 lines fill the core's miss buffers and the arithmetic behind them
-  // waits for the memory instead of running under it (AMD EPYC, sixteenth pass of
-  // docs/benchmarks.md: 64 sequences x 320 tokens, 12 layers, 1.26-1.39 -> 0.92 ms a layer call
-  // scattered, 0.95 -> 0.62-0.72 in a row; one tile ahead is slower, four no faster). Into the
-  // L2, not the L1: on the same host (twelfth pass) the kernel read K/V from memory at 5.3-5.9
-  // GB/s a thread with prefetcht0 and 9.0-9.8 with prefetcht1; on the Intel host of the
-  // eleventh pass the two ran alike.
-  const int64_t row_bytes = num_kv * D * static_cast<int64_t>(sizeof(KV));
-  auto prefetch_tile = [&](int64_t token, int64_t part = 0, int64_t num_parts = 1) {
-    const bool is_value = token >= padded_len;
-    if (is_value) {
-      token -= padded_len;
-    }
-    const int64_t first = token + part * kLanes / num_parts;
-    const int64_t last = min64(token + (part + 1) * kLanes / num_parts, seq_len);
-    if (first >= last) {
-      return;
-    }
-    RowCursor<KV> rows(is_value ? p.value_cache : p.key_cache, table, s, kv_begin, first);
-    for (int64_t j = first; j < last; ++j, rows.next()) {
-      const char* bytes = reinterpret_cast<const char*>(rows.row());
-      for (int64_t b = 0; b < row_bytes; b += 64) {
-        prefetch_line_l2(bytes + b);
-      }
-    }
-  };
+  TilePrefetch<KV> prefetch(p.key_cache, p.value_cache, table, s, kv_begin, seq_len,
+                            num_kv * D * static_cast<int64_t>(sizeof(KV)));
   for (int64_t i = 0; i < kPrefetchTiles; ++i) {
-    prefetch_tile(i * kLanes);
+    prefetch.next_tile(1);
+    prefetch.part();
   }
 
   // Pass 1, one tile of kLanes tokens at a time: kLanes dot products per query head, reduced
@@ -353,8 +395,9 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
       for (int64_t j = n; j < kLanes; ++j) {
         rows[j] = rows[0];  // past n: scores land in the padding, overwritten below
       }
+      prefetch.next_tile(num_q);
       for (int64_t i = 0; i < num_q; ++i) {
-        prefetch_tile(start + kPrefetchTiles * kLanes, i, num_q);
+        prefetch.part();
         const Q* q_i = query + i * D;
         const int64_t head = (i / G) * D;
         __m512bh q_pairs[kPairs];
@@ -379,8 +422,9 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
     for (int64_t start = 0; start < seq_len; start += kLanes) {
       const int64_t n = min64(kLanes, seq_len - start);
       load_tile(key_rows, n);
+      prefetch.next_tile(num_q);
       for (int64_t i = 0; i < num_q; ++i) {
-        prefetch_tile(start + kPrefetchTiles * kLanes, i, num_q);
+        prefetch.part();
         const Vec* q_i = q + i * num_chunks;
         const Vec* k_tile = tile + (i / G) * kLanes * num_chunks;
         Vec dots[kLanes];
@@ -425,7 +469,6 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
   }
   RowCursor<KV> value_rows(p.value_cache, table, s, kv_begin, 0);
   for (int64_t start = 0; start < seq_len; start += kLanes) {
-    const int64_t ahead = padded_len + start + kPrefetchTiles * kLanes;
     const int64_t n = min64(kLanes, seq_len - start);
     if constexpr (kGroupTile<kChunks> > 0) {
       // Each KV head's slice of a row is widened once, in registers, and multiplied into the
@@ -435,8 +478,9 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
       for (int64_t j = 0; j < n; ++j, value_rows.next()) {
         rows[j] = value_rows.row();
       }
+      prefetch.next_tile(num_kv);
       for (int64_t h = 0; h < num_kv; ++h) {
-        prefetch_tile(ahead, h, num_kv);
+        prefetch.part();
         for (int64_t g = 0; g < G; g += kGroupTile<kChunks>) {
           const int64_t i = h * G + g;
           accumulate_values<KV, kChunks>(min64(kGroupTile<kChunks>, G - g), rows, n, h * D,
@@ -447,8 +491,9 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
       continue;
     }
     load_tile(value_rows, n);
+    prefetch.next_tile(num_q);
     for (int64_t i = 0; i < num_q; ++i) {
-      prefetch_tile(ahead, i, num_q);
+      prefetch.part();
       const float* probs = scores + i * padded_len + start;
       const Vec* v_tile = tile + (i / G) * kLanes * num_chunks;
       Vec* acc_i = acc + i * num_chunks;
