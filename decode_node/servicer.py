@@ -273,6 +273,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 ),
                 timings=stage_timings_to_proto(timings),
                 error=last.error or "",
+                # The engine ends a request with an error only when its grammar failed.
+                invalid_request=last.finish_reason is FinishReason.ERROR,
             )
         )
 

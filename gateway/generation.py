@@ -56,6 +56,9 @@ class Finished:
     timings: StageTimings = field(default_factory=StageTimings)
     error: str | None = None
     """Set with ``FinishReason.ERROR``."""
+    invalid_request: bool = False
+    """With ``FinishReason.ERROR``: the request itself failed (its grammar, while it ran), so a
+    retry fails the same way: a client error, not the server's."""
     num_retries: int = 0
     """How many pairs were tried before the one that served the request."""
 

@@ -98,7 +98,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                         if isinstance(item, TextDelta):
                             yield _delta_response(item, output)
                         else:
-                            failure = stream_failure(item.finish_reason)
+                            failure = stream_failure(item.finish_reason, item.invalid_request)
                             if failure is not None:
                                 frontend.metrics.request_errors.labels(reason=failure).inc()
                             for response in _final_responses(item, output, generation.request_id):
@@ -343,6 +343,7 @@ def _final_responses(
         stop_reason=item.stop_reason if isinstance(item.stop_reason, str) else "",
         request_id=request_id,
         num_retries=item.num_retries,
+        invalid_request=item.invalid_request,
     )
     responses.append(gateway_pb2.GatewayGenerateResponse(finished=finished))
     return responses

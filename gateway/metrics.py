@@ -30,8 +30,9 @@ never in ``request_success``.
   before any servicer, by the shared interceptor, and counted by the server as
   ``invalid_argument`` too;
 - a generation that ended early after it began (``stream_failure``): ``stream_error`` (finish
-  reason ``error``: a node failed mid-stream) or ``stream_abort`` (``abort``: the request
-  deadline passed, or a node aborted it);
+  reason ``error``: a node failed mid-stream), ``invalid_argument`` (finish reason ``error``
+  for the request's own fault: its grammar failed while it ran) or ``stream_abort``
+  (``abort``: the request deadline passed, or a node aborted it);
 - HTTP only: ``client_disconnected``, ``slow_client`` (``--client-send-timeout-s``) and
   ``internal`` (a bug in the gateway).
 """
@@ -128,11 +129,12 @@ class GatewayMetrics:
                 self.stage_seconds.labels(stage=stage).observe(seconds)
 
 
-def stream_failure(finish_reason: FinishReason) -> str | None:
-    """The ``request_errors`` reason of a generation that ended ``finish_reason`` after it began;
-    None for an end that is no failure (``stop``, ``length``)."""
+def stream_failure(finish_reason: FinishReason, invalid_request: bool = False) -> str | None:
+    """The ``request_errors`` reason of a generation that ended ``finish_reason`` after it began
+    (``invalid_request``: the request's own fault, ``Finished.invalid_request``); None for an end
+    that is no failure (``stop``, ``length``)."""
     if finish_reason is FinishReason.ERROR:
-        return "stream_error"
+        return "invalid_argument" if invalid_request else "stream_error"
     if finish_reason is FinishReason.ABORT:
         return "stream_abort"
     return None

@@ -36,7 +36,7 @@ from gateway.http_api.openai_format import (
 )
 from gateway.http_api.openai_job import OpenAIJob, choice_requests, prompt_token_ids, renamed
 from gateway.http_api.openai_protocol import PromptTokensDetails, UsageInfo
-from gateway.http_api.sse import DONE, MEDIA_TYPE, sse_event
+from gateway.http_api.sse import DONE, MEDIA_TYPE
 from gateway.metrics import stream_failure
 from gateway.pipeline import TextOptions, admitted, tokenize
 from gateway.text.text_stream import TextDelta, TextFinished
@@ -165,6 +165,7 @@ class GenerationResponse(Response):
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         self._is_started = True
         errors: list[str] = []
+        error_kind = ErrorKind.INVALID_ARGUMENT  # until a failure that is not the request's
 
         async def emit(index: int, item: ChoiceEvent | Exception) -> None:
             state = states[index]
@@ -178,6 +179,9 @@ class GenerationResponse(Response):
             await self._send_chunk(send, self._format.finish_chunk(state), state)
             if event.finish_reason == FinishReason.ERROR:
                 errors.append(f"choice {index} failed: {event.error or 'unknown error'}")
+                if not event.invalid_request:
+                    nonlocal error_kind
+                    error_kind = ErrorKind.UNAVAILABLE
 
         try:
             for index, event in first_events:
@@ -212,9 +216,10 @@ class GenerationResponse(Response):
             logger.exception("request %s: stream failed", self._job.request_id)
             self._is_internal_error = True
             errors.append("internal error")
+            error_kind = ErrorKind.UNAVAILABLE
         if errors:
-            error = GatewayError(ErrorKind.UNAVAILABLE, "; ".join(errors))
-            await self._send_body(send, sse_event(error.openai_body()))
+            error = GatewayError(error_kind, "; ".join(errors))
+            await self._send_body(send, self._format.encode_event(self._format.error_event(error)))
         if self._format.ends_with_done:
             await self._send_body(send, DONE)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -243,9 +248,14 @@ class GenerationResponse(Response):
                 for s in failed
                 if s.finished is not None
             )
-            await self._send_json(
-                send, 503, GatewayError(ErrorKind.UNAVAILABLE, message).openai_body()
+            # The request's own fault (its grammar failed while it ran) only when every failed
+            # choice's was: a 400 a client does not retry, where a 503 invites one.
+            kind = (
+                ErrorKind.INVALID_ARGUMENT
+                if all(s.finished is not None and s.finished.invalid_request for s in failed)
+                else ErrorKind.UNAVAILABLE
             )
+            await self._send_json(send, kind.http_status, GatewayError(kind, message).openai_body())
         else:
             response = self._format.response(states, self._usage(states))
             await self._send_json(send, 200, response)
@@ -259,7 +269,12 @@ class GenerationResponse(Response):
         reasons += [
             reason
             for state in states
-            if state.finished and (reason := stream_failure(state.finished.finish_reason))
+            if state.finished
+            and (
+                reason := stream_failure(
+                    state.finished.finish_reason, state.finished.invalid_request
+                )
+            )
         ]
         if reasons:
             self._frontend.metrics.request_errors.labels(reason=reasons[0]).inc()

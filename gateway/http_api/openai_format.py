@@ -13,6 +13,7 @@ from typing import Any, cast
 from pydantic import BaseModel
 
 from gateway.chat_output import ChatOutput
+from gateway.errors import GatewayError
 from gateway.http_api.openai_job import OpenAIJob
 from gateway.http_api.openai_protocol import (
     ChatChoice,
@@ -122,6 +123,11 @@ class OpenAIFormat:
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
         raise NotImplementedError
+
+    def error_event(self, error: GatewayError) -> dict[str, Any]:
+        """The event a stream that failed after it began ends with: the error body itself
+        (completions and chat), which the OpenAI SDK raises as an ``APIError``."""
+        return error.openai_body()
 
     def response(self, states: Sequence[ChoiceState], usage: UsageInfo) -> BaseModel:
         raise NotImplementedError

@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from gateway.errors import GatewayError
 from gateway.http_api.openai_format import ChoiceState, OpenAIFormat
 from gateway.http_api.openai_job import OpenAIJob
 from gateway.http_api.openai_protocol import UsageInfo
@@ -93,6 +94,13 @@ class ResponsesFormat(OpenAIFormat):
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
         raise AssertionError("a Responses stream carries its usage in its last event")
 
+    def error_event(self, error: GatewayError) -> dict[str, Any]:
+        """The Responses API's ``error`` event, after ``response.failed``: the SDK yields it
+        (an ``{"error": ...}`` body would make it raise before the client saw the response)."""
+        return self._event(
+            "error", code=error.kind.openai_type, message=error.message, param=error.param
+        )
+
     def response(self, states: Sequence[ChoiceState], usage: UsageInfo) -> BaseModel:
         (state,) = states
         return self._response(state, self._status(state))
@@ -153,7 +161,10 @@ class ResponsesFormat(OpenAIFormat):
                 IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None
             ),
             error=(
-                ResponseError(code="server_error", message=finished.error or "generation failed")
+                ResponseError(
+                    code="invalid_prompt" if finished.invalid_request else "server_error",
+                    message=finished.error or "generation failed",
+                )
                 if status == "failed" and finished is not None
                 else None
             ),

@@ -338,4 +338,5 @@ def _finished_from_proto(message: decode_pb2.Finished, node: Node) -> Finished:
         usage=usage_from_proto(message.usage),
         timings=_timings(message.timings, node),
         error=message.error or None,
+        invalid_request=message.invalid_request,
     )

@@ -66,6 +66,8 @@ class TextFinished:
     otherwise (EOS included)."""
     num_retries: int = 0
     """Pairs tried before the one that served the request (known when the nodes finished it)."""
+    invalid_request: bool = False
+    """With ``FinishReason.ERROR``: the request itself failed (``Finished.invalid_request``)."""
 
 
 TextEvent = TextDelta | TextFinished
@@ -138,6 +140,7 @@ async def stream_text(
                     error=None if tail.stopped else event.error,
                     stop_reason=stop_reason,
                     num_retries=event.num_retries,
+                    invalid_request=event.invalid_request and not tail.stopped,
                 )
                 return
             chunk = _chunk_text(

@@ -97,6 +97,7 @@ def test_a_failure_after_tokens_ends_the_stream_with_error(fake_node, tiny_llama
         assert tokens == [7, 8, 9]
         assert finished.finish_reason == common_pb2.FINISH_REASON_ERROR
         assert "fake node: failed" in finished.error
+        assert not finished.invalid_request  # the node's failure, not the request's
         assert finished.num_retries == 0
 
     run(

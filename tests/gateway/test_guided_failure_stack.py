@@ -4,7 +4,8 @@ The gateway's check and the node's compile drive a grammar over its first bytes 
 so a grammar can still fail while it runs: when the model takes a branch the check did not, or
 further along. The client then gets an error naming the field, never ``stop`` with a text that
 does not match: an INVALID_ARGUMENT when no token was sampled yet (the prefill node's first token,
-or a colocated node's), a finish reason ``error`` with the message after tokens were.
+or a colocated node's), a finish reason ``error`` with the message after tokens were, marked as the
+request's fault (``invalid_request``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def test_a_grammar_that_fails_while_running_is_an_error_never_a_stop(
         )
         assert finished.finish_reason == common_pb2.FINISH_REASON_ERROR
         assert "guided.grammar" in finished.error and "max is 2000" in finished.error
+        assert finished.invalid_request  # the request's fault: the HTTP bridge's 400
         assert tokens and text.isalpha() and text.islower() and len(text) <= 12
         await stack.wait_all_free()
 

@@ -274,6 +274,53 @@ def test_an_error_after_tokens_ends_the_stream_with_an_error_event(
     assert_error(served.post("/v1/completions", {"model": MODEL, "prompt": "x"}), 503, None)
 
 
+def test_a_grammar_that_fails_while_running_is_the_clients_error(
+    serve: Callable[..., Served], tokenizer: Tokenizer
+) -> None:
+    """The node says the request itself failed (its grammar, after tokens went out): a 400 /
+    ``invalid_request_error``, which clients do not retry, not the 503 of a node failure, which
+    the OpenAI SDK retries twice. One choice failing for a node's reason makes it a 503."""
+    ids = tokenizer.encode("Hello there", add_special_tokens=False)
+    grammar_error = "guided.grammar: the grammar failed at token 3"
+
+    def script(request: GenerationRequest) -> list[Step]:
+        usage = Usage(len(request.prompt_token_ids), len(ids))
+        node_fault = request.request_id.endswith("-1")  # the second choice of n = 2
+        return [
+            TokenChunk(tuple(ids)),
+            Finished(
+                FinishReason.ERROR,
+                usage,
+                error="decode died" if node_fault else grammar_error,
+                invalid_request=not node_fault,
+            ),
+        ]
+
+    served = serve(script)
+    error = assert_error(served.post("/v1/completions", {"model": MODEL, "prompt": "x"}), 400, None)
+    assert error["type"] == "invalid_request_error"
+    assert grammar_error in error["message"]
+
+    response = served.post("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True})
+    assert response.status_code == 200
+    *chunks, error_event = sse_chunks(response)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "error"
+    assert error_event["error"]["type"] == "invalid_request_error"
+    assert grammar_error in error_event["error"]["message"]
+
+    # Counted as the client's error, not as a stream failure.
+    metrics = httpx.get(f"{served.url}/metrics").text
+    assert 'pdserve:request_errors_total{reason="invalid_argument"} 2.0' in metrics
+    assert 'reason="stream_error"' not in metrics
+
+    body = {"model": MODEL, "prompt": "x", "n": 2}
+    error = assert_error(served.post("/v1/completions", body), 503, None)
+    assert error["type"] == "service_unavailable"
+    assert "decode died" in error["message"] and grammar_error in error["message"]
+    *_, error_event = sse_chunks(served.post("/v1/completions", {**body, "stream": True}))
+    assert error_event["error"]["type"] == "service_unavailable"
+
+
 # --- n, stop strings, logprobs ----------------------------------------------------------------
 
 

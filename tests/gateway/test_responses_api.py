@@ -10,9 +10,11 @@ from typing import Any
 
 import pytest
 
+from gateway.generation import Finished, GenerationRequest, TokenChunk
 from gateway.text.tokenizer import Tokenizer
 from services.guided_decoding import GuidedKind
-from support.openai_app import MODEL, OUTPUT_TEXT, Served, assert_error, start
+from services.types import FinishReason, Usage
+from support.openai_app import MODEL, OUTPUT_TEXT, Served, Step, assert_error, start
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +157,43 @@ def test_refusals_name_the_clients_field(
     body = {"model": MODEL, "input": "Hi", **change}
     assert_error(served.post("/v1/responses", body), status, param)
     assert len(served.generator.requests) == before
+
+
+def test_a_failed_response_says_whose_fault(tokenizer: Tokenizer) -> None:
+    """A generation that fails after tokens: ``response.failed``, its error's code
+    ``invalid_prompt`` when the request itself failed (its grammar, while it ran; a 400 when
+    not streamed), ``server_error`` when a node did (a 503)."""
+    ids = tuple(tokenizer.encode("Hello", add_special_tokens=False))
+
+    def script(request: GenerationRequest) -> list[Step]:
+        usage = Usage(len(request.prompt_token_ids), len(ids))
+        grammar = request.sampling.max_tokens == 7  # the test's marker for "the grammar failed"
+        error = "guided.grammar: failed at token 2" if grammar else "decode died"
+        return [
+            TokenChunk(ids),
+            Finished(FinishReason.ERROR, usage, error=error, invalid_request=grammar),
+        ]
+
+    served, server = start(tokenizer, script)
+    try:
+        cases = (
+            (7, "invalid_prompt", 400, "invalid_request_error"),
+            (8, "server_error", 503, "service_unavailable"),
+        )
+        for max_tokens, code, status, error_type in cases:
+            body = {"model": MODEL, "input": "Hi", "max_output_tokens": max_tokens}
+            assert_error(served.post("/v1/responses", body), status, None)
+            events = list(
+                served.client().responses.create(
+                    model=MODEL, input="Hi", max_output_tokens=max_tokens, stream=True
+                )
+            )
+            failed = next(event for event in events if event.type == "response.failed")
+            assert failed.response.status == "failed"
+            assert failed.response.error is not None
+            assert failed.response.error.code == code
+            # Then the Responses API's own error event, which the SDK yields rather than raises.
+            assert events[-1].type == "error"
+            assert events[-1].code == error_type and "failed" in events[-1].message
+    finally:
+        server.stop()
