@@ -104,6 +104,14 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
 
 
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    if params.stop:
+        # A node works on token ids; dropping the strings here would let a request run on past
+        # where its caller asked it to end.
+        raise SamplingParamError(
+            "stop",
+            "stop strings are applied to text, which a node never sees: the gateway takes them "
+            "as its own field (its text stream ends the request)",
+        )
     message = common_pb2.SamplingParams(
         max_tokens=params.max_tokens,
         min_tokens=params.min_tokens,

@@ -18,6 +18,7 @@ from services.engine.config import (
 )
 from services.engine.engine_core import EngineCore
 from services.engine.outputs import RequestOutput
+from services.engine.text_stops import TextStops
 from services.model_tokenizer import load_tokenizer
 from services.types import EngineConfigError, FinishReason, SamplingParams
 
@@ -133,7 +134,10 @@ class LLM:
         encoded with the tokenizer's special tokens (BOS), as the gateway's completions do.
         ``sampling_params`` (vLLM's name) is one ``SamplingParams`` for all, or one per
         prompt. Each output's ``text`` is its tokens decoded without special tokens, less the
-        stop token that ended it (as vLLM's); None with ``skip_tokenizer_init``."""
+        stop token that ended it (as vLLM's); None with ``skip_tokenizer_init``. A request whose
+        text reaches one of its ``stop`` strings ends there with ``stop`` (``stop_reason`` the
+        string; the text without it unless ``include_stop_str_in_output``; ``token_ids`` up to
+        the token that completed it)."""
         given = _prompts(prompts)
         prompt_ids = self._encode(given)
         params_list = _params(sampling_params, len(given))
@@ -143,6 +147,18 @@ class LLM:
             request_ids, prompt_ids, params_list, strict=True
         ):
             self.engine.validate_request(request_id, prompt, request_params)
+            if request_params.stop and self.tokenizer is None:
+                raise ValueError(
+                    "stop strings are matched in the text, which LLM(skip_tokenizer_init=True) "
+                    "does not decode: give stop_token_ids"
+                )
+        stops = {
+            request_id: TextStops(
+                self.tokenizer, request_params.stop, request_params.include_stop_str_in_output
+            )
+            for request_id, request_params in zip(request_ids, params_list, strict=True)
+            if request_params.stop and self.tokenizer is not None
+        }
         results = {
             request_id: RequestOutput(
                 request_id=request_id,
@@ -165,14 +181,31 @@ class LLM:
             while pending:
                 for out in self.engine.step():
                     result = results[out.request_id]
-                    result.token_ids.extend(out.new_token_ids)
-                    if out.new_logprobs is not None and result.logprobs is not None:
-                        result.logprobs.extend(out.new_logprobs)
+                    new_token_ids, new_logprobs = out.new_token_ids, out.new_logprobs
+                    text_stops = stops.get(out.request_id)
+                    if text_stops is not None:
+                        for index, token_id in enumerate(new_token_ids):
+                            if text_stops.feed(token_id):
+                                # The tokens after the one that completed the stop are not
+                                # the output's (a step may carry more than one).
+                                new_token_ids = new_token_ids[: index + 1]
+                                if new_logprobs is not None:
+                                    new_logprobs = new_logprobs[: index + 1]
+                                break
+                    result.token_ids.extend(new_token_ids)
+                    if new_logprobs is not None and result.logprobs is not None:
+                        result.logprobs.extend(new_logprobs)
                     result.num_cached_tokens = out.num_cached_tokens
                     if out.prompt_logprobs is not None:
                         result.prompt_logprobs = out.prompt_logprobs
                         result.prompt_logprob_ranks = out.prompt_logprob_ranks
-                    if out.finished:
+                    if text_stops is not None and text_stops.matched is not None:
+                        if not out.finished:
+                            self.engine.abort(out.request_id)  # its blocks are free again
+                        result.finish_reason = FinishReason.STOP
+                        result.stop_reason = text_stops.matched
+                        pending -= 1
+                    elif out.finished:
                         result.finish_reason = out.finish_reason
                         result.error = out.error
                         pending -= 1
@@ -181,12 +214,21 @@ class LLM:
             for request_id, result in results.items():
                 if result.finish_reason is None:
                     self.engine.abort(request_id)
-        if self.tokenizer is not None:
-            for request_id, request_params in zip(request_ids, params_list, strict=True):
-                result = results[request_id]
-                result.text = self.tokenizer.decode(
-                    self._text_token_ids(result, request_params), skip_special_tokens=True
-                )
+        for request_id, request_params in zip(request_ids, params_list, strict=True):
+            result = results[request_id]
+            ended_by_token = self._stop_token(result, request_params)
+            if ended_by_token is not None and ended_by_token in request_params.stop_token_ids:
+                result.stop_reason = ended_by_token  # vLLM's: a stop token id, never EOS
+            if self.tokenizer is None:
+                continue
+            text_stops = stops.get(request_id)
+            if text_stops is not None and text_stops.matched is not None:
+                result.text = text_stops.text
+                continue
+            token_ids = result.token_ids
+            if ended_by_token is not None and not request_params.include_stop_str_in_output:
+                token_ids = token_ids[:-1]
+            result.text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         return [results[request_id] for request_id in request_ids]
 
     def _encode(self, prompts: list[str | Sequence[int]]) -> list[Sequence[int]]:
@@ -203,16 +245,17 @@ class LLM:
         encoded = iter(e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=True))
         return [next(encoded) if isinstance(prompt, str) else prompt for prompt in prompts]
 
-    def _text_token_ids(self, result: RequestOutput, params: SamplingParams) -> list[int]:
-        """The output tokens whose text is the output's: without the stop token (a
-        ``stop_token_ids`` entry, or EOS) that ended it, as vLLM, and as the gateway's text."""
+    def _stop_token(self, result: RequestOutput, params: SamplingParams) -> int | None:
+        """The stop token (a ``stop_token_ids`` entry, or EOS) that ended the output, or None.
+        Its text is left out of the output's (as vLLM, and as the gateway's text) unless
+        ``include_stop_str_in_output``."""
         token_ids = result.token_ids
-        if result.finish_reason is FinishReason.STOP and token_ids:
+        if result.finish_reason is FinishReason.STOP and token_ids and result.stop_reason is None:
             last = token_ids[-1]
             eos_ids = () if params.ignore_eos else self.engine.model_config.eos_token_ids
             if last in params.stop_token_ids or last in eos_ids:
-                return token_ids[:-1]
-        return token_ids
+                return last
+        return None
 
 
 def _prompts(prompts: object) -> list[str | Sequence[int]]:

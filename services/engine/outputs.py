@@ -45,6 +45,8 @@ class CompletionOutput:
     """A ``str`` enum: ``"stop"``, ``"length"``, ``"abort"`` or ``"error"``."""
     cumulative_logprob: float | None
     """The sum of the sampled tokens' logprobs; None unless logprobs were asked for."""
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended it; None otherwise (EOS included)."""
 
     @property
     def finished(self) -> bool:
@@ -76,6 +78,9 @@ class RequestOutput:
     (``LLM.generate``); None where no tokenizer was loaded."""
     error: str | None = None
     """With finish reason ``error``: why (the request's grammar failed while it ran)."""
+    stop_reason: str | int | None = None
+    """With finish reason ``stop``: the ``SamplingParams.stop`` string or the
+    ``stop_token_ids`` entry that ended it; None for EOS (vLLM's ``stop_reason``)."""
 
     @property
     def finished(self) -> bool:
@@ -97,6 +102,7 @@ class RequestOutput:
                 logprobs=self.logprobs,
                 finish_reason=self.finish_reason,
                 cumulative_logprob=cumulative,
+                stop_reason=self.stop_reason,
             )
         ]
 

@@ -82,6 +82,13 @@ class SamplingParams:
     """Token sequences never to generate (vLLM's ``bad_words``, tokenized by the gateway): a
     sequence's last token is forbidden whenever the output so far ends with the tokens before
     it (a one-token sequence: always)."""
+    stop: tuple[str, ...] = ()
+    """Strings that finish the request with ``stop`` where its text first contains one (vLLM's
+    ``stop``: a string or a list; None is unset). Text, so ``LLM.generate`` applies them to
+    what it decodes; the engine and the nodes work on token ids and never see them (the
+    gateway's APIs take their own ``stop`` field)."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string (or the stop token's text) that ended the text in it, as vLLM."""
 
     def __post_init__(self) -> None:
         # Any iterable of ints (None: unset, as vLLM's default), stored as an immutable tuple.
@@ -149,6 +156,13 @@ class SamplingParams:
         # Sorted and unique: one canonical form, whatever order or repeats a client sent.
         object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
         object.__setattr__(self, "bad_words_token_ids", _token_sequences(self.bad_words_token_ids))
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise SamplingParamError(
+                "include_stop_str_in_output",
+                f"include_stop_str_in_output must be a bool, got "
+                f"{self.include_stop_str_in_output!r}",
+            )
 
     @property
     def is_greedy(self) -> bool:
@@ -244,6 +258,23 @@ def _token_ids(name: str, token_ids: object) -> tuple[object, ...]:
     if isinstance(token_ids, (str, bytes, Mapping)) or not isinstance(token_ids, Iterable):
         raise SamplingParamError(name, f"{name} must be a list of token ids, got {token_ids!r}")
     return tuple(token_ids)
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    """vLLM's ``stop``: one string or a list of them, as a tuple without repeats; None is
+    empty. An empty string would match before any text."""
+    if stop is None:
+        return ()
+    listed = [stop] if isinstance(stop, str) else stop
+    if isinstance(listed, (bytes, Mapping)) or not isinstance(listed, Iterable):
+        raise SamplingParamError("stop", f"stop must be a string or a list of them, got {stop!r}")
+    strings = tuple(listed)
+    for item in strings:
+        if not isinstance(item, str) or not item:
+            raise SamplingParamError(
+                "stop", f"stop strings must be non-empty strings, got {item!r}"
+            )
+    return tuple(dict.fromkeys(strings))
 
 
 def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:

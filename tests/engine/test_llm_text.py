@@ -9,11 +9,13 @@ that ended it; ``skip_tokenizer_init`` loads no tokenizer and takes token ids on
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from gateway.text.tokenizer import Tokenizer
+from services.convert import sampling_params_to_proto
 from services.engine import LLM, EngineConfigError, FinishReason, SamplingParams
 from services.guided_decoding import GuidedDecoding, GuidedKind
 from support.small_llm import small_llm
@@ -64,9 +66,89 @@ def test_the_stop_token_that_ended_an_output_is_not_in_its_text(
     assert stopped.finish_reason is FinishReason.STOP
     assert stopped.token_ids == free.token_ids[: first + 1]
     assert stopped.text == gateway.decode(free.token_ids[:first])
+    assert stopped.stop_reason == stop_id  # vLLM's: the stop token id
     # Cut by max_tokens instead, the last token's text stays.
     assert free.finish_reason is FinishReason.LENGTH
     assert free.text == gateway.decode(free.token_ids)
+    assert free.stop_reason is None
+    # include_stop_str_in_output keeps the stop token's text, as vLLM's.
+    kept = SamplingParams(
+        max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id],
+        include_stop_str_in_output=True,
+    )  # fmt: skip
+    (with_stop,) = llm.generate(TEXT, kept)
+    assert with_stop.text == gateway.decode(free.token_ids[: first + 1])
+
+
+LONG = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def token_texts(tokenizer: Tokenizer, token_ids: list[int]) -> list[str]:
+    """Where each token's text ends in the decoded output: the text of each prefix."""
+    return [tokenizer.decode(token_ids[: i + 1]) for i in range(len(token_ids))]
+
+
+def test_a_stop_string_ends_the_text_where_it_first_appears(llm: LLM, tiny_llama_dir: Path) -> None:
+    """vLLM's ``stop``: the text ends before the string (after it with
+    ``include_stop_str_in_output``), the request ends ``stop`` with the string as its
+    ``stop_reason``, and its tokens end with the one that completed the string, even when the
+    string spans tokens; the engine stops generating it there."""
+    gateway = Tokenizer.from_model_dir(tiny_llama_dir)
+    (free,) = llm.generate(TEXT, LONG)
+    prefixes = token_texts(gateway, free.token_ids)
+    assert prefixes[-1] == free.text and len(free.text) > 12
+    # A string from the middle of token 5's text into token 6's: it spans a token boundary.
+    cut = len(prefixes[4])
+    stop = free.text[cut - 2 : cut + 2]
+    begin = free.text.find(stop)  # where it first appears (maybe earlier than `cut - 2`)
+    completing = next(i for i, prefix in enumerate(prefixes) if len(prefix) >= begin + len(stop))
+
+    (stopped,) = llm.generate(TEXT, replace(LONG, stop=(stop,)))
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.stop_reason == stop
+    assert stopped.text == free.text[:begin]
+    assert stopped.token_ids == free.token_ids[: completing + 1]
+    assert stopped.outputs[0].stop_reason == stop and stopped.outputs[0].text == stopped.text
+
+    (kept,) = llm.generate(TEXT, replace(LONG, stop=stop, include_stop_str_in_output=True))
+    assert kept.text == free.text[: begin + len(stop)]
+    assert kept.stop_reason == stop
+
+    # Of two stops the one that ends first wins, whichever is listed first; one that never
+    # appears changes nothing.
+    later = free.text[begin + len(stop) : begin + len(stop) + 3]
+    assert later and free.text.find(later) >= begin
+    (first,) = llm.generate(TEXT, replace(LONG, stop=[later, "never in it \x00", stop]))
+    assert first.stop_reason == stop and first.text == stopped.text
+    (absent,) = llm.generate(TEXT, replace(LONG, stop=["never in it \x00"]))
+    assert absent.finish_reason is FinishReason.LENGTH and absent.text == free.text
+    assert absent.stop_reason is None
+
+    # A batch: each request ends on its own stop; the engine holds no request afterwards.
+    outputs = llm.generate([TEXT, TEXT], [replace(LONG, stop=stop), LONG])
+    assert [out.text for out in outputs] == [stopped.text, free.text]
+    stats = llm.engine.stats()
+    assert stats.num_running == 0 and stats.num_waiting == 0 and stats.num_blocks_used == 0
+
+
+def test_stop_strings_are_checked(tiny_llama_dir: Path) -> None:
+    for stop, message in (
+        ("", "non-empty"), ([""], "non-empty"), ([3], "non-empty strings"), (5, "a string or a list"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=message) as refusal:
+            SamplingParams(stop=stop)
+        assert refusal.value.param == "stop"  # type: ignore[attr-defined]
+    assert SamplingParams(stop="x").stop == ("x",)
+    assert SamplingParams(stop=None).stop == ()
+    assert SamplingParams(stop=["a", "b", "a"]).stop == ("a", "b")
+    with pytest.raises(ValueError, match="include_stop_str_in_output must be a bool"):
+        SamplingParams(include_stop_str_in_output=1)  # type: ignore[arg-type]
+    # Text stops need the text; a node never sees them.
+    llm = small_llm(tiny_llama_dir, skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate([[5, 6, 7]], SamplingParams(stop=["x"]))
+    with pytest.raises(ValueError, match="the gateway takes them"):
+        sampling_params_to_proto(SamplingParams(stop=["x"]))
 
 
 def test_a_gguf_models_text_goes_through_the_tokenizer_its_file_carries(

@@ -1,0 +1,79 @@
+"""Stop strings for ``LLM.generate``: an output's text as it is generated, and where it first
+contains one of the request's ``SamplingParams.stop`` strings.
+
+Life cycle: one ``TextStops`` per request that has stop strings, made when ``LLM.generate``
+queues it; fed each generated token id in order until it reports a match (the caller then
+aborts the request in the engine and ends it with ``stop``) or the request finishes otherwise;
+``text`` is then the output's text.
+
+The match is the one that ends first in the text, as if it came a character at a time (of
+those ending at the same place, the longest): the same rule as the gateway's streaming
+``StopStringMatcher``, which also has to hold back text that could begin a stop string before it
+sends it. Offline nothing goes out before the request ends, so this only searches each token's
+new text together with the few characters before it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tokenizers import Tokenizer as HfTokenizer
+from tokenizers.decoders import DecodeStream
+
+logger = logging.getLogger(__name__)
+
+
+class TextStops:
+    """Feed it a request's generated token ids; it says when the text reaches a stop string."""
+
+    def __init__(
+        self, tokenizer: HfTokenizer, stops: tuple[str, ...], include_stop_str_in_output: bool
+    ) -> None:
+        if not stops or not all(stops):
+            raise ValueError("stop strings must be non-empty")
+        self._tokenizer = tokenizer
+        self._stops = stops
+        self._longest = max(len(stop) for stop in stops)
+        self._include = include_stop_str_in_output
+        # Token ids to text a token at a time, holding back a token that ends in an incomplete
+        # character; None once it failed (then the text is decoded whole each time).
+        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=True)
+        self._token_ids: list[int] = []
+        self.text = ""
+        """The text so far; once ``matched``, cut after the stop string (with
+        ``include_stop_str_in_output``) or before it."""
+        self.matched: str | None = None
+        """The stop string that ended the text, once one did."""
+
+    def feed(self, token_id: int) -> bool:
+        """Adds one generated token; True when the text now holds a stop string (and ``text``
+        and ``matched`` say where and which). Not to be fed after that."""
+        assert self.matched is None, "fed past its stop"
+        self._token_ids.append(token_id)
+        searched_from = max(0, len(self.text) - self._longest + 1)
+        self.text = self._extended()
+        best: tuple[int, int, str] | None = None  # (end, -length, stop): the least wins
+        for stop in self._stops:
+            begin = self.text.find(stop, searched_from)
+            if begin >= 0:
+                candidate = (begin + len(stop), -len(stop), stop)
+                if best is None or candidate < best:
+                    best = candidate
+        if best is None:
+            return False
+        end, minus_length, stop = best
+        self.text = self.text[: end if self._include else end + minus_length]
+        self.matched = stop
+        return True
+
+    def _extended(self) -> str:
+        if self._stream is not None:
+            try:
+                piece = self._stream.step(self._tokenizer, self._token_ids[-1])
+            except Exception as exc:  # noqa: BLE001 - a decoder's limit, not the request's fault
+                # DecodeStream refuses some decoders' non-monotonic output (vLLM issue 17448).
+                logger.warning("incremental decoding failed (%s): decoding whole texts", exc)
+                self._stream = None
+            else:
+                return self.text + (piece or "")
+        return self._tokenizer.decode(self._token_ids, skip_special_tokens=True)
