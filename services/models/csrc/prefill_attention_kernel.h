@@ -50,13 +50,17 @@ namespace {
 
 // Register tiles of the two products: kS broadcast scalars times kV vectors, kS x kV
 // accumulators. Scores (keys x query-row vectors): AVX-512 8 x 3 = 24 of its 32 registers,
-// 16-register ISAs 4 x 2. Values (query rows x head_dim vectors): 6 x 4 and 4 x 2.
+// 16-register ISAs 4 x 3 (12, and 3 + 1 for the operands). Values (query rows x head_dim
+// vectors): 6 x 4 and 6 x 2. On the AVX2 Zen 3 host (twenty-fourth pass of docs/benchmarks.md),
+// 12 accumulators for the values instead of 8 (4 x 2, whose FMAs wait on each other's latency)
+// made the kernel 7-14 % faster; the score tile's 12 instead of 8 alone changed nothing, but
+// it makes the rows a multiple of 6.
 #if defined(PDSERVE_AVX512)
 constexpr int64_t kScoreScalars = 8, kScoreVecs = 3;
 constexpr int64_t kValueRows = 6, kValueVecs = 4;
 #else
-constexpr int64_t kScoreScalars = 4, kScoreVecs = 2;
-constexpr int64_t kValueRows = 4, kValueVecs = 2;
+constexpr int64_t kScoreScalars = 4, kScoreVecs = 3;
+constexpr int64_t kValueRows = 6, kValueVecs = 2;
 #endif
 // Keys per block of the online softmax; a multiple of kScoreScalars.
 constexpr int64_t kKeyBlock = 4 * kScoreScalars;
