@@ -132,9 +132,9 @@ def test_a_stop_string_ends_the_text_where_it_first_appears(llm: LLM, tiny_llama
 
 
 def test_stop_strings_are_checked(tiny_llama_dir: Path) -> None:
-    for stop, message in (
-        ("", "non-empty"), ([""], "non-empty"), ([3], "non-empty strings"), (5, "a string or a list"),
-    ):  # fmt: skip
+    refused = [("", "non-empty"), ([""], "non-empty"), ([3], "non-empty strings"),
+               (5, "a string or a list")]  # fmt: skip
+    for stop, message in refused:
         with pytest.raises(ValueError, match=message) as refusal:
             SamplingParams(stop=stop)
         assert refusal.value.param == "stop"  # type: ignore[attr-defined]
