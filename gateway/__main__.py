@@ -10,7 +10,7 @@ import sys
 
 from gateway.config import parse_gateway_config
 from gateway.server import GatewayServer
-from gateway.text.chat_template import ChatTemplateError
+from services.chat_template import ChatTemplateError
 from services.listen import ListenError
 from services.models import ModelFileError
 

@@ -87,3 +87,9 @@ class GatewayError(Exception):
 
 def invalid(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(ErrorKind.INVALID_ARGUMENT, message, param)
+
+
+def invalid_from(error: ValueError) -> GatewayError:
+    """A refusal raised by the shared code (``services.chat_template.ChatRequestError``), whose
+    ``param`` names the request's field, as the gateway's 400."""
+    return invalid(str(error), getattr(error, "param", None))

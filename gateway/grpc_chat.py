@@ -11,10 +11,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.errors import GatewayError, invalid
-from gateway.text.chat_template import OPENAI_TEMPLATE_FIELDS, ROLES, check_template_kwargs
+from gateway.errors import GatewayError, invalid, invalid_from
 from gateway.tool_calls import ToolPlan, plan_tools
 from pdserve.v1 import gateway_pb2
+from services.chat_template import (
+    OPENAI_TEMPLATE_FIELDS,
+    ROLES,
+    ChatRequestError,
+    check_template_kwargs,
+)
 
 # The request's fields for the template variables chat_template_kwargs may not set: the
 # OpenAI bridge's, inside ChatMessages.
@@ -126,7 +131,10 @@ def _template_kwargs(text: str) -> dict[str, Any]:
         raise invalid(f"{param} is not valid JSON: {exc}", param=param) from None
     if not isinstance(kwargs, dict):
         raise invalid(f"{param} must be a JSON object, got {type(kwargs).__name__}", param=param)
-    check_template_kwargs(kwargs, param, _OWN_TEMPLATE_FIELDS)
+    try:
+        check_template_kwargs(kwargs, param, _OWN_TEMPLATE_FIELDS)
+    except ChatRequestError as exc:
+        raise invalid_from(exc) from None
     return kwargs
 
 

@@ -13,7 +13,7 @@ from typing import Any, cast
 from pydantic import BaseModel
 
 from gateway.chat_output import ChatOutput
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, invalid_from
 from gateway.http_api.openai_job import OpenAIJob
 from gateway.http_api.openai_protocol import (
     ChatChoice,
@@ -37,11 +37,11 @@ from gateway.http_api.openai_protocol import (
 )
 from gateway.http_api.sse import sse_event
 from gateway.reasoning import split_reasoning
-from gateway.text.chat_template import message_text
 from gateway.text.text_stream import TextDelta, TextFinished
 from gateway.text.tokenizer import Tokenizer
 from gateway.tool_calls import ToolCallStream
 from gateway.tool_parsers import parser_for
+from services.chat_template import ChatRequestError, message_text
 from services.types import TokenLogprob
 
 # OpenAI's stand-in for a logprob of -inf: JSON has no infinities.
@@ -346,7 +346,10 @@ class ChatFormat(OpenAIFormat):
         if body.echo and last.role == self._role:
             # The text the template was given for it.
             content = last.model_dump()["content"]
-            self._echo = message_text(len(body.messages) - 1, last.role, content)
+            try:
+                self._echo = message_text(len(body.messages) - 1, last.role, content)
+            except ChatRequestError as exc:
+                raise invalid_from(exc) from None
 
     def tool_stream(self, state: ChoiceState) -> ToolCallStream | None:
         """The choice's text → tool calls, when the request has tools."""

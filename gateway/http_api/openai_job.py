@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import Request
 
-from gateway.errors import ErrorKind, GatewayError, invalid
+from gateway.errors import ErrorKind, GatewayError, invalid, invalid_from
 from gateway.frontend import Frontend
 from gateway.generation import CLIENT_REQUEST_ID, GenerationRequest
 from gateway.guided import check, guided_from_request
@@ -25,9 +25,9 @@ from gateway.http_api.chat_messages import check_chat_messages
 from gateway.http_api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from gateway.reasoning import ReasoningParser
 from gateway.text.bad_words import bad_words_token_ids
-from gateway.text.chat_template import OPENAI_TEMPLATE_FIELDS, check_template_kwargs
 from gateway.text.tokenizer import Tokenizer
 from gateway.tool_calls import ToolMode, ToolPlan, tool_plan
+from services.chat_template import OPENAI_TEMPLATE_FIELDS, ChatRequestError, check_template_kwargs
 from services.guided_decoding import GuidedDecoding
 from services.types import SamplingParamError, SamplingParams
 
@@ -138,9 +138,12 @@ def chat_job(
     if body.modalities is not None and body.modalities != ["text"]:
         raise invalid("only the 'text' modality is supported", param="modalities")
     check_chat_messages(body.messages)  # /tokenize's checks too
-    check_template_kwargs(
-        body.chat_template_kwargs or {}, "chat_template_kwargs", OPENAI_TEMPLATE_FIELDS
-    )
+    try:
+        check_template_kwargs(
+            body.chat_template_kwargs or {}, "chat_template_kwargs", OPENAI_TEMPLATE_FIELDS
+        )
+    except ChatRequestError as exc:
+        raise invalid_from(exc) from None
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -25,7 +25,7 @@ from fastapi import APIRouter, Security
 from fastapi.security import HTTPBearer
 from pydantic import Discriminator, Field, Tag
 
-from gateway.errors import invalid
+from gateway.errors import invalid, invalid_from
 from gateway.frontend import Frontend
 from gateway.http_api.chat_messages import check_chat_messages
 from gateway.http_api.openai_job import check_model
@@ -38,8 +38,8 @@ from gateway.http_api.openai_protocol import (
     TokenId,
     TrueFlag,
 )
-from gateway.text.chat_template import OPENAI_TEMPLATE_FIELDS, check_template_kwargs
 from gateway.tool_calls import plan_tools
+from services.chat_template import OPENAI_TEMPLATE_FIELDS, ChatRequestError, check_template_kwargs
 
 
 class TokenizeCompletionRequest(RequestModel):
@@ -132,7 +132,10 @@ def _tokenize(
     else:
         check_chat_messages(body.messages)  # as the chat route checks them
         kwargs = body.chat_template_kwargs or {}
-        check_template_kwargs(kwargs, "chat_template_kwargs", OPENAI_TEMPLATE_FIELDS)
+        try:
+            check_template_kwargs(kwargs, "chat_template_kwargs", OPENAI_TEMPLATE_FIELDS)
+        except ChatRequestError as exc:
+            raise invalid_from(exc) from None
         plan_tools(body.tools or [], None, None)  # the chat route's checks of each tool
         tokens = tokenizer.encode_chat(
             [message.model_dump(exclude_none=True) for message in body.messages],

@@ -20,26 +20,20 @@ from typing import Any
 
 from tokenizers import Tokenizer as HfTokenizer
 
-from gateway.errors import invalid
-from gateway.text.chat_template import ChatTemplate, ChatTemplateError
+from gateway.errors import invalid, invalid_from
+from services.chat_template import ChatRequestError, ChatTemplate, ChatTemplateError
 from services.gguf_tokenizer import gguf_tokenizer_parts
+from services.model_tokenizer import (
+    chat_template_origin,
+    read_chat_template,
+    read_optional_json,
+    read_special_tokens,
+)
 from services.models import ModelFileError
 from services.models.gguf_file import find_gguf, open_gguf
-from services.models.model_file_error import read_json_object
 
 logger = logging.getLogger(__name__)
 
-# The named special tokens transformers passes to every chat template (its
-# SPECIAL_TOKENS_ATTRIBUTES); extra special tokens are not passed.
-_SPECIAL_TOKEN_NAMES = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-)
 # Byte fallback tokens of SentencePiece-style vocabularies, e.g. "<0xE2>".
 _BYTE_FALLBACK_PREFIX = "<0x"
 # The word-boundary marker of SentencePiece-style vocabularies.
@@ -61,41 +55,6 @@ def _byte_level_alphabet() -> dict[str, int]:
             stand_ins.append(256 + num_shifted)
             num_shifted += 1
     return {chr(char): byte for byte, char in zip(printable, stand_ins, strict=True)}
-
-
-def _token_content(value: object) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string or a serialized AddedToken."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict):
-        content = value.get("content")
-        if isinstance(content, str):
-            return content
-    return None
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """The file's JSON object, or {} when the model has no such file (each is optional)."""
-    return read_json_object(path) if path.is_file() else {}
-
-
-def _chat_template_origin(model_dir: Path) -> Path:
-    """The file ``_read_chat_template`` reads the template from."""
-    template_file = model_dir / "chat_template.jinja"
-    return template_file if template_file.is_file() else model_dir / "tokenizer_config.json"
-
-
-def _read_chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
-    # transformers 5 loads chat_template.jinja over the config's key; newer checkpoints ship it.
-    template_file = model_dir / "chat_template.jinja"
-    if template_file.is_file():
-        return template_file.read_text(encoding="utf-8")
-    template = config.get("chat_template")
-    if isinstance(template, list):
-        # Several named templates: serving uses the default one, as transformers does.
-        named = {item.get("name"): item.get("template") for item in template}
-        template = named.get("default")
-    return template if isinstance(template, str) else None
 
 
 class Tokenizer:
@@ -144,7 +103,7 @@ class Tokenizer:
             if chat_template is not None:
                 raise  # the flag's: the caller names it
             # The template comes from the checkpoint: name the file to fix.
-            origin = gguf_path or _chat_template_origin(model_dir)
+            origin = gguf_path or chat_template_origin(model_dir)
             raise ModelFileError(origin, str(exc)) from None
         if chat_template is not None:
             assert tokenizer._chat_template is not None
@@ -165,14 +124,7 @@ class Tokenizer:
         backend.no_truncation()
         backend.no_padding()
 
-        config = _read_json(model_dir / "tokenizer_config.json")
-        # Legacy checkpoints name their special tokens only in special_tokens_map.json.
-        legacy_map = _read_json(model_dir / "special_tokens_map.json")
-        special_tokens = {}
-        for name in _SPECIAL_TOKEN_NAMES:
-            content = _token_content(config.get(name)) or _token_content(legacy_map.get(name))
-            if content is not None:
-                special_tokens[name] = content
+        special_tokens = read_special_tokens(model_dir)
 
         eos_ids = []
         eos_token = special_tokens.get("eos_token")
@@ -180,7 +132,9 @@ class Tokenizer:
         if eos_id is not None:
             eos_ids.append(eos_id)
         # generation_config.json lists every id that ends a turn (e.g. Llama 3's <|eot_id|>).
-        generation_eos = _read_json(model_dir / "generation_config.json").get("eos_token_id")
+        generation_eos = read_optional_json(model_dir / "generation_config.json").get(
+            "eos_token_id"
+        )
         if isinstance(generation_eos, int):
             generation_eos = [generation_eos]
         for eos_id in generation_eos or ():
@@ -188,7 +142,7 @@ class Tokenizer:
                 eos_ids.append(eos_id)
 
         if chat_template is None:
-            chat_template = _read_chat_template(model_dir, config)
+            chat_template = read_chat_template(model_dir)
         return cls(backend, special_tokens, tuple(eos_ids), chat_template)
 
     @property
@@ -267,9 +221,12 @@ class Tokenizer:
                 "this model has no chat template; use the completions API with a plain prompt",
                 param="messages",
             )
-        return self._chat_template.render(
-            messages, add_generation_prompt, continue_final_message, **template_kwargs
-        )
+        try:
+            return self._chat_template.render(
+                messages, add_generation_prompt, continue_final_message, **template_kwargs
+            )
+        except ChatRequestError as exc:
+            raise invalid_from(exc) from exc.__cause__
 
     def encode_chat(
         self,

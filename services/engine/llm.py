@@ -5,10 +5,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TypedDict, cast
+from typing import Any, TypedDict, cast
 
 from tokenizers import Tokenizer as HfTokenizer
 
+from services.chat_template import ChatRequestError, ChatTemplate
 from services.engine.config import (
     CacheConfig,
     EngineConfig,
@@ -19,7 +20,7 @@ from services.engine.config import (
 from services.engine.engine_core import EngineCore
 from services.engine.outputs import RequestOutput
 from services.engine.text_stops import TextStops
-from services.model_tokenizer import load_tokenizer
+from services.model_tokenizer import chat_template_parts, load_tokenizer
 from services.types import EngineConfigError, FinishReason, SamplingParams
 
 
@@ -122,6 +123,77 @@ class LLM:
                     f"{exc}; LLM(skip_tokenizer_init=True) loads none and takes token ids"
                 ) from None
         self._ids = itertools.count()
+        self._model_path = config.model_dir
+        self._chat_template: ChatTemplate | None = None  # the model's, compiled at first use
+        self._special_tokens: dict[str, str] = {}
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Iterable[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: each conversation (OpenAI-style ``{"role", "content"}``
+        messages; ``messages`` is one conversation or a list of them) rendered with the model's
+        chat template (or ``chat_template``, Jinja source) as the gateway's chat API renders it,
+        encoded without adding special tokens (the template writes its own BOS), and generated
+        as ``generate`` does. ``tools`` and ``chat_template_kwargs`` reach the template as
+        variables. Each output's ``prompt`` is its rendered conversation. A conversation the
+        template cannot render raises ``ChatRequestError`` (a ``ValueError``) naming the field,
+        before anything is queued."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "chat renders text, which LLM(skip_tokenizer_init=True) cannot encode: give "
+                "generate() token ids"
+            )
+        template = self._template(chat_template)
+        variables = dict(chat_template_kwargs or {})
+        if tools is not None:
+            variables["tools"] = [dict(tool) for tool in tools]
+        conversations = _conversations(messages)
+        texts = []
+        for index, conversation in enumerate(conversations):
+            try:
+                texts.append(
+                    template.render(
+                        [dict(message) for message in conversation],
+                        add_generation_prompt,
+                        continue_final_message,
+                        **variables,
+                    )
+                )
+            except ChatRequestError as exc:
+                if len(conversations) == 1:
+                    raise
+                raise ChatRequestError(f"conversation {index}: {exc}", exc.param) from exc
+        encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        prompts: list[Prompt] = [{"prompt_token_ids": e.ids} for e in encoded]
+        outputs = self.generate(prompts, sampling_params)
+        for output, text in zip(outputs, texts, strict=True):
+            output.prompt = text
+        return outputs
+
+    def _template(self, source: str | None) -> ChatTemplate:
+        """``source`` compiled, else the model's template (read and compiled once); each with
+        the model's special tokens (``bos_token``...)."""
+        if self._chat_template is None or source is not None:
+            model_source, special_tokens, origin = chat_template_parts(self._model_path)
+            self._special_tokens = special_tokens
+            if source is None:
+                if model_source is None:
+                    raise ValueError(
+                        f"this model has no chat template ({origin} holds none): give "
+                        "chat(chat_template=...) or generate() a prompt"
+                    )
+                self._chat_template = ChatTemplate(model_source, special_tokens)
+            else:
+                return ChatTemplate(source, special_tokens)
+        return self._chat_template
 
     def generate(
         self,
@@ -256,6 +328,30 @@ class LLM:
             if last in params.stop_token_ids or last in eos_ids:
                 return last
         return None
+
+
+def _conversations(messages: object) -> list[Sequence[Mapping[str, Any]]]:
+    """``LLM.chat``'s ``messages`` as a list of conversations: one conversation (a list whose
+    items are message dicts), or a list of them. The messages themselves are checked when
+    rendered (``services.chat_template``)."""
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise ValueError(
+            "messages must be a list of message dicts (one conversation) or a list of such "
+            f"lists, got {type(messages).__name__}"
+        )
+    if not messages or isinstance(messages[0], Mapping):
+        return [cast(Sequence[Mapping[str, Any]], messages)]
+    conversations = []
+    for index, conversation in enumerate(messages):
+        if isinstance(conversation, (str, bytes, Mapping)) or not isinstance(
+            conversation, Sequence
+        ):
+            raise ValueError(
+                f"messages[{index}] must be a conversation (a list of message dicts), got "
+                f"{type(conversation).__name__}"
+            )
+        conversations.append(conversation)
+    return conversations
 
 
 def _prompts(prompts: object) -> list[str | Sequence[int]]:

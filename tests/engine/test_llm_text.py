@@ -8,6 +8,7 @@ that ended it; ``skip_tokenizer_init`` loads no tokenizer and takes token ids on
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -239,3 +240,82 @@ def test_a_grammar_that_fails_while_running_says_why(llm: LLM) -> None:
     assert out.finish_reason is FinishReason.ERROR
     assert out.error is not None and "guided.grammar" in out.error
     assert out.outputs[0].finish_reason == "error"
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXT}]
+
+
+def test_chat_renders_as_the_gateway_and_generates_as_generate(
+    llm: LLM, tiny_llama_dir: Path
+) -> None:
+    """vLLM's ``LLM.chat``: the model's template renders each conversation to the very prompt
+    the gateway's chat API would send (no BOS added on top of the template's), and the tokens
+    are what ``generate`` gives for those ids."""
+    gateway = Tokenizer.from_model_dir(tiny_llama_dir)
+    ids = gateway.encode_chat(CHAT)
+    (out,) = llm.chat(CHAT, GREEDY)
+    assert out.prompt_token_ids == ids
+    assert out.prompt == gateway.apply_chat_template(CHAT)
+    assert out.prompt.endswith("<|im_start|>assistant\n")
+    (same,) = llm.generate({"prompt_token_ids": ids}, GREEDY)
+    assert out.token_ids == same.token_ids and out.text == same.text
+
+    # Several conversations, each with its own params; without the generation prompt, and
+    # continuing the final message.
+    second = [{"role": "user", "content": "another prompt"}]
+    outputs = llm.chat([CHAT, second], [GREEDY, replace(GREEDY, max_tokens=3)])
+    assert [out.prompt_token_ids for out in outputs] == [ids, gateway.encode_chat(second)]
+    assert [len(out.token_ids) for out in outputs] == [8, 3]
+    (bare,) = llm.chat(CHAT, GREEDY, add_generation_prompt=False)
+    assert bare.prompt == gateway.apply_chat_template(CHAT, add_generation_prompt=False)
+    partial = [*CHAT, {"role": "assistant", "content": "The answer is"}]
+    (cont,) = llm.chat(partial, GREEDY, add_generation_prompt=False, continue_final_message=True)
+    assert cont.prompt is not None and cont.prompt.endswith("The answer is")
+
+    # A template of the caller's, with the model's special tokens and the caller's variables.
+    template = "{{ bos_token }}[{{ greeting }}]{% for m in messages %}{{ m.content }}{% endfor %}"
+    (custom,) = llm.chat(
+        CHAT, GREEDY, chat_template=template, chat_template_kwargs={"greeting": "hey"}
+    )
+    assert custom.prompt == gateway.special_tokens["bos_token"] + "[hey]Be brief." + TEXT
+
+
+def test_chat_refuses_what_it_cannot_render(llm: LLM, tiny_llama_dir: Path) -> None:
+    stats = llm.engine.stats()
+    refused = [
+        ([{"role": "robot", "content": "x"}], "messages\\[0\\].role"),
+        ([{"role": "user"}], "messages\\[0\\].content"),
+        ([], "non-empty"),
+        ("hello", "list of message dicts"),
+        ([CHAT, "x"], "messages\\[1\\] must be a conversation"),
+        ([CHAT, [{"role": "robot", "content": "x"}]], "conversation 1: messages\\[0\\].role"),
+    ]
+    for messages, match in refused:
+        with pytest.raises(ValueError, match=match):
+            llm.chat(messages, GREEDY)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="rejected the messages"):
+        llm.chat(CHAT, GREEDY, chat_template="{{ raise_exception('no system role') }}")
+    with pytest.raises(ValueError, match="not valid Jinja"):
+        llm.chat(CHAT, GREEDY, chat_template="{% for %}")
+    assert llm.engine.stats().num_waiting == stats.num_waiting == 0  # nothing queued
+    no_text = small_llm(tiny_llama_dir, skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="skip_tokenizer_init"):
+        no_text.chat(CHAT, GREEDY)
+
+
+def test_chat_without_a_template_says_how_to_go_on(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    model_dir = Path(shutil.copytree(tiny_llama_dir, tmp_path / "model"))
+    config_file = model_dir / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    del config["chat_template"]
+    config_file.write_text(json.dumps(config))
+    llm = small_llm(model_dir)
+    with pytest.raises(ValueError, match=r"no chat template \(.*tokenizer_config\.json holds"):
+        llm.chat(CHAT, GREEDY)
+    # A template of the caller's still works, and then the model's is still missing.
+    (out,) = llm.chat(
+        CHAT, GREEDY, chat_template="{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    assert out.prompt == "Be brief." + TEXT
+    with pytest.raises(ValueError, match="no chat template"):
+        llm.chat(CHAT, GREEDY)

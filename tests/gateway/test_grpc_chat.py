@@ -15,8 +15,8 @@ import pytest
 from gateway.errors import ErrorKind, invalid
 from gateway.grpc_chat import in_chat
 from gateway.http_api.openai_protocol import Role
-from gateway.text.chat_template import ROLES
 from pdserve.v1 import common_pb2, gateway_pb2
+from services.chat_template import ROLES
 from support.fake_gateway import FakeGateway
 
 # Renders every field a message may carry, and one template variable of the client's.

@@ -5,8 +5,9 @@ Messages arrive as OpenAI chat messages (from the HTTP bridge, or built from the
 reach the template as vLLM passes them: content is a string (a list of ``{"type": "text"}``
 parts is joined with newlines; an assistant turn that only called tools has ``""``), and an
 assistant turn's tool call arguments, JSON text on the wire, are parsed into the object
-templates iterate over. Anything that cannot be rendered is a ``GatewayError`` naming the
-request's field, raised before any node sees the request.
+templates iterate over. Anything that cannot be rendered is a ``ChatRequestError`` naming the
+request's field (the gateway answers it as a 400 before any node sees the request; the offline
+``LLM.chat`` raises it). Shared by both: torch-free, like the gateway.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ import jinja2.nodes
 import jinja2.parser
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-from gateway.errors import GatewayError, invalid
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 """Message roles the chat APIs take (the OpenAI bridge's and the gRPC API's): OpenAI's, less its
@@ -94,6 +93,15 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+class ChatRequestError(ValueError):
+    """A conversation the template cannot render: bad messages, or the template refused them;
+    ``param`` names the request's field (``messages[2].content``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class ChatTemplateError(ValueError):
     """A chat template that does not compile, or (``check_renders``) cannot render a plain
     conversation; the message says where, the caller which file or flag."""
@@ -138,11 +146,11 @@ def message_text(index: int, role: str, content: object) -> str:
             # a missing key fails them (transformers would leave the key out).
             return ""
         where = f"messages[{index}].content"
-        raise invalid(f"{where}: a {role} message needs content", param=where)
+        raise ChatRequestError(f"{where}: a {role} message needs content", param=where)
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise invalid(
+        raise ChatRequestError(
             f"messages[{index}].content must be a string or a list of text parts, "
             f"got {type(content).__name__}",
             param=f"messages[{index}].content",
@@ -152,13 +160,13 @@ def message_text(index: int, role: str, content: object) -> str:
         where = f"messages[{index}].content[{part_index}]"
         if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise invalid(
+            raise ChatRequestError(
                 f"{where} has type {kind!r}; this model accepts only text parts",
                 param=f"{where}.type" if isinstance(part, dict) else where,
             )
         text = part.get("text")
         if not isinstance(text, str):
-            raise invalid(f"{where}.text must be a string", param=f"{where}.text")
+            raise ChatRequestError(f"{where}.text must be a string", param=f"{where}.text")
         texts.append(text)
     # vLLM joins text parts with newlines when a template takes string content.
     return "\n".join(texts)
@@ -174,13 +182,13 @@ def _template_tool_calls(index: int, tool_calls: object) -> list[dict[str, Any]]
     """
     if not isinstance(tool_calls, list):
         where = f"messages[{index}].tool_calls"
-        raise invalid(f"{where} must be a list", param=where)
+        raise ChatRequestError(f"{where} must be a list", param=where)
     calls = []
     for call_index, call in enumerate(tool_calls):
         where = f"messages[{index}].tool_calls[{call_index}]"
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise invalid(f"{where} needs a 'function' object with a 'name'", param=where)
+            raise ChatRequestError(f"{where} needs a 'function' object with a 'name'", param=where)
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             try:
@@ -198,7 +206,7 @@ def _cut_at_continue_tag(rendered: str, final_text: str) -> str:
     """The rendered conversation up to the end of its final message (``_CONTINUE_TAG``)."""
     tag = _CONTINUE_TAG.strip()
     if final_text.strip() not in rendered or tag not in rendered:
-        raise invalid(
+        raise ChatRequestError(
             "continue_final_message: the chat template does not render the final message as "
             "it was given, so it cannot be continued",
             param="continue_final_message",
@@ -215,18 +223,20 @@ def normalize_messages(messages: object) -> list[dict[str, Any]]:
     objects, no ``None`` values (templates handle a missing key, not a None).
     """
     if not isinstance(messages, list) or not messages:
-        raise invalid("messages must be a non-empty list", param="messages")
+        raise ChatRequestError("messages must be a non-empty list", param="messages")
     normalized = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise invalid(
+            raise ChatRequestError(
                 f"messages[{index}] must be an object, got {type(message).__name__}",
                 param=f"messages[{index}]",
             )
         role = message.get("role")
         if not isinstance(role, str) or role not in ROLES:
             where = f"messages[{index}].role"
-            raise invalid(f"{where}: {role!r} is not one of {', '.join(ROLES)}", param=where)
+            raise ChatRequestError(
+                f"{where}: {role!r} is not one of {', '.join(ROLES)}", param=where
+            )
         fields = {key: value for key, value in message.items() if value is not None}
         fields["content"] = message_text(index, role, message.get("content"))
         if role == "assistant" and "tool_calls" in fields:
@@ -263,7 +273,7 @@ OPENAI_TEMPLATE_FIELDS = {
         "add_special_tokens",
     )
 }
-"""The OpenAI-style request's own fields for the reserved variables (the chat route and
+"""The OpenAI-style request's own fields for the reserved variables (the gateway's chat route and
 ``/tokenize``): ``check_template_kwargs``'s ``own_fields`` there."""
 
 
@@ -276,7 +286,9 @@ def check_template_kwargs(
         if key in RESERVED_TEMPLATE_KWARGS:
             field = own_fields.get(key)
             hint = f"; use the request's {field!r} field" if field is not None else ""
-            raise invalid(f"{param} cannot set {key!r}: the server sets it{hint}", param=param)
+            raise ChatRequestError(
+                f"{param} cannot set {key!r}: the server sets it{hint}", param=param
+            )
 
 
 class ChatTemplate:
@@ -291,9 +303,9 @@ class ChatTemplate:
         template given at start-up (``--chat-template``) is refused there, not on every chat."""
         try:
             rendered = self.render([dict(message) for message in _PROBE_MESSAGES])
-        except GatewayError as exc:
+        except ChatRequestError as exc:
             cause = exc.__cause__
-            problem = exc.message if cause is None else f"{type(cause).__name__}: {cause}"
+            problem = str(exc) if cause is None else f"{type(cause).__name__}: {cause}"
             raise ChatTemplateError(
                 f"cannot render a conversation of one user message: {problem}"
             ) from None
@@ -319,7 +331,7 @@ class ChatTemplate:
         if continue_final_message and add_generation_prompt:
             # vLLM (through transformers) refuses both too; add_generation_prompt defaults to
             # true on the OpenAI bridge.
-            raise invalid(
+            raise ChatRequestError(
                 "continue_final_message needs add_generation_prompt: false (the model continues "
                 "the last message instead of starting a new turn)",
                 param="continue_final_message",
@@ -339,12 +351,14 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             # raise_exception() in a template is how models refuse a conversation they cannot
             # take (e.g. roles that do not alternate): the client's request is at fault.
-            raise invalid(f"the chat template rejected the messages: {exc}", "messages") from exc
+            raise ChatRequestError(
+                f"the chat template rejected the messages: {exc}", "messages"
+            ) from exc
         except Exception as exc:
             # The template is untrusted code run on the client's values (messages, tool call
             # arguments, chat_template_kwargs): "'a' + none" or "3|items" fail it in plain
             # Python. vLLM answers any failure of it with a 400, and so does the gateway.
-            raise invalid(
+            raise ChatRequestError(
                 f"the chat template rejected the messages: {type(exc).__name__}: {exc}",
                 "messages",
             ) from exc
