@@ -112,6 +112,10 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
             "stop strings are applied to text, which a node never sees: the gateway takes them "
             "as its own field (its text stream ends the request)",
         )
+    if params.n != 1:
+        raise SamplingParamError(
+            "n", "a node generates one sample a request: fan n out as requests of their own"
+        )
     message = common_pb2.SamplingParams(
         max_tokens=params.max_tokens,
         min_tokens=params.min_tokens,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ from services.engine.outputs import RequestOutput
 from services.engine.text_stops import TextStops
 from services.model_tokenizer import chat_template_parts, load_tokenizer
 from services.types import EngineConfigError, FinishReason, SamplingParams
+from services.types.sampling_params import MAX_SEED
 
 
 class TokensPrompt(TypedDict):
@@ -209,11 +211,19 @@ class LLM:
         stop token that ended it (as vLLM's); None with ``skip_tokenizer_init``. A request whose
         text reaches one of its ``stop`` strings ends there with ``stop`` (``stop_reason`` the
         string; the text without it unless ``include_stop_str_in_output``; ``token_ids`` up to
-        the token that completed it)."""
-        given = _prompts(prompts)
-        prompt_ids = self._encode(given)
-        params_list = _params(sampling_params, len(given))
-        request_ids = [f"llm-{next(self._ids)}" for _ in given]
+        the token that completed it). ``SamplingParams.n`` samples of a prompt are requests of
+        their own (the prefix cache shares the prompt's blocks), seeded ``seed``, ``seed + 1``...
+        where a seed is given, and come back as one output: ``outputs`` holds them all, the
+        output's own fields are the first's."""
+        prompts_given = _prompts(prompts)
+        prompts_encoded = self._encode(prompts_given)
+        prompt_params = _params(sampling_params, len(prompts_given))
+        # One engine request a sample: prompt i's n samples, the j-th seeded seed + j.
+        samples = [(i, j) for i, params in enumerate(prompt_params) for j in range(params.n)]
+        given = [prompts_given[i] for i, _ in samples]
+        prompt_ids = [prompts_encoded[i] for i, _ in samples]
+        params_list = [_sample_params(prompt_params[i], j) for i, j in samples]
+        request_ids = [f"llm-{next(self._ids)}" for _ in samples]
         # Validate everything before queueing anything, so a bad prompt leaves no work behind.
         for request_id, prompt, request_params in zip(
             request_ids, prompt_ids, params_list, strict=True
@@ -301,7 +311,13 @@ class LLM:
             if ended_by_token is not None and not request_params.include_stop_str_in_output:
                 token_ids = token_ids[:-1]
             result.text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        return [results[request_id] for request_id in request_ids]
+        outputs: list[RequestOutput] = []
+        for (i, j), request_id in zip(samples, request_ids, strict=True):
+            if j == 0:
+                outputs.append(results[request_id])
+            else:
+                outputs[i].more_outputs.append(results[request_id].completion(j))
+        return outputs
 
     def _encode(self, prompts: list[str | Sequence[int]]) -> list[Sequence[int]]:
         """Token ids for each prompt, the texts encoded in one batch (``tokenizers`` runs it on
@@ -352,6 +368,18 @@ def _conversations(messages: object) -> list[Sequence[Mapping[str, Any]]]:
             )
         conversations.append(conversation)
     return conversations
+
+
+def _sample_params(params: SamplingParams, sample: int) -> SamplingParams:
+    """The params of sample ``sample`` of a prompt (``n`` samples): one sample, its seed
+    ``seed + sample`` (wrapped into the seeds' range) so that the samples differ and each stays
+    reproducible."""
+    seed = params.seed
+    if seed is not None and sample:
+        seed += sample
+        if seed > MAX_SEED:
+            seed -= 2**64
+    return dataclasses.replace(params, n=1, seed=seed)
 
 
 def _prompts(prompts: object) -> list[str | Sequence[int]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.types import FinishReason
 
@@ -34,8 +34,8 @@ class EngineCoreOutput:
 @dataclass(frozen=True)
 class CompletionOutput:
     """One generated sequence of a ``RequestOutput``, in vLLM's shape (``out.outputs[0].text``):
-    a view of the request's own fields, one per request (the offline engine generates one
-    sequence a request)."""
+    the first a view of the output's own fields, the others (``SamplingParams.n`` > 1) those of
+    the prompt's further samples."""
 
     index: int
     text: str | None
@@ -81,6 +81,8 @@ class RequestOutput:
     stop_reason: str | int | None = None
     """With finish reason ``stop``: the ``SamplingParams.stop`` string or the
     ``stop_token_ids`` entry that ended it; None for EOS (vLLM's ``stop_reason``)."""
+    more_outputs: list[CompletionOutput] = field(default_factory=list)
+    """The prompt's other samples (``SamplingParams.n`` > 1), ``outputs`` 1 .. n - 1."""
 
     @property
     def finished(self) -> bool:
@@ -88,23 +90,25 @@ class RequestOutput:
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        """vLLM's ``RequestOutput.outputs``: the one generated sequence."""
+        """vLLM's ``RequestOutput.outputs``: the generated sequences, this output's own first."""
+        return [self.completion(0), *self.more_outputs]
+
+    def completion(self, index: int) -> CompletionOutput:
+        """This output's own sequence as vLLM's ``CompletionOutput`` number ``index``."""
         cumulative = (
             None
             if self.logprobs is None
             else sum(step[token] for step, token in zip(self.logprobs, self.token_ids, strict=True))
         )
-        return [
-            CompletionOutput(
-                index=0,
-                text=self.text,
-                token_ids=self.token_ids,
-                logprobs=self.logprobs,
-                finish_reason=self.finish_reason,
-                cumulative_logprob=cumulative,
-                stop_reason=self.stop_reason,
-            )
-        ]
+        return CompletionOutput(
+            index=index,
+            text=self.text,
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            cumulative_logprob=cumulative,
+            stop_reason=self.stop_reason,
+        )
 
 
 @dataclass(frozen=True)

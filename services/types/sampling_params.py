@@ -16,6 +16,8 @@ from services.guided_decoding import GuidedDecoding
 _GREEDY_EPS = 1e-5
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
+MAX_N = 1024
+"""Samples of one prompt ``SamplingParams.n`` may ask for (each is a request of its own)."""
 """The seeds ``torch.Generator.manual_seed`` takes (a negative one is read modulo 2**64); beyond
 them it raises mid-step, taking the whole batch down with it, so they are refused up front."""
 
@@ -89,6 +91,11 @@ class SamplingParams:
     gateway's APIs take their own ``stop`` field)."""
     include_stop_str_in_output: bool = False
     """Keep the stop string (or the stop token's text) that ended the text in it, as vLLM."""
+    n: int = 1
+    """Samples of each prompt (vLLM's ``n``), at most ``MAX_N``: ``LLM.generate`` runs each as
+    a request of its own (seeded ``seed + i`` where a seed is given) and returns them as one
+    output's ``outputs``. A node takes one sample a request (the gateway's APIs fan their own
+    ``n`` out)."""
 
     def __post_init__(self) -> None:
         # Any iterable of ints (None: unset, as vLLM's default), stored as an immutable tuple.
@@ -157,6 +164,7 @@ class SamplingParams:
         object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
         object.__setattr__(self, "bad_words_token_ids", _token_sequences(self.bad_words_token_ids))
         object.__setattr__(self, "stop", _stop_strings(self.stop))
+        _check_int("n", self.n, minimum=1, maximum=MAX_N)
         if not isinstance(self.include_stop_str_in_output, bool):
             raise SamplingParamError(
                 "include_stop_str_in_output",

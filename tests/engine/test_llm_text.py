@@ -319,3 +319,30 @@ def test_chat_without_a_template_says_how_to_go_on(tiny_llama_dir: Path, tmp_pat
     assert out.prompt == "Be brief." + TEXT
     with pytest.raises(ValueError, match="no chat template"):
         llm.chat(CHAT, GREEDY)
+
+
+def test_n_samples_of_a_prompt_come_back_as_one_outputs_outputs(llm: LLM) -> None:
+    """vLLM's ``n``: one output a prompt, ``outputs`` its n samples; with a seed, sample j is
+    what a request seeded seed + j gives (so they differ, and each is reproducible)."""
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True, seed=11, n=3)
+    first, second = llm.generate([TEXT, "another prompt"], [sampled, replace(sampled, n=1)])
+    assert [len(first.outputs), len(second.outputs)] == [3, 1]
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+    assert first.outputs[0].token_ids == first.token_ids and first.outputs[0].text == first.text
+    alone = [llm.generate(TEXT, replace(sampled, n=1, seed=11 + j))[0] for j in range(3)]
+    assert [c.token_ids for c in first.outputs] == [out.token_ids for out in alone]
+    assert [c.text for c in first.outputs] == [out.text for out in alone]
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1  # the seeds differ
+    assert all(c.finish_reason == "length" for c in first.outputs)
+    # Each sample ends on its own stop; the engine holds nothing afterwards.
+    stop = first.outputs[1].text[1:3]
+    (stopped,) = llm.generate(TEXT, replace(sampled, stop=[stop]))
+    assert stopped.outputs[1].stop_reason == stop
+    assert stopped.outputs[1].text == first.outputs[1].text[: first.outputs[1].text.find(stop)]
+    assert llm.engine.stats().num_blocks_used == 0
+    # n is checked, and a node never receives it.
+    for n in (0, 1025, 1.5):
+        with pytest.raises(ValueError, match="n must be"):
+            SamplingParams(n=n)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="one sample a request"):
+        sampling_params_to_proto(SamplingParams(n=2))
