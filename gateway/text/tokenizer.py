@@ -7,7 +7,9 @@ gives ``tokenizer.json`` (read through the ``tokenizers`` library), ``tokenizer_
 for the named special tokens and the chat template (``chat_template.jinja`` wins when present, as
 in transformers 5), and ``generation_config.json`` for extra EOS ids. Encoding, decoding and
 template rendering match ``transformers.AutoTokenizer`` on the same model; the tests check it.
-How a conversation is rendered is ``chat_template``'s; ``--chat-template`` replaces the model's.
+How a conversation is rendered is ``services.chat_template``'s, and the files are read by
+``services.model_tokenizer`` (both shared with the offline ``LLM.chat``); ``--chat-template``
+replaces the model's.
 """
 
 from __future__ import annotations

@@ -127,7 +127,6 @@ class LLM:
         self._ids = itertools.count()
         self._model_path = config.model_dir
         self._chat_template: ChatTemplate | None = None  # the model's, compiled at first use
-        self._special_tokens: dict[str, str] = {}
 
     def chat(
         self,
@@ -185,7 +184,6 @@ class LLM:
         the model's special tokens (``bos_token``...)."""
         if self._chat_template is None or source is not None:
             model_source, special_tokens, origin = chat_template_parts(self._model_path)
-            self._special_tokens = special_tokens
             if source is None:
                 if model_source is None:
                     raise ValueError(
