@@ -5,9 +5,8 @@ keeps back only the longest tail of the text that could still begin a stop strin
 the rest out at once. A match ends the stream: the text before it (and the stop string itself
 with ``include_stop_str_in_output``) comes out, nothing after it ever does.
 
-The match is the one that *ends* first in the text, which is where generation would have stopped
-had the text come one character at a time; so the result does not depend on how the text was cut
-into pieces. Of matches ending at the same place the longest wins.
+The match is the one that *ends* first in the text (``services.stop_strings``, shared with the
+offline ``LLM``), so the result does not depend on how the text was cut into pieces.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import logging
 from dataclasses import dataclass
 
 from gateway.errors import invalid
+from services.stop_strings import first_stop_match
 
 logger = logging.getLogger(__name__)
 
@@ -71,18 +71,7 @@ class StopStringMatcher:
     def _first_match(self, buffer: str, num_held: int) -> tuple[int, str] | None:
         """(start, stop string) of the match that ends first; the longest on a tie. Only a
         match that ends past the held text counts: one within it was fed with may_stop=False."""
-        best: tuple[int, int, str] | None = None  # (end, -length, stop)
-        for stop in self._stops:
-            start = buffer.find(stop, max(0, num_held + 1 - len(stop)))
-            if start == -1:
-                continue
-            candidate = (start + len(stop), -len(stop), stop)
-            if best is None or candidate < best:
-                best = candidate
-        if best is None:
-            return None
-        end, _, stop = best
-        return end - len(stop), stop
+        return first_stop_match(buffer, self._stops, num_held)
 
     def _num_chars_to_hold(self, buffer: str) -> int:
         """Length of the longest tail of ``buffer`` that is a proper prefix of a stop string."""

@@ -6,11 +6,10 @@ queues it; fed each generated token id in order until it reports a match (the ca
 aborts the request in the engine and ends it with ``stop``) or the request finishes otherwise;
 ``text`` is then the output's text.
 
-The match is the one that ends first in the text, as if it came a character at a time (of
-those ending at the same place, the longest): the same rule as the gateway's streaming
-``StopStringMatcher``, which also has to hold back text that could begin a stop string before it
-sends it. Offline nothing goes out before the request ends, so this only searches each token's
-new text together with the few characters before it.
+The match is the one that ends first in the text (``services.stop_strings``, the rule of the
+gateway's streaming ``StopStringMatcher`` too, which also has to hold back text that could begin
+a stop string before it sends it). Offline nothing goes out before the request ends, so this
+only searches each token's new text together with the few characters before it.
 """
 
 from __future__ import annotations
@@ -19,6 +18,8 @@ import logging
 
 from tokenizers import Tokenizer as HfTokenizer
 from tokenizers.decoders import DecodeStream
+
+from services.stop_strings import first_stop_match
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,6 @@ class TextStops:
             raise ValueError("stop strings must be non-empty")
         self._tokenizer = tokenizer
         self._stops = stops
-        self._longest = max(len(stop) for stop in stops)
         self._include = include_stop_str_in_output
         # Token ids to text a token at a time, holding back a token that ends in an incomplete
         # character; None once it failed (then the text is decoded whole each time).
@@ -50,19 +50,13 @@ class TextStops:
         and ``matched`` say where and which). Not to be fed after that."""
         assert self.matched is None, "fed past its stop"
         self._token_ids.append(token_id)
-        searched_from = max(0, len(self.text) - self._longest + 1)
+        searched = len(self.text)
         self.text = self._extended()
-        best: tuple[int, int, str] | None = None  # (end, -length, stop): the least wins
-        for stop in self._stops:
-            begin = self.text.find(stop, searched_from)
-            if begin >= 0:
-                candidate = (begin + len(stop), -len(stop), stop)
-                if best is None or candidate < best:
-                    best = candidate
-        if best is None:
+        match = first_stop_match(self.text, self._stops, searched)
+        if match is None:
             return False
-        end, minus_length, stop = best
-        self.text = self.text[: end if self._include else end + minus_length]
+        begin, stop = match
+        self.text = self.text[: begin + len(stop) if self._include else begin]
         self.matched = stop
         return True
 

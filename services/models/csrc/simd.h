@@ -316,6 +316,17 @@ inline Vec exp_nonpositive(Vec x) {
   return exp_clamped(x);
 }
 
+// 2^f for f in [-0.5, 0.5]: its Taylor series to f^6 (error below 2e-7 on that interval).
+inline Vec exp2_fraction(Vec f) {
+  Vec p = Vec{} + 1.5403530393e-4f;
+  p = p * f + 1.3333558146e-3f;
+  p = p * f + 9.6181291076e-3f;
+  p = p * f + 5.5504108665e-2f;
+  p = p * f + 2.4022650696e-1f;
+  p = p * f + 6.9314718056e-1f;
+  return p * f + 1.0f;
+}
+
 // 2^x for x <= 0 (the prefill softmax works in base 2: its scale carries log2(e)). Below -127
 // (AVX2: -126) the result is ~2^-127 (2^-126), as good as 0 beside a sum that holds a 1; NaN
 // stays NaN. AVX-512 rounds and scales in one instruction each (vrndscaleps, vscalefps): 10
@@ -326,32 +337,14 @@ inline Vec exp2_nonpositive(Vec x) {
 #if defined(PDSERVE_AVX2)
   x = _mm256_max_ps(Vec{} - 126.0f, x);  // a NaN x (the second operand) passes through
   const Vec n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const Vec f = x - n;  // [-0.5, 0.5]
-  // 2^f: its Taylor series to f^6 (error below 2e-7 on that interval), as AVX-512's below.
-  Vec p = Vec{} + 1.5403530393e-4f;
-  p = p * f + 1.3333558146e-3f;
-  p = p * f + 9.6181291076e-3f;
-  p = p * f + 5.5504108665e-2f;
-  p = p * f + 2.4022650696e-1f;
-  p = p * f + 6.9314718056e-1f;
-  p = p * f + 1.0f;
   // 2^n in the exponent bits: -126 <= n <= 0 keeps it a normal float (a NaN's n does not
   // matter: NaN times anything is NaN).
   const VecI32 exponent = (__builtin_convertvector(n, VecI32) + 127) << 23;
-  return p * reinterpret_cast<Vec>(exponent);
+  return exp2_fraction(x - n) * reinterpret_cast<Vec>(exponent);
 #elif defined(PDSERVE_AVX512)
   x = _mm512_max_ps(Vec{} - 127.0f, x);  // a NaN x (the second operand) passes through
   const Vec n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const Vec f = x - n;  // [-0.5, 0.5]
-  // 2^f: its Taylor series to f^6 (error below 2e-7 on that interval).
-  Vec p = Vec{} + 1.5403530393e-4f;
-  p = p * f + 1.3333558146e-3f;
-  p = p * f + 9.6181291076e-3f;
-  p = p * f + 5.5504108665e-2f;
-  p = p * f + 2.4022650696e-1f;
-  p = p * f + 6.9314718056e-1f;
-  p = p * f + 1.0f;
-  return _mm512_scalef_ps(p, n);
+  return _mm512_scalef_ps(exp2_fraction(x - n), n);
 #else
   return exp_clamped(x * 0.69314718055994531f);
 #endif
