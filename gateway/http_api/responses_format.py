@@ -95,8 +95,9 @@ class ResponsesFormat(OpenAIFormat):
         raise AssertionError("a Responses stream carries its usage in its last event")
 
     def error_event(self, error: GatewayError) -> dict[str, Any]:
-        """The Responses API's ``error`` event, after ``response.failed``: the SDK yields it
-        (an ``{"error": ...}`` body would make it raise before the client saw the response)."""
+        """The Responses API's ``error`` event, after ``response.failed``: the SDK yields it as
+        an event (the chat routes' ``{"error": ...}`` body makes it raise, so that a client
+        collecting the stream's events got an exception in place of them)."""
         return self._event(
             "error", code=error.kind.openai_type, message=error.message, param=error.param
         )
