@@ -98,8 +98,10 @@ class OpenAIFormat:
         self.model = model
 
     def encode_event(self, payload: BaseModel | dict[str, Any]) -> bytes:
-        """One chunk or event as the stream's SSE bytes."""
-        return sse_event(payload)
+        """One chunk or event as the stream's SSE bytes. A chunk carries ``usage`` only with
+        ``stream_options.include_usage`` (null until the usage chunk), as OpenAI sends it; a
+        field every chunk sent as null could fail a client's strict schema for nothing."""
+        return sse_event(payload, None if self.job.include_usage else {"usage"})
 
     def token_text(self, token_id: int) -> str:
         """A token as logprobs show it: its text, or vLLM's ``token_id:<id>`` with

@@ -12,10 +12,11 @@ DONE = b"data: [DONE]\n\n"
 MEDIA_TYPE = "text/event-stream"
 
 
-def sse_event(payload: BaseModel | dict[str, object]) -> bytes:
-    """``data: <payload as compact JSON>\\n\\n``; JSON never holds a raw newline, so one line."""
+def sse_event(payload: BaseModel | dict[str, object], exclude: set[str] | None = None) -> bytes:
+    """``data: <payload as compact JSON>\\n\\n``; JSON never holds a raw newline, so one line.
+    ``exclude``: fields of a model payload left out."""
     if isinstance(payload, BaseModel):
-        data = payload.model_dump_json()
+        data = payload.model_dump_json(exclude=exclude)
     else:
         data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     return b"data: " + data.encode() + b"\n\n"

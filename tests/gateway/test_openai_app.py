@@ -237,6 +237,7 @@ def test_a_choice_that_ends_before_any_token(serve: Callable[..., Served]) -> No
     served = serve(lambda request: [Finished(FinishReason.ABORT, Usage(3, 0))])
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
     (chunk,) = sse_chunks(served.post("/v1/chat/completions", body))
+    assert "usage" not in chunk  # sent (null until the end) only with include_usage, as OpenAI
     assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chunk["choices"][0]["finish_reason"] == "abort"
 
@@ -264,6 +265,7 @@ def test_an_error_after_tokens_ends_the_stream_with_an_error_event(
     lines = sse_lines(response)
     assert lines[-1] == "[DONE]"
     text_chunk, finish_chunk, error_event = (json.loads(line) for line in lines[:-1])
+    assert "usage" not in text_chunk and "usage" not in finish_chunk  # no include_usage
     assert text_chunk["choices"][0]["text"] == "Hello there"
     assert finish_chunk["choices"][0]["finish_reason"] == "error"
     assert "decode died" in error_event["error"]["message"]
