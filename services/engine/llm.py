@@ -10,7 +10,7 @@ from typing import Any, TypedDict, cast
 
 from tokenizers import Tokenizer as HfTokenizer
 
-from services.chat_template import ChatRequestError, ChatTemplate
+from services.chat_template import ChatRequestError, ChatTemplate, ChatTemplateError
 from services.engine.config import (
     CacheConfig,
     EngineConfig,
@@ -190,7 +190,10 @@ class LLM:
                         f"this model has no chat template ({origin} holds none): give "
                         "chat(chat_template=...) or generate() a prompt"
                     )
-                self._chat_template = ChatTemplate(model_source, special_tokens)
+                try:
+                    self._chat_template = ChatTemplate(model_source, special_tokens)
+                except ChatTemplateError as exc:
+                    raise ChatTemplateError(f"{origin}: {exc}") from None  # the file to fix
             else:
                 return ChatTemplate(source, special_tokens)
         return self._chat_template

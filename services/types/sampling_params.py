@@ -16,10 +16,10 @@ from services.guided_decoding import GuidedDecoding
 _GREEDY_EPS = 1e-5
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
-MAX_N = 1024
-"""Samples of one prompt ``SamplingParams.n`` may ask for (each is a request of its own)."""
 """The seeds ``torch.Generator.manual_seed`` takes (a negative one is read modulo 2**64); beyond
 them it raises mid-step, taking the whole batch down with it, so they are refused up front."""
+MAX_N = 1024
+"""Samples of one prompt ``SamplingParams.n`` may ask for (each is a request of its own)."""
 
 
 class SamplingParamError(ValueError):

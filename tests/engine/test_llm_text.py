@@ -319,6 +319,11 @@ def test_chat_without_a_template_says_how_to_go_on(tiny_llama_dir: Path, tmp_pat
     assert out.prompt == "Be brief." + TEXT
     with pytest.raises(ValueError, match="no chat template"):
         llm.chat(CHAT, GREEDY)
+    # A model's own template that does not compile names the file to fix.
+    config["chat_template"] = "{% for %}"
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: chat_template is not valid"):
+        small_llm(model_dir).chat(CHAT, GREEDY)
 
 
 def test_n_samples_of_a_prompt_come_back_as_one_outputs_outputs(llm: LLM) -> None:
