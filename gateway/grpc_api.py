@@ -29,11 +29,11 @@ from gateway.grpc_chat import ChatInput, chat_input, in_chat
 from gateway.guided import check
 from gateway.metrics import stream_failure
 from gateway.pipeline import TextOptions, admitted, generate_text, tokenize
-from gateway.text.bad_words import bad_words_token_ids
 from gateway.text.text_stream import TextDelta, TextFinished
 from gateway.tool_calls import ToolCallStream, ToolMode
 from gateway.tool_parsers import parser_for
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.bad_words import bad_words_token_ids
 from services.convert import (
     finish_reason_to_proto,
     sampling_params_from_proto,
@@ -231,7 +231,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if checked.prompt_tokens_kept is not None:  # vLLM's left truncation
             prompt = prompt[-checked.prompt_tokens_kept :]
         if request.bad_words:
-            words = bad_words_token_ids(frontend.tokenizer, request.bad_words)
+            words = bad_words_token_ids(frontend.tokenizer.encode_text, request.bad_words)
             sampling = dataclasses.replace(
                 sampling, bad_words_token_ids=sampling.bad_words_token_ids + words
             )

@@ -10,8 +10,6 @@ that outgrows its lexer), is a 400 that names the request's own field (``respons
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
 
 from gateway.errors import invalid
@@ -21,6 +19,7 @@ from gateway.http_api.openai_protocol import (
     StructuredOutputs,
 )
 from services.guided_decoding import GuidedDecoding, GuidedKind
+from services.types import SamplingParamError, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -102,56 +101,20 @@ def _from_response_format(body: CompletionRequest | ChatCompletionRequest) -> Gu
 
 
 def _from_structured_outputs(options: StructuredOutputs) -> tuple[GuidedDecoding, str]:
-    """vLLM's ``structured_outputs``: its one constraint and the field that set it."""
-    param = "structured_outputs"
-    for name in ("whitespace_pattern", "structural_tag"):
-        if getattr(options, name) is not None:
-            raise invalid(f"{param}.{name} is not supported", param=f"{param}.{name}")
-    given = {
-        "json": options.json_spec,
-        "regex": options.regex,
-        "choice": options.choice,
-        "grammar": options.grammar,
-        "json_object": options.json_object,
-    }
-    named = [name for name, value in given.items() if value is not None]
-    if len(named) != 1:
-        raise invalid(
-            f"{param} takes exactly one of json, regex, choice, grammar and json_object, "
-            f"got {', '.join(named) or 'none'}",
-            param=param,
-        )
-    (name,) = named
-    value, where = given[name], f"{param}.{name}"
-    if name == "json_object":
-        if value is not True:
-            raise invalid(f"{where} must be true (or left out)", param=where)
-        return GuidedDecoding(GuidedKind.JSON_OBJECT), where
+    """vLLM's ``structured_outputs``: its one constraint and the field that set it (the
+    conversion the offline ``SamplingParams(structured_outputs=...)`` makes too)."""
+    params = StructuredOutputsParams(
+        json=options.json_spec,
+        regex=options.regex,
+        choice=options.choice,
+        grammar=options.grammar,
+        json_object=options.json_object,
+        disable_any_whitespace=options.disable_any_whitespace,
+        disable_additional_properties=options.disable_additional_properties,
+        whitespace_pattern=options.whitespace_pattern,
+        structural_tag=options.structural_tag,
+    )
     try:
-        if name == "json":
-            schema = json.loads(value) if isinstance(value, str) else copy.deepcopy(value)
-            if options.disable_additional_properties:
-                _close_objects(schema)
-            guided = GuidedDecoding.json_schema(schema)
-        elif name == "choice":
-            guided = GuidedDecoding.choice(value)  # type: ignore[arg-type]
-        else:
-            guided = GuidedDecoding(GuidedKind(name), value)  # type: ignore[arg-type]
-    except (ValueError, RecursionError) as exc:
-        raise invalid(f"{where}: {exc}", param=where) from None
-    return guided, where
-
-
-def _close_objects(schema: object) -> None:
-    """In place, as vLLM's ``disable_additional_properties``: every object schema with
-    ``properties`` (or ``patternProperties``) and no ``additionalProperties`` gets it false."""
-    if isinstance(schema, dict):
-        for value in schema.values():
-            _close_objects(value)
-        if "additionalProperties" not in schema and (
-            "properties" in schema or "patternProperties" in schema
-        ):
-            schema["additionalProperties"] = False
-    elif isinstance(schema, list):
-        for item in schema:
-            _close_objects(item)
+        return params.to_guided(), params.field_name
+    except SamplingParamError as exc:
+        raise invalid(str(exc), param=exc.param) from None

@@ -116,6 +116,16 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         raise SamplingParamError(
             "n", "a node generates one sample a request: fan n out as requests of their own"
         )
+    # Text and prompt options the offline LLM applies before the engine: a node would drop them.
+    if params.bad_words:
+        raise SamplingParamError(
+            "bad_words", "a node takes bad words as token ids: give bad_words_token_ids"
+        )
+    if params.truncate_prompt_tokens is not None:
+        raise SamplingParamError(
+            "truncate_prompt_tokens",
+            "a node runs the prompt it is given: truncate the prompt before sending it",
+        )
     message = common_pb2.SamplingParams(
         max_tokens=params.max_tokens,
         min_tokens=params.min_tokens,

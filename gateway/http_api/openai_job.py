@@ -24,9 +24,9 @@ from gateway.guided import check, guided_from_request
 from gateway.http_api.chat_messages import check_chat_messages
 from gateway.http_api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from gateway.reasoning import ReasoningParser
-from gateway.text.bad_words import bad_words_token_ids
 from gateway.text.tokenizer import Tokenizer
 from gateway.tool_calls import ToolMode, ToolPlan, tool_plan
+from services.bad_words import bad_words_token_ids
 from services.chat_template import OPENAI_TEMPLATE_FIELDS, ChatRequestError, check_template_kwargs
 from services.guided_decoding import GuidedDecoding
 from services.types import SamplingParamError, SamplingParams
@@ -326,7 +326,7 @@ def choice_requests(
     timeout_s = frontend.request_timeout_s
     deadline = None if timeout_s is None else job.arrival + timeout_s
     # Tokenized here, on the event loop: at most max_bad_words short words (limits.py).
-    bad_words = bad_words_token_ids(frontend.tokenizer, job.body.bad_words or ())
+    bad_words = bad_words_token_ids(frontend.tokenizer.encode_text, job.body.bad_words or ())
     requests = []
     for prompt_index, prompt in enumerate(prompts):
         for choice in range(n):
@@ -350,7 +350,7 @@ def sampling_params(
     frontend: Frontend,
     bad_words: tuple[tuple[int, ...], ...],
 ) -> SamplingParams:
-    """``bad_words``: the request's ``bad_words`` as token sequences (``bad_words.py``)."""
+    """``bad_words``: the request's ``bad_words`` as token sequences (``services.bad_words``)."""
     body = job.body
     limits = frontend.limits
     param = "messages" if job.is_chat else "prompt"

@@ -176,6 +176,10 @@ class Tokenizer:
         (encoding,) = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
         return encoding.ids
 
+    def encode_text(self, text: str) -> list[int]:
+        """``text``'s ids without special tokens (a piece of text, not a prompt)."""
+        return self.encode(text, add_special_tokens=False)
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # NOTE: no clean_up_tokenization_spaces: transformers 5 ignores it for BPE vocabularies,
         # which is what LLMs ship.

@@ -19,7 +19,7 @@ from services.engine.outputs import (
     EngineStats,
     RequestOutput,
 )
-from services.types import EngineConfigError, FinishReason, SamplingParams
+from services.types import EngineConfigError, FinishReason, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -35,5 +35,6 @@ __all__ = [
     "SamplingParams",
     "SchedulerConfig",
     "SchedulingPolicy",
+    "StructuredOutputsParams",
     "default_max_num_batched_tokens",
 ]

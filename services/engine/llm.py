@@ -10,6 +10,7 @@ from typing import Any, TypedDict, cast
 
 from tokenizers import Tokenizer as HfTokenizer
 
+from services.bad_words import bad_words_token_ids
 from services.chat_template import ChatRequestError, ChatTemplate, ChatTemplateError
 from services.engine.config import (
     CacheConfig,
@@ -20,6 +21,7 @@ from services.engine.config import (
 )
 from services.engine.engine_core import EngineCore
 from services.engine.outputs import RequestOutput
+from services.engine.progress import Progress, UseTqdm, check_use_tqdm
 from services.engine.text_stops import TextStops
 from services.model_tokenizer import chat_template_parts, load_tokenizer
 from services.types import EngineConfigError, FinishReason, SamplingParams
@@ -133,6 +135,7 @@ class LLM:
         messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
         sampling_params: SamplingParams | Iterable[SamplingParams] | None = None,
         *,
+        use_tqdm: UseTqdm = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -144,9 +147,9 @@ class LLM:
         chat template (or ``chat_template``, Jinja source) as the gateway's chat API renders it,
         encoded without adding special tokens (the template writes its own BOS), and generated
         as ``generate`` does. ``tools`` and ``chat_template_kwargs`` reach the template as
-        variables. Each output's ``prompt`` is its rendered conversation. A conversation the
-        template cannot render raises ``ChatRequestError`` (a ``ValueError``) naming the field,
-        before anything is queued."""
+        variables; ``use_tqdm`` is ``generate``'s. Each output's ``prompt`` is its rendered
+        conversation. A conversation the template cannot render raises ``ChatRequestError`` (a
+        ``ValueError``) naming the field, before anything is queued."""
         if self.tokenizer is None:
             raise ValueError(
                 "chat renders text, which LLM(skip_tokenizer_init=True) cannot encode: give "
@@ -174,7 +177,7 @@ class LLM:
                 raise ChatRequestError(f"conversation {index}: {exc}", exc.param) from exc
         encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False)
         prompts: list[Prompt] = [{"prompt_token_ids": e.ids} for e in encoded]
-        outputs = self.generate(prompts, sampling_params)
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         for output, text in zip(outputs, texts, strict=True):
             output.prompt = text
         return outputs
@@ -202,6 +205,9 @@ class LLM:
         self,
         prompts: Iterable[Prompt] | str | TextPrompt | TokensPrompt,
         sampling_params: SamplingParams | Iterable[SamplingParams] | None = None,
+        *,
+        use_tqdm: UseTqdm = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts. A prompt is
         a string, a list of token ids, or vLLM's ``{"prompt": ...}`` /
@@ -215,10 +221,19 @@ class LLM:
         the token that completed it). ``SamplingParams.n`` samples of a prompt are requests of
         their own (the prefix cache shares the prompt's blocks), seeded ``seed``, ``seed + 1``...
         where a seed is given, and come back as one output: ``outputs`` holds them all, the
-        output's own fields are the first's."""
+        output's own fields are the first's. ``use_tqdm`` (vLLM's): a progress bar of the
+        prompts done on stderr (``progress.UseTqdm``). ``priority`` (vLLM's): one per prompt,
+        replacing its params' ``priority`` (lower is served first; an engine with
+        ``scheduling_policy="fcfs"`` refuses any but 0)."""
+        use_tqdm = check_use_tqdm(use_tqdm)
         prompts_given = _prompts(prompts)
-        prompts_encoded = self._encode(prompts_given)
-        prompt_params = _params(sampling_params, len(prompts_given))
+        prompt_params = self._with_bad_words(
+            _with_priorities(_params(sampling_params, len(prompts_given)), priority)
+        )
+        prompts_encoded = [
+            _truncated(ids, params.truncate_prompt_tokens, self.engine.max_model_len)
+            for ids, params in zip(self._encode(prompts_given), prompt_params, strict=True)
+        ]
         # One engine request a sample: prompt i's n samples, the j-th seeded seed + j.
         samples = [(i, j) for i, params in enumerate(prompt_params) for j in range(params.n)]
         given = [prompts_given[i] for i, _ in samples]
@@ -237,7 +252,10 @@ class LLM:
                 )
         stops = {
             request_id: TextStops(
-                self.tokenizer, request_params.stop, request_params.include_stop_str_in_output
+                self.tokenizer,
+                request_params.stop,
+                request_params.include_stop_str_in_output,
+                request_params.skip_special_tokens,
             )
             for request_id, request_params in zip(request_ids, params_list, strict=True)
             if request_params.stop and self.tokenizer is not None
@@ -255,6 +273,8 @@ class LLM:
                 request_ids, prompt_ids, given, params_list, strict=True
             )
         }
+        prompt_of = {request_id: i for (i, _), request_id in zip(samples, request_ids, strict=True)}
+        progress = Progress(use_tqdm, [params.n for params in prompt_params])
         try:
             for request_id, prompt, request_params in zip(
                 request_ids, prompt_ids, params_list, strict=True
@@ -287,12 +307,18 @@ class LLM:
                             self.engine.abort(out.request_id)  # its blocks are free again
                         result.finish_reason = FinishReason.STOP
                         result.stop_reason = text_stops.matched
-                        pending -= 1
                     elif out.finished:
                         result.finish_reason = out.finish_reason
                         result.error = out.error
+                    if result.finish_reason is not None:
                         pending -= 1
+                        progress.request_done(
+                            prompt_of[out.request_id],
+                            len(result.prompt_token_ids),
+                            len(result.token_ids),
+                        )
         finally:
+            progress.close()
             # An interrupted call (KeyboardInterrupt, an error in the model) leaves nothing queued.
             for request_id, result in results.items():
                 if result.finish_reason is None:
@@ -302,7 +328,7 @@ class LLM:
             ended_by_token = self._stop_token(result, request_params)
             if ended_by_token is not None and ended_by_token in request_params.stop_token_ids:
                 result.stop_reason = ended_by_token  # vLLM's: a stop token id, never EOS
-            if self.tokenizer is None:
+            if self.tokenizer is None or not request_params.detokenize:
                 continue
             text_stops = stops.get(request_id)
             if text_stops is not None and text_stops.matched is not None:
@@ -311,7 +337,9 @@ class LLM:
             token_ids = result.token_ids
             if ended_by_token is not None and not request_params.include_stop_str_in_output:
                 token_ids = token_ids[:-1]
-            result.text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+            result.text = self.tokenizer.decode(
+                token_ids, skip_special_tokens=request_params.skip_special_tokens
+            )
         outputs: list[RequestOutput] = []
         for (i, j), request_id in zip(samples, request_ids, strict=True):
             if j == 0:
@@ -333,6 +361,33 @@ class LLM:
             )
         encoded = iter(e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=True))
         return [next(encoded) if isinstance(prompt, str) else prompt for prompt in prompts]
+
+    def _with_bad_words(self, params: list[SamplingParams]) -> list[SamplingParams]:
+        """``params`` with their ``bad_words`` tokenized into ``bad_words_token_ids`` (each
+        distinct params object once)."""
+        if not any(item.bad_words for item in params):
+            return params
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise ValueError(
+                "bad_words are tokenized with the model's tokenizer, which "
+                "LLM(skip_tokenizer_init=True) does not load: give bad_words_token_ids"
+            )
+
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False).ids
+
+        resolved: dict[int, SamplingParams] = {}
+        for item in params:
+            if not item.bad_words or id(item) in resolved:
+                continue
+            words = bad_words_token_ids(encode, item.bad_words)
+            resolved[id(item)] = dataclasses.replace(
+                item,
+                bad_words=(),
+                bad_words_token_ids=(*item.bad_words_token_ids, *words),
+            )
+        return [resolved.get(id(item), item) for item in params]
 
     def _stop_token(self, result: RequestOutput, params: SamplingParams) -> int | None:
         """The stop token (a ``stop_token_ids`` entry, or EOS) that ended the output, or None.
@@ -416,6 +471,31 @@ def _prompts(prompts: object) -> list[str | Sequence[int]]:
             raise ValueError(f"prompt {index} is bytes: give a string or token ids")
         listed.append(prompt)
     return listed
+
+
+def _truncated(ids: Sequence[int], keep: int | None, max_model_len: int) -> Sequence[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1:
+    ``max_model_len``)."""
+    if keep is None:
+        return ids
+    keep = max_model_len if keep == -1 else keep
+    return ids[-keep:] if len(ids) > keep else ids
+
+
+def _with_priorities(
+    params: list[SamplingParams], priority: Sequence[int] | None
+) -> list[SamplingParams]:
+    """``params`` with ``priority[i]`` as prompt ``i``'s priority (vLLM's ``priority`` list)."""
+    if priority is None:
+        return params
+    if isinstance(priority, (str, bytes, Mapping)) or not isinstance(priority, Sequence):
+        raise ValueError(f"priority must be a list of ints, got {type(priority).__name__}")
+    if len(priority) != len(params):
+        raise ValueError(f"got {len(priority)} priorities for {len(params)} prompts")
+    return [
+        dataclasses.replace(item, priority=value)  # checked by SamplingParams, naming priority
+        for item, value in zip(params, priority, strict=True)
+    ]
 
 
 def _params(params: object, num_prompts: int) -> list[SamplingParams]:

@@ -28,16 +28,21 @@ class TextStops:
     """Feed it a request's generated token ids; it says when the text reaches a stop string."""
 
     def __init__(
-        self, tokenizer: HfTokenizer, stops: tuple[str, ...], include_stop_str_in_output: bool
+        self,
+        tokenizer: HfTokenizer,
+        stops: tuple[str, ...],
+        include_stop_str_in_output: bool,
+        skip_special_tokens: bool = True,
     ) -> None:
         if not stops or not all(stops):
             raise ValueError("stop strings must be non-empty")
         self._tokenizer = tokenizer
         self._stops = stops
         self._include = include_stop_str_in_output
+        self._skip_special_tokens = skip_special_tokens
         # Token ids to text a token at a time, holding back a token that ends in an incomplete
         # character; None once it failed (then the text is decoded whole each time).
-        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=True)
+        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._token_ids: list[int] = []
         self.text = ""
         """The text so far; once ``matched``, cut after the stop string (with
@@ -70,4 +75,6 @@ class TextStops:
                 self._stream = None
             else:
                 return self.text + (piece or "")
-        return self._tokenizer.decode(self._token_ids, skip_special_tokens=True)
+        return self._tokenizer.decode(
+            self._token_ids, skip_special_tokens=self._skip_special_tokens
+        )

@@ -9,8 +9,10 @@ from services.types.engine_config_error import EngineConfigError
 from services.types.finish_reason import FinishReason
 from services.types.limits import MAX_LOGPROBS
 from services.types.role import Role
-from services.types.sampling_params import SamplingParamError, SamplingParams
+from services.types.sampling_param_error import SamplingParamError
+from services.types.sampling_params import SamplingParams
 from services.types.stage_timings import StageTimings
+from services.types.structured_outputs import StructuredOutputsParams
 from services.types.token_logprob import TokenLogprob
 from services.types.usage import Usage
 
@@ -22,6 +24,7 @@ __all__ = [
     "SamplingParamError",
     "SamplingParams",
     "StageTimings",
+    "StructuredOutputsParams",
     "TokenLogprob",
     "Usage",
 ]

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from services.guided_decoding import GuidedDecoding
+from services.types.sampling_param_error import SamplingParamError
+from services.types.structured_outputs import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 MIN_SEED = -(2**63)
@@ -20,14 +22,6 @@ MAX_SEED = 2**64 - 1
 them it raises mid-step, taking the whole batch down with it, so they are refused up front."""
 MAX_N = 1024
 """Samples of one prompt ``SamplingParams.n`` may ask for (each is a request of its own)."""
-
-
-class SamplingParamError(ValueError):
-    """A bad sampling value; ``param`` names the field, and the message starts with it."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -96,35 +90,49 @@ class SamplingParams:
     a request of its own (seeded ``seed + i`` where a seed is given) and returns them as one
     output's ``outputs``. A node takes one sample a request (the gateway's APIs fan their own
     ``n`` out)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the output's text (vLLM's; text only: ``LLM.generate``)."""
+    detokenize: bool = True
+    """False: ``LLM.generate`` decodes no text (``text`` None), as vLLM's; stop strings need
+    text, so they are refused with it."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the prompt's last k tokens (vLLM's; -1: the last ``max_model_len``), applied by
+    ``LLM.generate`` before the engine sees the prompt; at most 2**31 - 1."""
+    bad_words: tuple[str, ...] = ()
+    """Words never to generate (vLLM's): ``LLM.generate`` tokenizes each, at the start of a
+    text and after a space, into ``bad_words_token_ids``."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """vLLM's way to ask for a constraint; construction turns it into ``guided`` (only one of
+    the two may be given, unless they agree)."""
 
     def __post_init__(self) -> None:
         # Any iterable of ints (None: unset, as vLLM's default), stored as an immutable tuple.
         object.__setattr__(
             self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids)
         )
-        _check_int("max_tokens", self.max_tokens, minimum=1)
-        _check_int("min_tokens", self.min_tokens, minimum=0)
+        check_int("max_tokens", self.max_tokens, minimum=1)
+        check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
             raise SamplingParamError(
                 "min_tokens",
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
                 f"and max_tokens={self.max_tokens}",
             )
-        _check_float("temperature", self.temperature)
+        check_float("temperature", self.temperature)
         if self.temperature < 0:
             raise SamplingParamError(
                 "temperature", f"temperature must be >= 0, got {self.temperature}"
             )
-        _check_int("top_k", self.top_k, minimum=-1)
-        _check_float("top_p", self.top_p)
+        check_int("top_k", self.top_k, minimum=-1)
+        check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        _check_float("min_p", self.min_p)
+        check_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise SamplingParamError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
-            _check_int("seed", self.seed, minimum=MIN_SEED, maximum=MAX_SEED)
-        _check_float("repetition_penalty", self.repetition_penalty)
+            check_int("seed", self.seed, minimum=MIN_SEED, maximum=MAX_SEED)
+        check_float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             raise SamplingParamError(
                 "repetition_penalty",
@@ -132,45 +140,66 @@ class SamplingParams:
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check_float(name, value)
+            check_float(name, value)
             if not -2.0 <= value <= 2.0:
                 raise SamplingParamError(name, f"{name} must be in [-2, 2], got {value}")
         for token_id in self.stop_token_ids:
-            _check_int("stop_token_ids", token_id, minimum=0)
+            check_int("stop_token_ids", token_id, minimum=0)
         if not isinstance(self.ignore_eos, bool):
             raise SamplingParamError(
                 "ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}"
             )
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0)
+            check_int("logprobs", self.logprobs, minimum=0)
         if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
-        _check_int("priority", self.priority, minimum=-(2**63))
+            check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
+        check_int("priority", self.priority, minimum=-(2**63))
         if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
             raise SamplingParamError(
                 "guided", f"guided must be a GuidedDecoding, got {type(self.guided).__name__}"
             )
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         for _, value in self.logit_bias:
-            _check_float("logit_bias", value)
+            check_float("logit_bias", value)
             if not -100.0 <= value <= 100.0:
                 raise SamplingParamError(
                     "logit_bias", f"logit_bias values must be in [-100, 100], got {value}"
                 )
         allowed = _token_ids("allowed_token_ids", self.allowed_token_ids)
         for allowed_id in allowed:
-            _check_int("allowed_token_ids", allowed_id, minimum=0)
+            check_int("allowed_token_ids", allowed_id, minimum=0)
         # Sorted and unique: one canonical form, whatever order or repeats a client sent.
         object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
         object.__setattr__(self, "bad_words_token_ids", _token_sequences(self.bad_words_token_ids))
         object.__setattr__(self, "stop", _stop_strings(self.stop))
-        _check_int("n", self.n, minimum=1, maximum=MAX_N)
-        if not isinstance(self.include_stop_str_in_output, bool):
+        check_int("n", self.n, minimum=1, maximum=MAX_N)
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamError(
+                    name, f"{name} must be a bool, got {getattr(self, name)!r}"
+                )
+        if self.stop and not self.detokenize:
             raise SamplingParamError(
-                "include_stop_str_in_output",
-                f"include_stop_str_in_output must be a bool, got "
-                f"{self.include_stop_str_in_output!r}",
+                "stop", "stop strings are matched in the text, which detokenize=False leaves out"
             )
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            check_int(
+                "truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1, maximum=2**31 - 1
+            )
+        object.__setattr__(self, "bad_words", _bad_words(self.bad_words))
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise SamplingParamError(
+                    "structured_outputs",
+                    "structured_outputs must be a StructuredOutputsParams, got "
+                    f"{type(self.structured_outputs).__name__}",
+                )
+            guided = self.structured_outputs.to_guided()
+            if self.guided is not None and self.guided != guided:
+                raise SamplingParamError(
+                    "structured_outputs", "give one of guided and structured_outputs, not both"
+                )
+            object.__setattr__(self, "guided", guided)
 
     @property
     def is_greedy(self) -> bool:
@@ -285,6 +314,21 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
     return tuple(dict.fromkeys(strings))
 
 
+def _bad_words(words: object) -> tuple[str, ...]:
+    """vLLM's ``bad_words``: a list of non-empty strings, as a tuple; None is empty."""
+    if words is None:
+        return ()
+    if isinstance(words, (str, bytes, Mapping)) or not isinstance(words, Iterable):
+        raise SamplingParamError("bad_words", f"bad_words must be a list of strings, got {words!r}")
+    listed = tuple(words)
+    for index, word in enumerate(listed):
+        if not isinstance(word, str) or not word:
+            raise SamplingParamError(
+                "bad_words", f"bad_words[{index}] must be a non-empty string, got {word!r}"
+            )
+    return listed
+
+
 def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
     """``{token id: bias}`` or (id, bias) pairs as pairs sorted by id (one canonical order); the
     ids and values are checked by the caller. None is empty, as vLLM's unset."""
@@ -306,7 +350,7 @@ def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
                 f"got the entry {pair!r}",
             )
         token_id, value = pair
-        _check_int(name, token_id, minimum=0)  # before sorting: ids of mixed types do not order
+        check_int(name, token_id, minimum=0)  # before sorting: ids of mixed types do not order
         by_id[cast(int, token_id)] = cast(float, value)  # the value is checked by the caller
     return tuple(sorted(by_id.items()))
 
@@ -327,12 +371,13 @@ def _token_sequences(words: object) -> tuple[tuple[int, ...], ...]:
         if not sequence:
             raise SamplingParamError(name, f"{name}[{index}] is empty")
         for token_id in sequence:
-            _check_int(name, token_id, minimum=0)
+            check_int(name, token_id, minimum=0)
         sequences.append(sequence)
     return tuple(sequences)
 
 
-def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
+def check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
+    """``SamplingParamError`` naming ``name`` unless ``value`` is an int (not a bool) in range."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise SamplingParamError(name, f"{name} must be an integer, got {value!r}")
     if value < minimum:
@@ -341,7 +386,8 @@ def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = 
         raise SamplingParamError(name, f"{name} must be <= {maximum}, got {value}")
 
 
-def _check_float(name: str, value: object) -> None:
+def check_float(name: str, value: object) -> None:
+    """``SamplingParamError`` naming ``name`` unless ``value`` is a finite number (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SamplingParamError(name, f"{name} must be a number, got {value!r}")
     if value != value or value in (float("inf"), float("-inf")):

@@ -10,9 +10,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gateway.text.bad_words import bad_words_token_ids
 from gateway.text.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2, gateway_pb2
+from services.bad_words import bad_words_token_ids
 from support.fake_gateway import FakeGateway
 from support.openai_app import MODEL, Served, assert_error, start
 
@@ -32,14 +32,14 @@ def served(tokenizer: Tokenizer) -> Iterator[Served]:
 
 
 def test_each_word_is_banned_at_the_start_and_after_a_space(tokenizer: Tokenizer) -> None:
-    words = bad_words_token_ids(tokenizer, ["hello", "  world", "hello"])
+    words = bad_words_token_ids(tokenizer.encode_text, ["hello", "  world", "hello"])
     # Leading whitespace is stripped first; a repeated spelling is kept once.
     assert set(words) == spellings(tokenizer, "hello") | spellings(tokenizer, "world")
     assert len(words) == len(set(words))
     # The two spellings differ in this vocabulary (the test would prove nothing otherwise).
     assert len(spellings(tokenizer, "hello")) == 2
     # A word of only whitespace is banned as itself, not as the space its stripping leaves.
-    (newline, *_) = bad_words_token_ids(tokenizer, ["\n"])
+    (newline, *_) = bad_words_token_ids(tokenizer.encode_text, ["\n"])
     assert newline == tuple(tokenizer.encode("\n", add_special_tokens=False))
 
 

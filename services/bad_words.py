@@ -1,4 +1,5 @@
-"""vLLM's ``bad_words``: the words a request forbids, as the token sequences the engine bans
+"""vLLM's ``bad_words``: the words a request forbids (the gateway's APIs and the offline
+``SamplingParams.bad_words``), as the token sequences the engine bans
 (``SamplingParams.bad_words_token_ids``; the sampler forbids a sequence's last token wherever
 the output ends with the tokens before it).
 
@@ -13,18 +14,20 @@ is 3 tokens, ``" unbelievable"`` 2); here it is banned too.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from gateway.text.tokenizer import Tokenizer
+from collections.abc import Callable, Sequence
 
 
-def bad_words_token_ids(tokenizer: Tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
-    """Each word's distinct spellings in tokens, in order; ``words`` are non-empty."""
+def bad_words_token_ids(
+    encode: Callable[[str], Sequence[int]], words: Sequence[str]
+) -> tuple[tuple[int, ...], ...]:
+    """Each word's distinct spellings in tokens, in order; ``words`` are non-empty. ``encode``
+    tokenizes a text without special tokens (the gateway's tokenizer and the offline ``LLM``'s
+    each give theirs)."""
     sequences: list[tuple[int, ...]] = []
     for word in words:
         stripped = word.lstrip() or word
         for text in (stripped, " " + stripped):
-            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            ids = tuple(encode(text))
             if ids and ids not in sequences:
                 sequences.append(ids)
     return tuple(sequences)
