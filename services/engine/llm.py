@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypedDict, cast
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 from tokenizers import Tokenizer as HfTokenizer
 
@@ -26,6 +26,9 @@ from services.engine.text_stops import TextStops
 from services.model_tokenizer import chat_template_parts, load_tokenizer
 from services.types import EngineConfigError, FinishReason, SamplingParams
 from services.types.sampling_params import MAX_SEED
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 
 class TokensPrompt(TypedDict):
@@ -129,6 +132,7 @@ class LLM:
         self._ids = itertools.count()
         self._model_path = config.model_dir
         self._chat_template: ChatTemplate | None = None  # the model's, compiled at first use
+        self._hf_tokenizer: PreTrainedTokenizerFast | None = None  # get_tokenizer's, once built
 
     def chat(
         self,
@@ -200,6 +204,22 @@ class LLM:
             else:
                 return ChatTemplate(source, special_tokens)
         return self._chat_template
+
+    def get_tokenizer(self) -> PreTrainedTokenizerFast:
+        """vLLM's ``get_tokenizer()``: the model's tokenizer as transformers' fast tokenizer
+        (``encode``, ``decode``, ``apply_chat_template``), over the same vocabulary as
+        ``self.tokenizer`` and with the model's chat template and named special tokens. Built
+        at first use."""
+        if self.tokenizer is None:
+            raise ValueError("LLM(skip_tokenizer_init=True) loads no tokenizer")
+        if self._hf_tokenizer is None:
+            from transformers import PreTrainedTokenizerFast  # ~2 s to import: only when asked
+
+            template, special_tokens, _ = chat_template_parts(self._model_path)
+            self._hf_tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+                tokenizer_object=self.tokenizer, chat_template=template, **special_tokens
+            )
+        return self._hf_tokenizer
 
     def generate(
         self,

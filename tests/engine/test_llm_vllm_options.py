@@ -210,3 +210,31 @@ def test_options_a_node_would_drop_are_refused_at_the_protobuf_edge() -> None:
 def _fields(params: SamplingParams) -> dict[str, Any]:
     """``params``' constructor arguments (the derived ``guided`` included)."""
     return {name: getattr(params, name) for name in params.__dataclass_fields__}
+
+
+def test_get_tokenizer_is_transformers_over_the_same_vocabulary_and_template(
+    llm: LLM, tiny_llama_dir: Path
+) -> None:
+    """vLLM scripts render chats with ``llm.get_tokenizer().apply_chat_template(...)`` and pass
+    the text to ``generate``: the same text and ids the gateway's chat API makes."""
+    tokenizer = llm.get_tokenizer()
+    assert llm.get_tokenizer() is tokenizer
+    gateway = Tokenizer.from_model_dir(tiny_llama_dir)
+    chat = [{"role": "user", "content": TEXT}]
+    rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert rendered == gateway.apply_chat_template(chat)
+    assert tokenizer.encode(TEXT) == gateway.encode(TEXT)
+    assert tokenizer.decode(gateway.encode(TEXT), skip_special_tokens=True) == TEXT
+    assert tokenizer.eos_token is not None
+    eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    assert eos_id in llm.engine.model_config.eos_token_ids
+
+
+def test_a_gguf_models_get_tokenizer_carries_the_files_template(tiny_gguf_factory: Any) -> None:
+    path = tiny_gguf_factory()
+    gateway = Tokenizer.from_model_dir(path)
+    tokenizer = small_llm(path).get_tokenizer()
+    chat = [{"role": "user", "content": TEXT}]
+    rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert rendered == gateway.apply_chat_template(chat)
+    assert tokenizer.encode(TEXT) == gateway.encode(TEXT)
