@@ -1,9 +1,11 @@
 """pdserve's engine: paged KV cache, continuous batching, Llama-family models.
 
-``from services.engine import LLM, SamplingParams`` for offline generation; ``EngineCore`` is the
-step-wise engine (``add_request``, ``step``, ``abort``) that the prefill and decode nodes drive.
+``from services.engine import LLM, SamplingParams`` for offline generation (``BeamSearchParams``
+for ``LLM.beam_search``); ``EngineCore`` is the step-wise engine (``add_request``, ``step``,
+``abort``) that the prefill and decode nodes drive.
 """
 
+from services.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from services.engine.config import (
     CacheConfig,
     EngineConfig,
@@ -23,6 +25,9 @@ from services.types import EngineConfigError, FinishReason, SamplingParams, Stru
 
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CacheConfig",
     "CompletionOutput",
     "EngineConfig",

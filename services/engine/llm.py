@@ -12,6 +12,7 @@ from tokenizers import Tokenizer as HfTokenizer
 
 from services.bad_words import bad_words_token_ids
 from services.chat_template import ChatRequestError, ChatTemplate, ChatTemplateError
+from services.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from services.engine.config import (
     CacheConfig,
     EngineConfig,
@@ -21,7 +22,7 @@ from services.engine.config import (
 )
 from services.engine.engine_core import EngineCore
 from services.engine.outputs import RequestOutput
-from services.engine.progress import Progress, UseTqdm, check_use_tqdm
+from services.engine.progress import Progress, RoundProgress, UseTqdm, check_use_tqdm
 from services.engine.text_stops import TextStops
 from services.model_tokenizer import chat_template_parts, load_tokenizer
 from services.types import EngineConfigError, FinishReason, SamplingParams
@@ -367,6 +368,48 @@ class LLM:
             else:
                 outputs[i].more_outputs.append(results[request_id].completion(j))
         return outputs
+
+    def beam_search(
+        self,
+        prompts: Iterable[Prompt] | str | TextPrompt | TokensPrompt,
+        params: BeamSearchParams,
+        *,
+        use_tqdm: UseTqdm = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: for each prompt (as ``generate`` takes them), its best
+        ``params.beam_width`` sequences, best first (``services.engine.beam_search``). Each
+        generated token costs one ``generate`` round of every live beam of every prompt, one
+        token each. ``use_tqdm`` (off by default, as vLLM's): a bar of the rounds run, out of
+        ``max_tokens``."""
+        use_tqdm = check_use_tqdm(use_tqdm)
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        prompt_ids = self._encode(_prompts(prompts))
+        rounds = RoundProgress(use_tqdm, params.max_tokens)
+
+        def next_logprobs(
+            token_ids: list[list[int]], round_params: SamplingParams
+        ) -> list[dict[int, float]]:
+            outputs = self.generate(token_ids, round_params, use_tqdm=False)
+            rounds.round_done()
+            # Every request samples its one token; one ending without would drop its beam.
+            return [out.logprobs[0] if out.logprobs else {} for out in outputs]
+
+        tokenizer = self.tokenizer
+        try:
+            return beam_search(
+                prompt_ids,
+                params,
+                next_logprobs,
+                eos_token_ids=self.engine.model_config.eos_token_ids,
+                vocab_size=self.engine.model_config.vocab_size,
+                max_model_len=self.engine.max_model_len,
+                decode=None
+                if tokenizer is None
+                else lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            )
+        finally:
+            rounds.close()
 
     def _encode(self, prompts: list[str | Sequence[int]]) -> list[Sequence[int]]:
         """Token ids for each prompt, the texts encoded in one batch (``tokenizers`` runs it on

@@ -1,10 +1,11 @@
-"""``LLM.generate``'s progress bar (vLLM's ``use_tqdm``): prompts done out of all, and the
-estimated input and output speeds, on stderr.
+"""The offline ``LLM``'s progress bars (vLLM's ``use_tqdm``), on stderr: ``generate``'s
+prompts done out of all with the estimated input and output speeds (``Progress``), and
+``beam_search``'s rounds out of ``max_tokens`` (``RoundProgress``).
 
-Life cycle: made once a call has queued its requests (``use_tqdm`` False makes one that shows
-nothing); ``request_done`` once for each engine request that ends (a prompt of ``n`` samples
-counts as done with its last); ``close`` when the call returns or fails, which leaves the bar
-where it got to.
+Life cycle of either: made once a call has its work in hand (``use_tqdm`` False makes one that
+shows nothing); ``request_done`` once for each engine request that ends (a prompt of ``n``
+samples counts as done with its last), or ``round_done`` once a search round; ``close`` when the
+call returns or fails, which leaves the bar where it got to.
 """
 
 from __future__ import annotations
@@ -59,6 +60,24 @@ class Progress:
             _speeds(self._input_tokens / elapsed, self._output_tokens / elapsed), refresh=False
         )
         self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+class RoundProgress:
+    """Counts ``LLM.beam_search``'s rounds (one a generated token) out of ``max_tokens``."""
+
+    def __init__(self, use_tqdm: UseTqdm, max_tokens: int) -> None:
+        self._bar: Any = None
+        if use_tqdm:
+            make = tqdm if use_tqdm is True else use_tqdm
+            self._bar = make(total=max_tokens, desc="Beam search", dynamic_ncols=True)
+
+    def round_done(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
 
     def close(self) -> None:
         if self._bar is not None:
