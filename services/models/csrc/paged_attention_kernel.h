@@ -423,20 +423,28 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
       const int64_t n = min64(kLanes, seq_len - start);
       load_tile(key_rows, n);
       prefetch.next_tile(num_q);
-      for (int64_t i = 0; i < num_q; ++i) {
-        prefetch.part();
-        const Vec* q_i = q + i * num_chunks;
-        const Vec* k_tile = tile + (i / G) * kLanes * num_chunks;
-        Vec dots[kLanes];
-        for (int64_t j = 0; j < kLanes; ++j) {
+      // Query head i reads KV head i / G, its group's tile (nested loops: a 64-bit idiv on the
+      // path to every load of the tile measured 5 % of the kernel on the AVX2 Zen 3 host).
+      for (int64_t h = 0, i = 0; h < num_kv; ++h) {
+        const Vec* k_tile = tile + h * kLanes * num_chunks;
+        for (int64_t g = 0; g < G; ++g, ++i) {
+          prefetch.part();
+          const Vec* q_i = q + i * num_chunks;
           // Rows past n hold stale data; their scores land in the padding, overwritten below.
-          const Vec* k = k_tile + j * num_chunks;
-          dots[j] = q_i[0] * k[0];
-          for (int64_t c = 1; c < num_chunks; ++c) {
-            dots[j] += q_i[c] * k[c];
+          // Chunk-major: consecutive FMAs go to different tokens' sums, so none waits on the one
+          // before it (token-major, each token's sum was one chain of dependent FMAs).
+          Vec dots[kLanes];
+          for (int64_t j = 0; j < kLanes; ++j) {
+            dots[j] = q_i[0] * k_tile[j * num_chunks];
           }
+          for (int64_t c = 1; c < num_chunks; ++c) {
+            const Vec q_c = q_i[c];
+            for (int64_t j = 0; j < kLanes; ++j) {
+              dots[j] += q_c * k_tile[j * num_chunks + c];
+            }
+          }
+          store(scores + i * padded_len + start, transpose_reduce(dots));
         }
-        store(scores + i * padded_len + start, transpose_reduce(dots));
       }
     }
   }
@@ -492,23 +500,25 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
     }
     load_tile(value_rows, n);
     prefetch.next_tile(num_q);
-    for (int64_t i = 0; i < num_q; ++i) {
-      prefetch.part();
-      const float* probs = scores + i * padded_len + start;
-      const Vec* v_tile = tile + (i / G) * kLanes * num_chunks;
-      Vec* acc_i = acc + i * num_chunks;
-      Vec sums[kChunks ? kChunks : kMaxChunks];
-      for (int64_t c = 0; c < num_chunks; ++c) {
-        sums[c] = acc_i[c];
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const Vec* v = v_tile + j * num_chunks;
+    for (int64_t h = 0, i = 0; h < num_kv; ++h) {  // i / G is h, as in pass 1
+      const Vec* v_tile = tile + h * kLanes * num_chunks;
+      for (int64_t g = 0; g < G; ++g, ++i) {
+        prefetch.part();
+        const float* probs = scores + i * padded_len + start;
+        Vec* acc_i = acc + i * num_chunks;
+        Vec sums[kChunks ? kChunks : kMaxChunks];
         for (int64_t c = 0; c < num_chunks; ++c) {
-          sums[c] += probs[j] * v[c];
+          sums[c] = acc_i[c];
         }
-      }
-      for (int64_t c = 0; c < num_chunks; ++c) {
-        acc_i[c] = sums[c];
+        for (int64_t j = 0; j < n; ++j) {
+          const Vec* v = v_tile + j * num_chunks;
+          for (int64_t c = 0; c < num_chunks; ++c) {
+            sums[c] += probs[j] * v[c];
+          }
+        }
+        for (int64_t c = 0; c < num_chunks; ++c) {
+          acc_i[c] = sums[c];
+        }
       }
     }
   }
