@@ -78,7 +78,7 @@ def make_engine(args: argparse.Namespace, kv_cache_dtype: str) -> LLM:
 def prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[list[dict[int, float]]]:
     """For each prompt, entry i (i >= 1): {prompt token i: its logprob, plus the top-1 id}."""
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     return [[entry for entry in out.prompt_logprobs if entry is not None] for out in outputs]
 
 
@@ -159,7 +159,8 @@ def main() -> None:
     logprobs = {kv: prompt_logprobs(llm, texts) for kv, llm in engines.items()}
     greedy = SamplingParams(max_tokens=args.gen_tokens, temperature=0.0, ignore_eos=True)
     generated = {
-        kv: [out.token_ids for out in llm.generate(chats, greedy)] for kv, llm in engines.items()
+        kv: [out.token_ids for out in llm.generate(chats, greedy, use_tqdm=False)]
+        for kv, llm in engines.items()
     }
     results: dict[str, object] = {"model": str(args.model), "dtype": args.dtype}
     print(f"model {args.model.name}, compute {args.dtype}; reference KV {reference_kv}")

@@ -60,12 +60,12 @@ def run_pdserve(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     # Warm-up at the run's prompt length and a full step's chunks: on a GPU each kernel shape
     # met first compiles (Triton) or picks its algorithm (cuBLAS) inside the timed run otherwise.
-    llm.generate(prompts[:8], SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.generate(prompts[:8], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     profile = cProfile.Profile() if args.profile else None
     start = time.perf_counter()
     if profile is not None:
         profile.enable()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     if profile is not None:
         profile.disable()
     elapsed = time.perf_counter() - start

@@ -232,7 +232,8 @@ def run_engine(args: argparse.Namespace) -> EngineRun:
     prompts = [
         [rng.randrange(16, vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)
     ]
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    warm_up = SamplingParams(max_tokens=4, ignore_eos=True)
+    llm.generate(prompts[:2], warm_up, use_tqdm=False)
     params = SamplingParams(max_tokens=args.decode_steps + 1, temperature=0.0, ignore_eos=True)
     prefill_s = float("inf")
     step_times: list[float] = []
