@@ -182,10 +182,13 @@ class SamplingParams:
             raise SamplingParamError(
                 "stop", "stop strings are matched in the text, which detokenize=False leaves out"
             )
-        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
-            check_int(
-                "truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1, maximum=2**31 - 1
-            )
+        if self.truncate_prompt_tokens is not None:
+            name = "truncate_prompt_tokens"
+            check_int(name, self.truncate_prompt_tokens, minimum=-1, maximum=2**31 - 1)
+            if self.truncate_prompt_tokens == 0:
+                raise SamplingParamError(
+                    name, f"{name} must be >= 1 or -1 (the model's length), got 0"
+                )
         object.__setattr__(self, "bad_words", _bad_words(self.bad_words))
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):

@@ -196,6 +196,25 @@ def test_bad_structured_outputs_are_refused_naming_the_field(
     assert str(caught.value).startswith(param)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("truncate_prompt_tokens", 0, "must be >= 1 or -1"),
+        ("truncate_prompt_tokens", -2, "must be >= -1"),
+        ("truncate_prompt_tokens", -1.0, "must be an integer"),
+        ("skip_special_tokens", 1, "must be a bool"),
+        ("detokenize", None, "must be a bool"),
+        ("bad_words", "word", "must be a list of strings"),
+    ],
+)
+def test_text_option_values_are_checked_naming_the_field(
+    field: str, value: object, message: str
+) -> None:
+    with pytest.raises(SamplingParamError, match=message) as caught:
+        SamplingParams(**{field: value})
+    assert caught.value.param == field
+
+
 def test_options_a_node_would_drop_are_refused_at_the_protobuf_edge() -> None:
     for field, value in (("bad_words", ["x"]), ("truncate_prompt_tokens", 4)):
         with pytest.raises(SamplingParamError) as caught:
