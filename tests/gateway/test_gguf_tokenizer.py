@@ -7,11 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from gateway.config import model_max_len
 from gateway.text.tokenizer import Tokenizer
-from support.gguf_files import sentencepiece_gguf
 
 TEXTS = [
     "Hello, world! How are you?",
@@ -62,12 +59,6 @@ def test_smollm2_tokenizer_equals_transformers_gguf_tokenizer(smollm2_gguf: Path
         assert ours.encode_chat(messages) == expected
     assert ours.eos_token_ids == (reference.convert_tokens_to_ids("<|im_end|>"),)
     assert model_max_len(smollm2_gguf) == 8192
-
-
-def test_a_sentencepiece_gguf_is_refused_by_name(tmp_path: Path) -> None:
-    path = sentencepiece_gguf(tmp_path / "spm.gguf")
-    with pytest.raises(ValueError, match=r"tokenizer model 'llama'.*'gpt2'"):
-        Tokenizer.from_model_dir(path)
 
 
 def test_reading_a_gguf_tokenizer_imports_no_torch_nor_numpy(tiny_gguf_factory) -> None:

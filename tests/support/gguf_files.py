@@ -1,5 +1,5 @@
-"""Small GGUF files a test writes itself: the writer's closing steps, and a file whose tokenizer
-is SentencePiece (which pdserve refuses by name)."""
+"""Small GGUF files a test writes itself: the writer's closing steps, and a file whose SentencePiece
+tokenizer has no scores to derive its merges from (which pdserve refuses)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def close_gguf(writer: gguf.GGUFWriter) -> None:
 
 def sentencepiece_gguf(path: Path) -> Path:
     """A three-token Llama vocabulary in llama.cpp's SentencePiece form (tokenizer model
-    ``llama``), with an embedding and nothing else."""
+    ``llama``) without scores or merges, with an embedding and nothing else."""
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_tokenizer_model("llama")
     writer.add_token_list(["<unk>", "<s>", "</s>"])
