@@ -27,17 +27,14 @@ from collections.abc import Sequence
 from tokenizers.decoders import DecodeStream
 
 from gateway.text.tokenizer import Tokenizer
+from services.prompt_context import prompt_context, text_after
 
 logger = logging.getLogger(__name__)
 
-# Prompt tokens that prime the stream: enough for a word's merges and leading space (vLLM: 4..24).
-_MIN_PROMPT_CONTEXT = 4
-_MAX_PROMPT_CONTEXT = 24
 # Tokens kept to re-decode held tokens at flush; a character spans at most 4 byte tokens.
 _NUM_FLUSH_CONTEXT = 8
 # DecodeStream raises this when a decoder's output is not monotonic (vLLM issue 17448).
 _INVALID_PREFIX_ERROR = "Invalid prefix encountered"
-_REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
@@ -52,16 +49,8 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        # A suffix of the prompt that decodes cleanly: one starting mid-character would put a
-        # U+FFFD in the stream's prefix that later tokens cannot match.
-        context: list[int] = []
-        for num_tokens in range(_MIN_PROMPT_CONTEXT, _MAX_PROMPT_CONTEXT + 1):
-            suffix = list(prompt_token_ids[-num_tokens:])
-            if _REPLACEMENT_CHAR not in tokenizer.decode(suffix, skip_special_tokens):
-                context = suffix
-                break
-            if num_tokens >= len(prompt_token_ids):
-                break
+        # Prompt tokens that prime the stream (a suffix that decodes cleanly).
+        context = prompt_context(self._decode, prompt_token_ids)
         if context:
             self._stream.step(tokenizer.backend, context)  # primes the stream; text discarded
         # context_ids: the last tokens whose text was emitted; held_ids: fed, text not yet out.
@@ -93,13 +82,12 @@ class IncrementalDetokenizer:
         if not self._held_ids:
             return ""
         held_ids, self._held_ids = self._held_ids, []
-        decode = self._tokenizer.decode
-        before = decode(self._context_ids, self._skip_special_tokens)
-        after = decode([*self._context_ids, *held_ids], self._skip_special_tokens)
+        text = text_after(self._decode, self._context_ids, held_ids)
         self._context_ids = [*self._context_ids, *held_ids][-_NUM_FLUSH_CONTEXT:]
-        if after.startswith(before):
-            return after[len(before) :]
-        return decode(held_ids, self._skip_special_tokens)
+        return text
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, self._skip_special_tokens)
 
     def _step(self, token_id: int) -> str | None:
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, cast
 
@@ -25,6 +25,7 @@ from services.engine.outputs import RequestOutput
 from services.engine.progress import Progress, RoundProgress, UseTqdm, check_use_tqdm
 from services.engine.text_stops import TextStops
 from services.model_tokenizer import chat_template_parts, load_tokenizer
+from services.prompt_context import prompt_context, text_after
 from services.types import EngineConfigError, FinishReason, SamplingParams
 from services.types.sampling_params import MAX_SEED
 
@@ -235,7 +236,8 @@ class LLM:
         ``{"prompt_token_ids": [...]}`` (one string or dict alone is one prompt); text is
         encoded with the tokenizer's special tokens (BOS), as the gateway's completions do.
         ``sampling_params`` (vLLM's name) is one ``SamplingParams`` for all, or one per
-        prompt. Each output's ``text`` is its tokens decoded without special tokens, less the
+        prompt. Each output's ``text`` is its tokens decoded without special tokens after the
+        prompt's last ones (``services.prompt_context``, as the gateway decodes them), less the
         stop token that ended it (as vLLM's); None with ``skip_tokenizer_init``. A request whose
         text reaches one of its ``stop`` strings ends there with ``stop`` (``stop_reason`` the
         string; the text without it unless ``include_stop_str_in_output``; ``token_ids`` up to
@@ -277,8 +279,11 @@ class LLM:
                 request_params.stop,
                 request_params.include_stop_str_in_output,
                 request_params.skip_special_tokens,
+                self._text_context(prompt, request_params.skip_special_tokens),
             )
-            for request_id, request_params in zip(request_ids, params_list, strict=True)
+            for request_id, prompt, request_params in zip(
+                request_ids, prompt_ids, params_list, strict=True
+            )
             if request_params.stop and self.tokenizer is not None
         }
         results = {
@@ -358,8 +363,9 @@ class LLM:
             token_ids = result.token_ids
             if ended_by_token is not None and not request_params.include_stop_str_in_output:
                 token_ids = token_ids[:-1]
-            result.text = self.tokenizer.decode(
-                token_ids, skip_special_tokens=request_params.skip_special_tokens
+            skip = request_params.skip_special_tokens
+            result.text = text_after(
+                self._decoder(skip), self._text_context(result.prompt_token_ids, skip), token_ids
             )
         outputs: list[RequestOutput] = []
         for (i, j), request_id in zip(samples, request_ids, strict=True):
@@ -424,6 +430,20 @@ class LLM:
             )
         encoded = iter(e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=True))
         return [next(encoded) if isinstance(prompt, str) else prompt for prompt in prompts]
+
+    def _decoder(self, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+        tokenizer = self.tokenizer
+        assert tokenizer is not None
+
+        def decode(token_ids: list[int]) -> str:
+            return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+        return decode
+
+    def _text_context(self, prompt_ids: Sequence[int], skip_special_tokens: bool) -> list[int]:
+        """The prompt tokens an output's text is decoded after, as the gateway decodes it: a
+        SentencePiece vocabulary's first output token keeps its word-start space."""
+        return prompt_context(self._decoder(skip_special_tokens), prompt_ids)
 
     def _with_bad_words(self, params: list[SamplingParams]) -> list[SamplingParams]:
         """``params`` with their ``bad_words`` tokenized into ``bad_words_token_ids`` (each

@@ -15,10 +15,12 @@ only searches each token's new text together with the few characters before it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from tokenizers import Tokenizer as HfTokenizer
 from tokenizers.decoders import DecodeStream
 
+from services.prompt_context import text_after
 from services.stop_strings import first_stop_match
 
 logger = logging.getLogger(__name__)
@@ -33,7 +35,9 @@ class TextStops:
         stops: tuple[str, ...],
         include_stop_str_in_output: bool,
         skip_special_tokens: bool = True,
+        context: Sequence[int] = (),
     ) -> None:
+        """``context``: the prompt tokens the output's text continues (``prompt_context``)."""
         if not stops or not all(stops):
             raise ValueError("stop strings must be non-empty")
         self._tokenizer = tokenizer
@@ -43,6 +47,9 @@ class TextStops:
         # Token ids to text a token at a time, holding back a token that ends in an incomplete
         # character; None once it failed (then the text is decoded whole each time).
         self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._context = list(context)
+        if self._context:
+            self._stream.step(tokenizer, self._context)  # primes the stream; text discarded
         self._token_ids: list[int] = []
         self.text = ""
         """The text so far; once ``matched``, cut after the stop string (with
@@ -75,6 +82,7 @@ class TextStops:
                 self._stream = None
             else:
                 return self.text + (piece or "")
-        return self._tokenizer.decode(
-            self._token_ids, skip_special_tokens=self._skip_special_tokens
-        )
+        return text_after(self._decode, self._context, self._token_ids)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)

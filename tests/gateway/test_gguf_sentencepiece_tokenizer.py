@@ -21,6 +21,7 @@ import gguf
 import numpy as np
 import pytest
 
+from gateway.text.detokenizer import IncrementalDetokenizer
 from gateway.text.tokenizer import Tokenizer
 from services.engine import LLM, SamplingParams
 from services.engine.structured_output import StructuredOutputs
@@ -356,7 +357,22 @@ def test_a_tiny_llama_with_a_sentencepiece_vocabulary_is_served(
     (output,) = llm.generate(text, params, use_tqdm=False)
     assert output.prompt_token_ids == expected
     assert len(output.token_ids) == 8
-    assert output.text == reference.decode(output.token_ids, skip_special_tokens=True)
+    # The text continues the prompt's, as the gateway streams it (and vLLM gives it): decoded
+    # after the prompt, where decoding the output alone drops a word-start space.
+    streamed = IncrementalDetokenizer(gateway, expected)
+    as_served = streamed.add(output.token_ids) + streamed.flush()
+    assert output.text == as_served
+    full = reference.decode(expected + output.token_ids, skip_special_tokens=True)
+    assert full.endswith(output.text)
+    word = reference.convert_tokens_to_ids(f"{METASPACE}the")
+    forced = SamplingParams(max_tokens=2, temperature=0.0, allowed_token_ids=[word])
+    (spaced,) = llm.generate(text, forced, use_tqdm=False)
+    assert spaced.token_ids == [word, word]
+    assert reference.decode(spaced.token_ids, skip_special_tokens=True) == "the the"
+    assert spaced.text == " the the"
+    stopped = SamplingParams(max_tokens=4, temperature=0.0, allowed_token_ids=[word], stop=["e t"])
+    (cut,) = llm.generate(text, stopped, use_tqdm=False)
+    assert cut.text == " th" and cut.stop_reason == "e t"
     # Guided decoding masks with the same ids: llguidance reads the tokenizer built here, and
     # computes the mask from each token's bytes.
     llg = StructuredOutputs(path, len(reference), list(gateway.eos_token_ids)).llg_tokenizer()
