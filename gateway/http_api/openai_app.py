@@ -160,7 +160,12 @@ def build_openai_app(frontend: Frontend, cors: CorsConfig | None = None) -> Fast
         return GenerationResponse(frontend, job, output)
 
     def model_card(name: str) -> ModelCard:
-        return ModelCard(id=name, created=created, max_model_len=frontend.limits.max_model_len)
+        return ModelCard(
+            id=name,
+            created=created,
+            max_model_len=frontend.limits.max_model_len,
+            root=frontend.served_model_name,  # an alias's too, as vLLM's cards all name the model
+        )
 
     @v1.get("/models", response_model=ModelList, responses={401: _ERROR_RESPONSES[401]})
     async def list_models() -> ModelList:

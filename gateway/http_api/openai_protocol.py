@@ -443,6 +443,11 @@ class ModelCard(ResponseModel):
     created: int
     owned_by: str = "pdserve"
     max_model_len: int
+    root: str
+    """vLLM's: the model every served name stands for; here its first served name (vLLM gives
+    the path it loaded, which on pdserve is on the nodes' disks, not the client's business)."""
+    parent: str | None = None
+    """vLLM's: the base model of an adapter; null, as pdserve serves no adapters."""
 
 
 class ModelList(ResponseModel):

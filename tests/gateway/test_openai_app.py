@@ -952,6 +952,9 @@ def test_models_health_and_metrics(serve: Callable[..., Served]) -> None:
     served = serve()
     (model,) = served.client().models.list().data
     assert model.id == MODEL and model.owned_by == "pdserve"
+    card = httpx.get(f"{served.url}/v1/models").json()["data"][0]
+    assert card["root"] == MODEL and card["parent"] is None  # vLLM's fields, as its clients read
+    assert card["max_model_len"] > 0
     assert served.client().models.retrieve(MODEL).id == MODEL
     assert_error(httpx.get(f"{served.url}/v1/models/other"), 404, "model")
     assert httpx.get(f"{served.url}/health").json()["status"] == "ok"

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import grpc
+import httpx
 
 from gateway.text.tokenizer import Tokenizer
 from pdserve.v1 import gateway_pb2
@@ -19,6 +20,8 @@ def test_a_request_may_name_any_alias(tokenizer: Tokenizer) -> None:
     try:
         assert [model.id for model in served.client().models.list().data] == [MODEL, "gpt-4o-mini"]
         assert served.client().models.retrieve("gpt-4o-mini").id == "gpt-4o-mini"
+        cards = httpx.get(f"{served.url}/v1/models").json()["data"]
+        assert [card["root"] for card in cards] == [MODEL, MODEL]  # each name stands for the model
         body = {"model": "gpt-4o-mini", "prompt": "x", "max_tokens": 2}
         response = served.post("/v1/completions", body)
         assert response.status_code == 200 and response.json()["model"] == MODEL  # vLLM: the first
