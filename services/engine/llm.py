@@ -54,9 +54,10 @@ _TEXT_PURPOSE = "text in and out of LLM.generate"
 
 
 class LLM:
-    """``LLM(model_dir).generate(prompts, sampling_params)`` over the continuous-batching engine.
+    """``LLM(model).generate(prompts, sampling_params)`` over the continuous-batching engine.
 
-    ``model_dir`` is a Hugging Face model directory, a GGUF file, or a directory holding one.
+    ``model`` (vLLM's name) is a Hugging Face model directory, a GGUF file, or a directory
+    holding one.
     Text prompts are encoded, and outputs decoded, with the model's own tokenizer (the one the
     gateway uses); ``skip_tokenizer_init=True`` (vLLM's) loads none: prompts are token ids and
     outputs carry no text.
@@ -64,7 +65,7 @@ class LLM:
 
     def __init__(
         self,
-        model_dir: str | Path,
+        model: str | Path,
         *,
         dtype: str = "bfloat16",
         kv_cache_dtype: str = "auto",
@@ -81,13 +82,35 @@ class LLM:
         attention_backend: str = "auto",
         cuda_graphs: bool | None = None,
         skip_tokenizer_init: bool = False,
+        enforce_eager: bool = False,
+        tensor_parallel_size: int = 1,
+        trust_remote_code: bool = False,
     ) -> None:
         """``max_num_batched_tokens``: None picks ``default_max_num_batched_tokens`` for
         ``device`` (2,048 on a CPU, 16,384 on a GPU). ``seed``: what requests without a seed of
         their own sample from, reproducibly from run to run; None: a fresh seed each time
         (``EngineConfig.seed``). Bad arguments, a model the engine cannot run and a KV cache
         this process cannot allocate raise ``EngineConfigError`` (a ``ValueError``) naming the
-        argument."""
+        argument. vLLM's ``enforce_eager=True`` is ``cuda_graphs=False``; its
+        ``tensor_parallel_size`` must be 1 (one device an engine); its ``trust_remote_code`` is
+        taken either way, since no code from a model directory ever runs here."""
+        for name, flag in (
+            ("enforce_eager", enforce_eager),
+            ("trust_remote_code", trust_remote_code),
+        ):
+            if not isinstance(flag, bool):
+                raise EngineConfigError(f"{name} must be True or False, got {flag!r}")
+        if enforce_eager:
+            if cuda_graphs:
+                raise EngineConfigError(
+                    "enforce_eager=True turns CUDA graphs off: it contradicts cuda_graphs=True"
+                )
+            cuda_graphs = False
+        if tensor_parallel_size != 1 or isinstance(tensor_parallel_size, bool):
+            raise EngineConfigError(
+                f"tensor_parallel_size must be 1 (an engine runs on one device), got "
+                f"{tensor_parallel_size!r}"
+            )
         policies = [str(policy) for policy in SchedulingPolicy]
         if scheduling_policy not in policies:
             raise EngineConfigError(
@@ -96,7 +119,7 @@ class LLM:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = default_max_num_batched_tokens(device, offline=True)
         config = EngineConfig(
-            model_dir=cast(Path, model_dir),  # converted, or refused naming it, by EngineConfig
+            model_dir=cast(Path, model),  # converted, or refused naming it, by EngineConfig
             dtype=dtype,
             kv_cache_dtype=kv_cache_dtype,
             device=device,

@@ -16,7 +16,7 @@ import pytest
 
 from gateway.text.tokenizer import Tokenizer
 from services.convert import sampling_params_to_proto
-from services.engine import LLM, SamplingParams
+from services.engine import LLM, EngineConfigError, SamplingParams
 from services.types import SamplingParamError, StructuredOutputsParams
 from support.small_llm import small_llm
 
@@ -257,3 +257,24 @@ def test_a_gguf_models_get_tokenizer_carries_the_files_template(tiny_gguf_factor
     rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert rendered == gateway.apply_chat_template(chat)
     assert tokenizer.encode(TEXT) == gateway.encode(TEXT)
+
+
+def test_vllms_constructor_names_are_taken(tiny_llama_dir: Path) -> None:
+    """``LLM(model=...)`` with vLLM's ``enforce_eager``, ``tensor_parallel_size`` and
+    ``trust_remote_code``, as vLLM scripts write it."""
+    llm = small_llm(tiny_llama_dir, enforce_eager=True, trust_remote_code=True)
+    assert llm.engine.config.cuda_graphs is False
+    named = LLM(
+        model=tiny_llama_dir,
+        dtype="float32",
+        max_model_len=64,
+        kv_cache_memory=1 << 22,
+        tensor_parallel_size=1,
+    )
+    assert named.generate(TEXT, GREEDY, use_tqdm=False)[0].token_ids
+    with pytest.raises(EngineConfigError, match="tensor_parallel_size must be 1"):
+        small_llm(tiny_llama_dir, tensor_parallel_size=2)
+    with pytest.raises(EngineConfigError, match="contradicts cuda_graphs=True"):
+        small_llm(tiny_llama_dir, enforce_eager=True, cuda_graphs=True)
+    with pytest.raises(EngineConfigError, match="enforce_eager must be True or False"):
+        small_llm(tiny_llama_dir, enforce_eager="yes")
