@@ -38,15 +38,9 @@ class Progress:
         self._input_tokens = 0
         self._output_tokens = 0
         self._start = time.monotonic()
-        self._bar: Any = None
-        if use_tqdm:
-            make = tqdm if use_tqdm is True else use_tqdm
-            self._bar = make(
-                total=len(samples),
-                desc="Processed prompts",
-                dynamic_ncols=True,
-                postfix=_speeds(0.0, 0.0),
-            )
+        self._bar = _bar(
+            use_tqdm, total=len(samples), desc="Processed prompts", postfix=_speeds(0.0, 0.0)
+        )
 
     def request_done(self, prompt: int, prompt_tokens: int, output_tokens: int) -> None:
         """One request of prompt ``prompt`` ended after ``output_tokens`` tokens."""
@@ -70,10 +64,7 @@ class RoundProgress:
     """Counts ``LLM.beam_search``'s rounds (one a generated token) out of ``max_tokens``."""
 
     def __init__(self, use_tqdm: UseTqdm, max_tokens: int) -> None:
-        self._bar: Any = None
-        if use_tqdm:
-            make = tqdm if use_tqdm is True else use_tqdm
-            self._bar = make(total=max_tokens, desc="Beam search", dynamic_ncols=True)
+        self._bar = _bar(use_tqdm, total=max_tokens, desc="Beam search")
 
     def round_done(self) -> None:
         if self._bar is not None:
@@ -82,6 +73,14 @@ class RoundProgress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def _bar(use_tqdm: UseTqdm, **kwargs: Any) -> Any:
+    """A bar made as ``use_tqdm`` says (tqdm's, the caller's class, or None for none)."""
+    if not use_tqdm:
+        return None
+    make = tqdm if use_tqdm is True else use_tqdm
+    return make(dynamic_ncols=True, **kwargs)
 
 
 def _speeds(input_rate: float, output_rate: float) -> str:
