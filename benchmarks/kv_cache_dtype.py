@@ -79,7 +79,14 @@ def prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[list[dict[int, f
     """For each prompt, entry i (i >= 1): {prompt token i: its logprob, plus the top-1 id}."""
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    return [[entry for entry in out.prompt_logprobs if entry is not None] for out in outputs]
+    return [
+        [
+            {token_id: logprob.logprob for token_id, logprob in entry.items()}
+            for entry in out.prompt_logprobs or []
+            if entry is not None
+        ]
+        for out in outputs
+    ]
 
 
 def accuracy(

@@ -15,6 +15,7 @@ from services.engine.config import (
 )
 from services.engine.engine_core import EngineCore
 from services.engine.llm import LLM
+from services.engine.logprob import Logprob
 from services.engine.outputs import (
     CompletionOutput,
     EngineCoreOutput,
@@ -36,6 +37,7 @@ __all__ = [
     "EngineCoreOutput",
     "EngineStats",
     "FinishReason",
+    "Logprob",
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",

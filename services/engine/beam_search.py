@@ -33,6 +33,7 @@ import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
+from services.engine.logprob import Logprob
 from services.types import FinishReason, SamplingParamError, SamplingParams
 from services.types.sampling_params import MAX_N, check_float, check_int
 
@@ -42,9 +43,9 @@ MAX_BEAM_WIDTH = MAX_N
 """Most beams one prompt may keep: each is a request of its own each round, as each of
 ``SamplingParams.n``'s samples is."""
 
-NextTokenLogprobs = Callable[[list[list[int]], SamplingParams], list[dict[int, float]]]
+NextTokenLogprobs = Callable[[list[list[int]], SamplingParams], list[dict[int, Logprob]]]
 """One engine round: for each token list (prompt + generated), its next token's logprobs under
-the given params ({sampled id: logprob, plus the top-n ids}). ``LLM.beam_search`` runs it as one
+the given params ({sampled id: ``Logprob``, plus the top-n ids}). ``LLM.beam_search`` runs it as one
 ``LLM.generate`` call; tests give synthetic distributions."""
 
 Decode = Callable[[list[int]], str]
@@ -102,8 +103,9 @@ class BeamSearchSequence:
 
     tokens: list[int]
     """Prompt + generated token ids (vLLM's), the EOS that completed it included."""
-    logprobs: list[dict[int, float]]
-    """Per generated token: what its round returned, {sampled id: logprob, plus the top-n ids}."""
+    logprobs: list[dict[int, Logprob]]
+    """Per generated token: what its round returned, {sampled id: ``Logprob``, plus the top-n
+    ids} (vLLM's)."""
     cum_logprob: float = 0.0
     """The sum of the generated tokens' logprobs (an EOS that completed it included)."""
     text: str | None = None
@@ -185,7 +187,7 @@ def beam_search(
                     candidate = BeamSearchSequence(
                         tokens=[*beam.tokens, token_id],
                         logprobs=[*beam.logprobs, step],
-                        cum_logprob=beam.cum_logprob + logprob,
+                        cum_logprob=beam.cum_logprob + logprob.logprob,
                     )
                     if token_id in eos_ids:
                         search.completed.append(

@@ -307,6 +307,11 @@ class EngineCore:
                 if request.params.logprobs is not None
                 else None
             ),
+            new_logprob_ranks=(
+                ([] if is_failed else request.output_logprob_ranks[-1:])
+                if request.params.logprobs is not None
+                else None
+            ),
             finish_reason=finish_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             first_scheduled_time=request.first_scheduled_time,

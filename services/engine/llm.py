@@ -21,6 +21,7 @@ from services.engine.config import (
     default_max_num_batched_tokens,
 )
 from services.engine.engine_core import EngineCore
+from services.engine.logprob import Logprob, logprob_entries
 from services.engine.outputs import RequestOutput
 from services.engine.progress import Progress, RoundProgress, UseTqdm, check_use_tqdm
 from services.engine.text_stops import TextStops
@@ -158,6 +159,7 @@ class LLM:
         self._model_path = config.model_dir
         self._chat_template: ChatTemplate | None = None  # the model's, compiled at first use
         self._hf_tokenizer: PreTrainedTokenizerFast | None = None  # get_tokenizer's, once built
+        self._token_texts: dict[int, str] = {}  # _token_text's
 
     def chat(
         self,
@@ -315,13 +317,21 @@ class LLM:
                 prompt_token_ids=[int(t) for t in prompt],
                 token_ids=[],
                 finish_reason=None,
-                logprobs=[] if request_params.logprobs is not None else None,
+                logprobs=None,  # made from raw_logprobs once it ends
                 prompt=original if isinstance(original, str) else None,
             )
             for request_id, prompt, original, request_params in zip(
                 request_ids, prompt_ids, given, params_list, strict=True
             )
         }
+        # The engine's logprobs as they come: per request, ({id: logprob}, the token's rank) per
+        # generated token, and the prompt's (its entries and their tokens' ranks).
+        raw_logprobs: dict[str, list[tuple[dict[int, float], int | None]]] = {
+            request_id: []
+            for request_id, request_params in zip(request_ids, params_list, strict=True)
+            if request_params.logprobs is not None
+        }
+        raw_prompt_logprobs: dict[str, tuple[list[dict[int, float] | None], list[int | None]]] = {}
         prompt_of = {request_id: i for (i, _), request_id in zip(samples, request_ids, strict=True)}
         progress = Progress(use_tqdm, [params.n for params in prompt_params])
         try:
@@ -334,6 +344,9 @@ class LLM:
                 for out in self.engine.step():
                     result = results[out.request_id]
                     new_token_ids, new_logprobs = out.new_token_ids, out.new_logprobs
+                    new_ranks: list[int | None] | None = None
+                    if new_logprobs is not None:
+                        new_ranks = out.new_logprob_ranks or [None] * len(new_logprobs)
                     text_stops = stops.get(out.request_id)
                     if text_stops is not None:
                         for index, token_id in enumerate(new_token_ids):
@@ -341,16 +354,25 @@ class LLM:
                                 # The tokens after the one that completed the stop are not
                                 # the output's (a step may carry more than one).
                                 new_token_ids = new_token_ids[: index + 1]
-                                if new_logprobs is not None:
+                                if new_logprobs is not None and new_ranks is not None:
                                     new_logprobs = new_logprobs[: index + 1]
+                                    new_ranks = new_ranks[: index + 1]
                                 break
                     result.token_ids.extend(new_token_ids)
-                    if new_logprobs is not None and result.logprobs is not None:
-                        result.logprobs.extend(new_logprobs)
+                    if (
+                        new_logprobs is not None
+                        and new_ranks is not None
+                        and out.request_id in raw_logprobs
+                    ):
+                        raw_logprobs[out.request_id].extend(
+                            zip(new_logprobs, new_ranks, strict=True)
+                        )
                     result.num_cached_tokens = out.num_cached_tokens
                     if out.prompt_logprobs is not None:
-                        result.prompt_logprobs = out.prompt_logprobs
-                        result.prompt_logprob_ranks = out.prompt_logprob_ranks
+                        raw_prompt_logprobs[out.request_id] = (
+                            out.prompt_logprobs,
+                            out.prompt_logprob_ranks or [None] * len(out.prompt_logprobs),
+                        )
                     if text_stops is not None and text_stops.matched is not None:
                         if not out.finished:
                             self.engine.abort(out.request_id)  # its blocks are free again
@@ -374,6 +396,12 @@ class LLM:
                     self.engine.abort(request_id)
         for request_id, request_params in zip(request_ids, params_list, strict=True):
             result = results[request_id]
+            self._fill_logprobs(
+                result,
+                request_params,
+                raw_logprobs.get(request_id),
+                raw_prompt_logprobs.get(request_id),
+            )
             ended_by_token = self._stop_token(result, request_params)
             if ended_by_token is not None and ended_by_token in request_params.stop_token_ids:
                 result.stop_reason = ended_by_token  # vLLM's: a stop token id, never EOS
@@ -418,7 +446,7 @@ class LLM:
 
         def next_logprobs(
             token_ids: list[list[int]], round_params: SamplingParams
-        ) -> list[dict[int, float]]:
+        ) -> list[dict[int, Logprob]]:
             outputs = self.generate(token_ids, round_params, use_tqdm=False)
             rounds.round_done()
             # Every request samples its one token; one ending without would drop its beam.
@@ -439,6 +467,39 @@ class LLM:
             )
         finally:
             rounds.close()
+
+    def _fill_logprobs(
+        self,
+        result: RequestOutput,
+        params: SamplingParams,
+        generated: list[tuple[dict[int, float], int | None]] | None,
+        prompt: tuple[list[dict[int, float] | None], list[int | None]] | None,
+    ) -> None:
+        """``result``'s ``logprobs`` and ``prompt_logprobs`` as vLLM's ``Logprob`` entries, from
+        what the engine gave (``generated`` per output token, ``prompt`` per prompt token)."""
+        decode = self._token_text if self.tokenizer is not None and params.detokenize else None
+        if generated is not None:
+            result.logprobs = [
+                logprob_entries(entries, token_id, rank, params.logprobs or 0, decode)
+                for (entries, rank), token_id in zip(generated, result.token_ids, strict=True)
+            ]
+        if prompt is not None:
+            result.prompt_logprobs = [
+                None
+                if entries is None
+                else logprob_entries(entries, token_id, rank, params.prompt_logprobs or 0, decode)
+                for entries, rank, token_id in zip(*prompt, result.prompt_token_ids, strict=True)
+            ]
+
+    def _token_text(self, token_id: int) -> str:
+        """A token alone decoded, special tokens as their text (``Logprob.decoded_token``, as
+        vLLM's); each id decoded once per ``LLM``."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            assert self.tokenizer is not None
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
 
     def _encode(self, prompts: list[str | Sequence[int]]) -> list[Sequence[int]]:
         """Token ids for each prompt, the texts encoded in one batch (``tokenizers`` runs it on

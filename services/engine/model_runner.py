@@ -393,9 +393,9 @@ class ModelRunner:
             ),
         )
         sampled = {
-            request.request_id: SampledToken(token_id, logprobs)
-            for request, token_id, logprobs in zip(
-                requests, result.token_ids, result.logprobs, strict=True
+            request.request_id: SampledToken(token_id, logprobs, rank)
+            for request, token_id, logprobs, rank in zip(
+                requests, result.token_ids, result.logprobs, result.ranks, strict=True
             )
         }
         return sampled, prompt_logprobs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.engine.logprob import Logprob
 from services.types import FinishReason
 
 
@@ -19,6 +20,9 @@ class EngineCoreOutput:
     """Prompt tokens served by the prefix cache."""
     first_scheduled_time: float | None = None
     """time.monotonic() of the request's first scheduled step (None: never scheduled)."""
+    new_logprob_ranks: list[int | None] | None = None
+    """Beside ``new_logprobs``: each new token's rank in the vocabulary (None where not
+    computed: a first token committed from the prefill node)."""
     prompt_logprobs: list[dict[int, float] | None] | None = None
     """With the request's first token, when it asked for them: ``Request.prompt_logprobs``."""
     prompt_logprob_ranks: list[int | None] | None = None
@@ -40,7 +44,8 @@ class CompletionOutput:
     index: int
     text: str | None
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict[int, Logprob]] | None
+    """vLLM's: per generated token, ``{sampled id: Logprob, plus the top-n ids}``."""
     finish_reason: FinishReason | None
     """A ``str`` enum: ``"stop"``, ``"length"``, ``"abort"`` or ``"error"``."""
     cumulative_logprob: float | None
@@ -62,15 +67,12 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     finish_reason: FinishReason | None
-    logprobs: list[dict[int, float]] | None
-    """Per generated token: {sampled id: logprob, plus the top-n ids}; None unless asked."""
+    logprobs: list[dict[int, Logprob]] | None
+    """Per generated token: {sampled id: ``Logprob``, plus the top-n ids}; None unless asked."""
     num_cached_tokens: int = 0
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    """Per prompt token (the first None): {its id: logprob, plus the top-n ids}; None unless
-    asked."""
-    prompt_logprob_ranks: list[int | None] | None = None
-    """Beside ``prompt_logprobs``: each prompt token's rank in the vocabulary (1 + the tokens
-    with a greater logprob; the first None)."""
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """vLLM's: per prompt token (the first None), {its id: ``Logprob`` (its ``rank`` in the
+    whole vocabulary), plus the top-n ids}; None unless asked."""
     prompt: str | None = None
     """The prompt's text, when it was given as text."""
     text: str | None = None
@@ -98,7 +100,10 @@ class RequestOutput:
         cumulative = (
             None
             if self.logprobs is None
-            else sum(step[token] for step, token in zip(self.logprobs, self.token_ids, strict=True))
+            else sum(
+                step[token].logprob
+                for step, token in zip(self.logprobs, self.token_ids, strict=True)
+            )
         )
         return CompletionOutput(
             index=index,

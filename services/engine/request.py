@@ -64,6 +64,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    output_logprob_ranks: list[int | None] = field(default_factory=list)
+    """Beside ``output_logprobs``: each sampled token's rank in the vocabulary (``SampledToken``;
+    None where not computed)."""
     num_computed_tokens: int = 0
     """Tokens of ``token_ids`` whose KV is in the cache; reset to 0 by a preemption."""
     num_cached_tokens: int = -1
@@ -123,8 +126,11 @@ class Request:
     def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASON.get(self.status)
 
-    def append_output(self, token_id: int, logprobs: dict[int, float] | None) -> None:
+    def append_output(
+        self, token_id: int, logprobs: dict[int, float] | None, rank: int | None = None
+    ) -> None:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+            self.output_logprob_ranks.append(rank)

@@ -66,6 +66,9 @@ class SampleResult:
     logprobs: list[dict[int, float] | None]
     """Per row: None unless ``params.logprobs`` is set; else the raw log-probability of the sampled
     token and of the ``params.logprobs`` most likely tokens."""
+    ranks: list[int | None]
+    """Per row: None unless ``params.logprobs`` is set; else the sampled token's rank in the
+    vocabulary by raw logprob (1 + the tokens with a greater one: vLLM's)."""
 
 
 GreedyArgmax = Callable[[torch.Tensor], torch.Tensor]
@@ -106,15 +109,17 @@ class Sampler:
             token_ids = self._choose(processed, metadata, random_rows)
 
         logprobs: list[dict[int, float] | None] = [None] * num_rows
+        ranks: list[int | None] = [None] * num_rows
         if raw_logprobs is not None:
-            row_logprobs = _collect_logprobs(
+            row_logprobs, row_ranks = _collect_logprobs(
                 raw_logprobs,
                 token_ids[logprob_rows],
                 [params[i].logprobs or 0 for i in logprob_rows],
             )
-            for i, row in zip(logprob_rows, row_logprobs, strict=True):
+            for i, row, rank in zip(logprob_rows, row_logprobs, row_ranks, strict=True):
                 logprobs[i] = row
-        return SampleResult(token_ids=token_ids.tolist(), logprobs=logprobs)
+                ranks[i] = rank
+        return SampleResult(token_ids=token_ids.tolist(), logprobs=logprobs, ranks=ranks)
 
     def _choose(
         self, processed: torch.Tensor, metadata: SamplingMetadata, random_rows: list[int]
@@ -576,10 +581,13 @@ def _inverse_cdf(
 
 def _collect_logprobs(
     raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]
-) -> list[dict[int, float]]:
+) -> tuple[list[dict[int, float]], list[int]]:
     """Per row of ``raw_logprobs: [num_rows, vocab_size]``: the sampled token's (``token_ids:
-    [num_rows]``) logprob plus those of its ``num_top[row]`` most likely tokens."""
-    sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()  # [num_rows]
+    [num_rows]``) logprob plus those of its ``num_top[row]`` most likely tokens; and the sampled
+    token's rank (1 + the tokens with a greater logprob)."""
+    chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1))  # [num_rows, 1]
+    ranks = (raw_logprobs > chosen).sum(dim=-1).add_(1).tolist()  # [num_rows]
+    sampled = chosen.squeeze(1).tolist()  # [num_rows]
     max_top = min(max(num_top), raw_logprobs.shape[1])
     top_values: list[list[float]] = [[] for _ in num_top]
     top_ids: list[list[int]] = [[] for _ in num_top]
@@ -591,7 +599,7 @@ def _collect_logprobs(
         entries = {token_id: sampled[row]}
         entries.update(zip(top_ids[row][:n], top_values[row][:n], strict=True))
         rows.append(entries)
-    return rows
+    return rows, ranks
 
 
 def _mask_by_grammar(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

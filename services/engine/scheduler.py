@@ -64,6 +64,9 @@ class SchedulerOutput:
 class SampledToken:
     token_id: int
     logprobs: dict[int, float] | None = None
+    rank: int | None = None
+    """With ``logprobs``: the token's rank in the vocabulary (``SampleResult.ranks``); None where
+    not computed (a first token committed from another node)."""
 
 
 class Scheduler:
@@ -139,7 +142,7 @@ class Scheduler:
         request.num_computed_tokens = request.num_prompt_tokens
         request.num_cached_tokens = 0
         self.kv_cache.cache_full_blocks(request)
-        request.append_output(first_token.token_id, first_token.logprobs)
+        request.append_output(first_token.token_id, first_token.logprobs, first_token.rank)
         stop_status = self._check_stop(request)
         if stop_status is not None:
             self._finish(request, stop_status)
@@ -217,7 +220,7 @@ class Scheduler:
             if not chunk.needs_sample:
                 continue
             token = sampled[request.request_id]
-            request.append_output(token.token_id, token.logprobs)
+            request.append_output(token.token_id, token.logprobs, token.rank)
             stop_status = self._check_stop(request)
             if stop_status is not None:
                 self.running.remove(request)

@@ -33,23 +33,26 @@ def reference(tiny_llama_dir: Path) -> tuple[list[list[int]], list[torch.Tensor]
 
 
 def check(prompt: list[int], expected: torch.Tensor, output: RequestOutput, num_top: int) -> None:
-    got, ranks = output.prompt_logprobs, output.prompt_logprob_ranks
-    assert got is not None and ranks is not None
-    assert len(got) == len(ranks) == len(prompt) and got[0] is None and ranks[0] is None
+    got = output.prompt_logprobs
+    assert got is not None
+    assert len(got) == len(prompt) and got[0] is None
     for position in range(1, len(prompt)):
         entry = got[position]
         assert entry is not None
         row = expected[position - 1]
         token = prompt[position]
-        assert entry[token] == pytest.approx(row[token].item(), abs=1e-4)
+        assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
         # 1 + the tokens more likely, up to those within the two computations' rounding.
         value = row[token].item()
-        rank = ranks[position]
+        rank = entry[token].rank
         assert rank is not None
         assert 1 + int((row > value + 1e-4).sum()) <= rank <= 1 + int((row > value - 1e-4).sum())
         top_values, top_ids = row.topk(num_top)
-        for token_id, value in zip(top_ids.tolist(), top_values.tolist(), strict=True):
-            assert entry[token_id] == pytest.approx(value, abs=1e-4)
+        for place, (token_id, value) in enumerate(
+            zip(top_ids.tolist(), top_values.tolist(), strict=True), start=1
+        ):
+            assert entry[token_id].logprob == pytest.approx(value, abs=1e-4)
+            assert entry[token_id].rank == place
         assert set(entry) == {token, *top_ids.tolist()}
 
 

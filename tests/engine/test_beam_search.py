@@ -24,6 +24,7 @@ from services.engine import (
     BeamSearchParams,
     BeamSearchSequence,
     FinishReason,
+    Logprob,
     SamplingParams,
 )
 from services.engine.beam_search import MAX_BEAM_WIDTH, beam_search
@@ -200,6 +201,8 @@ def test_matches_a_reference_beam_search_over_hugging_face(
             assert len(sequence.logprobs) == len(sequence.tokens) - len(prompt)
             for step, token in zip(sequence.logprobs, sequence.output_token_ids, strict=True):
                 assert 2 * beam_width <= len(step) <= 2 * beam_width + 1 and token in step
+            chosen = zip(sequence.logprobs, sequence.output_token_ids, strict=True)
+            assert sequence.cum_logprob == pytest.approx(sum(s[t].logprob for s, t in chosen))
     first_of_eos_prompt = outputs[-1].sequences[0]
     assert first_of_eos_prompt.tokens == [*eos_prompt, eos_id]
     assert first_of_eos_prompt.finish_reason is FinishReason.STOP
@@ -307,10 +310,13 @@ class FakeEngine:
 
     def __call__(
         self, token_ids: list[list[int]], params: SamplingParams
-    ) -> list[dict[int, float]]:
+    ) -> list[dict[int, Logprob]]:
         assert params.max_tokens == 1 and params.logprobs is not None
         self.rounds.append(token_ids)
-        return [self.table[tuple(tokens)] for tokens in token_ids]
+        return [
+            {token: Logprob(value) for token, value in self.table[tuple(tokens)].items()}
+            for tokens in token_ids
+        ]
 
 
 def search(

@@ -217,7 +217,7 @@ def test_outputs_come_in_vllms_shape_too(llm: LLM) -> None:
     assert completion.finish_reason == "length" and completion.finished
     assert completion.logprobs == out.logprobs
     assert out.logprobs is not None
-    sampled = [step[token] for step, token in zip(out.logprobs, out.token_ids, strict=True)]
+    sampled = [step[token].logprob for step, token in zip(out.logprobs, out.token_ids, strict=True)]
     assert completion.cumulative_logprob == pytest.approx(sum(sampled))
     assert completion.cumulative_logprob < 0
     (plain,) = llm.generate(TEXT, GREEDY)

@@ -364,7 +364,7 @@ def test_logprobs_are_raw_log_softmax_of_sampled_and_top_tokens() -> None:
     )
     result = make_sampler()(logits, metadata)
     raw = torch.log_softmax(logits.float(), dim=-1)
-    assert result.logprobs[2] is None
+    assert result.logprobs[2] is None and result.ranks[2] is None
     for row, n in [(0, 3), (1, 0), (3, 5)]:
         entries = result.logprobs[row]
         assert entries is not None
@@ -374,8 +374,11 @@ def test_logprobs_are_raw_log_softmax_of_sampled_and_top_tokens() -> None:
         for token_id, logprob in entries.items():
             assert type(token_id) is int and type(logprob) is float
             assert logprob == pytest.approx(raw[row, token_id].item(), abs=1e-5)
+        # vLLM's rank: 1 + the tokens with a greater raw logprob (bf16 logits tie often).
+        assert result.ranks[row] == 1 + int((raw[row] > raw[row, sampled]).sum())
     # Penalties moved the greedy row off its raw argmax, so its logprob is not the top one.
     assert result.token_ids[1] != top[1]
+    assert result.ranks[1] is not None and result.ranks[1] > 1
 
 
 def chi_square(counts: Counter[int], probs: list[float], num_draws: int) -> float:

@@ -32,8 +32,13 @@ def case(
     )
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=TOP)
     (output,) = llm.generate([prompt], params)
-    assert output.prompt_logprobs is not None and output.prompt_logprob_ranks is not None
-    return prompt, output.prompt_logprobs, output.prompt_logprob_ranks
+    assert output.prompt_logprobs is not None
+    entries = output.prompt_logprobs
+    return (
+        prompt,
+        [None if e is None else {t: lp.logprob for t, lp in e.items()} for e in entries],
+        [None if e is None else e[token].rank for e, token in zip(entries, prompt, strict=True)],
+    )
 
 
 @pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])

@@ -150,7 +150,7 @@ def test_greedy_generation_matches_hugging_face(tiny_model_factory, hf_model, ar
         top = expected.topk(3).indices.tolist()
         assert set(top) <= set(first)
         for token_id, logprob in first.items():
-            assert logprob == pytest.approx(expected[token_id].item(), abs=1e-4)
+            assert logprob.logprob == pytest.approx(expected[token_id].item(), abs=1e-4)
     assert llm.engine.stats().num_blocks_used == 0
 
 
