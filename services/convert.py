@@ -73,6 +73,7 @@ _OPTIONAL_FIELDS = (
     "repetition_penalty",
     "logprobs",
     "prompt_logprobs",
+    "cache_salt",
 )
 
 
@@ -153,6 +154,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         message.logprobs = params.logprobs
     if params.prompt_logprobs is not None:
         message.prompt_logprobs = params.prompt_logprobs
+    if params.cache_salt is not None:
+        message.cache_salt = params.cache_salt
     return message
 
 

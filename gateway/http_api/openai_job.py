@@ -408,6 +408,7 @@ def sampling_params(
             allowed_token_ids=tuple(body.allowed_token_ids or ()),
             priority=body.priority or 0,
             bad_words_token_ids=bad_words,
+            cache_salt=body.cache_salt,
             **{name: value for name, value in given.items() if value is not None},
         )
     except SamplingParamError as exc:

@@ -166,6 +166,10 @@ class _GenerationParams(RequestModel):
     truncate_prompt_tokens: int | None = None
     """vLLM extension: keep only the prompt's last k tokens (left truncation); -1 keeps
     ``max_model_len`` of them."""
+    cache_salt: NonEmptyText | None = None
+    """vLLM extension: salts the prompt's prefix-cache blocks, which are then shared only with
+    requests of the same salt (a client cannot learn from a fast first token that another sent
+    the same prompt). Give each tenant a long random salt (e.g. 256 bits, base64)."""
     user: str | None = None
     """Accepted and ignored (OpenAI uses it for abuse monitoring)."""
 

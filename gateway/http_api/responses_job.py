@@ -75,6 +75,7 @@ def _chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         "top_p": body.top_p,
         "stream": body.stream,
         "user": body.user,
+        "cache_salt": body.cache_salt,
     }
     text_format = None if body.text is None else body.text.format
     if text_format is not None:

@@ -77,6 +77,8 @@ class ResponsesRequest(RequestModel):
     metadata: dict[str, str] | None = None
     """Returned with the response."""
     user: str | None = None
+    cache_salt: NonEmptyText | None = None
+    """vLLM extension: as the chat API's ``cache_salt``."""
     parallel_tool_calls: bool | None = None
     tool_choice: str | dict[str, Any] | None = None
     """Only ``none`` or ``auto``, without tools."""

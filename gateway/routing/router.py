@@ -66,7 +66,14 @@ class Router:
         self.config = config
         self.affinity = PrefixAffinity(config.affinity_block_size)
 
-    def pick(self, prompt: Sequence[int], exclude: Collection[str] = ()) -> Route | None:
+    def pick(
+        self,
+        prompt: Sequence[int],
+        exclude: Collection[str] = (),
+        cache_salt: str | None = None,
+    ) -> Route | None:
+        """A route for ``prompt`` (its ``cache_salt`` keys prefix affinity, as the nodes'
+        prefix caches), avoiding the nodes in ``exclude``; None where none is healthy."""
         decodes = [n for n in self.pool.decode if n.is_healthy and n.address not in exclude]
         prefills = [n for n in self.pool.prefill if n.is_healthy and n.address not in exclude]
         if decodes and len(prompt) <= self.config.local_prefill_max_tokens:
@@ -74,8 +81,8 @@ class Router:
             return Route(decode=min(decodes, key=_decode_work), prefill=None)
         if decodes and prefills:
             decode = min(decodes, key=_decode_work)
-            prefill = self.pick_prefill(prompt, prefills)
-            self.affinity.record(prompt, prefill.address)
+            prefill = self.pick_prefill(prompt, prefills, cache_salt)
+            self.affinity.record(prompt, prefill.address, cache_salt)
             return Route(decode=decode, prefill=prefill)
         colocated = [n for n in self.pool.colocated if n.is_healthy and n.address not in exclude]
         if colocated:
@@ -114,9 +121,11 @@ class Router:
         """A node came back (perhaps restarted, its prefix cache empty): its affinity goes."""
         self.affinity.forget(node.address)
 
-    def pick_prefill(self, prompt: Sequence[int], candidates: list[Node]) -> Node:
+    def pick_prefill(
+        self, prompt: Sequence[int], candidates: list[Node], cache_salt: str | None = None
+    ) -> Node:
         shortest = min(_prefill_queue(n) for n in candidates)
-        matches = self.affinity.matched_tokens(prompt)
+        matches = self.affinity.matched_tokens(prompt, cache_salt)
         affine = [
             n
             for n in candidates

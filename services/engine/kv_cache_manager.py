@@ -31,6 +31,15 @@ from services.engine.request import Request
 _ROOT_HASH = b"pdserve-kv-v1"
 
 
+def root_hash(cache_salt: str | None) -> bytes:
+    """The parent of a prompt's first block: one for every unsalted request, and one per
+    ``SamplingParams.cache_salt``, so that salted chains never meet another salt's (or the
+    unsalted) chain."""
+    if cache_salt is None:
+        return _ROOT_HASH
+    return hashlib.sha256(_ROOT_HASH + b"\0salt\0" + cache_salt.encode("utf-8")).digest()
+
+
 def hash_block_tokens(parent_hash: bytes, token_ids: list[int]) -> bytes:
     """Chained hash of one full block: equal hashes mean equal token prefixes.
 
@@ -183,7 +192,7 @@ class KVCacheManager:
     def _extend_block_hashes(self, request: Request, num_full_blocks: int) -> None:
         hashes = request.block_hashes
         size = self.block_size
-        parent = hashes[-1] if hashes else _ROOT_HASH
+        parent = hashes[-1] if hashes else root_hash(request.params.cache_salt)
         for index in range(len(hashes), num_full_blocks):
             parent = hash_block_tokens(parent, request.token_ids[index * size : (index + 1) * size])
             hashes.append(parent)

@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict, cast
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, cast
 
 from tokenizers import Tokenizer as HfTokenizer
 
@@ -27,7 +27,7 @@ from services.engine.progress import Progress, RoundProgress, UseTqdm, check_use
 from services.engine.text_stops import TextStops
 from services.model_tokenizer import chat_template_parts, load_tokenizer
 from services.prompt_context import prompt_context, text_after
-from services.types import EngineConfigError, FinishReason, SamplingParams
+from services.types import EngineConfigError, FinishReason, SamplingParamError, SamplingParams
 from services.types.sampling_params import MAX_SEED
 
 if TYPE_CHECKING:
@@ -35,15 +35,19 @@ if TYPE_CHECKING:
 
 
 class TokensPrompt(TypedDict):
-    """A prompt as vLLM's ``TokensPrompt``: ``{"prompt_token_ids": [...]}`` (no other keys)."""
+    """A prompt as vLLM's ``TokensPrompt``: ``{"prompt_token_ids": [...]}``, and its
+    ``cache_salt`` (``SamplingParams.cache_salt``); no other keys."""
 
     prompt_token_ids: Sequence[int]
+    cache_salt: NotRequired[str]
 
 
 class TextPrompt(TypedDict):
-    """A prompt as vLLM's ``TextPrompt``: ``{"prompt": "..."}`` (no other keys)."""
+    """A prompt as vLLM's ``TextPrompt``: ``{"prompt": "..."}``, and its ``cache_salt``; no other
+    keys."""
 
     prompt: str
+    cache_salt: NotRequired[str]
 
 
 Prompt = str | Sequence[int] | TextPrompt | TokensPrompt
@@ -274,9 +278,11 @@ class LLM:
         replacing its params' ``priority`` (lower is served first; an engine with
         ``scheduling_policy="fcfs"`` refuses any but 0)."""
         use_tqdm = check_use_tqdm(use_tqdm)
-        prompts_given = _prompts(prompts)
+        prompts_given, salts = _prompts(prompts)
         prompt_params = self._with_bad_words(
-            _with_priorities(_params(sampling_params, len(prompts_given)), priority)
+            _with_salts(
+                _with_priorities(_params(sampling_params, len(prompts_given)), priority), salts
+            )
         )
         prompts_encoded = [
             _truncated(ids, params.truncate_prompt_tokens, self.engine.max_model_len)
@@ -441,7 +447,10 @@ class LLM:
         use_tqdm = check_use_tqdm(use_tqdm)
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
-        prompt_ids = self._encode(_prompts(prompts))
+        given, salts = _prompts(prompts)
+        if any(salt is not None for salt in salts):
+            raise ValueError("beam_search takes no cache_salt: give prompts without one")
+        prompt_ids = self._encode(given)
         rounds = RoundProgress(use_tqdm, params.max_tokens)
 
         def next_logprobs(
@@ -605,11 +614,12 @@ def _sample_params(params: SamplingParams, sample: int) -> SamplingParams:
     return dataclasses.replace(params, n=1, seed=seed)
 
 
-def _prompts(prompts: object) -> list[str | Sequence[int]]:
-    """Each prompt's text or token ids (the ids are checked by the engine). vLLM's
-    ``TextPrompt`` and ``TokensPrompt`` dicts give their ``prompt`` or ``prompt_token_ids``; a
-    dict with other keys is refused, since the engine would silently drop what they ask for
-    (images, ...)."""
+def _prompts(prompts: object) -> tuple[list[str | Sequence[int]], list[str | None]]:
+    """Each prompt's text or token ids (the ids are checked by the engine), and its cache salt.
+    vLLM's ``TextPrompt`` and ``TokensPrompt`` dicts give their ``prompt`` or
+    ``prompt_token_ids`` and perhaps a ``cache_salt`` (checked by ``SamplingParams``); a dict
+    with other keys is refused, since the engine would silently drop what they ask for (images,
+    ...)."""
     if isinstance(prompts, (str, Mapping)):
         prompts = [prompts]
     if isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
@@ -619,14 +629,18 @@ def _prompts(prompts: object) -> list[str | Sequence[int]]:
             f"{type(prompts).__name__}"
         )
     listed: list[str | Sequence[int]] = []
+    salts: list[str | None] = []
     for index, prompt in enumerate(prompts):
+        salt = None
         if isinstance(prompt, Mapping):
-            keys = set(prompt)
+            keys = set(prompt) - {"cache_salt"}
             if keys not in ({"prompt"}, {"prompt_token_ids"}):
                 raise ValueError(
                     f"prompt {index} is a dict with the keys {sorted(map(str, prompt))}: the "
-                    'engine takes {"prompt": "..."} or {"prompt_token_ids": [...]} alone'
+                    'engine takes {"prompt": "..."} or {"prompt_token_ids": [...]}, with a '
+                    '"cache_salt" or alone'
                 )
+            salt = prompt.get("cache_salt")
             prompt = prompt["prompt"] if keys == {"prompt"} else prompt["prompt_token_ids"]
             if keys == {"prompt"} and not isinstance(prompt, str):
                 raise ValueError(f'prompt {index}: "prompt" must be a string, got {prompt!r}')
@@ -637,7 +651,24 @@ def _prompts(prompts: object) -> list[str | Sequence[int]]:
         if isinstance(prompt, bytes):
             raise ValueError(f"prompt {index} is bytes: give a string or token ids")
         listed.append(prompt)
-    return listed
+        salts.append(salt)
+    return listed, salts
+
+
+def _with_salts(params: list[SamplingParams], salts: list[str | None]) -> list[SamplingParams]:
+    """``params`` with each prompt dict's ``cache_salt``, where it gave one (vLLM's place for
+    it); one also in the prompt's params must be the same."""
+    salted = []
+    for index, (item, salt) in enumerate(zip(params, salts, strict=True)):
+        if salt is not None:
+            if item.cache_salt is not None and item.cache_salt != salt:
+                raise SamplingParamError(
+                    "cache_salt",
+                    f"prompt {index}: its cache_salt and its SamplingParams.cache_salt differ",
+                )
+            item = dataclasses.replace(item, cache_salt=salt)  # checked by SamplingParams
+        salted.append(item)
+    return salted
 
 
 def _truncated(ids: Sequence[int], keep: int | None, max_model_len: int) -> Sequence[int]:

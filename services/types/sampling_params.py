@@ -104,6 +104,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     """vLLM's way to ask for a constraint; construction turns it into ``guided`` (only one of
     the two may be given, unless they agree)."""
+    cache_salt: str | None = None
+    """Salts the request's prefix-cache block hashes (vLLM's ``cache_salt``): its KV blocks are
+    shared only with requests of the same salt, so a client cannot learn from a fast first
+    token that another client sent the same prompt. A non-empty string (give each tenant a
+    long random one); None: unsalted, shared with every unsalted request."""
 
     def __post_init__(self) -> None:
         # Any iterable of ints (None: unset, as vLLM's default), stored as an immutable tuple.
@@ -190,6 +195,8 @@ class SamplingParams:
                     name, f"{name} must be >= 1 or -1 (the model's length), got 0"
                 )
         object.__setattr__(self, "bad_words", _bad_words(self.bad_words))
+        if self.cache_salt is not None:
+            _check_cache_salt(self.cache_salt)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise SamplingParamError(
@@ -315,6 +322,19 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
                 "stop", f"stop strings must be non-empty strings, got {item!r}"
             )
     return tuple(dict.fromkeys(strings))
+
+
+def _check_cache_salt(salt: object) -> None:
+    if not isinstance(salt, str) or not salt:
+        raise SamplingParamError(
+            "cache_salt", f"cache_salt must be a non-empty string if given, got {salt!r}"
+        )
+    try:
+        salt.encode("utf-8")  # what the block hashes take
+    except UnicodeEncodeError as exc:
+        raise SamplingParamError(
+            "cache_salt", f"cache_salt is not valid Unicode: a lone surrogate at {exc.start}"
+        ) from None
 
 
 def _bad_words(words: object) -> tuple[str, ...]:

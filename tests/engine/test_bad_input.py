@@ -110,6 +110,9 @@ def test_prompt_of_max_model_len_is_accepted(llm: LLM) -> None:
         ({"allowed_token_ids": [-3]}, "allowed_token_ids"),
         ({"allowed_token_ids": [3, "7"]}, "allowed_token_ids"),
         ({"ignore_eos": 1}, "ignore_eos"),
+        ({"cache_salt": ""}, "cache_salt"),
+        ({"cache_salt": b"salt"}, "cache_salt"),
+        ({"cache_salt": "\ud800"}, "cache_salt"),
         ({"seed": 1.0}, "seed"),
         # torch.Generator.manual_seed's range, [-2**63, 2**64 - 1]: past it torch raises mid-step.
         ({"seed": 2**64}, "seed must be <= 18446744073709551615"),

@@ -206,6 +206,26 @@ def test_same_block_tokens_after_a_different_prefix_do_not_hit(
     assert_all_free(kv)
 
 
+def test_a_salted_prompt_hits_only_blocks_of_its_own_salt(
+    make_kv_manager, make_request, assert_all_free
+) -> None:
+    kv = make_kv_manager(num_blocks=16, block_size=4)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+
+    def hit(name: str, salt: str | None) -> int:
+        request = make_request(name, token_ids=prompt, cache_salt=salt)
+        num_hit = admit(kv, request)
+        kv.free(request)
+        return num_hit
+
+    assert hit("plain", None) == 0
+    assert hit("a1", "a") == 0  # the unsalted blocks are not tenant a's
+    assert hit("a2", "a") == 8
+    assert hit("b1", "b") == 0
+    assert hit("plain again", None) == 8
+    assert_all_free(kv)
+
+
 def test_live_requests_share_prefix_blocks(make_kv_manager, make_request, assert_all_free) -> None:
     kv = make_kv_manager(num_blocks=8, block_size=4)
     prefix = list(range(100, 108))

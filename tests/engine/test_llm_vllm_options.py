@@ -16,7 +16,7 @@ import pytest
 
 from gateway.text.tokenizer import Tokenizer
 from services.convert import sampling_params_to_proto
-from services.engine import LLM, EngineConfigError, SamplingParams
+from services.engine import LLM, BeamSearchParams, EngineConfigError, SamplingParams
 from services.types import SamplingParamError, StructuredOutputsParams
 from support.small_llm import small_llm
 
@@ -213,6 +213,30 @@ def test_text_option_values_are_checked_naming_the_field(
     with pytest.raises(SamplingParamError, match=message) as caught:
         SamplingParams(**{field: value})
     assert caught.value.param == field
+
+
+def test_cache_salt_keeps_prefix_cache_hits_within_a_salt(llm: LLM) -> None:
+    prompt = list(range(300, 340))  # two full blocks of 16 and a tail
+
+    def cached(prompt_form: Any, params: SamplingParams = GREEDY) -> int:
+        (out,) = llm.generate(prompt_form, params, use_tqdm=False)
+        return out.num_cached_tokens
+
+    salted = SamplingParams(**{**_fields(GREEDY), "cache_salt": "tenant-a"})
+    assert cached({"prompt_token_ids": prompt}) == 0
+    # vLLM's place for it, the prompt dict, and SamplingParams' field are the same salt.
+    assert cached({"prompt_token_ids": prompt, "cache_salt": "tenant-a"}) == 0
+    assert cached({"prompt_token_ids": prompt}, salted) == 32
+    assert cached({"prompt_token_ids": prompt, "cache_salt": "tenant-b"}) == 0
+    assert cached({"prompt_token_ids": prompt}) == 32
+    with pytest.raises(SamplingParamError, match="cache_salt") as refused:
+        llm.generate({"prompt_token_ids": prompt, "cache_salt": "tenant-b"}, salted)
+    assert refused.value.param == "cache_salt"
+    with pytest.raises(SamplingParamError, match="cache_salt"):
+        llm.generate({"prompt_token_ids": prompt, "cache_salt": ""}, GREEDY)
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.beam_search({"prompt": TEXT, "cache_salt": "a"}, BeamSearchParams(2, 2))
+    assert llm.engine.stats().num_blocks_used == 0
 
 
 def test_options_a_node_would_drop_are_refused_at_the_protobuf_edge() -> None:

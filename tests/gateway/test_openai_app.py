@@ -664,6 +664,21 @@ def test_priority_reaches_the_nodes(serve: Callable[..., Served]) -> None:
     assert len(served.generator.requests) == 2
 
 
+def test_cache_salt_reaches_the_nodes(serve: Callable[..., Served]) -> None:
+    served = serve()
+    body = {"model": MODEL, "prompt": "x", "cache_salt": "tenant-a-secret"}
+    assert served.post("/v1/completions", body).status_code == 200
+    assert served.generator.requests[-1].sampling.cache_salt == "tenant-a-secret"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "cache_salt": "b"}
+    assert served.post("/v1/chat/completions", chat).status_code == 200
+    assert served.generator.requests[-1].sampling.cache_salt == "b"
+    assert served.post("/v1/completions", {**body, "cache_salt": None}).status_code == 200
+    assert served.generator.requests[-1].sampling.cache_salt is None
+    for bad in ("", 7, ["a"]):
+        assert_error(served.post("/v1/completions", {**body, "cache_salt": bad}), 400, "cache_salt")
+    assert len(served.generator.requests) == 3
+
+
 def test_version_needs_no_key(serve: Callable[..., Served]) -> None:
     served = serve(api_keys=("sesame",))
     response = httpx.get(f"{served.url}/version", timeout=5)
@@ -1030,7 +1045,7 @@ _FIELDS = (
     "guided_json guided_regex guided_choice guided_grammar parallel_tool_calls "
     "add_generation_prompt continue_final_message chat_template_kwargs allowed_token_ids "
     "include_reasoning truncate_prompt_tokens prompt_logprobs structured_outputs bad_words "
-    "priority return_tokens_as_token_ids add_special_tokens"
+    "priority return_tokens_as_token_ids add_special_tokens cache_salt"
 ).split()
 
 

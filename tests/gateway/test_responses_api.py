@@ -127,6 +127,13 @@ def test_text_format_json_schema_constrains_the_output(served: Served) -> None:
     assert guided is not None and guided.kind is GuidedKind.JSON_OBJECT
 
 
+def test_cache_salt_reaches_the_nodes(served: Served) -> None:
+    body = {"model": MODEL, "input": "Hi", "cache_salt": "tenant-a"}
+    assert served.post("/v1/responses", body).status_code == 200
+    assert served.generator.requests[-1].sampling.cache_salt == "tenant-a"
+    assert_error(served.post("/v1/responses", {**body, "cache_salt": ""}), 400, "cache_salt")
+
+
 @pytest.mark.parametrize(
     ("change", "status", "param"),
     [

@@ -60,6 +60,16 @@ def test_affinity_matches_longest_shared_prefix() -> None:
     assert index.matched_tokens([1, 2, 3, 4, 9, 9, 9, 9]) == {}
 
 
+def test_affinity_keeps_salted_prompts_apart() -> None:
+    index = PrefixAffinity(block_size=BLOCK)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    index.record(prompt, "a", cache_salt="tenant-1")
+    index.record(prompt, "b")
+    assert index.matched_tokens(prompt, "tenant-1") == {"a": 8}
+    assert index.matched_tokens(prompt) == {"b": 8}
+    assert index.matched_tokens(prompt, "tenant-2") == {}
+
+
 def test_affinity_is_bounded() -> None:
     index = PrefixAffinity(block_size=1, max_entries=10)
     for i in range(100):

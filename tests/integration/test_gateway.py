@@ -76,6 +76,33 @@ def test_bad_words_are_banned_on_both_legs(tiny_llama_dir: Path, expected) -> No
     run_stack(tiny_llama_dir, body)
 
 
+@pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
+def test_a_salted_prompt_shares_the_prefix_cache_only_within_its_salt(
+    tiny_llama_dir: Path, expected, colocated: bool
+) -> None:
+    prompts, tokens = expected
+    prompt = prompts[4]  # 150 tokens: prefilled on the prefill node when disaggregated
+
+    def salted(salt: str | None) -> common_pb2.SamplingParams:
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(GREEDY)
+        if salt is not None:
+            sampling.cache_salt = salt
+        return sampling
+
+    async def body(stack: Stack) -> None:
+        cached = []
+        for salt in ("tenant-a", "tenant-a", "tenant-b", None, None):
+            ids, _, finished = await stack.generate(prompt, salted(salt))
+            assert ids == tokens[4]  # a salt changes what is shared, never the tokens
+            cached.append(finished.usage.cached_prompt_tokens)
+        whole_blocks = len(prompt) // 16 * 16
+        assert cached == [0, whole_blocks, 0, 0, whole_blocks]
+        await stack.wait_all_free()
+
+    run_stack(tiny_llama_dir, body, colocated=colocated)
+
+
 def test_colocated_greedy_equals_the_single_engine(tiny_llama_dir: Path, expected) -> None:
     prompts, tokens = expected
 
@@ -191,6 +218,8 @@ def test_bad_requests_get_clear_statuses(tiny_llama_dir: Path) -> None:
             (dict(text="hi", sampling=common_pb2.SamplingParams(priority=2)),
              grpc.StatusCode.INVALID_ARGUMENT, "priority 2 needs"),
             (dict(), grpc.StatusCode.INVALID_ARGUMENT, "input"),
+            (dict(text="hi", sampling=common_pb2.SamplingParams(cache_salt="")),
+             grpc.StatusCode.INVALID_ARGUMENT, "cache_salt"),
             (dict(chat=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="x")])),
              grpc.StatusCode.INVALID_ARGUMENT, "role"),
         ]  # fmt: skip

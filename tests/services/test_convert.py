@@ -66,6 +66,7 @@ def test_explicit_zero_temperature_is_greedy_not_default() -> None:
         SamplingParams(bad_words_token_ids=((7,), (3, 4, 5))),
         SamplingParams(guided=GuidedDecoding(GuidedKind.JSON_OBJECT)),
         SamplingParams(guided=GuidedDecoding(GuidedKind.GRAMMAR, 'start: "x"')),
+        SamplingParams(cache_salt="tenant-a"),
     ],
 )
 def test_sampling_params_round_trip(params: SamplingParams) -> None:
