@@ -122,6 +122,10 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         raise SamplingParamError(
             "bad_words", "a node takes bad words as token ids: give bad_words_token_ids"
         )
+    if params.lora_name is not None:
+        raise SamplingParamError(
+            "lora_name", "lora_name: a node loads no LoRA adapter (LoRA runs offline only)"
+        )
     if params.truncate_prompt_tokens is not None:
         raise SamplingParamError(
             "truncate_prompt_tokens",

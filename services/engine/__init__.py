@@ -9,6 +9,7 @@ from services.engine.beam_search import BeamSearchOutput, BeamSearchParams, Beam
 from services.engine.config import (
     CacheConfig,
     EngineConfig,
+    LoraConfig,
     SchedulerConfig,
     SchedulingPolicy,
     default_max_num_batched_tokens,
@@ -23,6 +24,7 @@ from services.engine.outputs import (
     RequestOutput,
 )
 from services.types import EngineConfigError, FinishReason, SamplingParams, StructuredOutputsParams
+from services.types.lora_request import LoRARequest
 
 __all__ = [
     "LLM",
@@ -37,6 +39,8 @@ __all__ = [
     "EngineCoreOutput",
     "EngineStats",
     "FinishReason",
+    "LoraConfig",
+    "LoRARequest",
     "Logprob",
     "RequestOutput",
     "SamplingParams",

@@ -129,6 +129,21 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters (vLLM's ``enable_lora``): the engine wraps the decoder's projections to add
+    each request's adapter deltas (``services/models/lora.py``)."""
+
+    max_loras: int = 1
+    """Adapters loaded at once (vLLM's ``max_loras``; one step may run them all)."""
+    max_lora_rank: int = 16
+    """The largest rank an adapter may have (vLLM's default, 16)."""
+
+    def __post_init__(self) -> None:
+        _check_positive_int("max_loras", self.max_loras)
+        _check_positive_int("max_lora_rank", self.max_lora_rank)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_dir: Path
     """A Hugging Face model directory, a GGUF file, or a directory holding one GGUF file."""
@@ -160,6 +175,8 @@ class EngineConfig:
     (triton), off otherwise. True on CPU runs the static buffers eagerly (for tests)."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoraConfig | None = None
+    """LoRA adapters on; None: off (the projections are not wrapped)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_dir, str | os.PathLike):
@@ -211,3 +228,10 @@ class EngineConfig:
             raise EngineConfigError(f"seed must be in [-2**63, 2**64 - 1], got {seed}")
         if self.cuda_graphs is not None:
             _check_bool("cuda_graphs", self.cuda_graphs)
+        if self.lora is not None and not isinstance(self.lora, LoraConfig):
+            raise EngineConfigError(f"lora must be a LoraConfig or None, got {self.lora!r}")
+        if self.lora is not None and self.cuda_graphs:
+            raise EngineConfigError(
+                "LoRA adapters run eagerly: cuda_graphs=True would replay steps without their "
+                "deltas; leave cuda_graphs unset (or False) with LoRA"
+            )

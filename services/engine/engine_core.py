@@ -5,7 +5,9 @@ scheduler (a setting or a model it cannot run with raises ``EngineConfigError`` 
 setting, a model file it cannot read ``ModelFileError`` or ``OSError``; anything else is a bug);
 then callers add requests (validated here, so a bad one never reaches the scheduler) and call
 ``step`` while ``has_work``; ``abort`` removes a request at any point and frees its blocks at
-once. Single-threaded: a node runs it in one loop of its own.
+once. Single-threaded: a node runs it in one loop of its own. With LoRA on, ``add_lora`` loads an
+adapter before the requests naming it (``SamplingParams.lora_name``) are added, and
+``remove_lora`` drops it once none of them is queued or running.
 
 Disaggregated roles use two more entries. A decode node ``reserve``s blocks for a prompt, a
 peer writes the prompt's KV into them (``kv_caches`` are the memory to register, ``kv_layout``
@@ -41,6 +43,7 @@ from services.engine.structured_output import GrammarMatcher, GrammarState, Stru
 from services.models.config import ModelConfig
 from services.models.gguf_file import find_gguf, open_gguf
 from services.types import EngineConfigError, SamplingParamError, SamplingParams
+from services.types.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +239,14 @@ class EngineCore:
         conflict = params.min_tokens_conflict(tuple(self.model_config.eos_token_ids))
         if conflict is not None:
             raise SamplingParamError("allowed_token_ids", conflict)
+        if params.lora_name is not None and params.lora_name not in self.lora_names:
+            loaded = ", ".join(sorted(self.lora_names)) or "none"
+            raise SamplingParamError(
+                "lora_name",
+                f"no LoRA adapter {params.lora_name!r} is loaded (loaded: {loaded})"
+                if self.config.lora is not None
+                else "LoRA is off in this engine: start it with enable_lora",
+            )
         if params.priority != 0 and self.config.scheduler.policy is not SchedulingPolicy.PRIORITY:
             # As vLLM: a priority the scheduler would ignore is refused, not silently dropped.
             raise SamplingParamError(
@@ -243,6 +254,46 @@ class EngineCore:
                 f"priority {params.priority} needs the priority scheduling policy "
                 f"(--scheduling-policy priority); this engine runs {self.config.scheduler.policy}",
             )
+
+    @property
+    def lora_names(self) -> set[str]:
+        """The LoRA adapters loaded (``add_lora``), by name."""
+        lora = self.runner.lora
+        return set() if lora is None else set(lora.adapters)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load vLLM's ``LoRARequest``'s adapter under its ``lora_name`` (a name loaded from
+        another path is refused: a request of it may be running); ``LoraAdapterError`` for an
+        adapter the engine cannot apply, ``ValueError`` past ``max_loras``."""
+        lora = self.config.lora
+        if lora is None:
+            raise ValueError("LoRA is off in this engine: start it with enable_lora")
+        name, path = lora_request.lora_name, lora_request.path
+        loaded = self.runner.lora.adapters if self.runner.lora is not None else {}
+        if name in loaded:
+            if loaded[name].path != path:
+                raise ValueError(
+                    f"LoRA adapter {name!r} is loaded from {loaded[name].path}, not {path}: "
+                    "remove it first"
+                )
+            return
+        if len(loaded) >= lora.max_loras:
+            raise ValueError(
+                f"max_loras {lora.max_loras} adapters are loaded ({', '.join(sorted(loaded))}): "
+                "remove one first"
+            )
+        adapter = self.runner.add_lora(name, path)
+        logger.info("LoRA adapter %r loaded from %s: rank %d, %s", name, path, adapter.rank,
+                    ", ".join(adapter.targets))  # fmt: skip
+
+    def remove_lora(self, name: str) -> bool:
+        """Unload adapter ``name``; False where none is loaded under it. Refused while a request
+        of it is queued or running."""
+        in_use = [r.request_id for r in self.scheduler.requests.values()
+                  if r.params.lora_name == name]  # fmt: skip
+        if in_use:
+            raise ValueError(f"LoRA adapter {name!r} is in use by request {in_use[0]!r}")
+        return self.runner.remove_lora(name)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks are free when this returns."""

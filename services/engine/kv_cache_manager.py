@@ -31,13 +31,19 @@ from services.engine.request import Request
 _ROOT_HASH = b"pdserve-kv-v1"
 
 
-def root_hash(cache_salt: str | None) -> bytes:
-    """The parent of a prompt's first block: one for every unsalted request, and one per
-    ``SamplingParams.cache_salt``, so that salted chains never meet another salt's (or the
-    unsalted) chain."""
-    if cache_salt is None:
+def root_hash(cache_salt: str | None, lora_name: str | None = None) -> bytes:
+    """The parent of a prompt's first block: one for every unsalted request of the base model,
+    and one per ``SamplingParams.cache_salt`` and ``lora_name``, so that salted chains never
+    meet another salt's (or the unsalted) chain, and an adapter's KV (which its deltas change)
+    is never served to a request of another adapter or of none."""
+    if cache_salt is None and lora_name is None:
         return _ROOT_HASH
-    return hashlib.sha256(_ROOT_HASH + b"\0salt\0" + cache_salt.encode("utf-8")).digest()
+    digest = hashlib.sha256(_ROOT_HASH)
+    for tag, part in ((b"salt", cache_salt), (b"lora", lora_name)):
+        # Each part tagged and length-prefixed: no salt and adapter name pair spells another's.
+        data = b"" if part is None else part.encode("utf-8")
+        digest.update(b"\0%s\0%d:%s" % (tag, len(data) if part is not None else -1, data))
+    return digest.digest()
 
 
 def hash_block_tokens(parent_hash: bytes, token_ids: list[int]) -> bytes:
@@ -192,7 +198,8 @@ class KVCacheManager:
     def _extend_block_hashes(self, request: Request, num_full_blocks: int) -> None:
         hashes = request.block_hashes
         size = self.block_size
-        parent = hashes[-1] if hashes else root_hash(request.params.cache_salt)
+        params = request.params
+        parent = hashes[-1] if hashes else root_hash(params.cache_salt, params.lora_name)
         for index in range(len(hashes), num_full_blocks):
             parent = hash_block_tokens(parent, request.token_ids[index * size : (index + 1) * size])
             hashes.append(parent)

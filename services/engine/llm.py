@@ -16,6 +16,7 @@ from services.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam
 from services.engine.config import (
     CacheConfig,
     EngineConfig,
+    LoraConfig,
     SchedulerConfig,
     SchedulingPolicy,
     default_max_num_batched_tokens,
@@ -28,6 +29,7 @@ from services.engine.text_stops import TextStops
 from services.model_tokenizer import chat_template_parts, load_tokenizer
 from services.prompt_context import prompt_context, text_after
 from services.types import EngineConfigError, FinishReason, SamplingParamError, SamplingParams
+from services.types.lora_request import LoRARequest
 from services.types.sampling_params import MAX_SEED
 
 if TYPE_CHECKING:
@@ -90,6 +92,9 @@ class LLM:
         enforce_eager: bool = False,
         tensor_parallel_size: int = 1,
         trust_remote_code: bool = False,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
     ) -> None:
         """``max_num_batched_tokens``: None picks ``default_max_num_batched_tokens`` for
         ``device`` (2,048 on a CPU, 16,384 on a GPU). ``seed``: what requests without a seed of
@@ -98,10 +103,14 @@ class LLM:
         this process cannot allocate raise ``EngineConfigError`` (a ``ValueError``) naming the
         argument. vLLM's ``enforce_eager=True`` is ``cuda_graphs=False``; its
         ``tensor_parallel_size`` must be 1 (one device an engine); its ``trust_remote_code`` is
-        taken either way, since no code from a model directory ever runs here."""
+        taken either way, since no code from a model directory ever runs here. vLLM's
+        ``enable_lora`` runs requests with PEFT LoRA adapters (``generate(...,
+        lora_request=...)``), at most ``max_loras`` loaded at once (the least recently used one
+        unloaded for another), each of rank ``max_lora_rank`` at most."""
         for name, flag in (
             ("enforce_eager", enforce_eager),
             ("trust_remote_code", trust_remote_code),
+            ("enable_lora", enable_lora),
         ):
             if not isinstance(flag, bool):
                 raise EngineConfigError(f"{name} must be True or False, got {flag!r}")
@@ -143,6 +152,9 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 policy=SchedulingPolicy(scheduling_policy),
             ),
+            lora=LoraConfig(max_loras=max_loras, max_lora_rank=max_lora_rank)
+            if enable_lora
+            else None,
         )
         if not isinstance(skip_tokenizer_init, bool):
             raise EngineConfigError(
@@ -164,6 +176,7 @@ class LLM:
         self._chat_template: ChatTemplate | None = None  # the model's, compiled at first use
         self._hf_tokenizer: PreTrainedTokenizerFast | None = None  # get_tokenizer's, once built
         self._token_texts: dict[int, str] = {}  # _token_text's
+        self._lora_use: dict[str, None] = {}  # loaded adapters, least recently used first
 
     def chat(
         self,
@@ -176,6 +189,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: each conversation (OpenAI-style ``{"role", "content"}``
         messages; ``messages`` is one conversation or a list of them) rendered with the model's
@@ -212,7 +226,9 @@ class LLM:
                 raise ChatRequestError(f"conversation {index}: {exc}", exc.param) from exc
         encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False)
         prompts: list[Prompt] = [{"prompt_token_ids": e.ids} for e in encoded]
-        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        outputs = self.generate(
+            prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request
+        )
         for output, text in zip(outputs, texts, strict=True):
             output.prompt = text
         return outputs
@@ -259,6 +275,7 @@ class LLM:
         *,
         use_tqdm: UseTqdm = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts. A prompt is
         a string, a list of token ids, or vLLM's ``{"prompt": ...}`` /
@@ -276,12 +293,18 @@ class LLM:
         output's own fields are the first's. ``use_tqdm`` (vLLM's): a progress bar of the
         prompts done on stderr (``progress.UseTqdm``). ``priority`` (vLLM's): one per prompt,
         replacing its params' ``priority`` (lower is served first; an engine with
-        ``scheduling_policy="fcfs"`` refuses any but 0)."""
+        ``scheduling_policy="fcfs"`` refuses any but 0). ``lora_request`` (vLLM's): one
+        ``LoRARequest`` for all prompts or one (or None) per prompt, with ``enable_lora``: its
+        adapter is loaded on first use (its prefix-cache blocks are its own)."""
         use_tqdm = check_use_tqdm(use_tqdm)
         prompts_given, salts = _prompts(prompts)
         prompt_params = self._with_bad_words(
-            _with_salts(
-                _with_priorities(_params(sampling_params, len(prompts_given)), priority), salts
+            self._with_loras(
+                _with_salts(
+                    _with_priorities(_params(sampling_params, len(prompts_given)), priority),
+                    salts,
+                ),
+                lora_request,
             )
         )
         prompts_encoded = [
@@ -438,13 +461,18 @@ class LLM:
         params: BeamSearchParams,
         *,
         use_tqdm: UseTqdm = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: for each prompt (as ``generate`` takes them), its best
         ``params.beam_width`` sequences, best first (``services.engine.beam_search``). Each
         generated token costs one ``generate`` round of every live beam of every prompt, one
         token each. ``use_tqdm`` (off by default, as vLLM's): a bar of the rounds run, out of
-        ``max_tokens``."""
+        ``max_tokens``. ``lora_request``: one adapter for every beam, as ``generate``'s."""
         use_tqdm = check_use_tqdm(use_tqdm)
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(
+                f"beam_search's lora_request must be one LoRARequest, got {lora_request!r}"
+            )
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
         given, salts = _prompts(prompts)
@@ -456,7 +484,9 @@ class LLM:
         def next_logprobs(
             token_ids: list[list[int]], round_params: SamplingParams
         ) -> list[dict[int, Logprob]]:
-            outputs = self.generate(token_ids, round_params, use_tqdm=False)
+            outputs = self.generate(
+                token_ids, round_params, use_tqdm=False, lora_request=lora_request
+            )
             rounds.round_done()
             # Every request samples its one token; one ending without would drop its beam.
             return [out.logprobs[0] if out.logprobs else {} for out in outputs]
@@ -476,6 +506,72 @@ class LLM:
             )
         finally:
             rounds.close()
+
+    def _with_loras(
+        self,
+        params: list[SamplingParams],
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+    ) -> list[SamplingParams]:
+        """``params`` with each prompt's adapter as ``lora_name``, its adapter loaded: those
+        this call needs stay, the least recently used others are unloaded for room."""
+        if lora_request is None:
+            return params
+        requests: list[LoRARequest | None]
+        if isinstance(lora_request, LoRARequest):
+            requests = [lora_request] * len(params)
+        elif isinstance(lora_request, Sequence) and not isinstance(lora_request, str | bytes):
+            requests = list(lora_request)
+            if len(requests) != len(params):
+                raise ValueError(f"got {len(requests)} lora_requests for {len(params)} prompts")
+        else:
+            raise ValueError(
+                "lora_request must be a LoRARequest or a list of them (None for the base "
+                f"model), got {type(lora_request).__name__}"
+            )
+        needed: dict[str, LoRARequest] = {}
+        for index, item in enumerate(requests):
+            if item is None:
+                continue
+            if not isinstance(item, LoRARequest):
+                raise ValueError(f"lora_request {index} must be a LoRARequest or None")
+            other = needed.setdefault(item.lora_name, item)
+            if other.path != item.path:
+                raise ValueError(
+                    f"lora_request {index}: adapter {item.lora_name!r} from two paths "
+                    f"({other.path}, {item.path})"
+                )
+        self._load_loras(list(needed.values()))
+        return [
+            params_item
+            if item is None
+            else dataclasses.replace(params_item, lora_name=item.lora_name)
+            for params_item, item in zip(params, requests, strict=True)
+        ]
+
+    def _load_loras(self, needed: list[LoRARequest]) -> None:
+        """Load each of ``needed`` not loaded yet, unloading the least recently used others
+        where ``max_loras`` leaves no room."""
+        lora = self.engine.config.lora
+        if lora is None:
+            raise ValueError("lora_request needs LLM(..., enable_lora=True)")
+        if len(needed) > lora.max_loras:
+            raise ValueError(
+                f"this call runs {len(needed)} LoRA adapters, max_loras is {lora.max_loras}"
+            )
+        names = {item.lora_name for item in needed}
+        for item in needed:
+            if item.lora_name in self.engine.lora_names:
+                self.engine.add_lora(item)  # refuses the name loaded from another path
+            else:
+                for old in list(self._lora_use):
+                    if len(self.engine.lora_names) < lora.max_loras:
+                        break
+                    if old not in names:
+                        self.engine.remove_lora(old)
+                        del self._lora_use[old]
+                self.engine.add_lora(item)
+            self._lora_use.pop(item.lora_name, None)
+            self._lora_use[item.lora_name] = None  # most recently used last
 
     def _fill_logprobs(
         self,

@@ -2,7 +2,10 @@
 
 Life cycle: ``load`` the weights, size the KV cache (``num_blocks_for``), ``allocate_kv_cache``
 once (which also sets up the static decode path and captures its CUDA graphs), then ``execute``
-every step; ``release`` drops a finished request's sampling state.
+every step; ``release`` drops a finished request's sampling state. With LoRA on
+(``EngineConfig.lora``), the projections are wrapped at load (``models/lora.py``), ``add_lora``
+/ ``remove_lora`` load and drop adapters between steps, and each step sets the rows of each
+adapter for the forward pass only.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from pathlib import Path
 
 import torch
 
@@ -31,6 +35,7 @@ from services.models.attention import AttentionMetadata, PrefillSpan, TorchPaged
 from services.models.backends import make_attention_backend, make_layer_ops
 from services.models.config import ModelConfig
 from services.models.loader import load_model
+from services.models.lora import LoraAdapter, LoraState, install_lora, load_adapter
 from services.models.packed_linear import pack_linears
 from services.models.prefill_kernel_choice import choose_prefill_kernel, prefill_kernel_timer
 from services.types import EngineConfigError
@@ -144,6 +149,12 @@ class ModelRunner:
         )
         # CPU bf16 and fp32: weights in oneDNN's blocked layout, packed once (packed_linear.py).
         pack_linears(self.model, self.device, self.dtype)
+        self.lora: LoraState | None = None
+        """The adapters and each step's rows of them, where ``config.lora`` turned LoRA on."""
+        self.max_lora_rank = 0 if config.lora is None else config.lora.max_lora_rank
+        if config.lora is not None:
+            self.lora = LoraState()
+            install_lora(self.model, model_config, self.lora, ops)
         self.sampler = Sampler(model_config.eos_token_ids, ops.greedy_argmax)
         self.kv_caches: list[torch.Tensor] = []
         self.max_model_len = max_model_len
@@ -152,7 +163,9 @@ class ModelRunner:
         if isinstance(self.backend, TorchPagedAttention) and self.device.type == "cpu":
             self._choose_prefill_kernel(self.backend)
         # Default: graphs on CUDA where the backend does not pay for the fixed table width.
-        self.use_static_decode = (
+        # Never with LoRA: a replayed graph would skip the adapters' deltas (EngineConfig
+        # refuses cuda_graphs=True with it).
+        self.use_static_decode = config.lora is None and (
             config.cuda_graphs
             if config.cuda_graphs is not None
             else self.device.type == "cuda" and self.backend.reads_only_context_blocks
@@ -322,6 +335,25 @@ class ModelRunner:
             )
             self.static_decode.capture()
 
+    def add_lora(self, name: str, path: Path) -> LoraAdapter:
+        """Load the PEFT adapter at ``path`` as ``name`` (replacing one of that name);
+        ``LoraAdapterError`` naming what it cannot apply."""
+        if self.lora is None:
+            raise ValueError("LoRA is off in this engine: start it with enable_lora")
+        adapter = load_adapter(
+            path,
+            self.model_config,
+            max_rank=self.max_lora_rank,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.lora.adapters[name] = adapter
+        return adapter
+
+    def remove_lora(self, name: str) -> bool:
+        """Drop the adapter ``name``; False where none is loaded under it."""
+        return self.lora is not None and self.lora.adapters.pop(name, None) is not None
+
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
@@ -344,8 +376,12 @@ class ModelRunner:
         else:
             input_ids, positions, metadata = self._prepare_inputs(decodes, prefills)
             self.backend.prepare(metadata)
-            hidden = self.model(input_ids, positions, self.kv_caches, metadata)
             spans = metadata.prefills
+            if self.lora is None:
+                hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+            else:
+                with self.lora.rows(_lora_rows(decodes, prefills, spans), self.device):
+                    hidden = self.model(input_ids, positions, self.kv_caches, metadata)
         prompt_logprobs: dict[str, PromptLogprobs] = {}
         if any(chunk.request.needs_prompt_logprobs for chunk in output.chunks):
             # hidden: [num_tokens, hidden_size]; the decodes' rows first, then each prefill
@@ -546,6 +582,25 @@ def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     line = lines[0] if lines else type(exc).__name__
     return re.sub(r"^\[enforce fail at [^\]]*\][^.]*\.\s*", "", line)
+
+
+def _lora_rows(
+    decodes: list[ScheduledChunk], prefills: list[ScheduledChunk], spans: list[PrefillSpan]
+) -> dict[str, list[int]]:
+    """Per adapter, the rows of the step's flat tokens (the decodes' first, one each, then each
+    prefill span's) whose requests run with it."""
+    rows: dict[str, list[int]] = {}
+    for row, chunk in enumerate(decodes):
+        name = chunk.request.params.lora_name
+        if name is not None:
+            rows.setdefault(name, []).append(row)
+    for span, chunk in zip(spans, prefills, strict=True):
+        name = chunk.request.params.lora_name
+        if name is not None:
+            rows.setdefault(name, []).extend(
+                range(span.token_start, span.token_start + span.num_tokens)
+            )
+    return rows
 
 
 def _pad(block_ids: list[int], length: int) -> list[int]:

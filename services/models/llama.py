@@ -15,6 +15,7 @@ from torch import nn
 from services.models.attention import AttentionBackend, AttentionMetadata
 from services.models.config import ModelConfig
 from services.models.layer_ops import LayerOps
+from services.models.lora import LoraGateUp
 from services.models.packed_linear import PackedSiluGateUp
 from services.models.rotary import RopeTables, RotaryEmbedding
 
@@ -78,8 +79,9 @@ class MLP(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.gate_up_proj, PackedSiluGateUp):
-            # SiLU-and-mul ran in the packed GEMMs' epilogues (``packed_linear.py``).
+        if isinstance(self.gate_up_proj, PackedSiluGateUp | LoraGateUp):
+            # SiLU-and-mul ran in the packed GEMMs' epilogues (``packed_linear.py``), or after
+            # the LoRA deltas (``lora.py``).
             return self.down_proj(self.gate_up_proj(x))
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 

@@ -160,6 +160,19 @@ class PackedSiluGateUp(nn.Module):
         gate = torch.ops.mkldnn._linear_pointwise(x, self.gate, self.gate_bias, "swish", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up, self.up_bias, "mul")
 
+    def gate_and_up(self, x: torch.Tensor) -> torch.Tensor:
+        """The product before the activation, ``[num_rows, 2 * intermediate]`` (gate, then up):
+        what a LoRA adapter adds its deltas to (``lora.py``)."""
+        if self.few_rows is not None and self.few_rows[0].takes(x):
+            few_gate, few_up = self.few_rows
+            parts = [few_gate.linear(x, self.gate_bias), few_up.linear(x, self.up_bias)]
+        else:
+            parts = [
+                torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+                for weight, bias in ((self.gate, self.gate_bias), (self.up, self.up_bias))
+            ]
+        return torch.cat(parts, dim=-1)
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, packed, silu"

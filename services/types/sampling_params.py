@@ -109,6 +109,10 @@ class SamplingParams:
     shared only with requests of the same salt, so a client cannot learn from a fast first
     token that another client sent the same prompt. A non-empty string (give each tenant a
     long random one); None: unsalted, shared with every unsalted request."""
+    lora_name: str | None = None
+    """The LoRA adapter the request runs with, by the name the engine loaded it under (the
+    offline ``LLM`` sets it from vLLM's ``lora_request``); None: the base model. Its prefix-cache
+    blocks are shared only with requests of the same adapter."""
 
     def __post_init__(self) -> None:
         # Any iterable of ints (None: unset, as vLLM's default), stored as an immutable tuple.
@@ -197,6 +201,13 @@ class SamplingParams:
         object.__setattr__(self, "bad_words", _bad_words(self.bad_words))
         if self.cache_salt is not None:
             _check_cache_salt(self.cache_salt)
+        if self.lora_name is not None and (
+            not isinstance(self.lora_name, str) or not self.lora_name
+        ):
+            raise SamplingParamError(
+                "lora_name",
+                f"lora_name must be a non-empty string if given, got {self.lora_name!r}",
+            )
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise SamplingParamError(

@@ -1,0 +1,305 @@
+"""LoRA adapters in the offline ``LLM`` (vLLM's ``enable_lora`` and ``lora_request``).
+
+The reference is a Hugging Face forward pass (fp32) over the base weights with each adapter
+merged in (``W + s B A``, PEFT's arithmetic): one call mixing two adapters and the base model
+must give each prompt its own model's prompt logprobs and greedy tokens, whole or with prompts
+cut into chunks that share steps with other requests' decodes. Prefix-cache blocks stay within
+an adapter; adapters the engine cannot apply are refused naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from services.convert import sampling_params_to_proto
+from services.engine import LLM, BeamSearchParams, LoRARequest, SamplingParams
+from services.models.lora import TARGETS, LoraAdapterError
+from services.types import SamplingParamError
+
+Deltas = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+"""(layer, PEFT module name) -> (lora_A [r, in], lora_B [out, r])."""
+
+
+def shapes(config: dict) -> dict[str, tuple[int, int]]:
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+
+
+def write_adapter(
+    directory: Path,
+    model_dir: Path,
+    *,
+    targets: tuple[str, ...] = TARGETS,
+    rank: int = 4,
+    alpha: float = 8.0,
+    seed: int = 0,
+    extra_config: dict | None = None,
+    extra_tensors: dict[str, torch.Tensor] | None = None,
+) -> Deltas:
+    """A PEFT adapter directory as PEFT saves one, with random A and B; returns them."""
+    config = json.loads((model_dir / "config.json").read_text())
+    generator = torch.Generator().manual_seed(seed)
+    deltas: Deltas = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(config["num_hidden_layers"]):
+        for name in targets:
+            in_features, out_features = shapes(config)[name]
+            a = torch.randn(rank, in_features, generator=generator) * 0.2
+            b = torch.randn(out_features, rank, generator=generator) * 0.2
+            deltas[(layer, name)] = (a, b)
+            block = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = a
+            tensors[f"{prefix}.lora_B.weight"] = b
+    tensors.update(extra_tensors or {})
+    directory.mkdir(parents=True, exist_ok=True)
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": list(targets),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "fan_in_fan_out": False,
+        **(extra_config or {}),
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(adapter_config))
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    return deltas
+
+
+def merged_model(model_dir: Path, deltas: Deltas | None, scale: float) -> torch.nn.Module:
+    """The HF model (fp32) with ``W += scale * B @ A`` for each adapted projection."""
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, local_files_only=True
+    ).eval()
+    with torch.no_grad():
+        for (layer, name), (a, b) in (deltas or {}).items():
+            block = model.model.layers[layer]
+            module = getattr(block.self_attn if hasattr(block.self_attn, name) else block.mlp, name)
+            module.weight += scale * b @ a
+    return model
+
+
+def reference(
+    model: torch.nn.Module, prompt: list[int], steps: int
+) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens, and the prompt's logprobs ``[len, vocab]`` (row p predicts token p + 1)."""
+    with torch.inference_mode():
+        prompt_rows = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        tokens = list(prompt)
+        for _ in range(steps):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt) :], prompt_rows
+
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Two adapters: every projection (rank 4, alpha 8), and q and v only with rsLoRA (rank 8,
+    alpha 4); each with its HF reference model."""
+    root = tmp_path_factory.mktemp("adapters")
+    every = write_adapter(root / "every", tiny_llama_dir, seed=1)
+    qv = write_adapter(
+        root / "qv",
+        tiny_llama_dir,
+        targets=("q_proj", "v_proj"),
+        rank=8,
+        alpha=4.0,
+        seed=2,
+        extra_config={"use_rslora": True},
+    )
+    return {
+        "every": (
+            LoRARequest("every", 1, root / "every"),
+            merged_model(tiny_llama_dir, every, 2.0),
+        ),
+        "qv": (
+            LoRARequest("qv", 2, str(root / "qv")),
+            merged_model(tiny_llama_dir, qv, 4.0 / math.sqrt(8)),
+        ),
+        None: (None, merged_model(tiny_llama_dir, None, 0.0)),
+    }
+
+
+def lora_llm(model_dir: Path, **kwargs) -> LLM:
+    options = {"dtype": "float32", "kv_cache_dtype": "float32", "max_loras": 2, **kwargs}
+    return LLM(model_dir, max_model_len=128, enable_lora=True, **options)
+
+
+@pytest.mark.parametrize("budget", [2048, 16])  # 16: prompts in chunks beside others' decodes
+def test_each_prompt_runs_its_own_adapter(tiny_llama_dir: Path, adapters, budget: int) -> None:
+    rng = random.Random(4)
+    names = ["every", "qv", None, "every", None, "qv"]
+    prompts = [[rng.randrange(5, 4000) for _ in range(n)] for n in (20, 35, 11, 3, 40, 17)]
+    llm = lora_llm(tiny_llama_dir, max_num_batched_tokens=budget)
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    outputs = llm.generate(
+        prompts, params, lora_request=[adapters[name][0] for name in names], use_tqdm=False
+    )
+    base_tokens = {}
+    for name, prompt, output in zip(names, prompts, outputs, strict=True):
+        tokens, rows = reference(adapters[name][1], prompt, STEPS)
+        assert output.token_ids == tokens, name
+        assert output.prompt_logprobs is not None
+        for position in range(1, len(prompt)):
+            entry = output.prompt_logprobs[position]
+            assert entry is not None
+            token = prompt[position]
+            assert entry[token].logprob == pytest.approx(rows[position - 1, token].item(), abs=1e-4)
+        if name is None:
+            continue
+        base_tokens[name], _ = reference(adapters[None][1], prompt, STEPS)
+        assert output.token_ids != base_tokens[name], f"{name} changed nothing"
+    assert llm.engine.stats().num_blocks_used == 0
+
+
+def test_an_adapters_prefix_cache_blocks_are_its_own(tiny_llama_dir: Path, adapters) -> None:
+    llm = lora_llm(tiny_llama_dir)
+    prompt = list(range(100, 140))  # two full blocks of 16
+    every = adapters["every"][0]
+
+    def cached(lora_request: LoRARequest | None) -> int:
+        (out,) = llm.generate([prompt], SamplingParams(max_tokens=1), lora_request=lora_request)
+        return out.num_cached_tokens
+
+    assert [cached(None), cached(every), cached(every), cached(None)] == [0, 0, 32, 32]
+    qv = adapters["qv"][0]
+    assert cached(qv) == 0
+
+
+def test_max_loras_unloads_the_least_recently_used(tiny_llama_dir: Path, adapters) -> None:
+    llm = lora_llm(tiny_llama_dir, max_loras=1)
+    every, qv = adapters["every"][0], adapters["qv"][0]
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    (first,) = llm.generate([[5, 6, 7]], params, lora_request=every)
+    (other,) = llm.generate([[5, 6, 7]], params, lora_request=qv)
+    assert llm.engine.lora_names == {"qv"}
+    (again,) = llm.generate([[5, 6, 7]], params, lora_request=every)
+    assert again.token_ids == first.token_ids and llm.engine.lora_names == {"every"}
+    with pytest.raises(ValueError, match="max_loras is 1"):
+        llm.generate([[5], [6]], params, lora_request=[every, qv])
+    assert llm.engine.stats().num_blocks_used == 0
+
+
+def test_lora_requests_are_checked(tiny_llama_dir: Path, adapters, tmp_path: Path) -> None:
+    every = adapters["every"][0]
+    params = SamplingParams(max_tokens=1)
+    plain = LLM(tiny_llama_dir, dtype="float32", max_model_len=64)
+    with pytest.raises(ValueError, match="enable_lora"):
+        plain.generate([[5]], params, lora_request=every)
+    with pytest.raises(SamplingParamError, match="LoRA is off") as off:
+        plain.generate([[5]], SamplingParams(lora_name="every"))
+    assert off.value.param == "lora_name"
+    llm = lora_llm(tiny_llama_dir)
+    with pytest.raises(SamplingParamError, match="no LoRA adapter 'nope' is loaded"):
+        llm.generate([[5]], SamplingParams(lora_name="nope"))
+    with pytest.raises(ValueError, match="2 lora_requests for 1 prompts"):
+        llm.generate([[5]], params, lora_request=[every, every])
+    moved = LoRARequest("every", 1, tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="from two paths"):
+        llm.generate([[5], [6]], params, lora_request=[every, moved])
+    llm.generate([[5]], params, lora_request=every)
+    with pytest.raises(ValueError, match="is loaded from"):
+        llm.generate([[5]], params, lora_request=moved)
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("x", 0, tmp_path)
+    with pytest.raises(SamplingParamError, match="lora_name"):
+        sampling_params_to_proto(SamplingParams(lora_name="every"))
+    # A node of it running: not unloaded under it.
+    llm.engine.add_request("running", [5, 6], SamplingParams(max_tokens=4, lora_name="every"))
+    with pytest.raises(ValueError, match="in use by request 'running'"):
+        llm.engine.remove_lora("every")
+    llm.engine.abort("running")
+    assert llm.engine.remove_lora("every") and not llm.engine.remove_lora("every")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"missing": True}, "no adapter_config.json"),
+        ({"rank": 32}, "rank 32 is above max_lora_rank 16"),
+        ({"extra_config": {"use_dora": True}}, "use_dora"),
+        ({"extra_config": {"bias": "all"}}, "bias 'all'"),
+        ({"extra_config": {"peft_type": "IA3"}}, "peft_type 'IA3'"),
+        ({"extra_tensors": {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)}},
+         "lm_head.lora_A.weight: only the LoRA A/B weights"),
+        ({"other_model": True}, "do not fit"),
+    ],
+)  # fmt: skip
+def test_adapters_it_cannot_apply_are_refused_naming_why(
+    tiny_llama_dir: Path, tmp_path: Path, change: dict, message: str
+) -> None:
+    directory = tmp_path / "adapter"
+    if change.get("other_model"):  # a model twice as wide
+        config = json.loads((tiny_llama_dir / "config.json").read_text())
+        wide = tmp_path / "wide"
+        wide.mkdir()
+        (wide / "config.json").write_text(
+            json.dumps({**config, "hidden_size": 2 * config["hidden_size"]})
+        )
+        write_adapter(directory, wide)
+    elif not change.get("missing"):
+        options = {k: v for k, v in change.items() if k not in ("missing", "other_model")}
+        write_adapter(directory, tiny_llama_dir, **options)
+    llm = lora_llm(tiny_llama_dir)
+    with pytest.raises(LoraAdapterError, match=message):
+        llm.generate(
+            [[5]], SamplingParams(max_tokens=1), lora_request=LoRARequest("a", 1, directory)
+        )
+    assert llm.engine.lora_names == set()
+
+
+def test_beam_search_and_chat_take_an_adapter(tiny_llama_dir: Path, adapters) -> None:
+    llm = lora_llm(tiny_llama_dir)
+    every, qv = adapters["every"][0], adapters["qv"][0]
+    prompt = [7, 8, 9, 10]
+    beams = BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True)
+    (with_every,) = llm.beam_search([prompt], beams, lora_request=every)
+    (with_qv,) = llm.beam_search([prompt], beams, lora_request=qv)
+    assert [s.tokens for s in with_every.sequences] != [s.tokens for s in with_qv.sequences]
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    (every_out,) = llm.chat(
+        messages, chat, lora_request=every, chat_template="{{ messages[0].content }}"
+    )
+    (direct,) = llm.generate([every_out.prompt_token_ids], chat, lora_request=every, use_tqdm=False)
+    assert every_out.token_ids == direct.token_ids
+
+
+def test_bfloat16_runs_the_adapter_too(tiny_llama_dir: Path, adapters) -> None:
+    # bf16 on this host may run the packed kernels or plain linears: either way the adapter's
+    # deltas reach the output, and the base rows of the same call are the base model's.
+    llm = lora_llm(tiny_llama_dir, dtype="bfloat16", kv_cache_dtype="bfloat16")
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    prompt = [11, 12, 13, 14, 15]
+    with_every, base = llm.generate(
+        [prompt, prompt], params, lora_request=[adapters["every"][0], None], use_tqdm=False
+    )
+    (alone,) = llm.generate([prompt], params, use_tqdm=False)
+    assert base.token_ids == alone.token_ids
+    assert with_every.token_ids != base.token_ids
