@@ -159,12 +159,21 @@ class GatewayConfig:
     chat_template: str | None = field(default=None, repr=False)
     """``--chat-template``'s Jinja source, rendered in place of the model's for every chat
     input; None: the model's. Compiled and tried when the tokenizer loads (``Tokenizer``)."""
+    lora_modules: tuple[str, ...] = ()
+    """``--lora-modules``' names: a request naming one as its model runs with that LoRA
+    adapter, which the nodes loaded under the same name (their ``--lora-modules``)."""
 
     def __post_init__(self) -> None:
         names = (self.served_model_name, *self.served_model_aliases)
         if not all(name.strip() for name in names) or len(set(names)) != len(names):
             raise ValueError(
                 f"--served-model-name: names must be non-blank and distinct, got {list(names)}"
+            )
+        every = (*names, *self.lora_modules)
+        if not all(name.strip() for name in self.lora_modules) or len(set(every)) != len(every):
+            raise ValueError(
+                "--lora-modules: names must be non-blank and distinct from each other and from "
+                f"--served-model-name, got {list(self.lora_modules)}"
             )
         for name in ("http_port", "grpc_port"):
             port = getattr(self, name)
@@ -248,6 +257,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="model id(s) clients use (default: the model dir's name); with several (env: "
         "comma-separated), requests may name any and responses carry the first",
+    )
+    add(
+        "--lora-modules",
+        nargs="+",
+        default=(),
+        metavar="NAME[=PATH]",
+        help="LoRA adapters the nodes load (their --lora-modules): a request naming NAME as its "
+        "model runs with it (a PATH is taken, for the nodes' spelling, and not read)",
     )
     add("--host", default="0.0.0.0", help="address both servers bind")
     add("--http-port", type=int, default=8000, help="OpenAI API, /health, /metrics")
@@ -410,6 +427,7 @@ def parse_gateway_config(
             model_dir=args.model,
             served_model_name=names[0],
             served_model_aliases=tuple(names[1:]),
+            lora_modules=tuple(module.partition("=")[0] for module in args.lora_modules),
             host=args.host,
             http_port=args.http_port,
             grpc_port=args.grpc_port,

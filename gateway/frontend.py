@@ -50,11 +50,27 @@ class Frontend:
     """The model's sampling defaults (``--generation-config``): what unset fields take."""
     served_model_aliases: tuple[str, ...] = ()
     """Further names a request may give the model (``--served-model-name a b``)."""
+    lora_modules: tuple[str, ...] = ()
+    """LoRA adapters a request may name as its model (``--lora-modules``)."""
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
         """Every name of the model, the one responses carry first (``GET /v1/models``)."""
         return (self.served_model_name, *self.served_model_aliases)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """What a request's model may be: the base model's names, then the LoRA adapters'."""
+        return (*self.served_model_names, *self.lora_modules)
+
+    def lora_name(self, model: str | None) -> str | None:
+        """The LoRA adapter a request naming ``model`` runs with; None: the base model."""
+        return model if model in self.lora_modules else None
+
+    def response_model(self, model: str | None) -> str:
+        """The model a response names: the adapter a request named, else the base model's
+        first name (as vLLM's)."""
+        return self.lora_name(model) or self.served_model_name
 
     def is_ready(self) -> bool:
         """True while at least one healthy prefill+decode pair or colocated node is available."""

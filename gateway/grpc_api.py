@@ -122,8 +122,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             await context.abort(exc.kind.grpc_code, exc.message)
         return gateway_pb2.ListModelsResponse(
             models=[
-                gateway_pb2.ModelCard(id=name, max_model_len=self.frontend.limits.max_model_len)
-                for name in self.frontend.served_model_names
+                gateway_pb2.ModelCard(
+                    id=name,
+                    max_model_len=self.frontend.limits.max_model_len,
+                    parent=self.frontend.served_model_name
+                    if name in self.frontend.lora_modules
+                    else "",
+                )
+                for name in self.frontend.model_names
             ]
         )
 
@@ -154,11 +160,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         """What needs no tokenizer, before admission: model, input kind, sampling, stop, the
         chat fields."""
         frontend = self.frontend
-        if request.model and request.model not in frontend.served_model_names:
+        if request.model and request.model not in frontend.model_names:
             raise GatewayError(
                 ErrorKind.NOT_FOUND,
                 f"model {request.model!r} does not exist; this gateway serves "
-                f"{', '.join(map(repr, frontend.served_model_names))}",
+                f"{', '.join(map(repr, frontend.model_names))}",
                 param="model",
             )
         if request.request_id and not CLIENT_REQUEST_ID.fullmatch(request.request_id):
@@ -168,6 +174,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if request.WhichOneof("input") is None:
             raise invalid("input: set one of text, token_ids or chat", param="input")
         sampling = _sampling_from_proto(_with_model_defaults(request.sampling, frontend))
+        sampling = _with_lora(sampling, frontend.lora_name(request.model or None), frontend)
         try:  # the node's check, before routing
             sampling.check_vocabulary(frontend.tokenizer.vocab_size)
         except SamplingParamError as exc:
@@ -278,6 +285,28 @@ def _with_model_defaults(
         if value is not None and not message.HasField(name):
             setattr(filled, name, value)
     return filled
+
+
+def _with_lora(
+    sampling: SamplingParams, model_lora: str | None, frontend: Frontend
+) -> SamplingParams:
+    """``sampling`` running the LoRA adapter the request's model names; a
+    ``sampling.lora_name`` of the client's own must be one of ``--lora-modules`` and agree."""
+    given = sampling.lora_name
+    if given is not None and given not in frontend.lora_modules:
+        raise invalid(
+            f"sampling.lora_name {given!r} is not a LoRA adapter of this gateway "
+            f"({', '.join(map(repr, frontend.lora_modules)) or 'none'})",
+            param="sampling.lora_name",
+        )
+    if given is not None and model_lora is not None and given != model_lora:
+        raise invalid(
+            f"sampling.lora_name {given!r} differs from the model's adapter {model_lora!r}",
+            param="sampling.lora_name",
+        )
+    if model_lora is None:
+        return sampling
+    return dataclasses.replace(sampling, lora_name=model_lora)
 
 
 def _sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:

@@ -82,6 +82,7 @@ class GatewayServer:
             reasoning_parser=config.reasoning_parser,
             sampling_defaults=config.sampling_defaults,
             served_model_aliases=config.served_model_aliases,
+            lora_modules=config.lora_modules,
         )
         if config.sampling_defaults.as_dict():
             logger.info(

@@ -74,6 +74,7 @@ _OPTIONAL_FIELDS = (
     "logprobs",
     "prompt_logprobs",
     "cache_salt",
+    "lora_name",
 )
 
 
@@ -122,10 +123,6 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         raise SamplingParamError(
             "bad_words", "a node takes bad words as token ids: give bad_words_token_ids"
         )
-    if params.lora_name is not None:
-        raise SamplingParamError(
-            "lora_name", "lora_name: a node loads no LoRA adapter (LoRA runs offline only)"
-        )
     if params.truncate_prompt_tokens is not None:
         raise SamplingParamError(
             "truncate_prompt_tokens",
@@ -160,6 +157,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         message.prompt_logprobs = params.prompt_logprobs
     if params.cache_salt is not None:
         message.cache_salt = params.cache_salt
+    if params.lora_name is not None:
+        message.lora_name = params.lora_name
     return message
 
 

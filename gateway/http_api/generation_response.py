@@ -63,7 +63,7 @@ class GenerationResponse(Response):
         """A bug in the gateway failed a choice: the request's error reason is ``internal``."""
         self._n = job.body.n
         self._format: OpenAIFormat = output or (ChatFormat if job.is_chat else CompletionFormat)(
-            job, frontend.tokenizer, frontend.served_model_name
+            job, frontend.tokenizer, frontend.response_model(job.body.model)
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

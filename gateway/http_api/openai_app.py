@@ -156,7 +156,7 @@ def build_openai_app(frontend: Frontend, cors: CorsConfig | None = None) -> Fast
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         """OpenAI's Responses API over the chat pipeline (``responses_job.py``)."""
         job = await asyncio.to_thread(responses_job, body, request, frontend)
-        output = ResponsesFormat(job, frontend.tokenizer, frontend.served_model_name, body)
+        output = ResponsesFormat(job, frontend.tokenizer, frontend.response_model(body.model), body)
         return GenerationResponse(frontend, job, output)
 
     def model_card(name: str) -> ModelCard:
@@ -165,11 +165,12 @@ def build_openai_app(frontend: Frontend, cors: CorsConfig | None = None) -> Fast
             created=created,
             max_model_len=frontend.limits.max_model_len,
             root=frontend.served_model_name,  # an alias's too, as vLLM's cards all name the model
+            parent=frontend.served_model_name if name in frontend.lora_modules else None,
         )
 
     @v1.get("/models", response_model=ModelList, responses={401: _ERROR_RESPONSES[401]})
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card(name) for name in frontend.served_model_names])
+        return ModelList(data=[model_card(name) for name in frontend.model_names])
 
     @v1.get(
         "/models/{model}",

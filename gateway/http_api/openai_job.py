@@ -231,12 +231,13 @@ def _check_common(
 
 
 def check_model(model: str | None, frontend: Frontend) -> None:
-    """A request names the served model or none (a route's path always names one)."""
-    if model is not None and model not in frontend.served_model_names:
+    """A request names the served model, one of its LoRA adapters, or none (a route's path
+    always names one)."""
+    if model is not None and model not in frontend.model_names:
         raise GatewayError(
             ErrorKind.NOT_FOUND,
             f"model {model!r} does not exist; this server serves "
-            f"{', '.join(map(repr, frontend.served_model_names))}",
+            f"{', '.join(map(repr, frontend.model_names))}",
             param="model",
         )
 
@@ -409,6 +410,7 @@ def sampling_params(
             priority=body.priority or 0,
             bad_words_token_ids=bad_words,
             cache_salt=body.cache_salt,
+            lora_name=frontend.lora_name(body.model),
             **{name: value for name, value in given.items() if value is not None},
         )
     except SamplingParamError as exc:

@@ -451,7 +451,8 @@ class ModelCard(ResponseModel):
     """vLLM's: the model every served name stands for; here its first served name (vLLM gives
     the path it loaded, which on pdserve is on the nodes' disks, not the client's business)."""
     parent: str | None = None
-    """vLLM's: the base model of an adapter; null, as pdserve serves no adapters."""
+    """vLLM's: a LoRA adapter's base model (its first served name); null for the model's own
+    names."""
 
 
 class ModelList(ResponseModel):

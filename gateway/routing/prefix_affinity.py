@@ -17,6 +17,12 @@ from collections.abc import Sequence
 # (system prompts, few-shot examples), and hashing 100k-token prompts per request would cost.
 MAX_INDEXED_BLOCKS = 256
 
+Namespace = tuple[str | None, str | None]
+"""(cache salt, LoRA adapter name) of a prompt: prefixes are shared only within one, as in the
+nodes' prefix caches (``kv_cache_manager.root_hash``)."""
+BASE: Namespace = (None, None)
+"""Unsalted prompts of the base model."""
+
 
 class PrefixAffinity:
     def __init__(self, block_size: int, max_entries: int = 100_000) -> None:
@@ -26,31 +32,29 @@ class PrefixAffinity:
         self.max_entries = max_entries
         self._owner: OrderedDict[int, str] = OrderedDict()  # block-chain hash -> node address
 
-    def block_hashes(self, prompt: Sequence[int], cache_salt: str | None = None) -> list[int]:
-        """The prompt's chain; a salted prompt's starts from its salt, as the nodes' does
-        (``SamplingParams.cache_salt``), so it matches only prompts of the same salt."""
+    def block_hashes(self, prompt: Sequence[int], namespace: Namespace = BASE) -> list[int]:
+        """The prompt's chain; one of another ``namespace`` (a cache salt, a LoRA adapter)
+        starts from it, as the nodes' chains do, so it matches only prompts of the same."""
         num_blocks = min(len(prompt) // self.block_size, MAX_INDEXED_BLOCKS)
         hashes: list[int] = []
-        parent = 0 if cache_salt is None else hash(("salt", cache_salt))
+        parent = 0 if namespace == BASE else hash(namespace)
         for i in range(num_blocks):
             # Python's hash of a tuple of ints is deterministic (no per-process salt).
             parent = hash((parent, tuple(prompt[i * self.block_size : (i + 1) * self.block_size])))
             hashes.append(parent)
         return hashes
 
-    def matched_tokens(
-        self, prompt: Sequence[int], cache_salt: str | None = None
-    ) -> dict[str, int]:
+    def matched_tokens(self, prompt: Sequence[int], namespace: Namespace = BASE) -> dict[str, int]:
         """Per node address: how many leading prompt tokens it was last sent (0 if none)."""
         matches: dict[str, int] = {}
-        for depth, block_hash in enumerate(self.block_hashes(prompt, cache_salt), start=1):
+        for depth, block_hash in enumerate(self.block_hashes(prompt, namespace), start=1):
             owner = self._owner.get(block_hash)
             if owner is not None:
                 matches[owner] = depth * self.block_size
         return matches
 
-    def record(self, prompt: Sequence[int], address: str, cache_salt: str | None = None) -> None:
-        for block_hash in self.block_hashes(prompt, cache_salt):
+    def record(self, prompt: Sequence[int], address: str, namespace: Namespace = BASE) -> None:
+        for block_hash in self.block_hashes(prompt, namespace):
             self._owner[block_hash] = address
             self._owner.move_to_end(block_hash)
         while len(self._owner) > self.max_entries:

@@ -132,15 +132,19 @@ class RoutedGenerator:
         wait_for_room = False
         attempt = 0
         node_id = f"{request.request_id}.{uuid.uuid4().hex[:12]}"  # see "Request ids" above
-        salt = request.sampling.cache_salt
+        namespace = (request.sampling.cache_salt, request.sampling.lora_name)
         while True:
             route = None
             if attempt <= self.config.max_retries:
-                route = self.router.pick(request.prompt_token_ids, tried, salt)
+                route = self.router.pick(
+                    request.prompt_token_ids, exclude=tried, namespace=namespace
+                )
             if route is None and not wait_for_room and _all_full(failures):
                 # Every decode node tried is full: wait for room on one (the router's pick).
                 wait_for_room, tried = True, set()
-                route = self.router.pick(request.prompt_token_ids, tried, salt)
+                route = self.router.pick(
+                    request.prompt_token_ids, exclude=tried, namespace=namespace
+                )
             if route is None:
                 break
             # A retry never reuses an id: the prefill node keeps a held id reserved (peers #13).

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from gateway.config import RouterConfig
 from gateway.routing.node import Node
 from gateway.routing.node_pool import NodePool
-from gateway.routing.prefix_affinity import PrefixAffinity
+from gateway.routing.prefix_affinity import BASE, Namespace, PrefixAffinity
 from services.types import Role
 
 logger = logging.getLogger(__name__)
@@ -70,10 +70,10 @@ class Router:
         self,
         prompt: Sequence[int],
         exclude: Collection[str] = (),
-        cache_salt: str | None = None,
+        namespace: Namespace = BASE,
     ) -> Route | None:
-        """A route for ``prompt`` (its ``cache_salt`` keys prefix affinity, as the nodes'
-        prefix caches), avoiding the nodes in ``exclude``; None where none is healthy."""
+        """A route for ``prompt`` (its ``namespace`` keys prefix affinity, as the nodes' prefix
+        caches), avoiding the nodes in ``exclude``; None where none is healthy."""
         decodes = [n for n in self.pool.decode if n.is_healthy and n.address not in exclude]
         prefills = [n for n in self.pool.prefill if n.is_healthy and n.address not in exclude]
         if decodes and len(prompt) <= self.config.local_prefill_max_tokens:
@@ -81,8 +81,8 @@ class Router:
             return Route(decode=min(decodes, key=_decode_work), prefill=None)
         if decodes and prefills:
             decode = min(decodes, key=_decode_work)
-            prefill = self.pick_prefill(prompt, prefills, cache_salt)
-            self.affinity.record(prompt, prefill.address, cache_salt)
+            prefill = self.pick_prefill(prompt, prefills, namespace)
+            self.affinity.record(prompt, prefill.address, namespace)
             return Route(decode=decode, prefill=prefill)
         colocated = [n for n in self.pool.colocated if n.is_healthy and n.address not in exclude]
         if colocated:
@@ -122,10 +122,10 @@ class Router:
         self.affinity.forget(node.address)
 
     def pick_prefill(
-        self, prompt: Sequence[int], candidates: list[Node], cache_salt: str | None = None
+        self, prompt: Sequence[int], candidates: list[Node], namespace: Namespace = BASE
     ) -> Node:
         shortest = min(_prefill_queue(n) for n in candidates)
-        matches = self.affinity.matched_tokens(prompt, cache_salt)
+        matches = self.affinity.matched_tokens(prompt, namespace)
         affine = [
             n
             for n in candidates

@@ -137,10 +137,24 @@ class LoraConfig:
     """Adapters loaded at once (vLLM's ``max_loras``; one step may run them all)."""
     max_lora_rank: int = 16
     """The largest rank an adapter may have (vLLM's default, 16)."""
+    lora_modules: tuple[tuple[str, Path], ...] = ()
+    """(name, PEFT adapter directory) pairs loaded when the engine starts (a node's
+    ``--lora-modules``); the offline ``LLM`` loads its adapters as requests name them."""
 
     def __post_init__(self) -> None:
         _check_positive_int("max_loras", self.max_loras)
         _check_positive_int("max_lora_rank", self.max_lora_rank)
+        modules = tuple((name, Path(path)) for name, path in self.lora_modules)
+        names = [name for name, _ in modules]
+        if any(not isinstance(name, str) or not name for name in names):
+            raise EngineConfigError(f"lora_modules names must be non-empty strings, got {names}")
+        if len(set(names)) != len(names):
+            raise EngineConfigError(f"lora_modules names must differ, got {names}")
+        if len(modules) > self.max_loras:
+            raise EngineConfigError(
+                f"lora_modules holds {len(modules)} adapters, max_loras is {self.max_loras}"
+            )
+        object.__setattr__(self, "lora_modules", modules)
 
 
 @dataclass(frozen=True)

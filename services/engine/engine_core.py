@@ -42,6 +42,7 @@ from services.engine.scheduler import SampledToken, Scheduler
 from services.engine.structured_output import GrammarMatcher, GrammarState, StructuredOutputs
 from services.models.config import ModelConfig
 from services.models.gguf_file import find_gguf, open_gguf
+from services.models.lora import LoraAdapterError
 from services.types import EngineConfigError, SamplingParamError, SamplingParams
 from services.types.lora_request import LoRARequest
 
@@ -114,6 +115,13 @@ class EngineCore:
             num_blocks=num_blocks,
         )
         """Where each block sits in ``kv_caches``, and the fingerprint peers must match."""
+        for index, (name, path) in enumerate(
+            () if config.lora is None else config.lora.lora_modules
+        ):
+            try:
+                self.add_lora(LoRARequest(name, index + 1, path))
+            except LoraAdapterError as exc:
+                raise EngineConfigError(f"lora_modules {name}={path}: {exc}") from None
 
     @property
     def has_unfinished_requests(self) -> bool:

@@ -29,6 +29,7 @@ from services.cli import (
 from services.engine import (
     CacheConfig,
     EngineConfig,
+    LoraConfig,
     SchedulerConfig,
     SchedulingPolicy,
     default_max_num_batched_tokens,
@@ -197,6 +198,23 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
         help="decode steps on static buffers replayed as CUDA graphs "
         "(default: on for CUDA with the triton attention backend)",
     )
+    add(
+        "--lora-modules",
+        nargs="+",
+        type=lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) loaded at start-up, each served under its NAME "
+        "(SamplingParams.lora_name; the gateway's model). Give the prefill and decode nodes "
+        "the same ones.",
+    )
+    add(
+        "--max-loras",
+        type=int,
+        default=None,
+        help="LoRA adapters loaded at once (default: those of --lora-modules)",
+    )
+    add("--max-lora-rank", type=int, default=None, help="the largest LoRA rank taken (16)")
     add("--drain-grace-s", type=finite_float, default=30.0)
     add("--seed", type=int, default=0)
     add(
@@ -251,6 +269,8 @@ def parse_node_config(
     if args.role is None:
         parser.error("--role is required (prefill, decode or colocated)")
     grpc_port = args.grpc_port if args.grpc_port is not None else DEFAULT_GRPC_PORTS[args.role]
+    if not args.lora_modules and (args.max_loras is not None or args.max_lora_rank is not None):
+        parser.error("--max-loras and --max-lora-rank need --lora-modules")
     try:
         engine = EngineConfig(
             model_dir=args.model,
@@ -275,6 +295,13 @@ def parse_node_config(
                     else default_max_num_batched_tokens(args.device, offline=False)
                 ),
                 policy=SchedulingPolicy(args.scheduling_policy),
+            ),
+            lora=None
+            if not args.lora_modules
+            else LoraConfig(
+                max_loras=args.max_loras or len(args.lora_modules),
+                max_lora_rank=args.max_lora_rank or 16,
+                lora_modules=tuple(args.lora_modules),
             ),
         )
         config = NodeConfig(
@@ -313,6 +340,14 @@ def _parse_role(value: str, *, served: Sequence[Role]) -> Role:
     if role not in served:
         raise argparse.ArgumentTypeError(f"--role {role} runs as python -m {role.module}")
     return role
+
+
+def lora_module(text: str) -> tuple[str, Path]:
+    """``--lora-modules``' ``NAME=PATH`` (vLLM's spelling)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, Path(path)
 
 
 def check_before_load(config: NodeConfig) -> None:

@@ -169,7 +169,10 @@ class PairRouter:
         self.routes = routes
 
     def pick(
-        self, prompt: object, exclude: set[str] | frozenset[str] = frozenset()
+        self,
+        prompt: object,
+        exclude: set[str] | frozenset[str] = frozenset(),
+        namespace: object = None,
     ) -> Route | None:
         for route in self.routes:
             nodes = [route.decode] + ([route.prefill] if route.prefill else [])

@@ -63,11 +63,14 @@ def test_affinity_matches_longest_shared_prefix() -> None:
 def test_affinity_keeps_salted_prompts_apart() -> None:
     index = PrefixAffinity(block_size=BLOCK)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
-    index.record(prompt, "a", cache_salt="tenant-1")
+    index.record(prompt, "a", ("tenant-1", None))
     index.record(prompt, "b")
-    assert index.matched_tokens(prompt, "tenant-1") == {"a": 8}
+    index.record(prompt, "c", (None, "sql-lora"))
+    assert index.matched_tokens(prompt, ("tenant-1", None)) == {"a": 8}
     assert index.matched_tokens(prompt) == {"b": 8}
-    assert index.matched_tokens(prompt, "tenant-2") == {}
+    assert index.matched_tokens(prompt, (None, "sql-lora")) == {"c": 8}
+    assert index.matched_tokens(prompt, ("tenant-2", None)) == {}
+    assert index.matched_tokens(prompt, ("tenant-1", "sql-lora")) == {}
 
 
 def test_affinity_is_bounded() -> None:

@@ -21,16 +21,20 @@ from services.node.config import NodeConfig, parse_node_config
 from services.node.metrics import NodeMetrics
 from services.node.runtime import EngineRefusedError, NodeServerRef, NodeServices, start_node
 from services.types import EngineConfigError, Role
+from support.lora_adapter import write_adapter
 
 GiB = 1 << 30
 
 
-def make_config(model_dir: Path, kv_cache_memory: int | None = None) -> NodeConfig:
-    argv = ["--role", "colocated", "--model", str(model_dir), "--host", "127.0.0.1",
+def make_argv(model_dir: Path) -> list[str]:
+    return ["--role", "colocated", "--model", str(model_dir), "--host", "127.0.0.1",
             "--grpc-port", "0", "--kv-transport", "loopback", "--dtype", "float32",
             "--attention-backend", "torch", "--max-model-len", "64",
             "--kv-cache-memory", "4MiB"]  # fmt: skip
-    config = parse_node_config(argv, {}, role=Role.DECODE)
+
+
+def make_config(model_dir: Path, kv_cache_memory: int | None = None) -> NodeConfig:
+    config = parse_node_config(make_argv(model_dir), {}, role=Role.DECODE)
     if kv_cache_memory is not None:
         # Past parse_node_config's own checks, as a value this machine could not foresee.
         cache = dataclasses.replace(config.engine.cache, kv_cache_memory=kv_cache_memory)
@@ -119,3 +123,23 @@ def test_a_node_under_an_address_space_limit_refuses_its_kv_cache_in_one_line(
     assert proc.returncode == 2, proc.stderr
     assert f"--kv-cache-memory: cannot allocate a KV cache of {12 * GiB} bytes" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_an_adapter_the_engine_cannot_apply_stops_the_start_naming_the_flag(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    adapter = tmp_path / "wide"
+    write_adapter(adapter, tiny_llama_dir, rank=32)  # above --max-lora-rank 16
+    argv = [*make_argv(tiny_llama_dir), "--lora-modules", f"sql={adapter}"]
+    with pytest.raises(EngineRefusedError) as refusal:
+        asyncio.run(start_node(parse_node_config(argv, {}, role=Role.DECODE), no_role))
+    assert refusal.value.exit_code == 2
+    message = str(refusal.value)
+    assert (
+        message.startswith("--lora-modules sql=")
+        and "rank 32 is above --max-lora-rank 16" in message
+    )
+    with pytest.raises(SystemExit):
+        parse_node_config([*make_argv(tiny_llama_dir), "--max-loras", "2"], {}, role=Role.DECODE)
+    with pytest.raises(SystemExit):
+        parse_node_config([*make_argv(tiny_llama_dir), "--lora-modules", "no-path"], {})

@@ -67,6 +67,7 @@ def test_explicit_zero_temperature_is_greedy_not_default() -> None:
         SamplingParams(guided=GuidedDecoding(GuidedKind.JSON_OBJECT)),
         SamplingParams(guided=GuidedDecoding(GuidedKind.GRAMMAR, 'start: "x"')),
         SamplingParams(cache_salt="tenant-a"),
+        SamplingParams(lora_name="sql-adapter"),
     ],
 )
 def test_sampling_params_round_trip(params: SamplingParams) -> None:

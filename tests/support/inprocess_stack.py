@@ -112,19 +112,30 @@ class Stack:
 
 
 def run_stack(
-    model_dir: Path, body, decode_kv=("5MiB", "5MiB"), colocated=False, extra=(), prefill_extra=()
+    model_dir: Path,
+    body,
+    decode_kv=("5MiB", "5MiB"),
+    colocated=False,
+    extra=(),
+    prefill_extra=(),
+    node_extra=(),
 ):
+    """``extra``: the gateway's further flags; ``prefill_extra``: the prefill node's;
+    ``node_extra``: every node's."""
+
     async def main() -> None:
         nodes = {}
         if colocated:
             nodes["colocated"] = await start_node(
-                parse_node_config(tls_node_flags(model_dir, "colocated", "5MiB"), {}),
+                parse_node_config(
+                    [*tls_node_flags(model_dir, "colocated", "5MiB"), *node_extra], {}
+                ),
                 decode_services,
             )
         else:
             nodes["prefill"] = await start_node(
                 parse_node_config(
-                    [*tls_node_flags(model_dir, "prefill", "3MiB"), *prefill_extra],
+                    [*tls_node_flags(model_dir, "prefill", "3MiB"), *prefill_extra, *node_extra],
                     {},
                     role=Role.PREFILL,
                 ),
@@ -133,7 +144,9 @@ def run_stack(
             for i, memory in enumerate(decode_kv):
                 nodes[f"decode{i}"] = await start_node(
                     parse_node_config(
-                        tls_node_flags(model_dir, "decode", memory), {}, role=Role.DECODE
+                        [*tls_node_flags(model_dir, "decode", memory), *node_extra],
+                        {},
+                        role=Role.DECODE,
                     ),
                     decode_services,
                 )
