@@ -296,8 +296,10 @@ class EngineCore:
 
     def remove_lora(self, name: str) -> bool:
         """Unload adapter ``name``; False where none is loaded under it. Refused while a request
-        of it is queued or running."""
-        in_use = [r.request_id for r in self.scheduler.requests.values()
+        of it is queued, running or reserved (its KV on its way from a prefill node)."""
+        scheduler = self.scheduler
+        in_use = [r.request_id
+                  for r in (*scheduler.requests.values(), *scheduler.reserved.values())
                   if r.params.lora_name == name]  # fmt: skip
         if in_use:
             raise ValueError(f"LoRA adapter {name!r} is in use by request {in_use[0]!r}")

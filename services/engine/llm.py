@@ -540,6 +540,14 @@ class LLM:
                     f"lora_request {index}: adapter {item.lora_name!r} from two paths "
                     f"({other.path}, {item.path})"
                 )
+        for index, (params_item, item) in enumerate(zip(params, requests, strict=True)):
+            own = params_item.lora_name
+            if item is not None and own is not None and own != item.lora_name:
+                raise SamplingParamError(
+                    "lora_name",
+                    f"prompt {index}: SamplingParams.lora_name {own!r} and its lora_request "
+                    f"{item.lora_name!r} differ",
+                )
         self._load_loras(list(needed.values()))
         return [
             params_item

@@ -160,6 +160,8 @@ def test_lora_requests_are_checked(tiny_llama_dir: Path, adapters, tmp_path: Pat
     llm.generate([[5]], params, lora_request=every)
     with pytest.raises(ValueError, match="is loaded from"):
         llm.generate([[5]], params, lora_request=moved)
+    with pytest.raises(SamplingParamError, match="differ"):
+        llm.generate([[5]], SamplingParams(lora_name="qv"), lora_request=every)
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("x", 0, tmp_path)
     # A node of it running: not unloaded under it.
