@@ -74,6 +74,8 @@ def node_process(
     ]  # fmt: skip
     if node.metrics_port is not None:
         argv += ["--metrics-port", str(node.metrics_port)]
+    if topology.lora_modules:
+        argv += ["--lora-modules", *topology.lora_flag_values(with_paths=True)]
     tls = None if tls_dir is None else tls_files(tls_dir, node.name)
     if tls is not None:
         argv += tls_argv(tls)
@@ -102,6 +104,8 @@ def gateway_process(topology: Topology, python: str, tls_dir: Path | None = None
         addresses = node_addresses(topology, role)
         if addresses:
             argv += [f"--{role}", ",".join(addresses)]
+    if topology.lora_modules:
+        argv += ["--lora-modules", *topology.lora_flag_values(with_paths=False)]
     tls = None if tls_dir is None else tls_files(tls_dir, "gateway")
     if tls is not None:
         argv += tls_argv(tls)

@@ -57,6 +57,13 @@ def kv_cache_dtype_env(topology: Topology) -> dict[str, str]:
     return {"PDSERVE_KV_CACHE_DTYPE": topology.kv_cache_dtype}
 
 
+def lora_env(topology: Topology, *, with_paths: bool) -> dict[str, str]:
+    """``PDSERVE_LORA_MODULES`` (comma-separated) when the topology names adapters: ``NAME=PATH``
+    for a node, ``NAME`` for a gateway."""
+    values = topology.lora_flag_values(with_paths=with_paths)
+    return {"PDSERVE_LORA_MODULES": ",".join(values)} if values else {}
+
+
 def healthcheck(test: list[str], start_period_s: int) -> dict[str, Any]:
     return {
         "test": ["CMD", *test],
@@ -80,6 +87,7 @@ def node_service(topology: Topology, group: NodeGroup, node: NodeInstance) -> di
         "PDSERVE_DTYPE": topology.dtype,
         # Only when set: the committed files stay those of the default (auto).
         **kv_cache_dtype_env(topology),
+        **lora_env(topology, with_paths=True),
         "PDSERVE_DEVICE": "cpu" if node.gpu_id is None else "cuda",
         "PDSERVE_KV_TRANSPORT": topology.kv_transport,
         "PDSERVE_GRPC_PORT": str(node.grpc_port),
@@ -141,6 +149,7 @@ def gateway_service(topology: Topology, index: int) -> dict[str, Any]:
         "PDSERVE_SERVED_MODEL_NAME": topology.model_name,
         "PDSERVE_HTTP_PORT": str(http_port),
         "PDSERVE_GRPC_PORT": str(grpc_port),
+        **lora_env(topology, with_paths=False),
     }
     for role in Role:
         nodes = topology.group(role).instances

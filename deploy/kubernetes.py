@@ -37,7 +37,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from deploy.compose import ENV_FILES, flag_env, kv_cache_dtype_env
+from deploy.compose import ENV_FILES, flag_env, kv_cache_dtype_env, lora_env
 from deploy.envoy.config import envoy_bootstrap
 from deploy.topology import NodeGroup, Role, Topology
 
@@ -127,6 +127,7 @@ def node_config(topology: Topology, group: NodeGroup) -> dict[str, str]:
             "PDSERVE_DTYPE": topology.dtype,
             # Only when set: the committed files stay those of the default (auto).
             **kv_cache_dtype_env(topology),
+            **lora_env(topology, with_paths=True),
             "PDSERVE_DEVICE": "cuda" if group.gpu_ids else "cpu",
             "PDSERVE_KV_TRANSPORT": topology.kv_transport,
             # Pods of a pair may land on different hosts: auto must pick ucx, never shm or
@@ -158,6 +159,7 @@ def gateway_config(topology: Topology) -> dict[str, str]:
             "PDSERVE_SERVED_MODEL_NAME": topology.model_name,
             "PDSERVE_HTTP_PORT": str(gateway.http_port),
             "PDSERVE_GRPC_PORT": str(gateway.grpc_port),
+            **lora_env(topology, with_paths=False),
         }
     )
     for role in Role:

@@ -49,12 +49,12 @@ EnvVars = tuple[tuple[str, str], ...]
 
 NODE_DERIVED_FLAGS = frozenset({
     "role", "model", "dtype", "kv-cache-dtype", "device", "host", "grpc-port", "metrics-port",
-    "kv-transport", "node-id", "tls-cert", "tls-key", "tls-ca",
+    "kv-transport", "node-id", "tls-cert", "tls-key", "tls-ca", "lora-modules",
 })  # fmt: skip
 """Node flags the launcher (``deploy/commands.py``) and compose set from the topology."""
 GATEWAY_DERIVED_FLAGS = frozenset({
     "model", "served-model-name", "host", "http-port", "grpc-port", *(str(r) for r in Role),
-    "tls-cert", "tls-key", "tls-ca", "public-tls-cert", "public-tls-key",
+    "tls-cert", "tls-key", "tls-ca", "public-tls-cert", "public-tls-key", "lora-modules",
 })  # fmt: skip
 """Gateway flags the launcher and compose set from the topology."""
 
@@ -302,6 +302,9 @@ class Topology:
     tls: bool = False
     """Compose: mutual TLS between the services, each with its certificate from
     ``deploy/certs/`` (``python -m deploy.certs --out deploy/certs --topology FILE``)."""
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """LoRA adapters (name, PEFT directory: a host path locally, under /models with compose)
+    every node loads and the gateway serves under their names; a YAML mapping name: path."""
     prefill: NodeGroup = field(default_factory=lambda: _default_group(Role.PREFILL))
     decode: NodeGroup = field(default_factory=lambda: _default_group(Role.DECODE))
     colocated: NodeGroup = field(default_factory=lambda: _default_group(Role.COLOCATED))
@@ -316,6 +319,16 @@ class Topology:
             _check_str(name, getattr(self, name))
         if self.served_model_name is not None:
             _check_str("served_model_name", self.served_model_name)
+        object.__setattr__(self, "lora_modules", tuple(tuple(m) for m in self.lora_modules))
+        for name, path in self.lora_modules:
+            # Both travel as one comma-separated PDSERVE_LORA_MODULES of NAME=PATH items.
+            if not isinstance(name, str) or not name or any(c in name for c in "=, "):
+                raise ValueError(
+                    f"lora_modules: names must be non-empty strings without '=', ',' or spaces, "
+                    f"got {name!r}"
+                )
+            if not isinstance(path, str) or not path or "," in path:
+                raise ValueError(f"lora_modules.{name} must be a path without ',', got {path!r}")
         if not self.model:
             raise ValueError("model must name a model directory or a GGUF file")
         if self.dtype not in DTYPES:
@@ -404,6 +417,10 @@ class Topology:
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).name
 
+    def lora_flag_values(self, *, with_paths: bool) -> list[str]:
+        """``--lora-modules``' values: ``NAME=PATH`` for the nodes, ``NAME`` for the gateway."""
+        return [f"{name}={path}" if with_paths else name for name, path in self.lora_modules]
+
     def group(self, role: Role) -> NodeGroup:
         return {
             Role.PREFILL: self.prefill,
@@ -459,6 +476,10 @@ def topology_from_dict(raw: Mapping[str, Any]) -> Topology:
             values[key] = _spec_from_dict("envoy", EnvoySpec, value or {})
         elif key == "kubernetes":
             values[key] = _spec_from_dict("kubernetes", KubernetesSpec, value or {})
+        elif key == "lora_modules":
+            if not isinstance(value or {}, Mapping):
+                raise ValueError(f"lora_modules must be a mapping of name: path, got {value!r}")
+            values[key] = tuple((value or {}).items())
         else:
             values[key] = _scalar(key, value)
     return Topology(**values)

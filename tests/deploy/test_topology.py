@@ -104,6 +104,10 @@ def test_the_example_files_load() -> None:
         ({"host": 127}, r"host must be a string"),
         ({"served_model_name": 5}, r"served_model_name must be a string"),
         ({"tls": "yes"}, r"tls must be true or false"),
+        ({"lora_modules": ["sql"]}, r"lora_modules must be a mapping"),
+        ({"lora_modules": {"a,b": "/p"}}, r"names must be non-empty strings without"),
+        ({"lora_modules": {"sql": ""}}, r"lora_modules.sql must be a path"),
+        ({"decode": {"args": {"lora-modules": "a=/p"}}}, r"may not set \['lora-modules'\]"),
         # The flags the topology derives (and the launcher health-checks) are not overridable.
         ({"gateway": {"args": {"http-port": 18500}}}, r"gateway.args may not set \['http-port'\]"),
         ({"gateway": {"args": {"host": "0.0.0.0"}}}, r"gateway.args may not set \['host'\]"),
@@ -236,6 +240,46 @@ def test_local_processes_pass_the_topology_as_flags() -> None:
         "http http://127.0.0.1:9000/health",
         "grpc 127.0.0.1:50051",
     ]
+
+
+def test_lora_modules_reach_every_node_and_the_gateway_as_their_flags_parse_them(
+    tiny_llama_dir: Path,
+) -> None:
+    from deploy.compose import compose_dict
+    from deploy.kubernetes import gateway_config, node_config
+    from gateway.config import parse_gateway_config
+    from services.node.config import parse_node_config
+
+    topology = topology_from_dict(
+        {
+            "model": str(tiny_llama_dir),
+            "lora_modules": {"sql": "/a/sql", "chat": "/a/chat"},
+            "colocated": {"count": 1},
+        }
+    )
+    modules = (("sql", Path("/a/sql")), ("chat", Path("/a/chat")))
+    *nodes, gateway = local_processes(topology, python="py")
+    for node in nodes:
+        config = parse_node_config(list(node.argv[3:]), {})
+        assert config.engine.lora is not None and config.engine.lora.lora_modules == modules
+        assert config.engine.lora.max_loras == 2
+    assert parse_gateway_config(list(gateway.argv[3:]), {}).lora_modules == ("sql", "chat")
+    # Compose and Kubernetes: the variable every flag falls back to, comma-separated.
+    services = compose_dict(topology)["services"]
+    node_env = services["prefill-0"]["environment"]
+    assert node_env["PDSERVE_LORA_MODULES"] == "sql=/a/sql,chat=/a/chat"
+    assert services["gateway"]["environment"]["PDSERVE_LORA_MODULES"] == "sql,chat"
+    env = {"PDSERVE_LORA_MODULES": node_env["PDSERVE_LORA_MODULES"]}
+    config = parse_node_config(["--role", "decode", "--model", str(tiny_llama_dir)], env)
+    assert config.engine.lora is not None and config.engine.lora.lora_modules == modules
+    assert (
+        node_config(topology, topology.decode)["PDSERVE_LORA_MODULES"]
+        == env["PDSERVE_LORA_MODULES"]
+    )
+    assert gateway_config(topology)["PDSERVE_LORA_MODULES"] == "sql,chat"
+    assert (
+        "PDSERVE_LORA_MODULES" not in compose_dict(Topology())["services"]["gateway"]["environment"]
+    )
 
 
 def test_a_server_bound_to_every_interface_is_reached_on_loopback() -> None:
