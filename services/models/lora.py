@@ -69,7 +69,7 @@ class LoraAdapter:
         return [name for name in TARGETS if name in names]
 
 
-def _shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) features of each target projection."""
     hidden, inter = config.hidden_size, config.intermediate_size
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
@@ -158,7 +158,7 @@ def load_adapter(
         pairs.setdefault((layer, name), {})[part] = tensor
     if not pairs:
         raise LoraAdapterError(f"{weights_file}: no LoRA weights")
-    shapes = _shapes(model_config)
+    shapes = projection_shapes(model_config)
     alpha = float(config["lora_alpha"])  # type: ignore[arg-type]  # checked by _read_config
     rslora = bool(config.get("use_rslora"))
     deltas: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
