@@ -84,7 +84,8 @@ def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def _read_config(path: Path) -> dict[str, object]:
+def _read_config(path: Path) -> tuple[dict[str, object], float]:
+    """The adapter's ``adapter_config.json``, and its ``lora_alpha``."""
     config_file = path / ADAPTER_CONFIG
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
@@ -113,7 +114,7 @@ def _read_config(path: Path) -> dict[str, object]:
     alpha = config.get("lora_alpha")
     if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
         raise LoraAdapterError(f"{config_file}: lora_alpha must be a number, got {alpha!r}")
-    return config
+    return config, float(alpha)
 
 
 def load_adapter(
@@ -130,14 +131,13 @@ def load_adapter(
     from safetensors.torch import load_file
 
     path = Path(path)
-    config = _read_config(path)
+    config, alpha = _read_config(path)
     weights_file = path / ADAPTER_WEIGHTS
     if not weights_file.is_file():
-        pickle = (
-            " (adapter_model.bin is a pickle and is not read)"
-            * (path / "adapter_model.bin").is_file()
-        )
-        raise LoraAdapterError(f"{path}: no {ADAPTER_WEIGHTS}{pickle}")
+        why = ""
+        if (path / "adapter_model.bin").is_file():
+            why = " (its adapter_model.bin is a pickle, which is never loaded)"
+        raise LoraAdapterError(f"{path}: no {ADAPTER_WEIGHTS}{why}")
     try:
         tensors = load_file(weights_file)
     except Exception as exc:  # safetensors raises its own error types for a bad file
@@ -159,7 +159,6 @@ def load_adapter(
     if not pairs:
         raise LoraAdapterError(f"{weights_file}: no LoRA weights")
     shapes = projection_shapes(model_config)
-    alpha = float(config["lora_alpha"])  # type: ignore[arg-type]  # checked by _read_config
     rslora = bool(config.get("use_rslora"))
     deltas: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     max_seen = 0

@@ -32,4 +32,5 @@ class LoRARequest:
 
     @property
     def path(self) -> Path:
-        return Path(self.lora_path)
+        """``lora_path`` made absolute, so that two spellings of one directory compare equal."""
+        return Path(self.lora_path).expanduser().resolve()
