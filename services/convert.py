@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Protocol
 
 from pdserve.v1 import common_pb2
@@ -292,7 +292,13 @@ class LoadStats(Protocol):
 
 
 def load_report_to_proto(
-    stats: LoadStats, *, node_id: str, role: str, fingerprint: str, draining: bool
+    stats: LoadStats,
+    *,
+    node_id: str,
+    role: str,
+    fingerprint: str,
+    draining: bool,
+    lora_names: Collection[str] = (),
 ) -> common_pb2.LoadReport:
     return common_pb2.LoadReport(
         node_id=node_id,
@@ -306,4 +312,5 @@ def load_report_to_proto(
         prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
         kv_layout_fingerprint=fingerprint,
         draining=draining,
+        lora_names=sorted(lora_names),
     )

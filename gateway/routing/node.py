@@ -48,6 +48,12 @@ class NodeLoad:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     draining: bool = False
+    lora_names: frozenset[str] | None = None
+    """The LoRA adapters the node loaded; None until it has reported (then it may have any)."""
+
+    def serves(self, lora_name: str | None) -> bool:
+        """Whether a request of adapter ``lora_name`` (None: the base model) may go there."""
+        return lora_name is None or self.lora_names is None or lora_name in self.lora_names
 
     @property
     def kv_usage(self) -> float:

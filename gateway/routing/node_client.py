@@ -75,6 +75,7 @@ class NodeClient:
             kv_blocks_used=report.kv_blocks_used,
             kv_blocks_total=report.kv_blocks_total,
             draining=report.draining,
+            lora_names=frozenset(report.lora_names),
         )
         if status.status != health_pb2.HealthCheckResponse.SERVING:
             return load, "health: NOT_SERVING"

@@ -217,7 +217,7 @@ class RoutedGenerator:
         if num_attempts > self.config.max_retries:
             why = f"{num_attempts} attempts failed (--max-retries {self.config.max_retries})"
         else:
-            why = self.router.why_none(request.prompt_token_ids)
+            why = self.router.why_none(request.prompt_token_ids, request.sampling.lora_name)
         # The latest failure first: it is what ended the request (an earlier one may be a decode
         # node's refusal that the wait for room has since answered).
         detail = "; ".join(f"{f.node.address}: {f.message}" for f in reversed(failures))

@@ -73,9 +73,18 @@ class Router:
         namespace: Namespace = BASE,
     ) -> Route | None:
         """A route for ``prompt`` (its ``namespace`` keys prefix affinity, as the nodes' prefix
-        caches), avoiding the nodes in ``exclude``; None where none is healthy."""
-        decodes = [n for n in self.pool.decode if n.is_healthy and n.address not in exclude]
-        prefills = [n for n in self.pool.prefill if n.is_healthy and n.address not in exclude]
+        caches) over nodes that loaded its LoRA adapter, avoiding the nodes in ``exclude``;
+        None where none is healthy."""
+        lora = namespace[1]
+
+        def usable(nodes: list[Node]) -> list[Node]:
+            return [
+                n
+                for n in nodes
+                if n.is_healthy and n.address not in exclude and n.load.serves(lora)
+            ]
+
+        decodes, prefills = usable(self.pool.decode), usable(self.pool.prefill)
         if decodes and len(prompt) <= self.config.local_prefill_max_tokens:
             # Needs no prefill node: served even while none is healthy.
             return Route(decode=min(decodes, key=_decode_work), prefill=None)
@@ -84,18 +93,34 @@ class Router:
             prefill = self.pick_prefill(prompt, prefills, namespace)
             self.affinity.record(prompt, prefill.address, namespace)
             return Route(decode=decode, prefill=prefill)
-        colocated = [n for n in self.pool.colocated if n.is_healthy and n.address not in exclude]
+        colocated = usable(self.pool.colocated)
         if colocated:
             return Route(decode=min(colocated, key=_decode_work), prefill=None)
         return None
 
-    def why_none(self, prompt: Sequence[int]) -> str:
-        """Why ``pick`` finds no route for ``prompt`` now (the nodes a request tried aside): what
-        a client's 503 names first."""
+    def why_none(self, prompt: Sequence[int], lora_name: str | None = None) -> str:
+        """Why ``pick`` finds no route for ``prompt`` of adapter ``lora_name`` now (the nodes a
+        request tried aside): what a client's 503 names first."""
 
         def any_healthy(nodes: list[Node]) -> bool:
             return any(n.is_healthy for n in nodes)
 
+        if lora_name is not None:
+            lacking = [
+                str(role)
+                for role, nodes in (
+                    ("prefill", self.pool.prefill),
+                    ("decode", self.pool.decode),
+                    ("colocated", self.pool.colocated),
+                )
+                if any_healthy(nodes)
+                and not any(n.is_healthy and n.load.serves(lora_name) for n in nodes)
+            ]
+            if lacking:
+                return (
+                    f"no healthy {' or '.join(lacking)} node has loaded LoRA adapter "
+                    f"{lora_name!r} (their --lora-modules)"
+                )
         causes = []
         if self.config.decode:
             missing = []

@@ -180,7 +180,7 @@ class PairRouter:
                 return route
         return None
 
-    def why_none(self, prompt: object) -> str:
+    def why_none(self, prompt: object, lora_name: str | None = None) -> str:
         return "every pair was tried"
 
 

@@ -113,6 +113,29 @@ def test_decode_by_load_and_kv_usage(loop) -> None:
     assert router.pick([1] * 8).decode is d0
 
 
+def test_a_lora_request_goes_only_to_nodes_that_loaded_its_adapter(loop) -> None:
+    router = make_router(colocated=1)
+    (p0, p1), (d0, d1), (c0,) = router.pool.prefill, router.pool.decode, router.pool.colocated
+    # Before their first report nodes may have any adapter: routed as the base model.
+    assert router.pick([1] * 8, namespace=(None, "sql")) is not None
+    for node in (p0, d0, c0):
+        node.load = NodeLoad(lora_names=frozenset())
+    for node in (p1, d1):
+        node.load = NodeLoad(num_running=9, lora_names=frozenset({"sql"}))
+    route = router.pick([1] * 8, namespace=(None, "sql"))
+    assert route is not None and (route.prefill, route.decode) == (p1, d1)
+    assert router.pick([1] * 8).decode is d0  # the base model: by load, as ever
+    assert router.pick([1] * 8, exclude={"127.0.0.1:7101"}, namespace=(None, "sql")) is None
+    assert router.why_none([1] * 8, "sql") == (
+        "no healthy colocated node has loaded LoRA adapter 'sql' (their --lora-modules)"
+    )
+    d1.load = NodeLoad(lora_names=frozenset())
+    assert router.pick([1] * 8, namespace=(None, "sql")) is None
+    assert "no healthy decode or colocated node has loaded LoRA adapter 'sql'" in (
+        router.why_none([1] * 8, "sql")
+    )
+
+
 def test_unhealthy_draining_and_excluded_nodes_are_skipped(loop) -> None:
     router = make_router(colocated=1)
     p0, p1 = router.pool.prefill

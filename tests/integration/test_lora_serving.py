@@ -12,9 +12,9 @@ import grpc
 import httpx
 import pytest
 
-from pdserve.v1 import common_pb2, gateway_pb2
+from pdserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2
 from services.engine import LLM, LoRARequest, SamplingParams
-from support.inprocess_stack import GREEDY, MAX_MODEL_LEN, Stack, run_stack
+from support.inprocess_stack import GREEDY, MAX_MODEL_LEN, Stack, node_channel, run_stack
 from support.lora_adapter import write_adapter
 
 
@@ -70,6 +70,13 @@ def test_a_request_naming_an_adapter_runs_it(
             assert response.json()["model"] == "sql"
             cards = (await client.get("/v1/models")).json()["data"]
             assert {"id": "sql", "parent": "tiny-llama"}.items() <= cards[-1].items()
+        # Each node reports the adapters it loaded: the router sends a request of one only there.
+        name = next(n for n in stack.nodes if not n.startswith("prefill"))
+        server, _ = stack.nodes[name]
+        async with node_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = decode_pb2_grpc.DecodeServiceStub(channel)
+            report = await stub.GetLoad(common_pb2.GetLoadRequest(), timeout=10)
+        assert list(report.lora_names) == ["sql"]
         await stack.wait_all_free()
 
     run_stack(

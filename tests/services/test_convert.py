@@ -179,11 +179,17 @@ def test_load_report_carries_the_routers_inputs() -> None:
         num_preemptions_total=0,
     )
     report = load_report_to_proto(
-        stats, node_id="d0", role="decode", fingerprint="abc", draining=False
+        stats,
+        node_id="d0",
+        role="decode",
+        fingerprint="abc",
+        draining=False,
+        lora_names={"sql", "chat"},
     )
     assert (report.num_running, report.num_waiting, report.num_reserved) == (3, 1, 2)
     assert (report.kv_blocks_used, report.kv_blocks_total) == (40, 100)
     assert report.prefix_cache_hit_tokens == 250 and report.kv_layout_fingerprint == "abc"
+    assert list(report.lora_names) == ["chat", "sql"]
 
 
 def test_a_node_refusal_names_its_field_in_trailing_metadata() -> None:
