@@ -26,7 +26,7 @@ from services.engine.gpu_memory import (
     kv_cache_budget,
 )
 from services.engine.request import Request
-from services.engine.sampler import Sampler, SamplingMetadata
+from services.engine.sampler import Sampler, SamplingMetadata, collect_logprobs
 from services.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 from services.engine.static_decode import StaticDecode
 from services.engine.structured_output import StructuredOutputs
@@ -453,20 +453,13 @@ class ModelRunner:
             rows = hidden[first_row + start - begin : first_row + stop - begin]
             logprobs = self.model.compute_logits(rows).float().log_softmax(dim=-1)
             targets = request.prompt_token_ids[start + 1 : stop + 1]
-            index = torch.tensor(targets, device=logprobs.device).unsqueeze(1)
-            chosen = logprobs.gather(1, index)  # [rows, 1]
-            # vLLM's rank: 1 + the tokens more likely than the prompt's, whatever n was asked.
-            ranks = (logprobs > chosen).sum(dim=-1).add_(1).tolist()  # [rows]
-            chosen_values = chosen.squeeze(1).tolist()
-            top_values: list[list[float]] = [[] for _ in targets]
-            top_ids: list[list[int]] = [[] for _ in targets]
-            if num_top:
-                values, ids = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1)
-                top_values, top_ids = values.tolist(), ids.tolist()
-            for offset, token_id in enumerate(targets):
-                entry = {token_id: chosen_values[offset]}
-                entry.update(zip(top_ids[offset], top_values[offset], strict=True))
-                entries.append((start + offset + 1, entry, ranks[offset]))
+            rows_entries, ranks = collect_logprobs(
+                logprobs,
+                torch.tensor(targets, device=logprobs.device),
+                [num_top] * len(targets),
+            )
+            for offset, (entry, rank) in enumerate(zip(rows_entries, ranks, strict=True)):
+                entries.append((start + offset + 1, entry, rank))
         return entries
 
     def _generator(self, request: Request) -> torch.Generator | None:

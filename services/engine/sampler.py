@@ -111,7 +111,7 @@ class Sampler:
         logprobs: list[dict[int, float] | None] = [None] * num_rows
         ranks: list[int | None] = [None] * num_rows
         if raw_logprobs is not None:
-            row_logprobs, row_ranks = _collect_logprobs(
+            row_logprobs, row_ranks = collect_logprobs(
                 raw_logprobs,
                 token_ids[logprob_rows],
                 [params[i].logprobs or 0 for i in logprob_rows],
@@ -579,16 +579,17 @@ def _inverse_cdf(
     return token_ids.clamp_(max=probs.shape[1] - 1)
 
 
-def _collect_logprobs(
+def collect_logprobs(
     raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]
 ) -> tuple[list[dict[int, float]], list[int]]:
-    """Per row of ``raw_logprobs: [num_rows, vocab_size]``: the sampled token's (``token_ids:
-    [num_rows]``) logprob plus those of its ``num_top[row]`` most likely tokens; and the sampled
-    token's rank (1 + the tokens with a greater logprob)."""
+    """Per row of ``raw_logprobs: [num_rows, vocab_size]``: the chosen token's (``token_ids:
+    [num_rows]``, sampled or the prompt's next) logprob plus those of its ``num_top[row]`` most
+    likely tokens; and the chosen token's rank (1 + the tokens with a greater logprob, vLLM's,
+    whatever ``num_top`` is). The sampler's and the prompt logprobs' (``model_runner``)."""
     chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1))  # [num_rows, 1]
     ranks = (raw_logprobs > chosen).sum(dim=-1).add_(1).tolist()  # [num_rows]
     sampled = chosen.squeeze(1).tolist()  # [num_rows]
-    max_top = min(max(num_top), raw_logprobs.shape[1])
+    max_top = min(max(num_top, default=0), raw_logprobs.shape[1])
     top_values: list[list[float]] = [[] for _ in num_top]
     top_ids: list[list[int]] = [[] for _ in num_top]
     if max_top > 0:
