@@ -30,6 +30,7 @@ from support.openai_app import (
     MODEL,
     NO_HEALTHY_PAIR,
     OUTPUT_TEXT,
+    SETTLE_S,
     TOOL,
     Script,
     Served,
@@ -436,7 +437,7 @@ def test_stop_string_truncates_and_closes_the_generation(serve: Callable[..., Se
     assert completion.choices[0].text == "Hello world, this is a"
     assert completion.choices[0].finish_reason == "stop"
     assert completion.choices[0].model_extra == {"stop_reason": " test"}
-    assert served.generator.closed.wait(2), "a stop string must close the generator"
+    assert served.generator.closed.wait(SETTLE_S), "a stop string must close the generator"
 
     completion = served.client().completions.create(
         model=MODEL,
@@ -853,7 +854,7 @@ def test_disconnect_mid_stream_closes_the_generation(
         assert next(lines).startswith("data: {")
         time.sleep(0.2)
         assert not served.generator.closed.is_set()
-    assert served.generator.closed.wait(2), "the stream's disconnect must close the generator"
+    assert served.generator.closed.wait(SETTLE_S), "a disconnect must close the generator"
     wait_until(lambda: served.frontend.admission.num_running == 0)
 
 
@@ -865,7 +866,7 @@ def test_disconnect_mid_non_stream_closes_the_generation(
         httpx.post(
             f"{served.url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=0.5
         )
-    assert served.generator.closed.wait(2), "a non-streaming disconnect must close it too"
+    assert served.generator.closed.wait(SETTLE_S), "a non-streaming disconnect must close it too"
     wait_until(lambda: served.frontend.admission.num_running == 0)
 
 
@@ -876,7 +877,7 @@ def test_disconnect_before_the_first_token_closes_the_generation(
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=0.5)
-    assert served.generator.closed.wait(2)
+    assert served.generator.closed.wait(SETTLE_S)
 
 
 def test_a_client_that_stops_reading_is_cut_off_and_others_stream_on(
@@ -919,7 +920,7 @@ def test_a_client_that_stops_reading_is_cut_off_and_others_stream_on(
             text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
         assert text == OUTPUT_TEXT
 
-        assert served.generator.closed.wait(10), "the send bound must close the generation"
+        assert served.generator.closed.wait(SETTLE_S), "the send bound must close the generation"
         assert served.generator.closed_ids == ["slow"]
         wait_until(lambda: served.frontend.admission.num_running == 0)
         metrics = httpx.get(f"{served.url}/metrics").text
