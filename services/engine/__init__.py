@@ -14,7 +14,7 @@ from services.engine.config import (
     SchedulingPolicy,
     default_max_num_batched_tokens,
 )
-from services.engine.engine_core import EngineCore
+from services.engine.engine_core import EngineCore, LoraCapacityError
 from services.engine.llm import LLM
 from services.engine.logprob import Logprob
 from services.engine.outputs import (
@@ -36,6 +36,7 @@ __all__ = [
     "EngineConfig",
     "EngineConfigError",
     "EngineCore",
+    "LoraCapacityError",
     "EngineCoreOutput",
     "EngineStats",
     "FinishReason",

@@ -7,7 +7,10 @@ then callers add requests (validated here, so a bad one never reaches the schedu
 ``step`` while ``has_work``; ``abort`` removes a request at any point and frees its blocks at
 once. Single-threaded: a node runs it in one loop of its own. With LoRA on, ``add_lora`` loads an
 adapter before the requests naming it (``SamplingParams.lora_name``) are added, and
-``remove_lora`` drops it once none of them is queued or running.
+``remove_lora`` drops it once none of them is queued or running. ``retire_lora`` (a node's
+run-time unload) does not wait for that: the adapter leaves ``lora_names`` at once, so no new
+request may name it, and is dropped when the last request of it ends (a step, an abort or a
+released reservation); ``add_lora`` of the same files before then takes it back.
 
 Disaggregated roles use two more entries. A decode node ``reserve``s blocks for a prompt, a
 peer writes the prompt's KV into them (``kv_caches`` are the memory to register, ``kv_layout``
@@ -47,6 +50,10 @@ from services.types import EngineConfigError, SamplingParamError, SamplingParams
 from services.types.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
+
+
+class LoraCapacityError(ValueError):
+    """``max_loras`` adapters are loaded: one must be removed before another loads."""
 
 
 class EngineCore:
@@ -115,6 +122,8 @@ class EngineCore:
             num_blocks=num_blocks,
         )
         """Where each block sits in ``kv_caches``, and the fingerprint peers must match."""
+        self._retiring_loras: set[str] = set()
+        """Adapters ``retire_lora`` unloads once their last request ends."""
         for index, (name, path) in enumerate(
             () if config.lora is None else config.lora.lora_modules
         ):
@@ -251,9 +260,11 @@ class EngineCore:
             loaded = ", ".join(sorted(self.lora_names)) or "none"
             raise SamplingParamError(
                 "lora_name",
-                f"no LoRA adapter {params.lora_name!r} is loaded (loaded: {loaded})"
-                if self.config.lora is not None
-                else "LoRA is off in this engine: start it with enable_lora",
+                "LoRA is off in this engine: start it with enable_lora"
+                if self.config.lora is None
+                else f"LoRA adapter {params.lora_name!r} is being unloaded (loaded: {loaded})"
+                if params.lora_name in self._retiring_loras
+                else f"no LoRA adapter {params.lora_name!r} is loaded (loaded: {loaded})",
             )
         if params.priority != 0 and self.config.scheduler.policy is not SchedulingPolicy.PRIORITY:
             # As vLLM: a priority the scheduler would ignore is refused, not silently dropped.
@@ -265,14 +276,16 @@ class EngineCore:
 
     @property
     def lora_names(self) -> set[str]:
-        """The LoRA adapters loaded (``add_lora``), by name."""
+        """The LoRA adapters new requests may name (``add_lora``), by name: those retiring
+        (``retire_lora``) are left out."""
         lora = self.runner.lora
-        return set() if lora is None else set(lora.adapters)
+        return set() if lora is None else set(lora.adapters) - self._retiring_loras
 
-    def add_lora(self, lora_request: LoRARequest) -> None:
-        """Load vLLM's ``LoRARequest``'s adapter under its ``lora_name`` (a name loaded from
-        another path is refused: a request of it may be running); ``LoraAdapterError`` for an
-        adapter the engine cannot apply, ``ValueError`` past ``max_loras``."""
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load vLLM's ``LoRARequest``'s adapter under its ``lora_name``; False where those
+        files are loaded under it already. ``LoraAdapterError`` for an adapter the engine cannot
+        apply, ``LoraCapacityError`` past ``max_loras``, ``ValueError`` with LoRA off or for a
+        name loaded from another path (a request of it may be running)."""
         lora = self.config.lora
         if lora is None:
             raise ValueError("LoRA is off in this engine: start it with enable_lora")
@@ -283,33 +296,69 @@ class EngineCore:
                 raise ValueError(
                     f"LoRA adapter {name!r} is loaded from {loaded[name].path}, not {path}: "
                     "remove it first"
+                    + (
+                        " (it is being unloaded: requests still run with it)"
+                        if name in self._retiring_loras
+                        else ""
+                    )  # fmt: skip
                 )
-            return
+            self._retiring_loras.discard(name)  # the same files again: keep them
+            return False
         if len(loaded) >= lora.max_loras:
-            raise ValueError(
+            raise LoraCapacityError(
                 f"max_loras {lora.max_loras} adapters are loaded ({', '.join(sorted(loaded))}): "
                 "remove one first"
             )
         adapter = self.runner.add_lora(name, path)
         logger.info("LoRA adapter %r loaded from %s: rank %d, %s", name, path, adapter.rank,
                     ", ".join(adapter.targets))  # fmt: skip
+        return True
 
     def remove_lora(self, name: str) -> bool:
         """Unload adapter ``name``; False where none is loaded under it. Refused while a request
         of it is queued, running or reserved (its KV on its way from a prefill node)."""
-        scheduler = self.scheduler
-        in_use = [r.request_id
-                  for r in (*scheduler.requests.values(), *scheduler.reserved.values())
-                  if r.params.lora_name == name]  # fmt: skip
+        in_use = self._lora_requests(name)
         if in_use:
             raise ValueError(f"LoRA adapter {name!r} is in use by request {in_use[0]!r}")
+        self._retiring_loras.discard(name)
         return self.runner.remove_lora(name)
+
+    def retire_lora(self, name: str) -> int | None:
+        """Unload adapter ``name`` once no request uses it; new requests may not name it from
+        now on. Returns how many requests still use it (0: unloaded now); None where no adapter
+        is loaded under it (or it is retiring already)."""
+        if name not in self.lora_names:
+            return None
+        in_use = len(self._lora_requests(name))
+        if in_use:
+            self._retiring_loras.add(name)
+            logger.info("LoRA adapter %r: unloading once its %d requests end", name, in_use)
+        else:
+            self.runner.remove_lora(name)
+            logger.info("LoRA adapter %r unloaded", name)
+        return in_use
+
+    def _lora_requests(self, name: str) -> list[str]:
+        """The requests of adapter ``name`` queued, running or reserved (their KV on its way)."""
+        scheduler = self.scheduler
+        return [r.request_id
+                for r in (*scheduler.requests.values(), *scheduler.reserved.values())
+                if r.params.lora_name == name]  # fmt: skip
+
+    def _reap_retired_loras(self) -> None:
+        """Drop each retiring adapter whose last request has ended."""
+        for name in [name for name in self._retiring_loras if not self._lora_requests(name)]:
+            self._retiring_loras.discard(name)
+            self.runner.remove_lora(name)
+            logger.info("LoRA adapter %r unloaded: its last request ended", name)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks are free when this returns."""
         request = self.scheduler.abort_request(request_id)
         self.runner.release(request_id)
         self.structured_outputs.remove(request_id)
+        if self._retiring_loras:
+            self._reap_retired_loras()
         return request is not None
 
     def step(self) -> list[EngineCoreOutput]:
@@ -329,6 +378,8 @@ class EngineCore:
         if len(self.structured_outputs):
             self._accept_grammar_tokens(sampled)
         updated = self.scheduler.update_from_output(scheduler_output, sampled)
+        if self._retiring_loras:
+            self._reap_retired_loras()
         return [self._output(request) for request in updated]
 
     def _accept_grammar_tokens(self, sampled: dict[str, SampledToken]) -> None:
@@ -391,6 +442,7 @@ class EngineCore:
             prefix_cache_queried_tokens=prefix.num_queried_tokens,
             prefix_cache_hit_tokens=prefix.num_hit_tokens,
             num_preemptions_total=self.scheduler.num_preemptions_total,
+            lora_names=frozenset(self.lora_names),
         )
 
 

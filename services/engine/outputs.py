@@ -131,6 +131,8 @@ class EngineStats:
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     num_preemptions_total: int
+    lora_names: frozenset[str] = frozenset()
+    """The LoRA adapters new requests may name (``EngineCore.lora_names``)."""
 
     @property
     def kv_cache_usage(self) -> float:

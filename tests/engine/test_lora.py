@@ -237,3 +237,60 @@ def test_bfloat16_runs_the_adapter_too(tiny_llama_dir: Path, adapters) -> None:
     (alone,) = llm.generate([prompt], params, use_tqdm=False)
     assert base.token_ids == alone.token_ids
     assert with_every.token_ids != base.token_ids
+
+
+def test_a_retired_adapter_serves_its_running_requests_then_unloads(
+    tiny_llama_dir: Path, adapters
+) -> None:
+    """A node's run-time unload: new requests may not name the adapter at once; the one running
+    finishes with the adapter's own tokens, and the adapter is dropped when it ends. The same
+    files loaded again meanwhile keep it; other files under its name are refused."""
+    every, model = adapters["every"]
+    engine = lora_llm(tiny_llama_dir, max_loras=2).engine
+    assert engine.add_lora(every) is True
+    assert engine.add_lora(every) is False  # the same files again: nothing to do
+    prompt = [5, 9, 33, 71, 200, 7]
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True, lora_name="every")
+    engine.add_request("r", prompt, params)
+    engine.step()  # the prompt, and the first token
+    assert engine.retire_lora("every") == 1
+    assert "every" not in engine.lora_names and "every" not in engine.stats().lora_names
+    with pytest.raises(SamplingParamError, match="'every' is being unloaded") as refused:
+        engine.add_request("late", prompt, params)
+    assert refused.value.param == "lora_name"
+    assert engine.retire_lora("every") is None  # already on its way out
+    tokens: list[int] = []
+    while engine.has_unfinished_requests:
+        for output in engine.step():
+            tokens.extend(output.new_token_ids)
+    expected, _ = reference(model, prompt, STEPS)
+    assert tokens == expected[1:]  # every token after the retire is still the adapter's
+    assert engine.runner.lora is not None and "every" not in engine.runner.lora.adapters
+
+    # Loaded again while a request still runs with it: retiring is called off.
+    engine.add_lora(every)
+    engine.add_request("r2", prompt, params)
+    engine.step()
+    assert engine.retire_lora("every") == 1
+    other = LoRARequest("every", 1, adapters["qv"][0].lora_path)
+    with pytest.raises(ValueError, match="being unloaded"):
+        engine.add_lora(other)
+    assert engine.add_lora(every) is False and "every" in engine.lora_names
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert "every" in engine.runner.lora.adapters  # kept: loaded again before its request ended
+    assert engine.retire_lora("every") == 0  # nothing runs with it: dropped at once
+    assert "every" not in engine.runner.lora.adapters
+    assert engine.retire_lora("missing") is None
+
+
+def test_an_aborted_last_request_unloads_a_retired_adapter(tiny_llama_dir: Path, adapters) -> None:
+    every, _ = adapters["every"]
+    engine = lora_llm(tiny_llama_dir).engine
+    engine.add_lora(every)
+    params = SamplingParams(max_tokens=50, ignore_eos=True, lora_name="every")
+    engine.add_request("r", [5, 9, 33], params)
+    assert engine.retire_lora("every") == 1  # queued, not yet stepped
+    assert "every" in engine.runner.lora.adapters
+    engine.abort("r")
+    assert "every" not in engine.runner.lora.adapters
