@@ -55,6 +55,12 @@ from services.convert import (
 from services.decode_clock import DecodeClock
 from services.engine import EngineCoreOutput, FinishReason, SamplingParams
 from services.node.config import NodeConfig
+from services.node.lora_updates import (
+    LoadContext,
+    UnloadContext,
+    load_lora_adapter,
+    unload_lora_adapter,
+)
 from services.node.metrics import NodeMetrics
 from services.node.runtime import NodeServerRef, load_report
 from services.types import StageTimings
@@ -374,6 +380,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         context: grpc.aio.ServicerContext[common_pb2.GetLoadRequest, common_pb2.LoadReport],
     ) -> common_pb2.LoadReport:
         return await load_report(self.config, self.engine, self.server, context)
+
+    async def LoadLoraAdapter(
+        self, request: common_pb2.LoadLoraAdapterRequest, context: LoadContext
+    ) -> common_pb2.LoadLoraAdapterResponse:
+        return await load_lora_adapter(self.engine, request, context)
+
+    async def UnloadLoraAdapter(
+        self, request: common_pb2.UnloadLoraAdapterRequest, context: UnloadContext
+    ) -> common_pb2.UnloadLoraAdapterResponse:
+        return await unload_lora_adapter(self.engine, request, context)
 
 
 def _delta(out: EngineCoreOutput, prompt: Sequence[int]) -> decode_pb2.TokenDelta:

@@ -44,6 +44,12 @@ from services.engine import EngineCoreOutput, FinishReason, SamplingParams
 from services.engine.kv_layout import KvLayout
 from services.node.config import NodeConfig
 from services.node.kv_regions import kv_page_table
+from services.node.lora_updates import (
+    LoadContext,
+    UnloadContext,
+    load_lora_adapter,
+    unload_lora_adapter,
+)
 from services.node.metrics import NodeMetrics
 from services.node.runtime import NodeServerRef, load_report
 from services.tls import aio_channel
@@ -213,6 +219,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         context: grpc.aio.ServicerContext[common_pb2.GetLoadRequest, common_pb2.LoadReport],
     ) -> common_pb2.LoadReport:
         return await load_report(self.config, self.engine, self.server, context)
+
+    async def LoadLoraAdapter(
+        self, request: common_pb2.LoadLoraAdapterRequest, context: LoadContext
+    ) -> common_pb2.LoadLoraAdapterResponse:
+        return await load_lora_adapter(self.engine, request, context)
+
+    async def UnloadLoraAdapter(
+        self, request: common_pb2.UnloadLoraAdapterRequest, context: UnloadContext
+    ) -> common_pb2.UnloadLoraAdapterResponse:
+        return await unload_lora_adapter(self.engine, request, context)
 
     def _decode_stub(self, target: str) -> decode_pb2_grpc.DecodeServiceStub:
         channel = self._decode_channels.get(target)

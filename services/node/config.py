@@ -209,10 +209,16 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
         "the same ones.",
     )
     add(
+        "--enable-lora",
+        action="store_true",
+        help="LoRA on without adapters at start-up: the gateway's run-time updates load them "
+        "(--lora-modules turns it on too)",
+    )
+    add(
         "--max-loras",
         type=int,
         default=None,
-        help="LoRA adapters loaded at once (default: those of --lora-modules)",
+        help="LoRA adapters loaded at once (default: those of --lora-modules, at least 1)",
     )
     add("--max-lora-rank", type=int, default=None, help="the largest LoRA rank taken (16)")
     add("--drain-grace-s", type=finite_float, default=30.0)
@@ -269,8 +275,9 @@ def parse_node_config(
     if args.role is None:
         parser.error("--role is required (prefill, decode or colocated)")
     grpc_port = args.grpc_port if args.grpc_port is not None else DEFAULT_GRPC_PORTS[args.role]
-    if not args.lora_modules and (args.max_loras is not None or args.max_lora_rank is not None):
-        parser.error("--max-loras and --max-lora-rank need --lora-modules")
+    lora_on = args.enable_lora or bool(args.lora_modules)
+    if not lora_on and (args.max_loras is not None or args.max_lora_rank is not None):
+        parser.error("--max-loras and --max-lora-rank need --enable-lora or --lora-modules")
     try:
         engine = EngineConfig(
             model_dir=args.model,
@@ -297,11 +304,13 @@ def parse_node_config(
                 policy=SchedulingPolicy(args.scheduling_policy),
             ),
             lora=None
-            if not args.lora_modules
+            if not lora_on
             else LoraConfig(
-                max_loras=args.max_loras or len(args.lora_modules),
-                max_lora_rank=args.max_lora_rank or 16,
-                lora_modules=tuple(args.lora_modules),
+                max_loras=args.max_loras
+                if args.max_loras is not None
+                else max(1, len(args.lora_modules or ())),
+                max_lora_rank=args.max_lora_rank if args.max_lora_rank is not None else 16,
+                lora_modules=tuple(args.lora_modules or ()),
             ),
         )
         config = NodeConfig(

@@ -96,8 +96,7 @@ async def load_report(
         role=str(config.role),
         fingerprint=engine.engine.kv_layout.fingerprint,
         draining=server.get().is_draining,
-        # Loaded on the engine thread before the port opened, never changed since: a read.
-        lora_names=engine.engine.lora_names,
+        lora_names=stats.lora_names,
     )
 
 

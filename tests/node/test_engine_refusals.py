@@ -143,3 +143,16 @@ def test_an_adapter_the_engine_cannot_apply_stops_the_start_naming_the_flag(
         parse_node_config([*make_argv(tiny_llama_dir), "--max-loras", "2"], {}, role=Role.DECODE)
     with pytest.raises(SystemExit):
         parse_node_config([*make_argv(tiny_llama_dir), "--lora-modules", "no-path"], {})
+
+
+def test_enable_lora_turns_lora_on_without_adapters(tiny_llama_dir: Path) -> None:
+    """vLLM's ``--enable-lora``: adapters come later, by the gateway's run-time loads."""
+    assert parse_node_config(make_argv(tiny_llama_dir), {}).engine.lora is None
+    lora = parse_node_config([*make_argv(tiny_llama_dir), "--enable-lora"], {}).engine.lora
+    assert lora is not None and (lora.max_loras, lora.max_lora_rank, lora.lora_modules) == (
+        1, 16, ())  # fmt: skip
+    env = {"PDSERVE_ENABLE_LORA": "1", "PDSERVE_MAX_LORAS": "3"}
+    lora = parse_node_config(make_argv(tiny_llama_dir), env).engine.lora
+    assert lora is not None and lora.max_loras == 3
+    with pytest.raises(SystemExit):  # 0 is no count, not the default
+        parse_node_config([*make_argv(tiny_llama_dir), "--enable-lora", "--max-loras", "0"], {})

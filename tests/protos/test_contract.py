@@ -28,10 +28,14 @@ def test_services_have_the_life_cycle_rpcs() -> None:
         "RenewKv": (False, False),
         "Abort": (False, False),
         "GetLoad": (False, False),
+        "LoadLoraAdapter": (False, False),
+        "UnloadLoraAdapter": (False, False),
     }
     assert methods(prefill_pb2, "PrefillService") == {
         "Prefill": (False, False),
         "GetLoad": (False, False),
+        "LoadLoraAdapter": (False, False),
+        "UnloadLoraAdapter": (False, False),
     }
     # The generated stubs and servicer bases exist for both services.
     assert hasattr(decode_pb2_grpc, "DecodeServiceServicer")
