@@ -161,7 +161,11 @@ class GatewayConfig:
     input; None: the model's. Compiled and tried when the tokenizer loads (``Tokenizer``)."""
     lora_modules: tuple[str, ...] = ()
     """``--lora-modules``' names: a request naming one as its model runs with that LoRA
-    adapter, which the nodes loaded under the same name (their ``--lora-modules``)."""
+    adapter, which the nodes loaded under the same name (their ``--lora-modules``). Once the
+    nodes report, their adapters are what the gateway serves."""
+    allow_runtime_lora_updating: bool = False
+    """vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: ``/v1/load_lora_adapter`` and
+    ``/v1/unload_lora_adapter`` exist and reach every node."""
 
     def __post_init__(self) -> None:
         names = (self.served_model_name, *self.served_model_aliases)
@@ -264,7 +268,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=(),
         metavar="NAME[=PATH]",
         help="LoRA adapters the nodes load (their --lora-modules): a request naming NAME as its "
-        "model runs with it (a PATH is taken, for the nodes' spelling, and not read)",
+        "model runs with it (a PATH is taken, for the nodes' spelling, and not read); once "
+        "the nodes report, the adapters they loaded are served",
+    )
+    add(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's) load and unload "
+        "LoRA adapters on every node (started with --enable-lora) while serving; they read "
+        "any path the client names on the nodes' hosts: use with --api-key(-file)",
     )
     add("--host", default="0.0.0.0", help="address both servers bind")
     add("--http-port", type=int, default=8000, help="OpenAI API, /health, /metrics")
@@ -428,6 +440,7 @@ def parse_gateway_config(
             served_model_name=names[0],
             served_model_aliases=tuple(names[1:]),
             lora_modules=tuple(module.partition("=")[0] for module in args.lora_modules),
+            allow_runtime_lora_updating=args.allow_runtime_lora_updating,
             host=args.host,
             http_port=args.http_port,
             grpc_port=args.grpc_port,

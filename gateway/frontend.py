@@ -16,6 +16,7 @@ from gateway.key_limiter import KeyLimiter
 from gateway.limits import RequestLimits
 from gateway.metrics import GatewayMetrics
 from gateway.reasoning import ReasoningParser
+from gateway.routing.lora_updates import LoraUpdates
 from gateway.routing.node_census import NodeCensus
 from gateway.sampling_defaults import SamplingDefaults
 from gateway.text.tokenizer import Tokenizer
@@ -51,7 +52,14 @@ class Frontend:
     served_model_aliases: tuple[str, ...] = ()
     """Further names a request may give the model (``--served-model-name a b``)."""
     lora_modules: tuple[str, ...] = ()
-    """LoRA adapters a request may name as its model (``--lora-modules``)."""
+    """LoRA adapters a request may name as its model (``--lora-modules``) until a node has
+    reported its own (``node_lora_names``)."""
+    node_lora_names: Callable[[], frozenset[str] | None] = lambda: None
+    """The LoRA adapters the nodes reported last (loaded at start-up or at run time); None
+    while no node has reported."""
+    lora_updates: LoraUpdates | None = None
+    """Run-time LoRA loads and unloads on every node (``--allow-runtime-lora-updating``);
+    None: off, and their routes do not exist."""
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -59,13 +67,23 @@ class Frontend:
         return (self.served_model_name, *self.served_model_aliases)
 
     @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRA adapters a request may name as its model: those the nodes report (so
+        adapters loaded or unloaded at run time, through any gateway, are seen at the next
+        poll), or ``--lora-modules`` before any node has reported. A name of the base model
+        always means the base model."""
+        reported = self.node_lora_names()
+        names = self.lora_modules if reported is None else tuple(sorted(reported))
+        return tuple(name for name in names if name not in self.served_model_names)
+
+    @property
     def model_names(self) -> tuple[str, ...]:
         """What a request's model may be: the base model's names, then the LoRA adapters'."""
-        return (*self.served_model_names, *self.lora_modules)
+        return (*self.served_model_names, *self.lora_names)
 
     def lora_name(self, model: str | None) -> str | None:
         """The LoRA adapter a request naming ``model`` runs with; None: the base model."""
-        return model if model in self.lora_modules else None
+        return model if model is not None and model in self.lora_names else None
 
     def response_model(self, model: str | None) -> str:
         """The model a response names: the adapter a request named, else the base model's

@@ -120,14 +120,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         except GatewayError as exc:
             self.frontend.metrics.request_errors.labels(reason=exc.reason).inc()  # as /v1/models
             await context.abort(exc.kind.grpc_code, exc.message)
+        lora_names = self.frontend.lora_names
         return gateway_pb2.ListModelsResponse(
             models=[
                 gateway_pb2.ModelCard(
                     id=name,
                     max_model_len=self.frontend.limits.max_model_len,
-                    parent=self.frontend.served_model_name
-                    if name in self.frontend.lora_modules
-                    else "",
+                    parent=self.frontend.served_model_name if name in lora_names else "",
                 )
                 for name in self.frontend.model_names
             ]
@@ -291,12 +290,12 @@ def _with_lora(
     sampling: SamplingParams, model_lora: str | None, frontend: Frontend
 ) -> SamplingParams:
     """``sampling`` running the LoRA adapter the request's model names; a
-    ``sampling.lora_name`` of the client's own must be one of ``--lora-modules`` and agree."""
+    ``sampling.lora_name`` of the client's own must be an adapter the gateway serves and agree."""
     given = sampling.lora_name
-    if given is not None and given not in frontend.lora_modules:
+    if given is not None and given not in frontend.lora_names:
         raise invalid(
             f"sampling.lora_name {given!r} is not a LoRA adapter of this gateway "
-            f"({', '.join(map(repr, frontend.lora_modules)) or 'none'})",
+            f"({', '.join(map(repr, frontend.lora_names)) or 'none'})",
             param="sampling.lora_name",
         )
     if given is not None and model_lora is not None and given != model_lora:

@@ -27,6 +27,7 @@ from gateway.grpc_api import GatewayServicer
 from gateway.http_api.openai_app import build_openai_app
 from gateway.key_limiter import KeyLimiter, KeyMeteredGenerator
 from gateway.metrics import GatewayMetrics
+from gateway.routing.lora_updates import LoraUpdates
 from gateway.routing.node_pool import NodePool
 from gateway.routing.routed_generator import RoutedGenerator
 from gateway.routing.router import Router
@@ -83,6 +84,8 @@ class GatewayServer:
             sampling_defaults=config.sampling_defaults,
             served_model_aliases=config.served_model_aliases,
             lora_modules=config.lora_modules,
+            node_lora_names=self.pool.lora_names,
+            lora_updates=LoraUpdates(self.pool) if config.allow_runtime_lora_updating else None,
         )
         if config.sampling_defaults.as_dict():
             logger.info(

@@ -33,13 +33,13 @@ import importlib.metadata
 import time
 
 from fastapi import APIRouter, FastAPI, Request, Security
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.middleware.cors import CORSMiddleware
 
 from gateway.config import CorsConfig
-from gateway.errors import ErrorKind, GatewayError
+from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
 from gateway.http_api.generation_response import GenerationResponse
 from gateway.http_api.http_gate import HttpGate
@@ -51,8 +51,10 @@ from gateway.http_api.openai_protocol import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    UnloadLoRAAdapterRequest,
 )
 from gateway.http_api.responses_format import ResponsesFormat
 from gateway.http_api.responses_job import responses_job
@@ -77,6 +79,15 @@ _ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
         (504, "The request's deadline passed"),
     )
 }
+_LORA_ERRORS: dict[int | str, dict[str, object]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in (
+        (400, "A field, or an adapter a node refused (its files, max_loras, LoRA off there)"),
+        (401, "Missing or invalid API key"),
+        (404, "No node has the adapter (unload)"),
+        (503, "No healthy node, or a node did not answer"),
+    )
+}
 _HEALTH_RESPONSES: dict[int | str, dict[str, object]] = {
     503: {"model": ErrorResponse, "description": "No healthy node"}
 }
@@ -95,6 +106,15 @@ _RESPONSES_STREAM: dict[int | str, dict[str, object]] = {
         "content": {MEDIA_TYPE: {"schema": {"type": "string"}}},
     }
 }
+
+
+def _lora_name(name: str, frontend: Frontend) -> str:
+    """A run-time adapter's name: non-blank, and not a name of the base model."""
+    if not name.strip():
+        raise invalid("lora_name must not be blank", param="lora_name")
+    if name in frontend.served_model_names:
+        raise invalid(f"lora_name {name!r} is a name of the base model", param="lora_name")
+    return name
 
 
 def build_openai_app(frontend: Frontend, cors: CorsConfig | None = None) -> FastAPI:
@@ -165,7 +185,7 @@ def build_openai_app(frontend: Frontend, cors: CorsConfig | None = None) -> Fast
             created=created,
             max_model_len=frontend.limits.max_model_len,
             root=frontend.served_model_name,  # an alias's too, as vLLM's cards all name the model
-            parent=frontend.served_model_name if name in frontend.lora_modules else None,
+            parent=frontend.served_model_name if name in frontend.lora_names else None,
         )
 
     @v1.get("/models", response_model=ModelList, responses={401: _ERROR_RESPONSES[401]})
@@ -180,6 +200,29 @@ def build_openai_app(frontend: Frontend, cors: CorsConfig | None = None) -> Fast
     async def retrieve_model(model: str) -> ModelCard:
         check_model(model, frontend)
         return model_card(model)
+
+    lora_updates = frontend.lora_updates
+    if lora_updates is not None:  # vLLM's routes exist only when runtime updates are allowed
+
+        @v1.post("/load_lora_adapter", response_class=PlainTextResponse, responses=_LORA_ERRORS)
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+            """Load a LoRA adapter on every node, served as the model ``lora_name``."""
+            name = _lora_name(body.lora_name, frontend)
+            if not body.lora_path.strip():
+                raise invalid("lora_path must not be blank", param="lora_path")
+            if body.load_inplace:
+                raise invalid(
+                    "load_inplace is not supported: unload the adapter, then load it",
+                    param="load_inplace",
+                )
+            return PlainTextResponse(await lora_updates.load(name, body.lora_path))
+
+        @v1.post("/unload_lora_adapter", response_class=PlainTextResponse, responses=_LORA_ERRORS)
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+            """Unload a LoRA adapter from every node: new requests may not name it, and the
+            requests running with it finish with it."""
+            name = _lora_name(body.lora_name, frontend)
+            return PlainTextResponse(await lora_updates.unload(name))
 
     app.include_router(v1)
     app.include_router(tokenize_router(frontend, bearer))

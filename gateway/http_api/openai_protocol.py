@@ -458,3 +458,22 @@ class ModelCard(ResponseModel):
 class ModelList(ResponseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(RequestModel):
+    """vLLM's ``POST /v1/load_lora_adapter`` (``--allow-runtime-lora-updating``)."""
+
+    lora_name: str
+    """The name requests give as their ``model`` to run with the adapter."""
+    lora_path: str
+    """A PEFT adapter directory as the nodes' hosts see it."""
+    load_inplace: Flag = False
+    """vLLM's reload of a loaded name from new files; refused here (unload it first)."""
+
+
+class UnloadLoRAAdapterRequest(RequestModel):
+    """vLLM's ``POST /v1/unload_lora_adapter`` (``--allow-runtime-lora-updating``)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+    """vLLM's; the name alone says which adapter."""

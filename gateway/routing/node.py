@@ -17,6 +17,7 @@ node answers its polls: they never wait for an engine step.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 from collections.abc import Callable, Iterator
@@ -74,6 +75,8 @@ class Node:
         self.num_unanswered_polls = 0
         """Polls in a row that got no answer (reset by any answer, NOT_SERVING included)."""
         self.last_error: str | None = None
+        self.lora_version = 0
+        """Counts ``set_lora_names``: a poll sent before one must not undo it."""
         self._leg_ends: set[Callable[[str], None]] = set()
 
     @property
@@ -113,13 +116,25 @@ class Node:
         self.health = NodeHealth.UNHEALTHY
         self.last_error = reason
 
-    def observe_poll(self, load: NodeLoad | None, error: str | None) -> bool:
+    def set_lora_names(self, names: frozenset[str]) -> None:
+        """The node's adapters after a run-time update it answered: routed by at once, not
+        from the next poll."""
+        self.load = dataclasses.replace(self.load, lora_names=names)
+        self.lora_version += 1
+
+    def observe_poll(
+        self, load: NodeLoad | None, error: str | None, lora_version: int | None = None
+    ) -> bool:
         """Applies one poll: ``error`` None means SERVING; ``load`` None means the node did not
         answer (ends its legs once it is unresponsive). True when the node just came back from
-        UNHEALTHY (it may have restarted with an empty cache)."""
+        UNHEALTHY (it may have restarted with an empty cache). ``lora_version``: the node's
+        ``lora_version`` when the poll was sent; an update since keeps its adapters (the node
+        may have answered before it)."""
         assert load is not None or error is not None, "an unanswered poll says why"
         was_unhealthy = self.health is NodeHealth.UNHEALTHY
         if load is not None:
+            if lora_version is not None and lora_version != self.lora_version:
+                load = dataclasses.replace(load, lora_names=self.load.lora_names)
             self.load = load
         self.num_unanswered_polls = self.num_unanswered_polls + 1 if load is None else 0
         if self.is_unresponsive and self._leg_ends:

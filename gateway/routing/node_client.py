@@ -64,8 +64,7 @@ class NodeClient:
             status = await self._health.Check(  # type: ignore[attr-defined]
                 health_pb2.HealthCheckRequest(), timeout=timeout_s
             )
-            stub = self.prefill if self.role is Role.PREFILL else self.decode
-            report = await stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout_s)
+            report = await self._stub().GetLoad(common_pb2.GetLoadRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             return None, f"{exc.code().name}: {exc.details()}"
         load = NodeLoad(
@@ -80,6 +79,22 @@ class NodeClient:
         if status.status != health_pb2.HealthCheckResponse.SERVING:
             return load, "health: NOT_SERVING"
         return load, None
+
+    def _stub(self) -> prefill_pb2_grpc.PrefillServiceStub | decode_pb2_grpc.DecodeServiceStub:
+        return self.prefill if self.role is Role.PREFILL else self.decode
+
+    async def load_lora_adapter(self, name: str, path: str, timeout_s: float) -> bool:
+        """LoadLoraAdapter on the node: False where it had those files under ``name`` already;
+        ``grpc.aio.AioRpcError`` for its refusal."""
+        request = common_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+        reply = await self._stub().LoadLoraAdapter(request, timeout=timeout_s)
+        return bool(reply.loaded)
+
+    async def unload_lora_adapter(self, name: str, timeout_s: float) -> int:
+        """UnloadLoraAdapter on the node: the requests still running with it."""
+        request = common_pb2.UnloadLoraAdapterRequest(lora_name=name)
+        reply = await self._stub().UnloadLoraAdapter(request, timeout=timeout_s)
+        return int(reply.num_requests)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -94,6 +94,11 @@ class NodePool:
 
         return NodeCensus(count(self.prefill), count(self.decode), count(self.colocated))
 
+    def lora_names(self) -> frozenset[str] | None:
+        """The LoRA adapters any node routed to last reported; None while none has reported."""
+        reports = [n.load.lora_names for n in self.nodes if n.load.lora_names is not None]
+        return frozenset().union(*reports) if reports else None
+
     def is_ready(self) -> bool:
         """At least one healthy prefill + decode pair, or one healthy colocated node."""
         return self.census().is_ready
@@ -143,8 +148,12 @@ class NodePool:
         one); returns those that came back from UNHEALTHY."""
         await self.refresh()
         nodes = self.nodes
+        versions = [node.lora_version for node in nodes]
         polls = await asyncio.gather(*(self._clients[n].poll(self.timeout_s) for n in nodes))
-        recovered = [node.observe_poll(*poll) for node, poll in zip(nodes, polls, strict=True)]
+        recovered = [
+            node.observe_poll(*poll, lora_version=version)
+            for node, poll, version in zip(nodes, polls, versions, strict=True)
+        ]
         return [node for node, back in zip(nodes, recovered, strict=True) if back]
 
     async def close(self) -> None:

@@ -119,7 +119,7 @@ class Router:
             if lacking:
                 return (
                     f"no healthy {' or '.join(lacking)} node has loaded LoRA adapter "
-                    f"{lora_name!r} (their --lora-modules)"
+                    f"{lora_name!r} (their --lora-modules, or a run-time load)"
                 )
         causes = []
         if self.config.decode:

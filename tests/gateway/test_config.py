@@ -25,6 +25,13 @@ def test_client_send_timeout_from_flag_env_or_default(tiny_llama_dir: Path) -> N
         parse(tiny_llama_dir, "--client-send-timeout-s", "-1")
 
 
+def test_runtime_lora_updating_from_flag_env_or_default(tiny_llama_dir: Path) -> None:
+    assert not parse(tiny_llama_dir).allow_runtime_lora_updating
+    assert parse(tiny_llama_dir, "--allow-runtime-lora-updating").allow_runtime_lora_updating
+    env = parse(tiny_llama_dir, PDSERVE_ALLOW_RUNTIME_LORA_UPDATING="1")
+    assert env.allow_runtime_lora_updating
+
+
 def test_local_prefill_max_tokens_from_flag_env_or_default(tiny_llama_dir, capsys) -> None:
     assert parse(tiny_llama_dir).router.local_prefill_max_tokens == 0
     flag = parse(tiny_llama_dir, "--local-prefill-max-tokens", "128")

@@ -127,7 +127,8 @@ def test_a_lora_request_goes_only_to_nodes_that_loaded_its_adapter(loop) -> None
     assert router.pick([1] * 8).decode is d0  # the base model: by load, as ever
     assert router.pick([1] * 8, exclude={"127.0.0.1:7101"}, namespace=(None, "sql")) is None
     assert router.why_none([1] * 8, "sql") == (
-        "no healthy colocated node has loaded LoRA adapter 'sql' (their --lora-modules)"
+        "no healthy colocated node has loaded LoRA adapter 'sql' "
+        "(their --lora-modules, or a run-time load)"
     )
     d1.load = NodeLoad(lora_names=frozenset())
     assert router.pick([1] * 8, namespace=(None, "sql")) is None

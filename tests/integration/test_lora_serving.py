@@ -5,6 +5,7 @@ each equals the offline engine's output for the same adapter."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -86,3 +87,118 @@ def test_a_request_naming_an_adapter_runs_it(
         extra=["--lora-modules", "sql", "--served-model-name", "tiny-llama"],
         node_extra=["--lora-modules", f"sql={adapter}"],
     )
+
+
+def test_adapters_load_and_unload_while_serving(
+    tiny_llama_dir: Path, adapter: Path, expected, tmp_path: Path
+) -> None:
+    """vLLM's run-time updates (``--allow-runtime-lora-updating``) on a disaggregated stack of
+    nodes started with ``--enable-lora`` and no adapter: a load is served at once on the prefill
+    and the decode nodes, equal to the offline engine; a load one node cannot take is undone on
+    the others; an unload lets the request running with the adapter finish with it, and the
+    model is gone for new ones."""
+    prompts, with_lora, base = expected
+
+    async def node_adapters(stack: Stack) -> dict[str, list[str]]:
+        return {
+            name: await engine.call(lambda core: sorted(core.runner.lora.adapters))
+            for name, (_, engine) in stack.nodes.items()
+        }
+
+    async def body(stack: Stack) -> None:
+        base_url = f"http://127.0.0.1:{stack.gateway.http_port}"
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+
+            async def complete(model: str) -> httpx.Response:
+                return await client.post("/v1/completions", json={
+                    "model": model, "prompt": prompts[1], "max_tokens": 8, "temperature": 0.0,
+                    "ignore_eos": True})  # fmt: skip
+
+            assert (await complete("sql")).status_code == 404
+            load = {"lora_name": "sql", "lora_path": str(adapter)}
+            response = await client.post("/v1/load_lora_adapter", json=load)
+            assert response.status_code == 200, response.text
+            assert response.text == "Success: LoRA adapter 'sql' added successfully."
+            for prompt, tokens in zip(prompts, with_lora, strict=True):  # at once, no poll
+                got, _, _ = await stack.generate(prompt, GREEDY, model="sql")
+                assert got == tokens
+            assert (await complete("sql")).json()["model"] == "sql"
+            cards = (await client.get("/v1/models")).json()["data"]
+            assert [(c["id"], c["parent"]) for c in cards] == [
+                ("tiny-llama", None), ("sql", "tiny-llama")]  # fmt: skip
+
+            response = await client.post("/v1/load_lora_adapter", json=load)
+            assert response.status_code == 400
+            assert "has already been loaded" in response.json()["error"]["message"]
+            missing = {"lora_name": "nope", "lora_path": str(tmp_path / "none")}
+            response = await client.post("/v1/load_lora_adapter", json=missing)
+            assert response.status_code == 400 and response.json()["error"]["param"] == "lora_path"
+            # The prefill node has room for a second adapter, the decode nodes do not: the
+            # prefill node's load is undone.
+            second = {"lora_name": "sql2", "lora_path": str(adapter)}
+            response = await client.post("/v1/load_lora_adapter", json=second)
+            assert response.status_code == 400, response.text
+            assert "max_loras" in response.json()["error"]["message"]
+            assert await node_adapters(stack) == {n: ["sql"] for n in stack.nodes}
+            for bad in ({"lora_name": " ", "lora_path": "x"}, {"lora_name": "tiny-llama",
+                        "lora_path": "x"}, {"lora_name": "a", "lora_path": "x",
+                        "load_inplace": True}, {"lora_name": "a"}):  # fmt: skip
+                response = await client.post("/v1/load_lora_adapter", json=bad)
+                assert response.status_code == 400, (bad, response.text)
+
+            # An unload while a request streams with the adapter: it ends with the adapter's
+            # tokens (steps slowed to 50 ms, so it is still running).
+            stream = {"model": "sql", "prompt": prompts[0], "max_tokens": 8, "temperature": 0.0,
+                      "ignore_eos": True, "stream": True, "logprobs": 0,
+                      "return_tokens_as_token_ids": True}  # fmt: skip
+            async with client.stream("POST", "/v1/completions", json=stream) as streamed:
+                lines = streamed.aiter_lines()
+                chunks = [await anext(lines)]
+                response = await client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
+                assert response.status_code == 200, response.text
+                assert response.text == "Success: LoRA adapter 'sql' removed successfully."
+                assert (await complete("sql")).status_code == 404  # new requests: gone at once
+                chunks += [line async for line in lines]
+            events = [json.loads(c[6:])["choices"][0] for c in chunks if c.startswith("data: {")]
+            tokens = [t for e in events if e["logprobs"] for t in e["logprobs"]["tokens"]]
+            assert [int(t.removeprefix("token_id:")) for t in tokens] == with_lora[0]
+            response = await client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
+            assert response.status_code == 404
+            assert "sql" not in [c["id"] for c in (await client.get("/v1/models")).json()["data"]]
+        await stack.wait_all_free()
+        assert await node_adapters(stack) == {n: [] for n in stack.nodes}
+
+    run_stack(
+        tiny_llama_dir,
+        body,
+        extra=["--allow-runtime-lora-updating", "--served-model-name", "tiny-llama"],
+        prefill_extra=["--max-loras", "2"],
+        node_extra=["--enable-lora", "--test-step-delay-s", "0.05"],
+    )
+
+
+def test_runtime_updates_need_the_gateways_flag(tiny_llama_dir: Path, adapter: Path) -> None:
+    async def body(stack: Stack) -> None:
+        base_url = f"http://127.0.0.1:{stack.gateway.http_port}"
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+            load = {"lora_name": "sql", "lora_path": str(adapter)}
+            assert (await client.post("/v1/load_lora_adapter", json=load)).status_code == 404
+        # A node without LoRA refuses the call itself, naming the flag.
+        _, (server, _) = next(iter(stack.nodes.items()))
+        async with node_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = decode_pb2_grpc.DecodeServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.LoadLoraAdapter(
+                    common_pb2.LoadLoraAdapterRequest(lora_name="sql", lora_path=str(adapter)),
+                    timeout=10,
+                )
+            assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "--enable-lora" in (error.value.details() or "")
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.UnloadLoraAdapter(
+                    common_pb2.UnloadLoraAdapterRequest(lora_name=" "), timeout=10
+                )
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert (error.value.details() or "").startswith("lora_name:")
+
+    run_stack(tiny_llama_dir, body, colocated=True)
