@@ -201,7 +201,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     f"KV transfer {transfer.transfer_id} ended before it was announced: "
                     f"{transfer.abort_reason or 'aborted'}",
                 )
-            yield decode_pb2.GenerateResponse(reservation=self._reservation(transfer, lease_s))
+            reservation = self._reservation(transfer, lease_s, params.lora_name)
+            yield decode_pb2.GenerateResponse(reservation=reservation)
             num_generated = 1  # the first token came from the prefill node
             last: EngineCoreOutput | None = None
             clock = DecodeClock(started=0.0, from_peer=True)
@@ -284,7 +285,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             )
         )
 
-    def _reservation(self, transfer: Transfer, lease_s: float) -> kv_pb2.KvReservation:
+    def _reservation(
+        self, transfer: Transfer, lease_s: float, lora_name: str | None
+    ) -> kv_pb2.KvReservation:
         assert self.transfers is not None
         layout = self.engine.engine.kv_layout
         deadline = timestamp_pb2.Timestamp()
@@ -300,6 +303,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             block_size=layout.block_size,
             num_blocks_total=layout.num_blocks,
             lease_deadline=deadline,
+            # The snapshot the reserve call refreshed: it holds the adapter the request names.
+            lora_fingerprint=self.engine.stats.lora_fingerprint(lora_name),
         )
 
     async def CommitKv(

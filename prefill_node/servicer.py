@@ -1,9 +1,9 @@
 """PrefillService over an ``AsyncEngine`` and a KV transport.
 
-One Prefill call (design §2): validate → check the destination's layout fingerprint (refused
-with FAILED_PRECONDITION before any byte moves) → compute the prompt with ``hold_kv`` (chunked,
-prefix-cached) → push its pages into the decode node's reserved blocks → commit to the decode
-node → release the blocks → return the first token and timings.
+One Prefill call (design §2): validate → check the destination's layout fingerprint and its
+LoRA adapter's (refused with FAILED_PRECONDITION before any byte moves) → compute the prompt
+with ``hold_kv`` (chunked, prefix-cached) → push its pages into the decode node's reserved
+blocks → commit to the decode node → release the blocks → return the first token and timings.
 
 From the check until the push begins a keep-alive task renews the decode reservation's liveness
 lease (``RenewKv``, every third of the lease), saying ``started`` once the engine began the
@@ -102,7 +102,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             destination = request.destination if request.HasField("destination") else None
             peer = None
             if destination is not None:
-                peer = await self._check_destination(request, prompt, context)
+                peer = await self._check_destination(request, prompt, params.lora_name, context)
             request_id = request.request_id or f"pre-{uuid.uuid4().hex}"
             started = time.monotonic()
             # Only the first token is sampled here; the decode node samples the rest. min_tokens
@@ -294,6 +294,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self,
         request: prefill_pb2.PrefillRequest,
         prompt: list[int],
+        lora_name: str | None,
         context: _PrefillContext,
     ) -> PeerAddress:
         """Everything about the destination is checked before any compute or byte moves."""
@@ -328,6 +329,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 f"destination.layout_fingerprint {destination.layout_fingerprint!r} does not "
                 f"match this node's {self.layout.fingerprint!r} (model, dtype, block size or "
                 "KV shape differ)",
+            )
+        own = self.engine.stats.lora_fingerprint(lora_name)
+        if lora_name is not None and own and destination.lora_fingerprint != own:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"destination.lora_fingerprint {destination.lora_fingerprint!r} does not match "
+                f"this node's {own!r}: the decode node loaded other files as LoRA adapter "
+                f"{lora_name!r}",
             )
         if destination.address.transport != self.transport.name:
             await context.abort(

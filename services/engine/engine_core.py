@@ -338,6 +338,13 @@ class EngineCore:
             logger.info("LoRA adapter %r unloaded", name)
         return in_use
 
+    def _lora_fingerprints(self) -> tuple[tuple[str, str], ...]:
+        lora = self.runner.lora
+        if lora is None:
+            return ()
+        names = sorted(self.lora_names)
+        return tuple((name, lora.adapters[name].fingerprint) for name in names)
+
     def _lora_requests(self, name: str) -> list[str]:
         """The requests of adapter ``name`` queued, running or reserved (their KV on its way)."""
         scheduler = self.scheduler
@@ -442,7 +449,7 @@ class EngineCore:
             prefix_cache_queried_tokens=prefix.num_queried_tokens,
             prefix_cache_hit_tokens=prefix.num_hit_tokens,
             num_preemptions_total=self.scheduler.num_preemptions_total,
-            lora_names=frozenset(self.lora_names),
+            lora_fingerprints=self._lora_fingerprints(),
         )
 
 

@@ -131,8 +131,18 @@ class EngineStats:
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     num_preemptions_total: int
-    lora_names: frozenset[str] = frozenset()
-    """The LoRA adapters new requests may name (``EngineCore.lora_names``)."""
+    lora_fingerprints: tuple[tuple[str, str], ...] = ()
+    """(name, fingerprint of its files) of each LoRA adapter new requests may name
+    (``EngineCore.lora_names``), by name."""
+
+    @property
+    def lora_names(self) -> frozenset[str]:
+        return frozenset(name for name, _ in self.lora_fingerprints)
+
+    def lora_fingerprint(self, name: str | None) -> str:
+        """The fingerprint of adapter ``name``'s files; "" for the base model (None) or an
+        adapter not loaded."""
+        return next((fp for loaded, fp in self.lora_fingerprints if loaded == name), "")
 
     @property
     def kv_cache_usage(self) -> float:

@@ -21,6 +21,7 @@ Life cycle:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -61,6 +62,9 @@ class LoraAdapter:
     rank: int
     """The largest rank of its projections."""
     deltas: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    fingerprint: str = ""
+    """A hash of its two files: a prefill and a decode node must have loaded the same adapter
+    under a name (the KV one computes, the other decodes on)."""
 
     @property
     def targets(self) -> list[str]:
@@ -182,7 +186,16 @@ def load_adapter(
         a_t = a.float().t().contiguous().to(dtype=dtype, device=device)
         b_t = (b.float() * scale).t().contiguous().to(dtype=dtype, device=device)
         deltas[(layer, name)] = (a_t, b_t)
-    return LoraAdapter(path=path, rank=max_seen, deltas=deltas)
+    return LoraAdapter(
+        path=path, rank=max_seen, deltas=deltas, fingerprint=_fingerprint(path, weights_file)
+    )
+
+
+def _fingerprint(path: Path, weights_file: Path) -> str:
+    digest = hashlib.sha256((path / ADAPTER_CONFIG).read_bytes())
+    with weights_file.open("rb") as weights:
+        digest.update(hashlib.file_digest(weights, "sha256").digest())
+    return digest.hexdigest()[:16]
 
 
 @dataclass

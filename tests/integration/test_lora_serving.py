@@ -202,3 +202,34 @@ def test_runtime_updates_need_the_gateways_flag(tiny_llama_dir: Path, adapter: P
             assert (error.value.details() or "").startswith("lora_name:")
 
     run_stack(tiny_llama_dir, body, colocated=True)
+
+
+def test_a_pair_with_other_files_under_one_name_is_refused(
+    tiny_llama_dir: Path, adapter: Path, expected, tmp_path: Path
+) -> None:
+    """KV computed with one adapter's weights is wrong for another's: a prefill node whose
+    files under the name differ from the decode node's refuses the push, naming both
+    fingerprints, and no wrong tokens reach the client."""
+    other = tmp_path / "other"
+    write_adapter(other, tiny_llama_dir, seed=6)
+    prompts, _, _ = expected
+
+    async def body(stack: Stack) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stack.generate(prompts[0], GREEDY, model="sql")  # prefilled on the prefill node
+        # A deployment's fault, not the client's: every pair tried, then 503 naming why.
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "the decode node loaded other files as LoRA adapter 'sql'" in (
+            error.value.details() or ""
+        )
+        got, _, _ = await stack.generate(prompts[0], GREEDY)  # the base model is unaffected
+        assert got == expected[2][0]
+        await stack.wait_all_free()
+
+    run_stack(
+        tiny_llama_dir,
+        body,
+        extra=["--lora-modules", "sql", "--served-model-name", "tiny-llama"],
+        prefill_extra=["--lora-modules", f"sql={adapter}"],
+        decode_extra=["--lora-modules", f"sql={other}"],
+    )

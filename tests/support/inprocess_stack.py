@@ -119,9 +119,10 @@ def run_stack(
     extra=(),
     prefill_extra=(),
     node_extra=(),
+    decode_extra=(),
 ):
     """``extra``: the gateway's further flags; ``prefill_extra``: the prefill node's;
-    ``node_extra``: every node's."""
+    ``decode_extra``: the decode nodes'; ``node_extra``: every node's."""
 
     async def main() -> None:
         nodes = {}
@@ -144,7 +145,11 @@ def run_stack(
             for i, memory in enumerate(decode_kv):
                 nodes[f"decode{i}"] = await start_node(
                     parse_node_config(
-                        [*tls_node_flags(model_dir, "decode", memory), *node_extra],
+                        [
+                            *tls_node_flags(model_dir, "decode", memory),
+                            *node_extra,
+                            *decode_extra,
+                        ],  # fmt: skip
                         {},
                         role=Role.DECODE,
                     ),
