@@ -19,11 +19,19 @@ from services.engine.llm import LLM
 from services.engine.logprob import Logprob
 from services.engine.outputs import (
     CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
     EngineCoreOutput,
     EngineStats,
     RequestOutput,
 )
-from services.types import EngineConfigError, FinishReason, SamplingParams, StructuredOutputsParams
+from services.types import (
+    EngineConfigError,
+    FinishReason,
+    PoolingParams,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from services.types.lora_request import LoRARequest
 
 __all__ = [
@@ -33,16 +41,19 @@ __all__ = [
     "BeamSearchSequence",
     "CacheConfig",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineConfig",
     "EngineConfigError",
     "EngineCore",
-    "LoraCapacityError",
     "EngineCoreOutput",
     "EngineStats",
     "FinishReason",
+    "LoraCapacityError",
     "LoraConfig",
     "LoRARequest",
     "Logprob",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",

@@ -46,7 +46,7 @@ from services.engine.structured_output import GrammarMatcher, GrammarState, Stru
 from services.models.config import ModelConfig
 from services.models.gguf_file import find_gguf, open_gguf
 from services.models.lora import LoraAdapterError
-from services.types import EngineConfigError, SamplingParamError, SamplingParams
+from services.types import EngineConfigError, PoolingParams, SamplingParamError, SamplingParams
 from services.types.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -154,11 +154,17 @@ class EngineCore:
         *,
         hold_kv: bool = False,
         grammar: GrammarMatcher | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         """Queue a request; raises ``ValueError`` naming the field when the input is bad.
         ``grammar``: ``params.guided`` already compiled (``structured_outputs.compile``, off the
-        engine thread); None compiles it here."""
+        engine thread); None compiles it here. ``pooling``: an embedding request, which ends
+        once its prompt is computed, its output's ``embedding`` set and no token sampled
+        (``params`` give it its priority, adapter and cache salt)."""
         request = self._make_request(request_id, prompt_token_ids, params, hold_kv)
+        if pooling is not None:
+            self._check_pooling(params, pooling, hold_kv)
+            request.pooling = pooling
         if params.guided is not None:
             self.structured_outputs.add(request_id, params.guided, grammar)
         self.scheduler.add_request(request)
@@ -274,6 +280,23 @@ class EngineCore:
                 f"(--scheduling-policy priority); this engine runs {self.config.scheduler.policy}",
             )
 
+    def _check_pooling(self, params: SamplingParams, pooling: PoolingParams, hold_kv: bool) -> None:
+        if not isinstance(pooling, PoolingParams):
+            raise ValueError(f"pooling must be PoolingParams, got {type(pooling).__name__}")
+        hidden_size = self.model_config.hidden_size
+        if pooling.dimensions is not None and pooling.dimensions > hidden_size:
+            raise SamplingParamError(
+                "dimensions",
+                f"dimensions {pooling.dimensions} is above the model's hidden size {hidden_size}",
+            )
+        for name, wrong in (
+            ("hold_kv", hold_kv),
+            ("guided", params.guided is not None),
+            ("prompt_logprobs", params.prompt_logprobs is not None),
+        ):
+            if wrong:
+                raise SamplingParamError(name, f"an embedding request takes no {name}")
+
     @property
     def lora_names(self) -> set[str]:
         """The LoRA adapters new requests may name (``add_lora``), by name: those retiring
@@ -376,7 +399,9 @@ class EngineCore:
         for chunk in scheduler_output.chunks:
             if chunk.request.first_scheduled_time is None:
                 chunk.request.first_scheduled_time = now
-        sampled, prompt_logprobs = self.runner.execute(scheduler_output)
+        sampled, prompt_logprobs, embeddings = self.runner.execute(scheduler_output)
+        for request_id, embedding in embeddings.items():
+            self.scheduler.requests[request_id].embedding = embedding
         for request_id, entries in prompt_logprobs.items():
             request = self.scheduler.requests[request_id]
             for position, entry, rank in entries:
@@ -435,6 +460,7 @@ class EngineCore:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             first_scheduled_time=request.first_scheduled_time,
             error=request.grammar_error if is_failed else None,
+            embedding=request.embedding,
         )
 
     def stats(self) -> EngineStats:

@@ -23,12 +23,18 @@ from services.engine.config import (
 )
 from services.engine.engine_core import EngineCore
 from services.engine.logprob import Logprob, logprob_entries
-from services.engine.outputs import RequestOutput
+from services.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from services.engine.progress import Progress, RoundProgress, UseTqdm, check_use_tqdm
 from services.engine.text_stops import TextStops
 from services.model_tokenizer import chat_template_parts, load_tokenizer
 from services.prompt_context import prompt_context, text_after
-from services.types import EngineConfigError, FinishReason, SamplingParamError, SamplingParams
+from services.types import (
+    EngineConfigError,
+    FinishReason,
+    PoolingParams,
+    SamplingParamError,
+    SamplingParams,
+)
 from services.types.lora_request import LoRARequest
 from services.types.sampling_params import MAX_SEED
 
@@ -454,6 +460,56 @@ class LLM:
             else:
                 outputs[i].more_outputs.append(results[request_id].completion(j))
         return outputs
+
+    def embed(
+        self,
+        prompts: Iterable[Prompt] | str | TextPrompt | TokensPrompt,
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: UseTqdm = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``LLM.embed``: one embedding per prompt (prompts as ``generate`` takes them),
+        the final hidden state of its last token (``PoolingParams``: normalized by default,
+        ``dimensions`` for a Matryoshka prefix); ``lora_request`` as ``generate``'s."""
+        use_tqdm = check_use_tqdm(use_tqdm)
+        pooling = PoolingParams() if pooling_params is None else pooling_params
+        if not isinstance(pooling, PoolingParams):
+            raise ValueError(f"pooling_params must be PoolingParams, got {pooling!r}")
+        prompts_given, salts = _prompts(prompts)
+        params_list = self._with_loras(
+            _with_salts([SamplingParams(max_tokens=1)] * len(prompts_given), salts),
+            lora_request,
+        )
+        prompt_ids = [list(ids) for ids in self._encode(prompts_given)]
+        request_ids = [f"llm-{next(self._ids)}" for _ in prompt_ids]
+        for request_id, prompt, params in zip(request_ids, prompt_ids, params_list, strict=True):
+            self.engine.validate_request(request_id, prompt, params)
+        embeddings: dict[str, list[float]] = {}
+        progress = Progress(use_tqdm, [1] * len(prompt_ids))
+        try:
+            for request_id, prompt, params in zip(
+                request_ids, prompt_ids, params_list, strict=True
+            ):
+                self.engine.add_request(request_id, prompt, params, pooling=pooling)
+            index = {request_id: i for i, request_id in enumerate(request_ids)}
+            while len(embeddings) < len(request_ids):
+                for out in self.engine.step():
+                    if out.request_id not in index:
+                        continue  # a request of the caller's own, added to the engine directly
+                    assert out.embedding is not None, "an embedding request ends with it"
+                    embeddings[out.request_id] = out.embedding
+                    i = index[out.request_id]
+                    progress.request_done(i, len(prompt_ids[i]), 0)
+        finally:
+            progress.close()
+            for request_id in request_ids:
+                if request_id not in embeddings:
+                    self.engine.abort(request_id)
+        return [
+            EmbeddingRequestOutput(request_id, prompt, EmbeddingOutput(embeddings[request_id]))
+            for request_id, prompt in zip(request_ids, prompt_ids, strict=True)
+        ]
 
     def beam_search(
         self,

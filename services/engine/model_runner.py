@@ -25,6 +25,7 @@ from services.engine.gpu_memory import (
     check_kv_cache_fits,
     kv_cache_budget,
 )
+from services.engine.pooler import pool_last_tokens
 from services.engine.request import Request
 from services.engine.sampler import Sampler, SamplingMetadata, collect_logprobs
 from services.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
@@ -38,7 +39,7 @@ from services.models.loader import load_model
 from services.models.lora import LoraAdapter, LoraState, install_lora, load_adapter
 from services.models.packed_linear import pack_linears
 from services.models.prefill_kernel_choice import choose_prefill_kernel, prefill_kernel_timer
-from services.types import EngineConfigError
+from services.types import EngineConfigError, PoolingParams
 
 logger = logging.getLogger(__name__)
 
@@ -360,8 +361,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, output: SchedulerOutput
-    ) -> tuple[dict[str, SampledToken], dict[str, PromptLogprobs]]:
-        """The step's sampled tokens, and the prompt logprobs of the chunks that asked for them."""
+    ) -> tuple[dict[str, SampledToken], dict[str, PromptLogprobs], dict[str, list[float]]]:
+        """The step's sampled tokens, the prompt logprobs of the chunks that asked for them, and
+        the embeddings of the pooling requests whose prompt this step completed."""
         decodes = [c for c in output.chunks if c.num_tokens == 1]
         prefills = [c for c in output.chunks if c.num_tokens > 1]
         static = self.static_decode
@@ -395,16 +397,27 @@ class ModelRunner:
 
         sampled_chunks: list[ScheduledChunk] = []
         rows: list[int] = []
-        for row, chunk in enumerate(decodes):
-            if chunk.needs_sample:
+        pooled: list[tuple[str, int, PoolingParams]] = []  # (request id, row, its params)
+        last_rows = [*range(len(decodes)),
+                     *(span.token_start + span.num_tokens - 1 for span in spans)]  # fmt: skip
+        for row, chunk in zip(last_rows, [*decodes, *prefills], strict=True):
+            if not chunk.needs_sample:
+                continue
+            if chunk.request.pooling is not None:
+                pooled.append((chunk.request.request_id, row, chunk.request.pooling))
+            else:
                 sampled_chunks.append(chunk)
                 rows.append(row)
-        for span, chunk in zip(spans, prefills, strict=True):
-            if chunk.needs_sample:
-                sampled_chunks.append(chunk)
-                rows.append(span.token_start + span.num_tokens - 1)
+        embeddings: dict[str, list[float]] = {}
+        if pooled:
+            # final: [num_pooled, hidden_size], the rows after the final norm
+            final = self.model.final_hidden(
+                hidden[torch.tensor([row for _, row, _ in pooled], device=self.device)]
+            )
+            vectors = pool_last_tokens(final, [pooling for _, _, pooling in pooled])
+            embeddings = {rid: v for (rid, _, _), v in zip(pooled, vectors, strict=True)}
         if not rows:
-            return {}, prompt_logprobs
+            return {}, prompt_logprobs, embeddings
         # logits: [num_sampled, vocab_size], the model's dtype
         if rows == list(range(len(rows))):
             selected = hidden[: len(rows)]  # every decode samples: no index to copy over
@@ -434,7 +447,7 @@ class ModelRunner:
                 requests, result.token_ids, result.logprobs, result.ranks, strict=True
             )
         }
-        return sampled, prompt_logprobs
+        return sampled, prompt_logprobs, embeddings
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, chunk: ScheduledChunk, first_row: int

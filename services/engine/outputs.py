@@ -29,6 +29,8 @@ class EngineCoreOutput:
     """Beside ``prompt_logprobs``: ``Request.prompt_logprob_ranks``."""
     error: str | None = None
     """With finish reason ``error``: why (its grammar failed: ``Request.grammar_error``)."""
+    embedding: list[float] | None = None
+    """An embedding request's vector, with its one output (finish reason ``stop``)."""
 
     @property
     def finished(self) -> bool:
@@ -152,3 +154,24 @@ class EngineStats:
     def prefix_cache_hit_rate(self) -> float:
         queried = self.prefix_cache_queried_tokens
         return self.prefix_cache_hit_tokens / queried if queried else 0.0
+
+
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    """vLLM's: one prompt's embedding (``PoolingParams``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(frozen=True)
+class EmbeddingRequestOutput:
+    """vLLM's ``LLM.embed`` result for one prompt: ``out.outputs.embedding``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -24,7 +24,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from services.types import FinishReason, SamplingParams
+from services.types import FinishReason, PoolingParams, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -91,6 +91,11 @@ class Request:
     tokens with a greater logprob), whether or not it is among the top-n."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Chained hashes of the full blocks of ``token_ids``, extended as tokens are added."""
+    pooling: PoolingParams | None = None
+    """An embedding request: it ends when its prompt is computed, with ``embedding`` and no
+    token (``services/engine/pooler.py``)."""
+    embedding: list[float] | None = None
+    """Set by the step that computed the last prompt token of a ``pooling`` request."""
     token_ids: list[int] = field(init=False)
     """Prompt followed by outputs; the tokens whose KV the request needs."""
 

@@ -219,6 +219,11 @@ class Scheduler:
             self.kv_cache.cache_full_blocks(request)
             if not chunk.needs_sample:
                 continue
+            if request.pooling is not None:  # its embedding is its output: no token
+                self.running.remove(request)
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                updated.append(request)
+                continue
             token = sampled[request.request_id]
             request.append_output(token.token_id, token.logprobs, token.rank)
             stop_status = self._check_stop(request)

@@ -172,6 +172,12 @@ class LlamaForCausalLM(nn.Module):
             hidden.add_(pending)
         return hidden
 
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [num_rows, hidden_size] → the same rows after the final norm (what
+        ``compute_logits`` projects; Hugging Face's ``last_hidden_state``)."""
+        norm = self.model.norm
+        return self.ops.rms_norm(hidden, None, norm.weight, norm.eps)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_rows, hidden_size] → logits [num_rows, vocab_size] in the model's dtype
         (the sampler computes on a float32 copy; widening here first would copy them twice)."""

@@ -8,6 +8,7 @@ lives at the gRPC edge, in ``services.convert``.
 from services.types.engine_config_error import EngineConfigError
 from services.types.finish_reason import FinishReason
 from services.types.limits import MAX_LOGPROBS
+from services.types.pooling_params import PoolingParams
 from services.types.role import Role
 from services.types.sampling_param_error import SamplingParamError
 from services.types.sampling_params import SamplingParams
@@ -20,6 +21,7 @@ __all__ = [
     "MAX_LOGPROBS",
     "EngineConfigError",
     "FinishReason",
+    "PoolingParams",
     "Role",
     "SamplingParamError",
     "SamplingParams",

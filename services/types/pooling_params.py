@@ -1,0 +1,31 @@
+"""What an embedding request asks of its prompt's hidden states: vLLM's ``PoolingParams``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.types.sampling_param_error import SamplingParamError
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """The embedding of a prompt: the final hidden state (after the model's last norm) of its
+    last token, as decoder embedding models (Qwen3-Embedding, e5-mistral, gte-Qwen2) pool;
+    its first ``dimensions`` values only where given (Matryoshka), then L2-normalized unless
+    ``normalize`` is False. Bad values raise ``SamplingParamError`` naming the field."""
+
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.normalize, bool):
+            raise SamplingParamError(
+                "normalize", f"normalize must be a bool, got {self.normalize!r}"
+            )
+        dimensions = self.dimensions
+        if dimensions is not None and (
+            isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1
+        ):
+            raise SamplingParamError(
+                "dimensions", f"dimensions must be a positive integer, got {dimensions!r}"
+            )

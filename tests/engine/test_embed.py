@@ -1,0 +1,82 @@
+"""Embeddings (vLLM's ``LLM.embed`` and ``PoolingParams``): the last prompt token's final hidden
+state, against Hugging Face's ``last_hidden_state`` (fp32), whole or computed in chunks beside
+other requests' decodes, from the prefix cache or not; a Matryoshka prefix; refusals."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModel
+
+from services.engine import LLM, PoolingParams, SamplingParams
+from services.types import SamplingParamError
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir: Path) -> torch.nn.Module:
+    return AutoModel.from_pretrained(
+        tiny_llama_dir, dtype=torch.float32, local_files_only=True
+    ).eval()
+
+
+def reference(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
+    """The prompt's last token's final hidden state ``[hidden_size]``."""
+    with torch.inference_mode():
+        return model(torch.tensor([prompt])).last_hidden_state[0, -1]
+
+
+@pytest.mark.parametrize("budget", [2048, 16])  # 16: prompts in chunks beside decodes
+def test_embeddings_are_the_last_tokens_final_hidden_state(
+    tiny_llama_dir: Path, hf_model, budget: int
+) -> None:
+    rng = random.Random(3)
+    prompts = [[rng.randrange(5, 4000) for _ in range(n)] for n in (1, 7, 40, 70)]
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_dtype="float32",
+              max_num_batched_tokens=budget, max_model_len=128)  # fmt: skip
+    # Generation beside the embeddings: both come out right from the same steps.
+    engine = llm.engine
+    engine.add_request("gen", prompts[3], SamplingParams(max_tokens=4, temperature=0.0))
+    outputs = llm.embed(prompts, use_tqdm=False)
+    longer = prompts[2] + [11, 12, 13]  # its first blocks from the prefix cache
+    outputs += llm.embed([longer], use_tqdm=False)
+    prompts.append(longer)
+    assert engine.stats().prefix_cache_hit_tokens >= 32
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected = torch.nn.functional.normalize(reference(hf_model, prompt), dim=-1)
+        got = torch.tensor(output.outputs.embedding)
+        assert output.prompt_token_ids == prompt and output.outputs.hidden_size == len(expected)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    raw = llm.embed([prompts[1]], PoolingParams(normalize=False), use_tqdm=False)[0]
+    torch.testing.assert_close(
+        torch.tensor(raw.outputs.embedding), reference(hf_model, prompts[1]), atol=1e-4, rtol=1e-4
+    )
+    short = llm.embed([prompts[1]], PoolingParams(dimensions=8), use_tqdm=False)[0]
+    expected = torch.nn.functional.normalize(reference(hf_model, prompts[1])[:8], dim=-1)
+    torch.testing.assert_close(torch.tensor(short.outputs.embedding), expected, atol=1e-5,
+                               rtol=1e-4)  # fmt: skip
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert engine.stats().num_blocks_used == 0
+
+
+def test_embedding_requests_are_checked(tiny_llama_dir: Path) -> None:
+    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=64)
+    engine = llm.engine
+    hidden_size = llm.engine.model_config.hidden_size
+    with pytest.raises(SamplingParamError, match="hidden size") as error:
+        llm.embed([[1, 2, 3]], PoolingParams(dimensions=hidden_size + 1), use_tqdm=False)
+    assert error.value.param == "dimensions"
+    for bad in ({"dimensions": 0}, {"dimensions": True}, {"normalize": "yes"}):
+        with pytest.raises(SamplingParamError):
+            PoolingParams(**bad)
+    with pytest.raises(SamplingParamError, match="prompt_logprobs"):
+        engine.add_request("p", [1, 2], SamplingParams(prompt_logprobs=1), pooling=PoolingParams())
+    with pytest.raises(SamplingParamError, match="hold_kv"):
+        engine.add_request("h", [1, 2], SamplingParams(), hold_kv=True, pooling=PoolingParams())
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.embed([[1] * 65], use_tqdm=False)
+    assert len(llm.embed([[1] * 64], use_tqdm=False)[0].outputs.embedding) == hidden_size
+    assert engine.stats().num_blocks_used == 0 and not engine.has_unfinished_requests
