@@ -261,13 +261,18 @@ def test_a_key_over_its_rate_gets_429_while_others_do_not(
             "/v1/chat/completions", json=chat, headers={"Authorization": f"Bearer {SECRET_A}"}
         )
         assert refused_chat.status_code == 429
+        responses = {"model": "tiny", "input": "hi"}
+        refused_responses = client.post(
+            "/v1/responses", json=responses, headers={"Authorization": f"Bearer {SECRET_A}"}
+        )
+        assert refused_responses.status_code == 429
         clock.now += 30  # the first request leaves the window
         assert post(SECRET_A).status_code == 200
         assert client.post("/v1/completions", json=body).status_code == 401
         exported = client.get("/metrics").text
 
     assert 'pdserve:api_key_requests_total{key_name="team-a"} 3.0' in exported
-    assert 'key_name="team-a",limit="requests_per_minute"} 2.0' in exported
+    assert 'key_name="team-a",limit="requests_per_minute"} 3.0' in exported
     assert 'pdserve:api_key_requests_total{key_name="key-1"} 1.0' in exported
     # Tokens charged: each request's prompt plus its two generated tokens.
     prompt_len = len(tokenizer.encode("Hello"))
