@@ -55,6 +55,7 @@ from services.convert import (
 from services.decode_clock import DecodeClock
 from services.engine import EngineCoreOutput, FinishReason, SamplingParams
 from services.node.config import NodeConfig
+from services.node.embed import EmbedContext, embed
 from services.node.lora_updates import (
     LoadContext,
     UnloadContext,
@@ -395,6 +396,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self, request: common_pb2.UnloadLoraAdapterRequest, context: UnloadContext
     ) -> common_pb2.UnloadLoraAdapterResponse:
         return await unload_lora_adapter(self.engine, request, context)
+
+    async def Embed(
+        self, request: common_pb2.EmbedRequest, context: EmbedContext
+    ) -> common_pb2.EmbedResult:
+        return await embed(self.engine, self.server, request, context)
 
 
 def _delta(out: EngineCoreOutput, prompt: Sequence[int]) -> decode_pb2.TokenDelta:

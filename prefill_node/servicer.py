@@ -43,6 +43,7 @@ from services.convert import (
 from services.engine import EngineCoreOutput, FinishReason, SamplingParams
 from services.engine.kv_layout import KvLayout
 from services.node.config import NodeConfig
+from services.node.embed import EmbedContext, embed
 from services.node.kv_regions import kv_page_table
 from services.node.lora_updates import (
     LoadContext,
@@ -229,6 +230,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self, request: common_pb2.UnloadLoraAdapterRequest, context: UnloadContext
     ) -> common_pb2.UnloadLoraAdapterResponse:
         return await unload_lora_adapter(self.engine, request, context)
+
+    async def Embed(
+        self, request: common_pb2.EmbedRequest, context: EmbedContext
+    ) -> common_pb2.EmbedResult:
+        return await embed(self.engine, self.server, request, context)
 
     def _decode_stub(self, target: str) -> decode_pb2_grpc.DecodeServiceStub:
         channel = self._decode_channels.get(target)

@@ -63,6 +63,7 @@ from services.engine import (
     EngineCoreOutput,
     EngineStats,
     FinishReason,
+    PoolingParams,
     SamplingParams,
 )
 from services.engine.request import RequestStatus
@@ -179,15 +180,23 @@ class AsyncEngine:
         *,
         hold_kv: bool = False,
         on_started: Callable[[], None] | None = None,
+        pooling: PoolingParams | None = None,
     ) -> AsyncGenerator[EngineCoreOutput, None]:
         """Each step's output for the request, ending with the one that has a finish reason. An
-        async generator: closing it (``contextlib.aclosing``) aborts the request at once."""
+        async generator: closing it (``contextlib.aclosing``) aborts the request at once.
+        ``pooling``: an embedding request (``EngineCore.add_request``): one output, its
+        ``embedding``."""
         grammar = await self._compile(params)
         stream = _Stream(asyncio.get_running_loop(), on_started=on_started)
 
         def add(engine: EngineCore) -> None:
             engine.add_request(
-                request_id, prompt_token_ids, params, hold_kv=hold_kv, grammar=grammar
+                request_id,
+                prompt_token_ids,
+                params,
+                hold_kv=hold_kv,
+                grammar=grammar,
+                pooling=pooling,
             )
             self._streams[request_id] = stream
             stream.is_added = True

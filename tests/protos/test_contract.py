@@ -30,12 +30,14 @@ def test_services_have_the_life_cycle_rpcs() -> None:
         "GetLoad": (False, False),
         "LoadLoraAdapter": (False, False),
         "UnloadLoraAdapter": (False, False),
+        "Embed": (False, False),
     }
     assert methods(prefill_pb2, "PrefillService") == {
         "Prefill": (False, False),
         "GetLoad": (False, False),
         "LoadLoraAdapter": (False, False),
         "UnloadLoraAdapter": (False, False),
+        "Embed": (False, False),
     }
     # The generated stubs and servicer bases exist for both services.
     assert hasattr(decode_pb2_grpc, "DecodeServiceServicer")
