@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.admission import TOKENIZER_SLOTS, Admission
 from gateway.auth import ApiKeys
+from gateway.embedding import Embedder
 from gateway.generation import Generator
 from gateway.key_limiter import KeyLimiter
 from gateway.limits import RequestLimits
@@ -57,6 +58,8 @@ class Frontend:
     node_lora_names: Callable[[], frozenset[str] | None] = lambda: None
     """The LoRA adapters the nodes reported last (loaded at start-up or at run time); None
     while no node has reported."""
+    embedder: Embedder | None = None
+    """Computes ``/v1/embeddings``' vectors on the nodes; None: that route answers 404."""
     lora_updates: LoraUpdates | None = None
     """Run-time LoRA loads and unloads on every node (``--allow-runtime-lora-updating``);
     None: off, and their routes do not exist."""

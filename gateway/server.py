@@ -29,6 +29,7 @@ from gateway.key_limiter import KeyLimiter, KeyMeteredGenerator
 from gateway.metrics import GatewayMetrics
 from gateway.routing.lora_updates import LoraUpdates
 from gateway.routing.node_pool import NodePool
+from gateway.routing.routed_embedder import RoutedEmbedder
 from gateway.routing.routed_generator import RoutedGenerator
 from gateway.routing.router import Router
 from gateway.text.tokenizer import Tokenizer
@@ -85,6 +86,7 @@ class GatewayServer:
             served_model_aliases=config.served_model_aliases,
             lora_modules=config.lora_modules,
             node_lora_names=self.pool.lora_names,
+            embedder=RoutedEmbedder(self.router, config.router),
             lora_updates=LoraUpdates(self.pool) if config.allow_runtime_lora_updating else None,
         )
         if config.sampling_defaults.as_dict():

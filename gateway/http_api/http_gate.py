@@ -13,8 +13,10 @@ from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
 from gateway.http_api.client_send import send_json
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
-"""The routes a key's limits count (each request starts generations)."""
+GENERATION_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"}
+)
+"""The routes a key's limits count (each request runs prompts on the nodes)."""
 KEYED_PATHS_OUTSIDE_V1 = frozenset({"/tokenize", "/detokenize"})
 """vLLM's paths for the tokenizer (``tokenize_api.py``): keyed as ``/v1/*`` is."""
 

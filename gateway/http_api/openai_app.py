@@ -41,6 +41,7 @@ from starlette.middleware.cors import CORSMiddleware
 from gateway.config import CorsConfig
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
+from gateway.http_api.embeddings_api import embeddings_router
 from gateway.http_api.generation_response import GenerationResponse
 from gateway.http_api.http_gate import HttpGate
 from gateway.http_api.openai_errors import drop_fastapi_422, install_error_handlers
@@ -225,6 +226,7 @@ def build_openai_app(frontend: Frontend, cors: CorsConfig | None = None) -> Fast
             return PlainTextResponse(await lora_updates.unload(name))
 
     app.include_router(v1)
+    app.include_router(embeddings_router(frontend, bearer, _ERROR_RESPONSES))
     app.include_router(tokenize_router(frontend, bearer))
 
     @app.get("/health", responses=_HEALTH_RESPONSES)

@@ -96,5 +96,12 @@ class NodeClient:
         reply = await self._stub().UnloadLoraAdapter(request, timeout=timeout_s)
         return int(reply.num_requests)
 
+    async def embed(
+        self, message: common_pb2.EmbedRequest, timeout_s: float | None
+    ) -> common_pb2.EmbedResult:
+        """Embed on the node; ``grpc.aio.AioRpcError`` for its refusal or failure."""
+        reply: common_pb2.EmbedResult = await self._stub().Embed(message, timeout=timeout_s)
+        return reply
+
     async def close(self) -> None:
         await self.channel.close()

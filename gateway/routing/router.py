@@ -142,6 +142,29 @@ class Router:
                 causes.append("no healthy colocated node")
         return "; ".join(causes)
 
+    def pick_embedder(
+        self, prompt: Sequence[int], exclude: Collection[str] = (), lora_name: str | None = None
+    ) -> Node | None:
+        """A node to compute ``prompt``'s embedding (with adapter ``lora_name``): a prefill or
+        colocated node, by prefix affinity and queue length; a decode node (it computes short
+        prompts itself) only where neither is healthy; None where no node is."""
+
+        def usable(nodes: list[Node]) -> list[Node]:
+            return [
+                n
+                for n in nodes
+                if n.is_healthy and n.address not in exclude and n.load.serves(lora_name)
+            ]
+
+        namespace: Namespace = (None, lora_name)
+        computing = usable(self.pool.prefill) + usable(self.pool.colocated)
+        if computing:
+            node = self.pick_prefill(prompt, computing, namespace)
+            self.affinity.record(prompt, node.address, namespace)
+            return node
+        decodes = usable(self.pool.decode)
+        return min(decodes, key=_decode_work) if decodes else None
+
     def forget(self, node: Node) -> None:
         """A node came back (perhaps restarted, its prefix cache empty): its affinity goes."""
         self.affinity.forget(node.address)

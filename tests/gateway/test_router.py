@@ -137,6 +137,28 @@ def test_a_lora_request_goes_only_to_nodes_that_loaded_its_adapter(loop) -> None
     )
 
 
+def test_embeddings_go_to_nodes_that_compute_prompts(loop) -> None:
+    router = make_router(prefill=2, decode=2, colocated=1)
+    p0, p1 = router.pool.prefill
+    (c0,) = router.pool.colocated
+    p0.load = NodeLoad(num_running=3)
+    c0.load = NodeLoad(num_running=1)
+    assert router.pick_embedder([1] * 8) is p1  # the shortest queue of prefill and colocated
+    assert router.pick_embedder([1] * 8, exclude={p1.address}) is c0
+    c0.load = NodeLoad(lora_names=frozenset({"sql"}))
+    for node in (p0, p1):  # reported: no adapter (a node yet to report may have any)
+        node.load = NodeLoad(lora_names=frozenset())
+    assert router.pick_embedder([1] * 8, lora_name="sql") is c0  # the only one with it
+    for node in (p0, p1, c0):
+        node.health = NodeHealth.UNHEALTHY
+    d0, d1 = router.pool.decode
+    d0.load = NodeLoad(num_running=5)
+    assert router.pick_embedder([1] * 8) is d1  # none computes prompts: a decode node does
+    for node in (d0, d1):
+        node.health = NodeHealth.UNHEALTHY
+    assert router.pick_embedder([1] * 8) is None
+
+
 def test_unhealthy_draining_and_excluded_nodes_are_skipped(loop) -> None:
     router = make_router(colocated=1)
     p0, p1 = router.pool.prefill

@@ -1,0 +1,92 @@
+"""``/v1/embeddings`` through the whole stack: inputs as text or token ids, one or a batch,
+embedded on the prefill node (disaggregated) or the colocated node, equal to the offline
+engine's ``LLM.embed``; base64 as OpenAI's SDK asks for it; refusals naming the field."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from services.engine import LLM, PoolingParams
+from support.inprocess_stack import MAX_MODEL_LEN, Stack, run_stack
+
+TEXTS = ["The capital of France is", "Embeddings map text to vectors."]
+IDS = [[5, 17, 300, 42, 9], list(range(20, 60))]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama_dir: Path) -> dict[str, list[list[float]]]:
+    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    return {
+        "texts": [o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)],
+        "ids": [o.outputs.embedding for o in llm.embed(IDS, use_tqdm=False)],
+        "short": [
+            o.outputs.embedding
+            for o in llm.embed(IDS[:1], PoolingParams(dimensions=8), use_tqdm=False)
+        ],
+    }
+
+
+def close(got: list[float], want: list[float]) -> None:
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
+def test_embeddings_equal_the_offline_engines(
+    tiny_llama_dir: Path, expected, colocated: bool
+) -> None:
+    async def body(stack: Stack) -> None:
+        base_url = f"http://127.0.0.1:{stack.gateway.http_port}"
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+            response = await client.post("/v1/embeddings", json={"input": TEXTS})
+            assert response.status_code == 200, response.text
+            reply = response.json()
+            assert reply["object"] == "list" and reply["model"] == "tiny-llama"
+            assert [d["index"] for d in reply["data"]] == [0, 1]
+            for data, want in zip(reply["data"], expected["texts"], strict=True):
+                assert data["object"] == "embedding"
+                close(data["embedding"], want)
+            assert reply["usage"]["prompt_tokens"] == reply["usage"]["total_tokens"] > 0
+            response = await client.post("/v1/embeddings", json={"input": IDS})
+            for data, want in zip(response.json()["data"], expected["ids"], strict=True):
+                close(data["embedding"], want)
+            assert response.json()["usage"]["prompt_tokens"] == sum(map(len, IDS))
+            one = await client.post("/v1/embeddings", json={
+                "input": IDS[0], "dimensions": 8, "encoding_format": "base64"})  # fmt: skip
+            packed = base64.b64decode(one.json()["data"][0]["embedding"])
+            close(list(struct.unpack("<8f", packed)), expected["short"][0])
+
+            for bad, param in (
+                ({"input": []}, "input"),
+                ({"input": [1] * (MAX_MODEL_LEN + 1)}, "input"),
+                ({"input": [10**7]}, "input"),
+                ({"input": "x", "dimensions": 10**6}, "dimensions"),
+                ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+            ):
+                response = await client.post("/v1/embeddings", json=bad)
+                assert response.status_code == 400, (bad, response.text)
+                assert response.json()["error"]["param"] == param, (bad, response.text)
+            response = await client.post("/v1/embeddings", json={"model": "x", "input": "y"})
+            assert response.status_code == 404
+            kept = await client.post("/v1/embeddings", json={
+                "input": [1] * (MAX_MODEL_LEN + 5), "truncate_prompt_tokens": -1})  # fmt: skip
+            assert kept.json()["usage"]["prompt_tokens"] == MAX_MODEL_LEN
+
+        sdk = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none")
+        result = await sdk.embeddings.create(model="tiny-llama", input=TEXTS[0])  # base64
+        close(result.data[0].embedding, expected["texts"][0])
+        await sdk.close()
+        await stack.wait_all_free()
+
+    run_stack(
+        tiny_llama_dir,
+        body,
+        colocated=colocated,
+        extra=["--served-model-name", "tiny-llama"],
+    )
