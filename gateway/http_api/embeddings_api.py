@@ -124,9 +124,11 @@ def embeddings_router(
         async with admitted(frontend):
             prompts = await asyncio.to_thread(_prompts, body, frontend.tokenizer, keep)
             _check_lengths(prompts, frontend.limits.max_model_len)
+            num_tokens = sum(map(len, prompts))
             lease = current_lease()
             if lease is not None:
-                lease.add_tokens(sum(map(len, prompts)))
+                lease.add_tokens(num_tokens)
+            frontend.metrics.prompt_tokens.inc(num_tokens)
             requests = [
                 EmbeddingRequest(
                     request_id=f"{request_id}-{index}" if len(prompts) > 1 else request_id,
@@ -148,7 +150,6 @@ def embeddings_router(
                 ) from None
             except ExceptionGroup as group_error:  # the first failure is the answer
                 raise group_error.exceptions[0] from None
-        num_tokens = sum(map(len, prompts))
         return EmbeddingResponse(
             id=f"embd-{request_id}",
             created=int(time.time()),

@@ -17,6 +17,7 @@ from prometheus_client import generate_latest
 from gateway.admission import Admission
 from gateway.api_key_file import load_api_key_file
 from gateway.auth import ApiKey, ApiKeys, KeyLimits
+from gateway.embedding import Embedding, EmbeddingRequest
 from gateway.errors import ErrorKind, GatewayError
 from gateway.frontend import Frontend
 from gateway.generation import Finished, GenerationEvent, GenerationRequest, TokenChunk
@@ -284,3 +285,37 @@ def test_a_key_over_its_rate_gets_429_while_others_do_not(
         assert secret not in exported
         assert secret not in caplog.text
     assert secret not in generate_latest(metrics.registry).decode()
+
+
+class FixedEmbedder:
+    """Answers each input with a vector made from its length."""
+
+    async def embed(self, request: EmbeddingRequest) -> Embedding:
+        return Embedding([float(len(request.prompt_token_ids)), 0.0])
+
+
+def test_embedding_requests_count_against_the_key(tokenizer: Tokenizer) -> None:
+    metrics = GatewayMetrics()
+    frontend = Frontend(
+        served_model_name="tiny",
+        tokenizer=tokenizer,
+        generator=KeyMeteredGenerator(ScriptedGenerator(tokenizer.encode("hi")[-1])),
+        admission=Admission(8, 8),
+        api_keys=ApiKeys([key("team-a", SECRET_A, requests_per_minute=1)]),
+        limits=RequestLimits(max_model_len=256, max_tokens=100),
+        metrics=metrics,
+        node_census=lambda: NodeCensus(colocated=RoleCensus(1, 1)),
+        key_limiter=KeyLimiter(metrics.registry, FakeClock()),
+        embedder=FixedEmbedder(),
+    )
+    headers = {"Authorization": f"Bearer {SECRET_A}"}
+    body = {"input": [[1, 2, 3], [4, 5]]}
+    with TestClient(build_openai_app(frontend)) as client:
+        reply = client.post("/v1/embeddings", json=body, headers=headers)
+        assert reply.status_code == 200, reply.text
+        assert [d["embedding"] for d in reply.json()["data"]] == [[3.0, 0.0], [2.0, 0.0]]
+        assert client.post("/v1/embeddings", json=body, headers=headers).status_code == 429
+    charged = metrics.registry.get_sample_value(
+        "pdserve:api_key_tokens_total", {"key_name": "team-a"}
+    )
+    assert charged == 5
