@@ -165,6 +165,8 @@ class EngineCore:
         if pooling is not None:
             self._check_pooling(params, pooling, hold_kv)
             request.pooling = pooling
+        else:
+            self._check_can_generate()
         if params.guided is not None:
             self.structured_outputs.add(request_id, params.guided, grammar)
         self.scheduler.add_request(request)
@@ -181,6 +183,7 @@ class EngineCore:
         (too few free blocks, or ``max_num_seqs`` requests already running or reserved).
         ``grammar`` as in ``add_request``."""
         request = self._make_request(request_id, prompt_token_ids, params, hold_kv=False)
+        self._check_can_generate()
         if not self.scheduler.can_reserve(request):
             return None
         if params.guided is not None:
@@ -278,6 +281,13 @@ class EngineCore:
                 "priority",
                 f"priority {params.priority} needs the priority scheduling policy "
                 f"(--scheduling-policy priority); this engine runs {self.config.scheduler.policy}",
+            )
+
+    def _check_can_generate(self) -> None:
+        if not self.runner.model.can_generate:
+            raise ValueError(
+                "this model's checkpoint has no lm_head (an embedding model's): it serves "
+                "embeddings only"
             )
 
     def _check_pooling(self, params: SamplingParams, pooling: PoolingParams, hold_kv: bool) -> None:

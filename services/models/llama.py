@@ -151,6 +151,8 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops or _TORCH_OPS
         self.model = LlamaModel(config, max_positions, backend, self.ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.can_generate = True
+        """False for a checkpoint without an lm_head (an embedding model's): it only embeds."""
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -86,6 +86,10 @@ def load_model(
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # some tied checkpoints store the shared matrix twice
+        if name not in targets and f"model.{name}" in targets:
+            # A checkpoint of the bare decoder (Hugging Face's LlamaModel / Qwen3Model), as
+            # embedding models are saved (Qwen3-Embedding): its names lack the "model." prefix.
+            name = f"model.{name}"
         if name not in targets:
             raise ModelFileError(origin, f"unexpected weight {name!r}")
         param_name, offset = targets[name]
@@ -100,6 +104,11 @@ def load_model(
         rows.copy_(tensor)
         filled.add(name)
     missing = sorted(set(targets) - filled)
+    if missing == ["lm_head.weight"] and "model.embed_tokens.weight" in filled:
+        # No output projection (an embedding model's checkpoint): it embeds, it cannot generate.
+        logger.info("%s has no lm_head: this model serves embeddings only", model_dir)
+        model.can_generate = False
+        missing = []
     if missing:
         shown = ", ".join(missing[:5]) + (
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""

@@ -4,11 +4,14 @@ other requests' decodes, from the prefix cache or not; a Matryoshka prefix; refu
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
 from services.engine import LLM, PoolingParams, SamplingParams
@@ -80,3 +83,35 @@ def test_embedding_requests_are_checked(tiny_llama_dir: Path) -> None:
         llm.embed([[1] * 65], use_tqdm=False)
     assert len(llm.embed([[1] * 64], use_tqdm=False)[0].outputs.embedding) == hidden_size
     assert engine.stats().num_blocks_used == 0 and not engine.has_unfinished_requests
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_bare_decoder_checkpoint_embeds(tiny_model_factory, tmp_path: Path, tied: bool) -> None:
+    """Embedding models are saved as the bare decoder (Qwen3-Embedding: Hugging Face's
+    ``Qwen3Model``): weight names without ``model.``, and no lm_head. Such a checkpoint embeds as
+    the full model does; untied, it has no output projection and refuses to generate."""
+    source = tiny_model_factory("qwen3")
+    bare = tmp_path / "bare"
+    shutil.copytree(source, bare)
+    weights = {}
+    for path in sorted(bare.glob("*.safetensors")):
+        weights.update(load_file(path))
+        path.unlink()
+    weights = {n.removeprefix("model."): t for n, t in weights.items() if n != "lm_head.weight"}
+    save_file(weights, bare / "model.safetensors")
+    config = json.loads((bare / "config.json").read_text())
+    config["tie_word_embeddings"] = tied
+    (bare / "config.json").write_text(json.dumps(config))
+    (bare / "model.safetensors.index.json").unlink(missing_ok=True)
+
+    prompt = [[5, 17, 300, 42, 9, 77]]
+    want = LLM(source, dtype="float32").embed(prompt, use_tqdm=False)[0].outputs.embedding
+    llm = LLM(bare, dtype="float32")
+    got = llm.embed(prompt, use_tqdm=False)[0].outputs.embedding
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want))
+    if tied:
+        assert llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)[0].token_ids
+    else:
+        with pytest.raises(ValueError, match="embeddings only"):
+            llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+        assert llm.engine.stats().num_blocks_used == 0
