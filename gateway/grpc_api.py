@@ -22,6 +22,7 @@ import grpc
 
 from gateway.auth import ApiKey
 from gateway.chat_output import ChatOutput
+from gateway.embeddings import embed_all, embedding_prompts
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
 from gateway.generation import CLIENT_REQUEST_ID, GenerationRequest
@@ -41,7 +42,7 @@ from services.convert import (
     token_logprob_to_proto,
     usage_to_proto,
 )
-from services.types import SamplingParamError, SamplingParams
+from services.types import PoolingParams, SamplingParamError, SamplingParams
 
 _DEFAULT_MAX_TOKENS = 16  # a request's max_tokens when neither it nor the model sets one
 
@@ -54,6 +55,9 @@ _GenerateContext: TypeAlias = (
 )
 _ListModelsContext: TypeAlias = (
     "grpc.aio.ServicerContext[gateway_pb2.ListModelsRequest, gateway_pb2.ListModelsResponse]"
+)
+_EmbedContext: TypeAlias = (
+    "grpc.aio.ServicerContext[gateway_pb2.GatewayEmbedRequest, gateway_pb2.GatewayEmbedResponse]"
 )
 
 
@@ -132,6 +136,87 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             ]
         )
 
+    async def Embed(
+        self, request: gateway_pb2.GatewayEmbedRequest, context: _EmbedContext
+    ) -> gateway_pb2.GatewayEmbedResponse:
+        """As ``/v1/embeddings`` (``gateway/embeddings.py``): the key and its limits, the
+        fields, an admission slot, then every input at once."""
+        arrival = time.monotonic()
+        frontend = self.frontend
+        lease = None
+        try:
+            key = self._authenticate(context)
+            lease = frontend.key_limiter.acquire(key)
+            self._check_model(request.model, request.request_id)
+            if request.texts and request.token_ids:
+                raise invalid("give texts or token_ids, not both", param="texts")
+            inputs: list[str] | list[list[int]] = (
+                list(request.texts) if request.texts else [list(t.ids) for t in request.token_ids]
+            )
+            keep = frontend.limits.prompt_tokens_kept(
+                request.truncate_prompt_tokens
+                if request.HasField("truncate_prompt_tokens")
+                else None,
+                "truncate_prompt_tokens",
+            )
+            try:
+                pooling = PoolingParams(
+                    normalize=request.normalize if request.HasField("normalize") else True,
+                    dimensions=request.dimensions if request.HasField("dimensions") else None,
+                )
+            except SamplingParamError as exc:
+                raise invalid(str(exc), param=exc.param) from None
+            async with admitted(frontend):
+                prompts = await embedding_prompts(
+                    inputs,
+                    frontend,
+                    add_special_tokens=(
+                        request.add_special_tokens
+                        if request.HasField("add_special_tokens")
+                        else True
+                    ),
+                    keep=keep,
+                    param="texts" if request.texts else "token_ids",
+                )
+                embeddings = await embed_all(
+                    frontend,
+                    prompts,
+                    request_id=request.request_id or uuid.uuid4().hex,
+                    pooling=pooling,
+                    priority=request.priority,
+                    lora_name=frontend.lora_name(request.model or None),
+                    deadline=None
+                    if frontend.request_timeout_s is None
+                    else arrival + frontend.request_timeout_s,
+                )
+        except GatewayError as exc:
+            frontend.metrics.request_errors.labels(reason=exc.reason).inc()
+            if exc.retry_after_s is not None:
+                context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
+            await context.abort(exc.kind.grpc_code, exc.message)
+        finally:
+            if lease is not None:
+                lease.release()
+        return gateway_pb2.GatewayEmbedResponse(
+            embeddings=[gateway_pb2.EmbeddingVector(values=e.vector) for e in embeddings],
+            model=frontend.response_model(request.model or None),
+            prompt_tokens=sum(map(len, prompts)),
+        )
+
+    def _check_model(self, model: str, request_id: str) -> None:
+        frontend = self.frontend
+        if model and model not in frontend.model_names:
+            raise GatewayError(
+                ErrorKind.NOT_FOUND,
+                f"model {model!r} does not exist; this gateway serves "
+                f"{', '.join(map(repr, frontend.model_names))}",
+                param="model",
+            )
+        if request_id and not CLIENT_REQUEST_ID.fullmatch(request_id):
+            raise invalid(
+                "request_id must be 1 to 128 characters of [A-Za-z0-9._:-]", param="request_id"
+            )
+
     def _authenticate(self, context: grpc.aio.ServicerContext[Any, Any]) -> ApiKey | None:
         metadata = dict(context.invocation_metadata() or ())
         # A bytes value comes only for "-bin" keys, which "authorization" is not.
@@ -159,17 +244,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         """What needs no tokenizer, before admission: model, input kind, sampling, stop, the
         chat fields."""
         frontend = self.frontend
-        if request.model and request.model not in frontend.model_names:
-            raise GatewayError(
-                ErrorKind.NOT_FOUND,
-                f"model {request.model!r} does not exist; this gateway serves "
-                f"{', '.join(map(repr, frontend.model_names))}",
-                param="model",
-            )
-        if request.request_id and not CLIENT_REQUEST_ID.fullmatch(request.request_id):
-            raise invalid(
-                "request_id must be 1 to 128 characters of [A-Za-z0-9._:-]", param="request_id"
-            )
+        self._check_model(request.model, request.request_id)
         if request.WhichOneof("input") is None:
             raise invalid("input: set one of text, token_ids or chat", param="input")
         sampling = _sampling_from_proto(_with_model_defaults(request.sampling, frontend))

@@ -21,7 +21,6 @@ vLLM encode them.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import struct
 import time
@@ -32,7 +31,7 @@ from fastapi import APIRouter, Request, Security
 from fastapi.security import HTTPBearer
 from pydantic import Field
 
-from gateway.embedding import EmbeddingRequest
+from gateway.embeddings import MAX_INPUTS, embed_all, embedding_prompts
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
 from gateway.generation import CLIENT_REQUEST_ID
@@ -44,13 +43,8 @@ from gateway.http_api.openai_protocol import (
     TokenIds,
     TrueFlag,
 )
-from gateway.key_limiter import current_lease
 from gateway.pipeline import admitted
-from gateway.text.tokenizer import Tokenizer
 from services.types import PoolingParams, SamplingParamError
-
-MAX_INPUTS = 2048
-"""Inputs one request may carry (OpenAI's limit)."""
 
 
 class EmbeddingCreateRequest(RequestModel):
@@ -104,15 +98,11 @@ def embeddings_router(
     @router.post("/embeddings", response_model=EmbeddingResponse, responses=errors)
     async def create_embedding(body: EmbeddingCreateRequest, request: Request) -> EmbeddingResponse:
         """Each input's embedding (last-token pooling), in input order."""
-        embedder = frontend.embedder
-        if embedder is None:
+        if frontend.embedder is None:
             raise GatewayError(ErrorKind.NOT_FOUND, "this server does not serve embeddings")
         check_model(body.model, frontend)
         request_id = _request_id(request)
         arrival: float = request.state.arrival
-        deadline = (
-            None if frontend.request_timeout_s is None else arrival + frontend.request_timeout_s
-        )
         keep = frontend.limits.prompt_tokens_kept(
             body.truncate_prompt_tokens, "truncate_prompt_tokens"
         )
@@ -120,43 +110,41 @@ def embeddings_router(
             pooling = PoolingParams(normalize=body.normalize, dimensions=body.dimensions)
         except SamplingParamError as exc:
             raise invalid(str(exc), param=exc.param) from None
-        lora_name = frontend.lora_name(body.model)
+        given = body.input
+        inputs: list[str] | list[list[int]]
+        if isinstance(given, str):
+            inputs = [given]
+        elif given and isinstance(given[0], int):
+            inputs = [[int(token_id) for token_id in given]]
+        else:
+            inputs = given  # type: ignore[assignment]  # a batch of texts or of id lists
         async with admitted(frontend):
-            prompts = await asyncio.to_thread(_prompts, body, frontend.tokenizer, keep)
-            _check_lengths(prompts, frontend.limits.max_model_len)
-            num_tokens = sum(map(len, prompts))
-            lease = current_lease()
-            if lease is not None:
-                lease.add_tokens(num_tokens)
-            frontend.metrics.prompt_tokens.inc(num_tokens)
-            requests = [
-                EmbeddingRequest(
-                    request_id=f"{request_id}-{index}" if len(prompts) > 1 else request_id,
-                    prompt_token_ids=prompt,
-                    pooling=pooling,
-                    priority=body.priority,
-                    lora_name=lora_name,
-                    deadline=deadline,
-                )
-                for index, prompt in enumerate(prompts)
-            ]
-            try:
-                async with asyncio.timeout_at(_loop_time(deadline)):
-                    async with asyncio.TaskGroup() as group:
-                        tasks = [group.create_task(embedder.embed(r)) for r in requests]
-            except TimeoutError:
-                raise GatewayError(
-                    ErrorKind.DEADLINE_EXCEEDED, "the request deadline passed"
-                ) from None
-            except ExceptionGroup as group_error:  # the first failure is the answer
-                raise group_error.exceptions[0] from None
+            prompts = await embedding_prompts(
+                inputs,
+                frontend,
+                add_special_tokens=body.add_special_tokens,
+                keep=keep,
+                param="input",
+            )
+            embeddings = await embed_all(
+                frontend,
+                prompts,
+                request_id=request_id,
+                pooling=pooling,
+                priority=body.priority,
+                lora_name=frontend.lora_name(body.model),
+                deadline=None
+                if frontend.request_timeout_s is None
+                else arrival + frontend.request_timeout_s,
+            )
+        num_tokens = sum(map(len, prompts))
         return EmbeddingResponse(
             id=f"embd-{request_id}",
             created=int(time.time()),
             model=frontend.response_model(body.model),
             data=[
-                EmbeddingData(index=index, embedding=_encoded(task.result().vector, body))
-                for index, task in enumerate(tasks)
+                EmbeddingData(index=index, embedding=_encoded(embedding.vector, body))
+                for index, embedding in enumerate(embeddings)
             ],
             usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
         )
@@ -173,54 +161,7 @@ def _request_id(request: Request) -> str:
     return request_id
 
 
-def _prompts(
-    body: EmbeddingCreateRequest, tokenizer: Tokenizer, keep: int | None
-) -> list[tuple[int, ...]]:
-    """Each input's token ids (left-truncated to ``keep``), checked against the vocabulary."""
-    given = body.input
-    if isinstance(given, str):
-        prompts = [tokenizer.encode(given, body.add_special_tokens)]
-    elif isinstance(given[0], str):
-        prompts = [tokenizer.encode(text, body.add_special_tokens) for text in given]
-    elif isinstance(given[0], int):
-        prompts = [list(given)]
-    else:
-        prompts = [list(ids) for ids in given]
-    if keep is not None:
-        prompts = [ids[-keep:] for ids in prompts]
-    for index, ids in enumerate(prompts):
-        where = "input" if len(prompts) == 1 else f"input[{index}]"
-        if not ids:
-            raise invalid(f"{where} has no tokens", param="input")
-        out_of_vocab = next((t for t in ids if t >= tokenizer.vocab_size), None)
-        if out_of_vocab is not None:
-            raise invalid(
-                f"{where} has token id {out_of_vocab}, outside the vocabulary "
-                f"[0, {tokenizer.vocab_size})",
-                param="input",
-            )
-    return [tuple(ids) for ids in prompts]
-
-
-def _check_lengths(prompts: list[tuple[int, ...]], max_model_len: int) -> None:
-    for index, ids in enumerate(prompts):
-        if len(ids) > max_model_len:
-            where = "input" if len(prompts) == 1 else f"input[{index}]"
-            raise invalid(
-                f"{where} has {len(ids)} tokens; this model's maximum context length is "
-                f"{max_model_len} (truncate_prompt_tokens keeps the last ones)",
-                param="input",
-            )
-
-
 def _encoded(vector: list[float], body: EmbeddingCreateRequest) -> list[float] | str:
     if body.encoding_format == "float":
         return vector
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
-
-
-def _loop_time(deadline: float | None) -> float | None:
-    """``deadline`` (``time.monotonic()``) on the event loop's clock, for ``timeout_at``."""
-    if deadline is None:
-        return None
-    return asyncio.get_running_loop().time() + (deadline - time.monotonic())

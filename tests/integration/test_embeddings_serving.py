@@ -8,11 +8,13 @@ import base64
 import struct
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
 import torch
 
+from pdserve.v1 import gateway_pb2
 from services.engine import LLM, PoolingParams
 from support.inprocess_stack import MAX_MODEL_LEN, Stack, run_stack
 
@@ -77,6 +79,28 @@ def test_embeddings_equal_the_offline_engines(
             kept = await client.post("/v1/embeddings", json={
                 "input": [1] * (MAX_MODEL_LEN + 5), "truncate_prompt_tokens": -1})  # fmt: skip
             assert kept.json()["usage"]["prompt_tokens"] == MAX_MODEL_LEN
+
+        # The public gRPC API's Embed: the same vectors.
+        reply = await stack.stub.Embed(gateway_pb2.GatewayEmbedRequest(texts=TEXTS), timeout=60)
+        for vector, want in zip(reply.embeddings, expected["texts"], strict=True):
+            close(list(vector.values), want)
+        assert reply.model == "tiny-llama" and reply.prompt_tokens > 0
+        ids = [gateway_pb2.TokenIds(ids=IDS[0])]
+        reply = await stack.stub.Embed(
+            gateway_pb2.GatewayEmbedRequest(token_ids=ids, dimensions=8), timeout=60
+        )
+        close(list(reply.embeddings[0].values), expected["short"][0])
+        for bad, code in (
+            (gateway_pb2.GatewayEmbedRequest(), grpc.StatusCode.INVALID_ARGUMENT),
+            (
+                gateway_pb2.GatewayEmbedRequest(texts=["a"], token_ids=ids),
+                grpc.StatusCode.INVALID_ARGUMENT,
+            ),
+            (gateway_pb2.GatewayEmbedRequest(texts=["a"], model="x"), grpc.StatusCode.NOT_FOUND),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stack.stub.Embed(bad, timeout=60)
+            assert error.value.code() == code, bad
 
         sdk = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none")
         result = await sdk.embeddings.create(model="tiny-llama", input=TEXTS[0])  # base64
