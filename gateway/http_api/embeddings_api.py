@@ -7,7 +7,8 @@ each checked against the vocabulary and ``max_model_len`` (400 naming ``input``)
 sent at once, each to a node that computes prompts (``Embedder``: a prefill or colocated node),
 where they batch with other requests' steps → one JSON body, in input order. The first input a
 node refuses fails the request and cancels the others' node calls; so does the deadline
-(``--request-timeout-s``: 504). The key is charged each input's prompt tokens.
+(``--request-timeout-s``: 504), and a client that hangs up. The key is charged each input's
+prompt tokens.
 
     {"model", "input": "text" | ["text", ...] | [ids] | [[ids], ...], "encoding_format":
      "float" | "base64", "dimensions", "user", vLLM's "truncate_prompt_tokens",
@@ -21,20 +22,25 @@ vLLM encode them.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import logging
 import struct
 import time
 import uuid
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request, Security
+from fastapi.responses import Response
 from fastapi.security import HTTPBearer
 from pydantic import Field
 
+from gateway.embedding import Embedding
 from gateway.embeddings import MAX_INPUTS, embed_all, embedding_prompts
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
 from gateway.generation import CLIENT_REQUEST_ID
+from gateway.http_api.generation_response import wait_for_disconnect
 from gateway.http_api.openai_job import check_model
 from gateway.http_api.openai_protocol import (
     NonEmptyText,
@@ -45,6 +51,8 @@ from gateway.http_api.openai_protocol import (
 )
 from gateway.pipeline import admitted
 from services.types import PoolingParams, SamplingParamError
+
+logger = logging.getLogger(__name__)
 
 
 class EmbeddingCreateRequest(RequestModel):
@@ -96,7 +104,9 @@ def embeddings_router(
     router = APIRouter(prefix="/v1", dependencies=[Security(bearer)])
 
     @router.post("/embeddings", response_model=EmbeddingResponse, responses=errors)
-    async def create_embedding(body: EmbeddingCreateRequest, request: Request) -> EmbeddingResponse:
+    async def create_embedding(
+        body: EmbeddingCreateRequest, request: Request
+    ) -> EmbeddingResponse | Response:
         """Each input's embedding (last-token pooling), in input order."""
         if frontend.embedder is None:
             raise GatewayError(ErrorKind.NOT_FOUND, "this server does not serve embeddings")
@@ -118,25 +128,23 @@ def embeddings_router(
             inputs = [[int(token_id) for token_id in given]]
         else:
             inputs = given  # type: ignore[assignment]  # a batch of texts or of id lists
-        async with admitted(frontend):
-            prompts = await embedding_prompts(
-                inputs,
-                frontend,
-                add_special_tokens=body.add_special_tokens,
-                keep=keep,
-                param="input",
-            )
-            embeddings = await embed_all(
-                frontend,
-                prompts,
-                request_id=request_id,
-                pooling=pooling,
-                priority=body.priority,
-                lora_name=frontend.lora_name(body.model),
-                deadline=None
-                if frontend.request_timeout_s is None
-                else arrival + frontend.request_timeout_s,
-            )
+        watch = asyncio.create_task(wait_for_disconnect(request.receive))
+        work = asyncio.create_task(
+            _embed(frontend, body, request_id, keep, pooling, inputs, arrival)
+        )
+        try:
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if work not in done:
+                # The client is gone: cancelling the work cancels every input's node call.
+                logger.info("embeddings %s: client disconnected", request_id)
+                frontend.metrics.request_errors.labels(reason="client_disconnected").inc()
+                work.cancel()
+                return Response(status_code=499)  # nobody reads it
+            prompts, embeddings = work.result()
+        finally:
+            work.cancel()
+            watch.cancel()
+            await asyncio.gather(work, watch, return_exceptions=True)
         num_tokens = sum(map(len, prompts))
         return EmbeddingResponse(
             id=f"embd-{request_id}",
@@ -150,6 +158,38 @@ def embeddings_router(
         )
 
     return router
+
+
+async def _embed(
+    frontend: Frontend,
+    body: EmbeddingCreateRequest,
+    request_id: str,
+    keep: int | None,
+    pooling: PoolingParams,
+    inputs: list[str] | list[list[int]],
+    arrival: float,
+) -> tuple[list[tuple[int, ...]], list[Embedding]]:
+    """An admission slot, then the inputs' token ids and their embeddings."""
+    async with admitted(frontend):
+        prompts = await embedding_prompts(
+            inputs,
+            frontend,
+            add_special_tokens=body.add_special_tokens,
+            keep=keep,
+            param="input",
+        )
+        embeddings = await embed_all(
+            frontend,
+            prompts,
+            request_id=request_id,
+            pooling=pooling,
+            priority=body.priority,
+            lora_name=frontend.lora_name(body.model),
+            deadline=None
+            if frontend.request_timeout_s is None
+            else arrival + frontend.request_timeout_s,
+        )
+    return prompts, embeddings
 
 
 def _request_id(request: Request) -> str:

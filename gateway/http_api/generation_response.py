@@ -71,7 +71,7 @@ class GenerationResponse(Response):
         # admission slot and its node legs for as long as it keeps the connection open.
         send = bounded_send(send, self._frontend.client_send_timeout_s)
         serve = asyncio.create_task(self._serve(send))
-        watch = asyncio.create_task(_wait_for_disconnect(receive))
+        watch = asyncio.create_task(wait_for_disconnect(receive))
         try:
             done, _ = await asyncio.wait({serve, watch}, return_when=asyncio.FIRST_COMPLETED)
             if serve not in done:
@@ -365,7 +365,8 @@ class GenerationResponse(Response):
         )
 
 
-async def _wait_for_disconnect(receive: Receive) -> None:
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Returns when the client has gone (the ASGI channel's ``http.disconnect``)."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":

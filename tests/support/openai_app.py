@@ -18,6 +18,7 @@ import uvicorn
 
 from gateway.admission import Admission
 from gateway.auth import ApiKeys
+from gateway.embedding import Embedder
 from gateway.frontend import Frontend
 from gateway.generation import (
     Finished,
@@ -157,6 +158,7 @@ def start(
     sampling_defaults: SamplingDefaults | None = None,
     aliases: tuple[str, ...] = (),
     tokenizer_admission: Admission | None = None,
+    embedder: Embedder | None = None,
     **limits: Any,
 ) -> tuple[Served, ThreadedUvicorn]:
     generator = FakeGenerator(script or output_script(tokenizer))
@@ -174,6 +176,7 @@ def start(
         reasoning_parser=reasoning_parser,
         sampling_defaults=sampling_defaults or SamplingDefaults(),
         served_model_aliases=aliases,
+        embedder=embedder,
         **({} if tokenizer_admission is None else {"tokenizer_admission": tokenizer_admission}),
     )
     server = ThreadedUvicorn(build_openai_app(frontend), send_buffer_bytes)
