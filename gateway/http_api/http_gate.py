@@ -12,13 +12,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
 from gateway.http_api.client_send import send_json
+from gateway.http_api.score_api import RERANK_PATHS, SCORE_PATHS
 
 GENERATION_PATHS = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"}
-)
+    {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings",
+     *SCORE_PATHS, *RERANK_PATHS}
+)  # fmt: skip
 """The routes a key's limits count (each request runs prompts on the nodes)."""
-KEYED_PATHS_OUTSIDE_V1 = frozenset({"/tokenize", "/detokenize"})
-"""vLLM's paths for the tokenizer (``tokenize_api.py``): keyed as ``/v1/*`` is."""
+KEYED_PATHS_OUTSIDE_V1 = frozenset(
+    path for path in ("/tokenize", "/detokenize", *SCORE_PATHS, *RERANK_PATHS)
+    if not path.startswith("/v1/")
+)  # fmt: skip
+"""vLLM's paths outside ``/v1`` (the tokenizer's, ``tokenize_api.py``; score and rerank,
+``score_api.py``): keyed as ``/v1/*`` is."""
 
 
 class ClientDisconnected(Exception):

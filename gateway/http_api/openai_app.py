@@ -60,6 +60,7 @@ from gateway.http_api.openai_protocol import (
 from gateway.http_api.responses_format import ResponsesFormat
 from gateway.http_api.responses_job import responses_job
 from gateway.http_api.responses_protocol import ResponseObject, ResponsesRequest
+from gateway.http_api.score_api import score_router
 from gateway.http_api.sse import MEDIA_TYPE
 from gateway.http_api.tokenize_api import tokenize_router
 
@@ -227,6 +228,7 @@ def build_openai_app(frontend: Frontend, cors: CorsConfig | None = None) -> Fast
 
     app.include_router(v1)
     app.include_router(embeddings_router(frontend, bearer, _ERROR_RESPONSES))
+    app.include_router(score_router(frontend, bearer, _ERROR_RESPONSES))
     app.include_router(tokenize_router(frontend, bearer))
 
     @app.get("/health", responses=_HEALTH_RESPONSES)

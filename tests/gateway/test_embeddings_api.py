@@ -76,3 +76,16 @@ def test_a_client_that_hangs_up_cancels_the_work(served) -> None:
     assert embedder.cancelled.wait(SETTLE_S), "the disconnect must cancel the node calls"
     wait_until(lambda: app.frontend.admission.num_running == 0)
 
+
+def test_score_and_rerank_take_the_key_outside_v1_too(tokenizer: Tokenizer) -> None:
+    served, server = start(tokenizer, api_keys=("sk-1",), embedder=ScriptedEmbedder())
+    try:
+        rerank = {"query": "a", "documents": ["b", "c c c"]}
+        for path in ("/rerank", "/v2/rerank", "/score", "/v1/score"):
+            body = rerank if "rerank" in path else {"text_1": "a", "text_2": ["b"]}
+            assert httpx.post(f"{served.url}{path}", json=body, timeout=30).status_code == 401
+            keyed = httpx.post(f"{served.url}{path}", json=body, timeout=30,
+                               headers={"Authorization": "Bearer sk-1"})  # fmt: skip
+            assert keyed.status_code == 200, (path, keyed.text)
+    finally:
+        server.stop()

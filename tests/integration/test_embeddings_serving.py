@@ -35,6 +35,11 @@ def expected(tiny_llama_dir: Path) -> dict[str, list[list[float]]]:
     }
 
 
+def assert_param(response: httpx.Response, status: int, param: str) -> None:
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param, response.text
+
+
 def close(got: list[float], want: list[float]) -> None:
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-4)
 
@@ -79,6 +84,31 @@ def test_embeddings_equal_the_offline_engines(
             kept = await client.post("/v1/embeddings", json={
                 "input": [1] * (MAX_MODEL_LEN + 5), "truncate_prompt_tokens": -1})  # fmt: skip
             assert kept.json()["usage"]["prompt_tokens"] == MAX_MODEL_LEN
+
+            # vLLM's score and rerank for an embedding model: cosine similarities.
+            similar = [float(torch.dot(torch.tensor(expected["texts"][0]), torch.tensor(v)))
+                    for v in expected["texts"]]  # fmt: skip
+            scored = await client.post("/v1/score", json={"text_1": TEXTS[0], "text_2": TEXTS})
+            assert scored.status_code == 200, scored.text
+            got = [d["score"] for d in scored.json()["data"]]
+            close(got, similar)
+            assert got[0] == pytest.approx(1.0, abs=1e-5)  # a text against itself
+            pairs = await client.post("/score", json={"text_1": TEXTS, "text_2": TEXTS[::-1]})
+            close([d["score"] for d in pairs.json()["data"]], [similar[1], similar[1]])
+            reranked = await client.post(
+                "/v2/rerank", json={"query": TEXTS[0], "documents": TEXTS[::-1], "top_n": 1}
+            )
+            (best,) = reranked.json()["results"]
+            assert (best["index"], best["document"]["text"]) == (1, TEXTS[0])
+            close([best["relevance_score"]], [similar[0]])
+            mismatched = await client.post(
+                "/v1/score", json={"text_1": TEXTS, "text_2": [*TEXTS, "x"]}
+            )
+            assert_param(mismatched, 400, "text_1")
+            too_long = await client.post(
+                "/rerank", json={"query": "q", "documents": ["a " * (MAX_MODEL_LEN + 10)]}
+            )
+            assert_param(too_long, 400, "documents")
 
         # The public gRPC API's Embed: the same vectors.
         reply = await stack.stub.Embed(gateway_pb2.GatewayEmbedRequest(texts=TEXTS), timeout=60)
