@@ -9,8 +9,10 @@ once. Single-threaded: a node runs it in one loop of its own. With LoRA on, ``ad
 adapter before the requests naming it (``SamplingParams.lora_name``) are added, and
 ``remove_lora`` drops it once none of them is queued or running. ``retire_lora`` (a node's
 run-time unload) does not wait for that: the adapter leaves ``lora_names`` at once, so no new
-request may name it, and is dropped when the last request of it ends (a step, an abort or a
-released reservation); ``add_lora`` of the same files before then takes it back.
+request may name it, and is dropped when the last request of it ends (in a step, or by an
+abort); ``add_lora`` of the same files before then takes it back. An embedding request
+(``add_request(..., pooling=...)``) ends in the step that computes its last prompt token, with
+its vector as its one output (``EngineCoreOutput.embedding``) and no token.
 
 Disaggregated roles use two more entries. A decode node ``reserve``s blocks for a prompt, a
 peer writes the prompt's KV into them (``kv_caches`` are the memory to register, ``kv_layout``
