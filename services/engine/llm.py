@@ -466,22 +466,31 @@ class LLM:
         prompts: Iterable[Prompt] | str | TextPrompt | TokensPrompt,
         pooling_params: PoolingParams | None = None,
         *,
+        truncate_prompt_tokens: int | None = None,
         use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """vLLM's ``LLM.embed``: one embedding per prompt (prompts as ``generate`` takes them),
         the final hidden state of its last token (``PoolingParams``: normalized by default,
-        ``dimensions`` for a Matryoshka prefix); ``lora_request`` as ``generate``'s."""
+        ``dimensions`` for a Matryoshka prefix); ``truncate_prompt_tokens`` keeps each prompt's
+        last k tokens (-1: ``max_model_len``); ``lora_request`` as ``generate``'s."""
         use_tqdm = check_use_tqdm(use_tqdm)
         pooling = PoolingParams() if pooling_params is None else pooling_params
         if not isinstance(pooling, PoolingParams):
             raise ValueError(f"pooling_params must be PoolingParams, got {pooling!r}")
         prompts_given, salts = _prompts(prompts)
         params_list = self._with_loras(
-            _with_salts([SamplingParams(max_tokens=1)] * len(prompts_given), salts),
+            _with_salts(
+                [SamplingParams(max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens)]
+                * len(prompts_given),
+                salts,
+            ),
             lora_request,
         )
-        prompt_ids = [list(ids) for ids in self._encode(prompts_given)]
+        prompt_ids = [
+            list(_truncated(ids, truncate_prompt_tokens, self.engine.max_model_len))
+            for ids in self._encode(prompts_given)
+        ]
         request_ids = [f"llm-{next(self._ids)}" for _ in prompt_ids]
         for request_id, prompt, params in zip(request_ids, prompt_ids, params_list, strict=True):
             self.engine.validate_request(request_id, prompt, params)

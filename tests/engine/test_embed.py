@@ -82,6 +82,15 @@ def test_embedding_requests_are_checked(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="max_model_len"):
         llm.embed([[1] * 65], use_tqdm=False)
     assert len(llm.embed([[1] * 64], use_tqdm=False)[0].outputs.embedding) == hidden_size
+    long_prompt = list(range(10, 110))
+    (kept,) = llm.embed([long_prompt], truncate_prompt_tokens=64, use_tqdm=False)
+    (last,) = llm.embed([long_prompt[-64:]], use_tqdm=False)
+    assert kept.prompt_token_ids == long_prompt[-64:]
+    torch.testing.assert_close(
+        torch.tensor(kept.outputs.embedding), torch.tensor(last.outputs.embedding)
+    )
+    with pytest.raises(SamplingParamError, match="truncate_prompt_tokens"):
+        llm.embed([long_prompt], truncate_prompt_tokens=0, use_tqdm=False)
     assert engine.stats().num_blocks_used == 0 and not engine.has_unfinished_requests
 
 

@@ -294,3 +294,18 @@ def test_an_aborted_last_request_unloads_a_retired_adapter(tiny_llama_dir: Path,
     assert "every" in engine.runner.lora.adapters
     engine.abort("r")
     assert "every" not in engine.runner.lora.adapters
+
+
+def test_an_embedding_runs_its_adapter(tiny_llama_dir: Path, adapters) -> None:
+    """``LLM.embed(..., lora_request=...)``: the last token's final hidden state of the model
+    with the adapter merged, and of the base model beside it."""
+    llm = lora_llm(tiny_llama_dir)
+    prompt = [5, 9, 33, 71, 200, 7, 19]
+    every, merged = adapters["every"]
+    for lora, model in ((every, merged), (None, adapters[None][1])):
+        (out,) = llm.embed([prompt], lora_request=lora, use_tqdm=False)
+        with torch.inference_mode():
+            hidden = model.model(torch.tensor([prompt])).last_hidden_state[0, -1]
+        expected = torch.nn.functional.normalize(hidden, dim=-1)
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), expected, atol=1e-5,
+                                   rtol=1e-4)  # fmt: skip
