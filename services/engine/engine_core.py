@@ -27,7 +27,7 @@ import hashlib
 import logging
 import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -477,6 +477,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         prefix = self.kv_cache.prefix_cache_stats
+        lora = self.config.lora
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -488,7 +489,15 @@ class EngineCore:
             prefix_cache_hit_tokens=prefix.num_hit_tokens,
             num_preemptions_total=self.scheduler.num_preemptions_total,
             lora_fingerprints=self._lora_fingerprints(),
+            lora_running=_adapters(self.scheduler.running) if lora is not None else (),
+            lora_waiting=_adapters(self.scheduler.waiting) if lora is not None else (),
+            max_loras=lora.max_loras if lora is not None else 0,
         )
+
+
+def _adapters(requests: Iterable[Request]) -> tuple[str, ...]:
+    """The LoRA adapters ``requests`` run with, sorted."""
+    return tuple(sorted({r.params.lora_name for r in requests if r.params.lora_name}))
 
 
 def resolve_max_model_len(model_config: ModelConfig, requested: int | None) -> int:

@@ -137,6 +137,13 @@ class EngineStats:
     """(name, fingerprint of its files) of each LoRA adapter new requests may name
     (``EngineCore.lora_names``), by name."""
 
+    lora_running: tuple[str, ...] = ()
+    """The adapters of the running requests, sorted (vLLM's ``running_lora_adapters``)."""
+    lora_waiting: tuple[str, ...] = ()
+    """The adapters of the waiting requests, sorted (vLLM's ``waiting_lora_adapters``)."""
+    max_loras: int = 0
+    """Adapters loaded at once at most; 0 with LoRA off."""
+
     @property
     def lora_names(self) -> frozenset[str]:
         return frozenset(name for name, _ in self.lora_fingerprints)

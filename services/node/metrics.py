@@ -22,6 +22,7 @@ from prometheus_client import (
 )
 
 from services.async_engine import AsyncEngine, EngineDeadError
+from services.engine import EngineStats
 from services.listen import ListenError
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,14 @@ class NodeMetrics:
             [*names, "finished_reason"], registry=self.registry,
         )  # fmt: skip
         self._labels = labels
+        self.lora_requests_info = Gauge(
+            "pdserve:lora_requests_info", "vLLM's: the LoRA adapters of the running and the "
+            "waiting requests (comma-separated labels), and max_loras; the value is the time of "
+            "the last refresh. Only with LoRA on.",
+            [*names, "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=self.registry,
+        )  # fmt: skip
+        self._lora_info: tuple[str, str, str] | None = None
         transfer_labels = [*names, "transport"]
         self.kv_transfer_seconds = Histogram(
             "pdserve:kv_transfer_seconds", "Time to push one request's KV pages",
@@ -195,4 +204,19 @@ class NodeMetrics:
             self.num_preemptions.advance_to(stats.num_preemptions_total)
             self.prefix_cache_queries.advance_to(stats.prefix_cache_queried_tokens)
             self.prefix_cache_hits.advance_to(stats.prefix_cache_hit_tokens)
+            if stats.max_loras:
+                self._refresh_lora_info(stats)
             await asyncio.sleep(interval_s)
+
+    def _refresh_lora_info(self, stats: EngineStats) -> None:
+        """One series, the current one: vLLM's keeps every past label set, which a query of
+        the gauge then sees beside the current."""
+        info = (str(stats.max_loras), ",".join(stats.lora_running), ",".join(stats.lora_waiting))
+        if self._lora_info is not None and info != self._lora_info:
+            self.lora_requests_info.remove(*self._labels.values(), *self._lora_info)
+        self._lora_info = info
+        max_lora, running, waiting = info
+        self.lora_requests_info.labels(
+            **self._labels, max_lora=max_lora, running_lora_adapters=running,
+            waiting_lora_adapters=waiting,
+        ).set_to_current_time()  # fmt: skip

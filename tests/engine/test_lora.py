@@ -253,6 +253,8 @@ def test_a_retired_adapter_serves_its_running_requests_then_unloads(
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True, lora_name="every")
     engine.add_request("r", prompt, params)
     engine.step()  # the prompt, and the first token
+    stats = engine.stats()
+    assert (stats.lora_running, stats.lora_waiting, stats.max_loras) == (("every",), (), 2)
     assert engine.retire_lora("every") == 1
     assert "every" not in engine.lora_names and "every" not in engine.stats().lora_names
     with pytest.raises(SamplingParamError, match="'every' is being unloaded") as refused:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 from prometheus_client import generate_latest
@@ -82,3 +83,24 @@ def test_node_metrics_carry_no_created_series() -> None:
     exported = generate_latest(metrics.registry).decode()
     assert "pdserve:request_success_total{" in exported
     assert "_created" not in exported
+
+
+def test_lora_requests_info_holds_the_current_adapters_only() -> None:
+    """vLLM's ``lora_requests_info``: one series whose labels name the running and the waiting
+    requests' adapters; a past label set does not linger beside it."""
+    metrics = NodeMetrics("decode", "d0")
+    base = make_stats()
+    _refresh(metrics, [base])
+    assert "pdserve:lora_requests_info{" not in generate_latest(metrics.registry).decode()
+    snapshots = [
+        dataclasses.replace(base, max_loras=2, lora_running=("a",), lora_waiting=("a", "b")),
+        dataclasses.replace(base, max_loras=2, lora_running=("b",), lora_waiting=()),
+    ]
+    _refresh(metrics, snapshots)
+    series = [
+        line for line in generate_latest(metrics.registry).decode().splitlines()
+        if line.startswith("pdserve:lora_requests_info{")
+    ]  # fmt: skip
+    assert len(series) == 1, series
+    current = {**LABELS, "max_lora": "2", "running_lora_adapters": "b", "waiting_lora_adapters": ""}
+    assert metrics.registry.get_sample_value("pdserve:lora_requests_info", current) > 0
