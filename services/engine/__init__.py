@@ -24,6 +24,8 @@ from services.engine.outputs import (
     EngineCoreOutput,
     EngineStats,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from services.types import (
     EngineConfigError,
@@ -58,6 +60,8 @@ __all__ = [
     "SamplingParams",
     "SchedulerConfig",
     "SchedulingPolicy",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "StructuredOutputsParams",
     "default_max_num_batched_tokens",
 ]

@@ -23,7 +23,13 @@ from services.engine.config import (
 )
 from services.engine.engine_core import EngineCore
 from services.engine.logprob import Logprob, logprob_entries
-from services.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from services.engine.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from services.engine.progress import Progress, RoundProgress, UseTqdm, check_use_tqdm
 from services.engine.text_stops import TextStops
 from services.model_tokenizer import chat_template_parts, load_tokenizer
@@ -518,6 +524,38 @@ class LLM:
         return [
             EmbeddingRequestOutput(request_id, prompt, EmbeddingOutput(embeddings[request_id]))
             for request_id, prompt in zip(request_ids, prompt_ids, strict=True)
+        ]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: UseTqdm = True,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score`` with an embedding model: the cosine similarity of each
+        (``data_1``, ``data_2``) pair's embeddings; one ``data_1`` is paired with every
+        ``data_2``, else the two lists pair up in order. Each distinct text is embedded once."""
+        firsts = [data_1] if isinstance(data_1, str) else list(data_1)
+        seconds = [data_2] if isinstance(data_2, str) else list(data_2)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if not seconds or len(firsts) != len(seconds):
+            raise ValueError(
+                f"data_1 has {len(firsts)} texts and data_2 {len(seconds)}: give one data_1, "
+                "or as many as data_2 (at least one)"
+            )
+        texts = list(dict.fromkeys([*firsts, *seconds]))
+        outputs = self.embed(texts, truncate_prompt_tokens=truncate_prompt_tokens,
+                             use_tqdm=use_tqdm, lora_request=lora_request)  # fmt: skip
+        vectors = {text: out.outputs.embedding for text, out in zip(texts, outputs, strict=True)}
+        return [
+            ScoringRequestOutput(
+                ScoringOutput(sum(x * y for x, y in zip(vectors[a], vectors[b], strict=True)))
+            )
+            for a, b in zip(firsts, seconds, strict=True)
         ]
 
     def beam_search(

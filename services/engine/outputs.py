@@ -182,3 +182,17 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+@dataclass(frozen=True)
+class ScoringOutput:
+    """vLLM's: one pair's score (with an embedding model, their embeddings' cosine)."""
+
+    score: float
+
+
+@dataclass(frozen=True)
+class ScoringRequestOutput:
+    """vLLM's ``LLM.score`` result for one pair: ``out.outputs.score``."""
+
+    outputs: ScoringOutput

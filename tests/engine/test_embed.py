@@ -124,3 +124,20 @@ def test_a_bare_decoder_checkpoint_embeds(tiny_model_factory, tmp_path: Path, ti
         with pytest.raises(ValueError, match="embeddings only"):
             llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
         assert llm.engine.stats().num_blocks_used == 0
+
+
+def test_score_is_the_cosine_of_the_embeddings(tiny_llama_dir: Path) -> None:
+    """vLLM's ``LLM.score`` with an embedding model: one text against many, or pairs."""
+    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=64)
+    texts = ["a cat", "a dog", "the stock market"]
+    vectors = [torch.tensor(o.outputs.embedding) for o in llm.embed(texts, use_tqdm=False)]
+    one_to_many = llm.score(texts[0], texts, use_tqdm=False)
+    expected = [float(vectors[0] @ v) for v in vectors]
+    assert [s.outputs.score for s in one_to_many] == pytest.approx(expected, abs=1e-5)
+    assert one_to_many[0].outputs.score == pytest.approx(1.0, abs=1e-5)
+    pairs = llm.score(texts[:2], texts[1:], use_tqdm=False)
+    assert [s.outputs.score for s in pairs] == pytest.approx(
+        [float(vectors[0] @ vectors[1]), float(vectors[1] @ vectors[2])], abs=1e-5
+    )
+    with pytest.raises(ValueError, match="data_1 has 2 texts and data_2 3"):
+        llm.score(texts[:2], texts, use_tqdm=False)
