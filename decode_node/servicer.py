@@ -55,15 +55,9 @@ from services.convert import (
 from services.decode_clock import DecodeClock
 from services.engine import EngineCoreOutput, FinishReason, SamplingParams
 from services.node.config import NodeConfig
-from services.node.embed import EmbedContext, embed
-from services.node.lora_updates import (
-    LoadContext,
-    UnloadContext,
-    load_lora_adapter,
-    unload_lora_adapter,
-)
 from services.node.metrics import NodeMetrics
-from services.node.runtime import NodeServerRef, load_report
+from services.node.runtime import NodeServerRef
+from services.node.shared_rpcs import SharedNodeRpcs
 from services.types import StageTimings
 
 logger = logging.getLogger(__name__)
@@ -80,7 +74,7 @@ _GenerateContext: TypeAlias = (
 )
 
 
-class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
+class DecodeServicer(SharedNodeRpcs, decode_pb2_grpc.DecodeServiceServicer):
     def __init__(
         self,
         config: NodeConfig,
@@ -379,28 +373,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         except EngineDeadError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return decode_pb2.AbortResponse(found=found)
-
-    async def GetLoad(
-        self,
-        request: common_pb2.GetLoadRequest,
-        context: grpc.aio.ServicerContext[common_pb2.GetLoadRequest, common_pb2.LoadReport],
-    ) -> common_pb2.LoadReport:
-        return await load_report(self.config, self.engine, self.server, context)
-
-    async def LoadLoraAdapter(
-        self, request: common_pb2.LoadLoraAdapterRequest, context: LoadContext
-    ) -> common_pb2.LoadLoraAdapterResponse:
-        return await load_lora_adapter(self.engine, request, context)
-
-    async def UnloadLoraAdapter(
-        self, request: common_pb2.UnloadLoraAdapterRequest, context: UnloadContext
-    ) -> common_pb2.UnloadLoraAdapterResponse:
-        return await unload_lora_adapter(self.engine, request, context)
-
-    async def Embed(
-        self, request: common_pb2.EmbedRequest, context: EmbedContext
-    ) -> common_pb2.EmbedResult:
-        return await embed(self.engine, self.server, request, context)
 
 
 def _delta(out: EngineCoreOutput, prompt: Sequence[int]) -> decode_pb2.TokenDelta:

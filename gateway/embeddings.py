@@ -15,6 +15,7 @@ from gateway.embedding import Embedding, EmbeddingRequest
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
 from gateway.key_limiter import current_lease
+from gateway.limits import check_prompt_ids
 from gateway.text.tokenizer import Tokenizer
 from services.types import PoolingParams
 
@@ -39,18 +40,10 @@ async def embedding_prompts(
     prompts = await asyncio.to_thread(_token_ids, inputs, frontend.tokenizer, add_special_tokens)
     if keep is not None:
         prompts = [ids[-keep:] for ids in prompts]
-    vocab_size = frontend.tokenizer.vocab_size
+    check_prompt_ids(prompts, frontend.tokenizer.vocab_size, param)
     max_model_len = frontend.limits.max_model_len
     for index, ids in enumerate(prompts):
         where = param if len(prompts) == 1 else f"{param}[{index}]"
-        if not ids:
-            raise invalid(f"{where} has no tokens", param=param)
-        out_of_vocab = next((t for t in ids if t >= vocab_size), None)
-        if out_of_vocab is not None:
-            raise invalid(
-                f"{where} has token id {out_of_vocab}, outside the vocabulary [0, {vocab_size})",
-                param=param,
-            )
         if len(ids) > max_model_len:
             raise invalid(
                 f"{where} has {len(ids)} tokens; this model's maximum context length is "

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, NoReturn, TypeAlias
 
 import grpc
 
@@ -108,10 +108,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                             for response in _final_responses(item, output, generation.request_id):
                                 yield response
         except GatewayError as exc:
-            frontend.metrics.request_errors.labels(reason=exc.reason).inc()
-            if exc.retry_after_s is not None:
-                context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
-            await context.abort(exc.kind.grpc_code, exc.message)
+            await self._abort(context, exc)
         finally:
             if lease is not None:
                 lease.release()
@@ -190,10 +187,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     else arrival + frontend.request_timeout_s,
                 )
         except GatewayError as exc:
-            frontend.metrics.request_errors.labels(reason=exc.reason).inc()
-            if exc.retry_after_s is not None:
-                context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
-            await context.abort(exc.kind.grpc_code, exc.message)
+            await self._abort(context, exc)
         finally:
             if lease is not None:
                 lease.release()
@@ -202,6 +196,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             model=frontend.response_model(request.model or None),
             prompt_tokens=sum(map(len, prompts)),
         )
+
+    async def _abort(
+        self, context: grpc.aio.ServicerContext[Any, Any], exc: GatewayError
+    ) -> NoReturn:
+        """Ends the call with the refusal's status (and a ``retry-after`` trailer for a 429),
+        counted once."""
+        self.frontend.metrics.request_errors.labels(reason=exc.reason).inc()
+        if exc.retry_after_s is not None:
+            context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
+        await context.abort(exc.kind.grpc_code, exc.message)
 
     def _check_model(self, model: str, request_id: str) -> None:
         frontend = self.frontend

@@ -123,3 +123,18 @@ class RequestLimits:
                 f"than max_model_len={self.max_model_len} together",
                 param=max_param,
             )
+
+
+def check_prompt_ids(prompts: Sequence[Sequence[int]], vocab_size: int, param: str) -> None:
+    """Every prompt holds a token, and only ids of the vocabulary; the error names ``param``
+    (``param[i]`` for one of several)."""
+    for index, ids in enumerate(prompts):
+        where = param if len(prompts) == 1 else f"{param}[{index}]"
+        if not ids:
+            raise invalid(f"{where} is empty", param=param)
+        out_of_vocab = next((token_id for token_id in ids if token_id >= vocab_size), None)
+        if out_of_vocab is not None:
+            raise invalid(
+                f"{where} has token id {out_of_vocab}, outside the vocabulary [0, {vocab_size})",
+                param=param,
+            )

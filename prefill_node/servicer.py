@@ -29,7 +29,7 @@ from typing import TypeAlias
 import grpc
 
 from kv_transfer import KvTransport, PeerAddress, TransferHandle, TransferStatus
-from pdserve.v1 import common_pb2, decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc
+from pdserve.v1 import decode_pb2_grpc, kv_pb2, prefill_pb2, prefill_pb2_grpc
 from services.async_engine import AsyncEngine, EngineDeadError
 from services.convert import (
     finish_reason_to_proto,
@@ -43,16 +43,10 @@ from services.convert import (
 from services.engine import EngineCoreOutput, FinishReason, SamplingParams
 from services.engine.kv_layout import KvLayout
 from services.node.config import NodeConfig
-from services.node.embed import EmbedContext, embed
 from services.node.kv_regions import kv_page_table
-from services.node.lora_updates import (
-    LoadContext,
-    UnloadContext,
-    load_lora_adapter,
-    unload_lora_adapter,
-)
 from services.node.metrics import NodeMetrics
-from services.node.runtime import NodeServerRef, load_report
+from services.node.runtime import NodeServerRef
+from services.node.shared_rpcs import SharedNodeRpcs
 from services.tls import aio_channel
 from services.types import StageTimings
 
@@ -71,7 +65,7 @@ _PrefillContext: TypeAlias = (
 )
 
 
-class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+class PrefillServicer(SharedNodeRpcs, prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(
         self,
         config: NodeConfig,
@@ -213,28 +207,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if first.finish_reason is not None and _stops_for_good(first, params.max_tokens):
             result.finish_reason = finish_reason_to_proto(first.finish_reason)
         return result
-
-    async def GetLoad(
-        self,
-        request: common_pb2.GetLoadRequest,
-        context: grpc.aio.ServicerContext[common_pb2.GetLoadRequest, common_pb2.LoadReport],
-    ) -> common_pb2.LoadReport:
-        return await load_report(self.config, self.engine, self.server, context)
-
-    async def LoadLoraAdapter(
-        self, request: common_pb2.LoadLoraAdapterRequest, context: LoadContext
-    ) -> common_pb2.LoadLoraAdapterResponse:
-        return await load_lora_adapter(self.engine, request, context)
-
-    async def UnloadLoraAdapter(
-        self, request: common_pb2.UnloadLoraAdapterRequest, context: UnloadContext
-    ) -> common_pb2.UnloadLoraAdapterResponse:
-        return await unload_lora_adapter(self.engine, request, context)
-
-    async def Embed(
-        self, request: common_pb2.EmbedRequest, context: EmbedContext
-    ) -> common_pb2.EmbedResult:
-        return await embed(self.engine, self.server, request, context)
 
     def _decode_stub(self, target: str) -> decode_pb2_grpc.DecodeServiceStub:
         channel = self._decode_channels.get(target)

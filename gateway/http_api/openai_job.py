@@ -23,6 +23,7 @@ from gateway.generation import CLIENT_REQUEST_ID, GenerationRequest
 from gateway.guided import check, guided_from_request
 from gateway.http_api.chat_messages import check_chat_messages
 from gateway.http_api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from gateway.limits import check_prompt_ids
 from gateway.reasoning import ReasoningParser
 from gateway.text.tokenizer import Tokenizer
 from gateway.tool_calls import ToolMode, ToolPlan, tool_plan
@@ -302,17 +303,7 @@ def prompt_token_ids(job: OpenAIJob, tokenizer: Tokenizer) -> list[tuple[int, ..
             prompts = [list(ids) for ids in prompt]
     if job.prompt_tokens_kept is not None:  # vLLM's left truncation
         prompts = [ids[-job.prompt_tokens_kept :] for ids in prompts]
-    vocab_size = tokenizer.vocab_size
-    for index, ids in enumerate(prompts):
-        where = param if len(prompts) == 1 else f"{param}[{index}]"
-        if not ids:
-            raise invalid(f"{where} is empty", param=param)
-        out_of_vocab = next((token_id for token_id in ids if token_id >= vocab_size), None)
-        if out_of_vocab is not None:
-            raise invalid(
-                f"{where} has token id {out_of_vocab}, outside the vocabulary [0, {vocab_size})",
-                param=param,
-            )
+    check_prompt_ids(prompts, tokenizer.vocab_size, param)
     return [tuple(ids) for ids in prompts]
 
 
