@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+import torch
 
 from pdserve.v1 import common_pb2, decode_pb2_grpc, gateway_pb2
 from services.engine import LLM, LoRARequest, SamplingParams
@@ -39,9 +40,19 @@ def expected(tiny_llama_dir: Path, adapter: Path):
     return prompts, [o.token_ids for o in with_lora], [o.token_ids for o in base]
 
 
+@pytest.fixture(scope="module")
+def lora_embedding(tiny_llama_dir: Path, adapter: Path, expected) -> list[float]:
+    """The offline engine's embedding of the first prompt with the adapter."""
+    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, enable_lora=True)
+    (out,) = llm.embed(
+        [expected[0][0]], lora_request=LoRARequest("sql", 1, adapter), use_tqdm=False
+    )
+    return out.outputs.embedding
+
+
 @pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
 def test_a_request_naming_an_adapter_runs_it(
-    tiny_llama_dir: Path, adapter: Path, expected, colocated: bool
+    tiny_llama_dir: Path, adapter: Path, expected, lora_embedding, colocated: bool
 ) -> None:
     prompts, with_lora, base = expected
     assert with_lora != base  # the adapter changes the output
@@ -71,6 +82,17 @@ def test_a_request_naming_an_adapter_runs_it(
             assert response.json()["model"] == "sql"
             cards = (await client.get("/v1/models")).json()["data"]
             assert {"id": "sql", "parent": "tiny-llama"}.items() <= cards[-1].items()
+            # An embedding naming the adapter runs with it too.
+            embedded = await client.post(
+                "/v1/embeddings", json={"model": "sql", "input": prompts[0]}
+            )
+            assert embedded.json()["model"] == "sql"
+            torch.testing.assert_close(
+                torch.tensor(embedded.json()["data"][0]["embedding"]),
+                torch.tensor(lora_embedding),
+                atol=1e-5,
+                rtol=1e-4,
+            )
         # Each node reports the adapters it loaded: the router sends a request of one only there.
         name = next(n for n in stack.nodes if not n.startswith("prefill"))
         server, _ = stack.nodes[name]
