@@ -318,9 +318,10 @@ class EngineCore:
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load vLLM's ``LoRARequest``'s adapter under its ``lora_name``; False where those
-        files are loaded under it already. ``LoraAdapterError`` for an adapter the engine cannot
-        apply, ``LoraCapacityError`` past ``max_loras``, ``ValueError`` with LoRA off or for a
-        name loaded from another path (a request of it may be running)."""
+        files are loaded under it already (True where they were being unloaded: kept again).
+        ``LoraAdapterError`` for an adapter the engine cannot apply, ``LoraCapacityError`` past
+        ``max_loras``, ``ValueError`` with LoRA off or for a name loaded from another path (a
+        request of it may be running)."""
         lora = self.config.lora
         if lora is None:
             raise ValueError("LoRA is off in this engine: start it with enable_lora")
@@ -337,7 +338,9 @@ class EngineCore:
                         else ""
                     )  # fmt: skip
                 )
-            self._retiring_loras.discard(name)  # the same files again: keep them
+            if name in self._retiring_loras:  # the same files again: keep them after all
+                self._retiring_loras.discard(name)
+                return True
             return False
         if len(loaded) >= lora.max_loras:
             raise LoraCapacityError(

@@ -39,6 +39,10 @@ async def load_lora_adapter(
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, LORA_OFF)
     lora_request = LoRARequest(request.lora_name, 1, request.lora_path)
     try:
+        lora_request.path  # noqa: B018  resolved here: "~nobody/x" raises RuntimeError
+    except (RuntimeError, OSError) as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lora_path: {exc}")
+    try:
         loaded = await engine.call(lambda core: core.add_lora(lora_request))
     except LoraAdapterError as exc:  # the files: what the engine cannot apply, or read
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lora_path: {exc}")

@@ -152,9 +152,11 @@ def test_adapters_load_and_unload_while_serving(
             response = await client.post("/v1/load_lora_adapter", json=load)
             assert response.status_code == 400
             assert "has already been loaded" in response.json()["error"]["message"]
-            missing = {"lora_name": "nope", "lora_path": str(tmp_path / "none")}
-            response = await client.post("/v1/load_lora_adapter", json=missing)
-            assert response.status_code == 400 and response.json()["error"]["param"] == "lora_path"
+            for path in (str(tmp_path / "none"), "~no-such-user-here/sql"):
+                missing = {"lora_name": "nope", "lora_path": path}
+                response = await client.post("/v1/load_lora_adapter", json=missing)
+                assert response.status_code == 400, response.text
+                assert response.json()["error"]["param"] == "lora_path"
             # The prefill node has room for a second adapter, the decode nodes do not: the
             # prefill node's load is undone.
             second = {"lora_name": "sql2", "lora_path": str(adapter)}
