@@ -87,7 +87,11 @@ class GatewayServer:
             lora_modules=config.lora_modules,
             node_lora_names=self.pool.lora_names,
             embedder=RoutedEmbedder(self.router, config.router),
-            lora_updates=LoraUpdates(self.pool) if config.allow_runtime_lora_updating else None,
+            lora_updates=(
+                LoraUpdates(self.pool, prefill_grace_ms=config.router.lease_ms)
+                if config.allow_runtime_lora_updating
+                else None
+            ),
         )
         if config.sampling_defaults.as_dict():
             logger.info(

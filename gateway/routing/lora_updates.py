@@ -10,9 +10,11 @@ this call loaded it on unload it again and the refusal, naming the node, is the 
 nodes end as they began. Where every node had it already the answer is vLLM's 400.
 
 An unload goes to the same nodes. Each stops taking new requests of the adapter at once and
-drops it when the requests running with it end; a node that does not have it is no error unless
-none has (404). Neither call can undo what a node did after it answered, so a node that failed
-is named, and those that unloaded it stay so.
+drops it when the requests running with it end; a prefill node keeps it for the reservation
+lease besides, for the requests a decode node reserved before the unload and whose prompts are
+on their way. A node that does not have it is no error unless none has (404). Neither call
+can undo what a node did after it answered, so a node that failed is named, and those that
+unloaded it stay so.
 
 Nodes the gateway does not see healthy are skipped and named in the answer: a node keeps only
 its ``--lora-modules`` across a restart, so a node that comes back lacks the adapters loaded at
@@ -31,6 +33,7 @@ import grpc
 from gateway.errors import ErrorKind, GatewayError
 from gateway.routing.node import Node
 from gateway.routing.node_pool import NodePool
+from services.types import Role
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +43,15 @@ UPDATE_TIMEOUT_S = 300.0
 
 
 class LoraUpdates:
-    def __init__(self, pool: NodePool, timeout_s: float = UPDATE_TIMEOUT_S) -> None:
+    def __init__(
+        self, pool: NodePool, timeout_s: float = UPDATE_TIMEOUT_S, prefill_grace_ms: int = 0
+    ) -> None:
+        """``prefill_grace_ms``: how long prefill nodes keep an unloaded adapter for requests
+        already reserved on a decode node (the gateway's reservation lease, ``--lease-ms``,
+        bounds how long such a request takes to reach its prefill node)."""
         self._pool = pool
         self._timeout_s = timeout_s
+        self._prefill_grace_ms = prefill_grace_ms
         self._lock = asyncio.Lock()
         """One update at a time: a load's roll-back must not undo another call's load."""
 
@@ -84,7 +93,8 @@ class LoraUpdates:
         async with self._lock:
             nodes, skipped = self._targets()
             results = await asyncio.gather(
-                *(self._pool.client(node).unload_lora_adapter(name, self._timeout_s)
+                *(self._pool.client(node).unload_lora_adapter(name, self._timeout_s,
+                                                              self._grace_ms(node))
                   for node in nodes),
                 return_exceptions=True,
             )  # fmt: skip
@@ -109,6 +119,9 @@ class LoraUpdates:
                 )
             logger.info("LoRA adapter %r unloaded on %d nodes", name, len(unloaded))
             return f"Success: LoRA adapter '{name}' removed successfully." + _skipped(skipped)
+
+    def _grace_ms(self, node: Node) -> int:
+        return self._prefill_grace_ms if node.role is Role.PREFILL else 0
 
     def _targets(self) -> tuple[list[Node], list[Node]]:
         """The nodes an update goes to (healthy), and those it skips."""

@@ -90,9 +90,9 @@ class NodeClient:
         reply = await self._stub().LoadLoraAdapter(request, timeout=timeout_s)
         return bool(reply.loaded)
 
-    async def unload_lora_adapter(self, name: str, timeout_s: float) -> int:
+    async def unload_lora_adapter(self, name: str, timeout_s: float, grace_ms: int = 0) -> int:
         """UnloadLoraAdapter on the node: the requests still running with it."""
-        request = common_pb2.UnloadLoraAdapterRequest(lora_name=name)
+        request = common_pb2.UnloadLoraAdapterRequest(lora_name=name, grace_ms=grace_ms)
         reply = await self._stub().UnloadLoraAdapter(request, timeout=timeout_s)
         return int(reply.num_requests)
 

@@ -124,8 +124,9 @@ class EngineCore:
             num_blocks=num_blocks,
         )
         """Where each block sits in ``kv_caches``, and the fingerprint peers must match."""
-        self._retiring_loras: set[str] = set()
-        """Adapters ``retire_lora`` unloads once their last request ends."""
+        self._retiring_loras: dict[str, float] = {}
+        """Adapters ``retire_lora`` unloads once their last request ends, each with the
+        ``time.monotonic()`` before which it is kept for ``hold_kv`` requests anyway."""
         for index, (name, path) in enumerate(
             () if config.lora is None else config.lora.lora_modules
         ):
@@ -230,13 +231,18 @@ class EngineCore:
         params: SamplingParams,
         hold_kv: bool,
     ) -> Request:
-        self.validate_request(request_id, prompt_token_ids, params)
+        self.validate_request(request_id, prompt_token_ids, params, hold_kv=hold_kv)
         # int(): numpy or torch integer ids become plain ints for hashing and tensor building.
         prompt = [int(token_id) for token_id in prompt_token_ids]
         return Request(request_id, prompt, params, hold_kv=hold_kv)
 
     def validate_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        hold_kv: bool = False,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -267,7 +273,12 @@ class EngineCore:
         conflict = params.min_tokens_conflict(tuple(self.model_config.eos_token_ids))
         if conflict is not None:
             raise SamplingParamError("allowed_token_ids", conflict)
-        if params.lora_name is not None and params.lora_name not in self.lora_names:
+        if (
+            params.lora_name is not None
+            and params.lora_name not in self.lora_names
+            # A prefill node's request was reserved on its decode node before an unload.
+            and not (hold_kv and params.lora_name in self._retiring_loras)
+        ):
             loaded = ", ".join(sorted(self.lora_names)) or "none"
             raise SamplingParamError(
                 "lora_name",
@@ -314,7 +325,7 @@ class EngineCore:
         """The LoRA adapters new requests may name (``add_lora``), by name: those retiring
         (``retire_lora``) are left out."""
         lora = self.runner.lora
-        return set() if lora is None else set(lora.adapters) - self._retiring_loras
+        return set() if lora is None else set(lora.adapters) - self._retiring_loras.keys()
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load vLLM's ``LoRARequest``'s adapter under its ``lora_name``; False where those
@@ -325,6 +336,7 @@ class EngineCore:
         lora = self.config.lora
         if lora is None:
             raise ValueError("LoRA is off in this engine: start it with enable_lora")
+        self._reap_retired_loras()
         name, path = lora_request.lora_name, lora_request.path
         loaded = self.runner.lora.adapters if self.runner.lora is not None else {}
         if name in loaded:
@@ -339,7 +351,7 @@ class EngineCore:
                     )  # fmt: skip
                 )
             if name in self._retiring_loras:  # the same files again: keep them after all
-                self._retiring_loras.discard(name)
+                del self._retiring_loras[name]
                 return True
             return False
         if len(loaded) >= lora.max_loras:
@@ -358,19 +370,23 @@ class EngineCore:
         in_use = self._lora_requests(name)
         if in_use:
             raise ValueError(f"LoRA adapter {name!r} is in use by request {in_use[0]!r}")
-        self._retiring_loras.discard(name)
+        self._retiring_loras.pop(name, None)
         return self.runner.remove_lora(name)
 
-    def retire_lora(self, name: str) -> int | None:
+    def retire_lora(self, name: str, grace_s: float = 0.0) -> int | None:
         """Unload adapter ``name`` once no request uses it; new requests may not name it from
-        now on. Returns how many requests still use it (0: unloaded now); None where no adapter
-        is loaded under it (or it is retiring already)."""
+        now on, except for ``grace_s`` ``hold_kv`` ones (a prefill node's: their decode node
+        reserved them, naming the adapter, before the unload). Returns how many requests still
+        use it (0 and no grace: unloaded now); None where no adapter is loaded under it (or it
+        is retiring already)."""
+        self._reap_retired_loras()
         if name not in self.lora_names:
             return None
         in_use = len(self._lora_requests(name))
-        if in_use:
-            self._retiring_loras.add(name)
-            logger.info("LoRA adapter %r: unloading once its %d requests end", name, in_use)
+        if in_use or grace_s > 0:
+            self._retiring_loras[name] = time.monotonic() + grace_s
+            logger.info("LoRA adapter %r: unloading once its %d requests end (grace %.1f s)",
+                        name, in_use, grace_s)  # fmt: skip
         else:
             self.runner.remove_lora(name)
             logger.info("LoRA adapter %r unloaded", name)
@@ -391,9 +407,13 @@ class EngineCore:
                 if r.params.lora_name == name]  # fmt: skip
 
     def _reap_retired_loras(self) -> None:
-        """Drop each retiring adapter whose last request has ended."""
-        for name in [name for name in self._retiring_loras if not self._lora_requests(name)]:
-            self._retiring_loras.discard(name)
+        """Drop each retiring adapter whose grace has passed and whose last request has ended
+        (checked after each step and abort, and before each LoRA update: an idle engine keeps
+        one, unusable by new requests, until then)."""
+        now = time.monotonic()
+        for name in [name for name, until in self._retiring_loras.items()
+                     if until <= now and not self._lora_requests(name)]:  # fmt: skip
+            del self._retiring_loras[name]
             self.runner.remove_lora(name)
             logger.info("LoRA adapter %r unloaded: its last request ended", name)
 

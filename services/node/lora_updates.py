@@ -5,7 +5,9 @@ Both run on the engine thread between two steps (``AsyncEngine.call``): the adap
 read and its weights placed there, as at start-up, so a large adapter holds up the node's steps
 while it loads. An unload takes effect for new requests at once (the adapter leaves the load
 report, so the gateway stops routing to it); requests already running with it finish with it,
-and the engine drops it when the last one ends (``EngineCore.retire_lora``).
+and the engine drops it when the last one ends (``EngineCore.retire_lora``). A prefill node
+also keeps it for the call's ``grace_ms`` for the requests reserved on their decode node before
+the unload, whose prompts have not reached it yet.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ async def unload_lora_adapter(
     if engine.engine.config.lora is None:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, LORA_OFF)
     try:
-        num_requests = await engine.call(lambda core: core.retire_lora(name))
+        grace_s = request.grace_ms / 1000
+        num_requests = await engine.call(lambda core: core.retire_lora(name, grace_s))
     except EngineDeadError as exc:
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
     if num_requests is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -311,3 +312,26 @@ def test_an_embedding_runs_its_adapter(tiny_llama_dir: Path, adapters) -> None:
         expected = torch.nn.functional.normalize(hidden, dim=-1)
         torch.testing.assert_close(torch.tensor(out.outputs.embedding), expected, atol=1e-5,
                                    rtol=1e-4)  # fmt: skip
+
+
+def test_a_prefill_node_keeps_an_unloaded_adapter_for_its_grace(
+    tiny_llama_dir: Path, adapters
+) -> None:
+    """A disaggregated request reserved on its decode node before an unload reaches its
+    prefill node after it: for the grace, such ``hold_kv`` requests may still name the
+    adapter; other requests may not, and the load report no longer lists it."""
+    every, _ = adapters["every"]
+    engine = lora_llm(tiny_llama_dir).engine
+    engine.add_lora(every)
+    assert engine.retire_lora("every", grace_s=0.2) == 0  # nothing runs with it, yet kept
+    assert "every" not in engine.stats().lora_names
+    params = SamplingParams(max_tokens=1, lora_name="every")
+    engine.add_request("prefill", [5, 9, 33], params, hold_kv=True)
+    with pytest.raises(SamplingParamError, match="being unloaded"):
+        engine.add_request("new", [5, 9, 33], params)
+    while engine.has_unfinished_requests:
+        engine.step()
+    engine.release_kv("prefill")
+    time.sleep(0.3)  # past the grace
+    engine.abort("nothing")  # an abort (or a step) drops what is due
+    assert "every" not in engine.runner.lora.adapters

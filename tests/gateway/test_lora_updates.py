@@ -36,8 +36,9 @@ class ScriptedClient:
             raise self.load
         return self.load
 
-    async def unload_lora_adapter(self, name: str, timeout_s: float) -> int:
+    async def unload_lora_adapter(self, name: str, timeout_s: float, grace_ms: int = 0) -> int:
         self.calls.append(("unload", name))
+        self.grace_ms = grace_ms
         if isinstance(self.unload, Exception):
             raise self.unload
         return self.unload
@@ -131,9 +132,13 @@ def test_loading_what_every_node_has_is_vllms_400(pool, monkeypatch) -> None:
 
 def test_an_unload_reaches_every_node_and_404s_where_none_has_it(pool, monkeypatch) -> None:
     missing = rpc_error(grpc.StatusCode.NOT_FOUND, "lora_name: no LoRA adapter 'old' is loaded")
-    script(pool, monkeypatch, d0=ScriptedClient(unload=missing), d1=ScriptedClient(unload=3))
-    message = run(LoraUpdates(pool).unload("old"))
+    clients = script(
+        pool, monkeypatch, d0=ScriptedClient(unload=missing), d1=ScriptedClient(unload=3)
+    )
+    message = run(LoraUpdates(pool, prefill_grace_ms=30_000).unload("old"))
     assert message == "Success: LoRA adapter 'old' removed successfully."
+    # Prefill nodes keep it for the requests already reserved on a decode node.
+    assert [clients[n.address].grace_ms for n in pool.nodes] == [30_000, 0, 0]
     assert all(names(node) == frozenset() for node in pool.nodes)
     script(pool, monkeypatch, p0=ScriptedClient(unload=missing), d0=ScriptedClient(unload=missing),
            d1=ScriptedClient(unload=missing))  # fmt: skip
