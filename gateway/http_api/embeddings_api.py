@@ -22,7 +22,6 @@ vLLM encode them.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
 import struct
@@ -40,7 +39,7 @@ from gateway.embeddings import MAX_INPUTS, embed_all, embedding_prompts
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
 from gateway.generation import CLIENT_REQUEST_ID
-from gateway.http_api.generation_response import wait_for_disconnect
+from gateway.http_api.disconnect import client_gone, unless_disconnected
 from gateway.http_api.openai_job import check_model
 from gateway.http_api.openai_protocol import (
     NonEmptyText,
@@ -128,23 +127,12 @@ def embeddings_router(
             inputs = [[int(token_id) for token_id in given]]
         else:
             inputs = given  # type: ignore[assignment]  # a batch of texts or of id lists
-        watch = asyncio.create_task(wait_for_disconnect(request.receive))
-        work = asyncio.create_task(
-            _embed(frontend, body, request_id, keep, pooling, inputs, arrival)
+        result = await unless_disconnected(
+            request.receive, _embed(frontend, body, request_id, keep, pooling, inputs, arrival)
         )
-        try:
-            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if work not in done:
-                # The client is gone: cancelling the work cancels every input's node call.
-                logger.info("embeddings %s: client disconnected", request_id)
-                frontend.metrics.request_errors.labels(reason="client_disconnected").inc()
-                work.cancel()
-                return Response(status_code=499)  # nobody reads it
-            prompts, embeddings = work.result()
-        finally:
-            work.cancel()
-            watch.cancel()
-            await asyncio.gather(work, watch, return_exceptions=True)
+        if result is None:
+            return client_gone(frontend, request_id)
+        prompts, embeddings = result
         num_tokens = sum(map(len, prompts))
         return EmbeddingResponse(
             id=f"embd-{request_id}",

@@ -26,6 +26,7 @@ from gateway.errors import ErrorKind, GatewayError
 from gateway.frontend import Frontend
 from gateway.http_api.choice_fanout import ChoiceEvent, ChoiceFanout
 from gateway.http_api.client_send import SlowClientError, bounded_send, send_json
+from gateway.http_api.disconnect import wait_for_disconnect
 from gateway.http_api.openai_errors import internal_error_body
 from gateway.http_api.openai_format import (
     ChatFormat,
@@ -363,11 +364,3 @@ class GenerationResponse(Response):
         await send_json(
             send, status, body, [(b"x-request-id", self._job.request_id.encode()), *(headers or [])]
         )
-
-
-async def wait_for_disconnect(receive: Receive) -> None:
-    """Returns when the client has gone (the ASGI channel's ``http.disconnect``)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return

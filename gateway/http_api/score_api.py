@@ -20,17 +20,20 @@ its limits and the admission slot are those of an embeddings request; the paths 
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request, Security
+from fastapi.responses import Response
 from fastapi.security import HTTPBearer
 from pydantic import Field
 
 from gateway.embeddings import MAX_INPUTS, embed_all, embedding_prompts
 from gateway.errors import ErrorKind, GatewayError, invalid
 from gateway.frontend import Frontend
+from gateway.http_api.disconnect import client_gone, unless_disconnected
 from gateway.http_api.openai_job import check_model
 from gateway.http_api.openai_protocol import NonEmptyText, RequestModel, ResponseModel
 from gateway.pipeline import admitted
@@ -101,7 +104,7 @@ def score_router(
 ) -> APIRouter:
     router = APIRouter(dependencies=[Security(bearer)])
 
-    async def score(body: ScoreRequest, request: Request) -> ScoreResponse:
+    async def score(body: ScoreRequest, request: Request) -> ScoreResponse | Response:
         """Cosine similarity of each (text_1, text_2) pair's embeddings."""
         firsts = [body.text_1] if isinstance(body.text_1, str) else body.text_1
         seconds = [body.text_2] if isinstance(body.text_2, str) else body.text_2
@@ -113,29 +116,38 @@ def score_router(
                 "or as many as text_2",
                 param="text_1",
             )
-        vectors, tokens = await _embeddings(
-            frontend, request, body.model, {"text_1": firsts, "text_2": seconds},
+        request_id = uuid.uuid4().hex
+        embedded = await unless_disconnected(request.receive, _embeddings(
+            frontend, request, request_id, body.model, {"text_1": firsts, "text_2": seconds},
             body.truncate_prompt_tokens,
-        )  # fmt: skip
-        scores = [_cosine(vectors[a], vectors[b]) for a, b in zip(firsts, seconds, strict=True)]
+        ))  # fmt: skip
+        if embedded is None:
+            return client_gone(frontend, request_id)
+        vectors, tokens = embedded
+        scores = await asyncio.to_thread(_cosines, vectors, list(zip(firsts, seconds, strict=True)))
         return ScoreResponse(
-            id=f"score-{uuid.uuid4().hex}",
+            id=f"score-{request_id}",
             created=int(time.time()),
             model=frontend.response_model(body.model),
             data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
             usage=ScoreUsage(prompt_tokens=tokens, total_tokens=tokens),
         )
 
-    async def rerank(body: RerankRequest, request: Request) -> RerankResponse:
+    async def rerank(body: RerankRequest, request: Request) -> RerankResponse | Response:
         """The documents by the cosine similarity of their embeddings to the query's."""
-        vectors, tokens = await _embeddings(
-            frontend, request, body.model, {"query": [body.query], "documents": body.documents},
-            body.truncate_prompt_tokens,
-        )  # fmt: skip
-        scores = [_cosine(vectors[body.query], vectors[d]) for d in body.documents]
+        request_id = uuid.uuid4().hex
+        fields = {"query": [body.query], "documents": body.documents}
+        embedded = await unless_disconnected(request.receive, _embeddings(
+            frontend, request, request_id, body.model, fields, body.truncate_prompt_tokens,
+        ))  # fmt: skip
+        if embedded is None:
+            return client_gone(frontend, request_id)
+        vectors, tokens = embedded
+        pairs = [(body.query, document) for document in body.documents]
+        scores = await asyncio.to_thread(_cosines, vectors, pairs)
         ranked = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
         return RerankResponse(
-            id=f"rerank-{uuid.uuid4().hex}",
+            id=f"rerank-{request_id}",
             model=frontend.response_model(body.model),
             usage=RerankUsage(total_tokens=tokens),
             results=[
@@ -164,6 +176,7 @@ RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
 async def _embeddings(
     frontend: Frontend,
     request: Request,
+    request_id: str,
     model: str | None,
     fields: dict[str, list[str]],
     truncate_prompt_tokens: int | None,
@@ -187,7 +200,7 @@ async def _embeddings(
         embeddings = await embed_all(
             frontend,
             prompts,
-            request_id=uuid.uuid4().hex,
+            request_id=request_id,
             pooling=PoolingParams(normalize=True),
             priority=0,
             lora_name=frontend.lora_name(model),
@@ -199,6 +212,7 @@ async def _embeddings(
     return vectors, sum(map(len, prompts))
 
 
-def _cosine(a: list[float], b: list[float]) -> float:
-    """Of two normalized vectors: their dot product."""
-    return sum(x * y for x, y in zip(a, b, strict=True))
+def _cosines(vectors: dict[str, list[float]], pairs: list[tuple[str, str]]) -> list[float]:
+    """Each pair's cosine: the dot product of two normalized vectors. Pure Python (the gateway
+    has no numpy), so callers run it in a thread: 2,048 pairs of 4,096 values take seconds."""
+    return [sum(x * y for x, y in zip(vectors[a], vectors[b], strict=True)) for a, b in pairs]

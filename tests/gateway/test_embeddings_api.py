@@ -68,11 +68,19 @@ def test_without_an_embedder_the_route_is_404(served) -> None:
     assert response.status_code == 404
 
 
-def test_a_client_that_hangs_up_cancels_the_work(served) -> None:
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/embeddings", {"input": ["a", "b"]}),
+        ("/v1/rerank", {"query": "a", "documents": ["b", "c"]}),
+        ("/score", {"text_1": "a", "text_2": ["b"]}),
+    ],
+)
+def test_a_client_that_hangs_up_cancels_the_work(served, path: str, body: dict) -> None:
     embedder = ScriptedEmbedder(hang=True)
     app = served(embedder)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{app.url}/v1/embeddings", json={"input": ["a", "b"]}, timeout=0.5)
+        httpx.post(f"{app.url}{path}", json=body, timeout=0.5)
     assert embedder.cancelled.wait(SETTLE_S), "the disconnect must cancel the node calls"
     wait_until(lambda: app.frontend.admission.num_running == 0)
 
