@@ -26,7 +26,6 @@ class EmbeddingRequest:
 @dataclass(frozen=True)
 class Embedding:
     vector: list[float]
-    cached_prompt_tokens: int = 0
 
 
 class Embedder(Protocol):

@@ -59,7 +59,7 @@ class RoutedEmbedder:
             try:
                 with node.in_flight():
                     reply = await self.router.pool.client(node).embed(message, timeout)
-                return Embedding(list(reply.embedding), reply.cached_prompt_tokens)
+                return Embedding(list(reply.embedding))
             except grpc.aio.AioRpcError as exc:
                 failure = rpc_failure(exc, node, "embed")
                 if isinstance(failure, GatewayError):
