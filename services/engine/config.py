@@ -244,8 +244,3 @@ class EngineConfig:
             _check_bool("cuda_graphs", self.cuda_graphs)
         if self.lora is not None and not isinstance(self.lora, LoraConfig):
             raise EngineConfigError(f"lora must be a LoraConfig or None, got {self.lora!r}")
-        if self.lora is not None and self.cuda_graphs:
-            raise EngineConfigError(
-                "LoRA adapters run eagerly: cuda_graphs=True would replay steps without their "
-                "deltas; leave cuda_graphs unset (or False) with LoRA"
-            )

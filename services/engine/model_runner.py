@@ -4,8 +4,8 @@ Life cycle: ``load`` the weights, size the KV cache (``num_blocks_for``), ``allo
 once (which also sets up the static decode path and captures its CUDA graphs), then ``execute``
 every step; ``release`` drops a finished request's sampling state. With LoRA on
 (``EngineConfig.lora``), the projections are wrapped at load (``models/lora.py``), ``add_lora``
-/ ``remove_lora`` load and drop adapters between steps, and each step sets the rows of each
-adapter for the forward pass only.
+/ ``remove_lora`` load and drop adapters between steps, and each step sets each row's adapter
+slot for the forward pass only (a replayed decode graph reads them from its static inputs).
 """
 
 from __future__ import annotations
@@ -151,10 +151,13 @@ class ModelRunner:
         # CPU bf16 and fp32: weights in oneDNN's blocked layout, packed once (packed_linear.py).
         pack_linears(self.model, self.device, self.dtype)
         self.lora: LoraState | None = None
-        """The adapters and each step's rows of them, where ``config.lora`` turned LoRA on."""
+        """The adapters in their slots, and each step's mask of them, where ``config.lora``
+        turned LoRA on."""
         self.max_lora_rank = 0 if config.lora is None else config.lora.max_lora_rank
         if config.lora is not None:
-            self.lora = LoraState()
+            self.lora = LoraState(
+                config.lora.max_loras, self.max_lora_rank, self.dtype, self.device
+            )
             install_lora(self.model, model_config, self.lora, ops)
         self.sampler = Sampler(model_config.eos_token_ids, ops.greedy_argmax)
         self.kv_caches: list[torch.Tensor] = []
@@ -164,9 +167,8 @@ class ModelRunner:
         if isinstance(self.backend, TorchPagedAttention) and self.device.type == "cpu":
             self._choose_prefill_kernel(self.backend)
         # Default: graphs on CUDA where the backend does not pay for the fixed table width.
-        # Never with LoRA: a replayed graph would skip the adapters' deltas (EngineConfig
-        # refuses cuda_graphs=True with it).
-        self.use_static_decode = config.lora is None and (
+        # With LoRA too: the graphs read each row's adapter slot from their static inputs.
+        self.use_static_decode = (
             config.cuda_graphs
             if config.cuda_graphs is not None
             else self.device.type == "cuda" and self.backend.reads_only_context_blocks
@@ -333,6 +335,7 @@ class ModelRunner:
                 block_size=self.block_size,
                 dummy_block=num_blocks - 1,
                 use_graphs=self.device.type == "cuda",
+                lora=self.lora,
             )
             self.static_decode.capture()
 
@@ -341,19 +344,20 @@ class ModelRunner:
         ``LoraAdapterError`` naming what it cannot apply."""
         if self.lora is None:
             raise ValueError("LoRA is off in this engine: start it with enable_lora")
+        # Read on the CPU: the slots on the device are the only copy there.
         adapter = load_adapter(
             path,
             self.model_config,
             max_rank=self.max_lora_rank,
             dtype=self.dtype,
-            device=self.device,
+            device=torch.device("cpu"),
         )
-        self.lora.adapters[name] = adapter
+        self.lora.add(name, adapter)
         return adapter
 
     def remove_lora(self, name: str) -> bool:
         """Drop the adapter ``name``; False where none is loaded under it."""
-        return self.lora is not None and self.lora.adapters.pop(name, None) is not None
+        return self.lora is not None and self.lora.remove(name)
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -382,7 +386,8 @@ class ModelRunner:
             if self.lora is None:
                 hidden = self.model(input_ids, positions, self.kv_caches, metadata)
             else:
-                with self.lora.rows(_lora_rows(decodes, prefills, spans), self.device):
+                row_slots = _lora_row_slots(self.lora, decodes, prefills, spans, self.device)
+                with self.lora.step(row_slots):
                     hidden = self.model(input_ids, positions, self.kv_caches, metadata)
         prompt_logprobs: dict[str, PromptLogprobs] = {}
         if any(chunk.request.needs_prompt_logprobs for chunk in output.chunks):
@@ -505,6 +510,11 @@ class ModelRunner:
             block_tables=[
                 c.block_ids[: p // size + 1] for c, p in zip(decodes, positions, strict=True)
             ],
+            adapter_slots=(
+                ()
+                if self.lora is None
+                else [self.lora.slot_of(c.request.params.lora_name) for c in decodes]
+            ),
         )
 
     def _prepare_inputs(
@@ -590,23 +600,23 @@ def _first_line(exc: BaseException) -> str:
     return re.sub(r"^\[enforce fail at [^\]]*\][^.]*\.\s*", "", line)
 
 
-def _lora_rows(
-    decodes: list[ScheduledChunk], prefills: list[ScheduledChunk], spans: list[PrefillSpan]
-) -> dict[str, list[int]]:
-    """Per adapter, the rows of the step's flat tokens (the decodes' first, one each, then each
-    prefill span's) whose requests run with it."""
-    rows: dict[str, list[int]] = {}
-    for row, chunk in enumerate(decodes):
-        name = chunk.request.params.lora_name
-        if name is not None:
-            rows.setdefault(name, []).append(row)
-    for span, chunk in zip(spans, prefills, strict=True):
-        name = chunk.request.params.lora_name
-        if name is not None:
-            rows.setdefault(name, []).extend(
-                range(span.token_start, span.token_start + span.num_tokens)
-            )
-    return rows
+def _lora_row_slots(
+    lora: LoraState,
+    decodes: list[ScheduledChunk],
+    prefills: list[ScheduledChunk],
+    spans: list[PrefillSpan],
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Each row's adapter slot (-1: none), int64 ``[num_tokens]`` on ``device``, over the step's
+    flat tokens (the decodes' first, one each, then each prefill span's); None where no row runs
+    with an adapter (the deltas are skipped)."""
+    names = [chunk.request.params.lora_name for chunk in (*decodes, *prefills)]
+    if not any(names):
+        return None
+    slots = [lora.slot_of(name) for name in names[: len(decodes)]]
+    for span, name in zip(spans, names[len(decodes) :], strict=True):
+        slots += [lora.slot_of(name)] * span.num_tokens
+    return torch.tensor(slots, dtype=torch.int64, device=device)
 
 
 def _pad(block_ids: list[int], length: int) -> list[int]:

@@ -4,6 +4,9 @@ Why: a decode step of a small model on a GPU is mostly kernel-launch overhead (h
 kernels per step); a CUDA graph replays them in one launch. A graph records device addresses
 and shapes, so everything a step reads must live in tensors allocated once:
 
+- with LoRA on, each row's adapter slot (``LoraState``) is a static input too: the graph
+  computes the adapters' mask from it and reads their stacked weights, which loading an adapter
+  rewrites in place, so graphs captured before any adapter was loaded serve them all;
 - batch-size buckets (1, 2, 4, 8, then multiples of 16 up to ``max_num_seqs``): a step of ``n``
   decodes runs the smallest bucket >= n, its padding rows doing harmless work;
 - static buffers of the largest bucket: token ids, positions, slot mapping, sequence lengths
@@ -32,6 +35,7 @@ import torch
 from torch import nn
 
 from services.models.attention import AttentionBackend, AttentionMetadata
+from services.models.lora import LoraState
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +59,10 @@ class StaticDecode:
         block_size: int,
         dummy_block: int,
         use_graphs: bool,
+        lora: LoraState | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora
         self.backend = backend
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -66,10 +72,13 @@ class StaticDecode:
         self.max_blocks = -(-max_model_len // block_size)
         device = kv_caches[0].device
         size = self.max_batch
-        # Static inputs, on the device: rows [4, max_batch] int64 (token ids, positions, slot
-        # mapping, sequence lengths), block_tables [max_batch, max_blocks] int64.
-        self._rows = torch.zeros((4, size), dtype=torch.int64, device=device)
-        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self._rows
+        # Static inputs, on the device: rows [5, max_batch] int64 (token ids, positions, slot
+        # mapping, sequence lengths, LoRA adapter slots), block_tables [max_batch, max_blocks]
+        # int64.
+        self._rows = torch.zeros((5, size), dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.adapter_slots = (
+            self._rows
+        )
         self.block_tables = torch.full(
             (size, self.max_blocks), dummy_block, dtype=torch.int64, device=device
         )
@@ -77,13 +86,13 @@ class StaticDecode:
         # behind the previous step's work instead of waiting for it. ``_staged`` marks when the
         # copies have read them, before the next step writes them again.
         pinned = device.type == "cuda"
-        self._host_rows = torch.zeros((4, size), dtype=torch.int64, pin_memory=pinned)
+        self._host_rows = torch.zeros((5, size), dtype=torch.int64, pin_memory=pinned)
         self._host_tables = torch.full(
             (size, self.max_blocks), dummy_block, dtype=torch.int64, pin_memory=pinned
         )
         self._staged = torch.cuda.Event() if pinned else None  # type: ignore[no-untyped-call]
         self._columns = np.arange(self.max_blocks)  # [max_blocks]: a table's column indices
-        self._stage([], [], [], [], size)
+        self._stage([], [], [], [], [], size)
         self._metadata = {b: self._bucket_metadata(b) for b in self.buckets}
         self.use_graphs = use_graphs and device.type == "cuda"
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -109,11 +118,12 @@ class StaticDecode:
         positions: Sequence[int],
         slots: Sequence[int],
         block_tables: Sequence[Sequence[int]],
+        adapter_slots: Sequence[int],
         bucket: int,
     ) -> None:
         """Write rows [0:bucket) of the static inputs: the decodes, then padding rows (token 0
-        at position 0, written to the dummy block's first slot), through the host staging
-        buffers and one copy per buffer."""
+        at position 0, written to the dummy block's first slot, without an adapter), through
+        the host staging buffers and one copy per buffer."""
         if self._staged is not None:
             self._staged.synchronize()  # the last step's copies have read the staging buffers
         num = len(token_ids)
@@ -122,7 +132,8 @@ class StaticDecode:
         rows[1, :num] = positions
         rows[2, :num] = slots
         rows[3, :num] = rows[1, :num] + 1
-        rows[:, num:bucket] = [[0], [0], [self.dummy_block * self.block_size], [1]]
+        rows[4, :num] = adapter_slots if adapter_slots else -1
+        rows[:, num:bucket] = [[0], [0], [self.dummy_block * self.block_size], [1], [-1]]
         # Block tables: each row's ids, then the dummy block; a few whole-array operations for
         # the batch instead of two per row (64 rows: ~0.1 ms of a GPU step's host time).
         tables = self._host_tables.numpy()
@@ -140,10 +151,16 @@ class StaticDecode:
     def _forward(self, bucket: int) -> torch.Tensor:
         metadata = self._metadata[bucket]
         self.backend.prepare(metadata)
-        logits: torch.Tensor = self.model(
+        if self.lora is None:
+            return self._model(bucket, metadata)
+        with self.lora.step(self.adapter_slots[:bucket]):
+            return self._model(bucket, metadata)
+
+    def _model(self, bucket: int, metadata: AttentionMetadata) -> torch.Tensor:
+        hidden: torch.Tensor = self.model(
             self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, metadata
         )
-        return logits
+        return hidden
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -172,13 +189,15 @@ class StaticDecode:
         positions: Sequence[int],
         slots: Sequence[int],
         block_tables: Sequence[Sequence[int]],
+        adapter_slots: Sequence[int] = (),
     ) -> torch.Tensor:
         """Hidden states [num_decodes, hidden_size] of one decode-only step; decode i is token
-        ``token_ids[i]`` at ``positions[i]``, written to ``slots[i]``, over ``block_tables[i]``."""
+        ``token_ids[i]`` at ``positions[i]``, written to ``slots[i]``, over ``block_tables[i]``,
+        with LoRA adapter slot ``adapter_slots[i]`` (-1: none; empty: none for every row)."""
         num = len(token_ids)
         bucket = self.bucket_for(num)
         assert bucket is not None, f"{num} decodes exceed the largest bucket {self.max_batch}"
-        self._stage(token_ids, positions, slots, block_tables, bucket)
+        self._stage(token_ids, positions, slots, block_tables, adapter_slots, bucket)
         graph = self._graphs.get(bucket)
         if graph is None:
             return self._forward(bucket)[:num]

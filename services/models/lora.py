@@ -1,22 +1,26 @@
 """LoRA adapters on the decoder's projections: PEFT's files read, and each adapter's low-rank
 delta added to a projection's output for the rows of the requests that run with it.
 
-Why per row: one step batches requests of several adapters and of none. A projection computes
-``x W^T`` for every row on its usual kernel (the packed and few-row ones stay as they are), then
-for each adapter in the step adds ``(x[rows] A^T) (s B)^T`` to its rows: two small GEMMs of rank
-``r`` (``s`` = ``lora_alpha / r``, folded into ``B`` at loading). The fused projections take
-their parts' deltas in their column ranges (``qkv_proj``: q, k, v; ``gate_up_proj``: gate, up).
-With deltas on gate or up, that step computes the two unactivated and applies SiLU-and-mul after
-the deltas (the packed kernels' fused epilogue would apply it before).
+Why stacked slots: one step batches requests of several adapters and of none, and a decode
+step on a GPU replays a CUDA graph whose kernels are fixed at capture. A projection computes ``x
+W^T`` for every row on its usual kernel (the packed and few-row ones stay as they are), then adds
+``((x A) * m) B``: ``A`` and ``B`` hold every loaded adapter's weights side by side (``s`` =
+``lora_alpha / r`` folded into ``B`` at loading), and the step's mask ``m`` keeps, for each row,
+the columns of its request's adapter. The fused projections take their parts' deltas in their
+column ranges (``qkv_proj``: q, k, v; ``gate_up_proj``: gate, up). With adapters in a step,
+gate and up are computed unactivated and SiLU-and-mul applied after the deltas (the packed
+kernels' fused epilogue would apply it before).
 
 Life cycle:
 
 1. ``install_lora``: once, after ``pack_linears``: each layer's projections are wrapped
-   (``LoraProjection``, ``LoraGateUp``), all reading one ``LoraState``.
+   (``LoraProjection``, ``LoraGateUp``), each with its stacked weights (``LoraDeltas``)
+   registered in one ``LoraState``.
 2. ``load_adapter`` reads a PEFT directory into a ``LoraAdapter`` (refusing what it cannot
-   apply, naming it); ``LoraState.adapters[name]`` holds it until the engine removes it.
-3. Every forward: the runner sets ``LoraState.batch`` (per adapter, the rows of its requests)
-   before the model runs and empties it after, whatever happens.
+   apply, naming it); ``LoraState.add`` copies it into a slot, ``remove`` zeroes the slot.
+3. Every forward: the runner sets ``LoraState.mask`` from each row's slot (``step``) before
+   the model runs and clears it after, whatever happens; a captured decode graph computes the
+   mask from its static slot row.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import math
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -56,7 +60,8 @@ class LoraAdapterError(ValueError):
 @dataclass(frozen=True)
 class LoraAdapter:
     """One adapter's weights, ready to multiply: per (layer, projection name), ``A^T`` ``[in,
-    r]`` and ``s B^T`` ``[r, out]``, in the model's dtype and on its device."""
+    r]`` and ``s B^T`` ``[r, out]``, in the model's dtype (on the device ``load_adapter`` was
+    given; ``LoraState.add`` copies them into the model's slots)."""
 
     path: Path
     rank: int
@@ -198,68 +203,142 @@ def _fingerprint(path: Path, weights_file: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-@dataclass
 class LoraState:
-    """What every LoRA wrapper of one model reads: the loaded adapters, and the step's rows."""
+    """The adapters of one model in ``max_loras`` slots, and the forward pass's row mask.
 
-    adapters: dict[str, LoraAdapter] = field(default_factory=dict)
-    batch: list[tuple[LoraAdapter, torch.Tensor]] = field(default_factory=list)
-    """This forward's adapters, each with its rows (int64 ``[n]`` indices into the step's
-    flat tokens); empty: no row runs with an adapter."""
+    Why slots: a step batches requests of several adapters and of none, and a decode step on a
+    GPU is a replayed CUDA graph, whose kernels and shapes are fixed when it is captured. So each
+    wrapped projection holds every slot's weights stacked (``LoraDeltas``), and a row's delta is
+    ``((x A) * m) B`` with a mask ``m`` that keeps the columns of the row's slot: the same two
+    GEMMs whatever the mix of adapters, reading weights that loading writes in place. K =
+    ``max_loras * max_rank`` columns; an adapter of lower rank leaves the rest of its slot 0.
+
+    Life cycle: built before ``install_lora`` (which registers every wrapper); ``add`` writes an
+    adapter into a free slot of every wrapper and ``remove`` zeroes it (between steps: the
+    engine holds at most ``max_loras``); ``step`` sets the mask for one forward pass and clears
+    it after, whatever happens."""
+
+    def __init__(
+        self, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.device = device
+        self.adapters: dict[str, LoraAdapter] = {}
+        self.slots: dict[str, int] = {}
+        self.projections: list[LoraDeltas] = []
+        # [K]: the slot of each stacked column.
+        self._column_slots = torch.arange(max_loras * max_rank, device=device) // max_rank
+        self.mask: torch.Tensor | None = None
+        """During a forward with adapter rows: ``[num_tokens, 3 K]``, 1 where a column belongs
+        to the row's slot, tiled for up to three fused parts (a projection of P parts reads
+        ``[:, :P K]``); None: no row runs with an adapter and the deltas are skipped."""
+
+    @property
+    def columns(self) -> int:
+        """K: the stacked columns of one part."""
+        return self.max_loras * self.max_rank
+
+    def slot_of(self, name: str | None) -> int:
+        """The slot of adapter ``name``, -1 for None (the base model)."""
+        return -1 if name is None else self.slots[name]
+
+    def add(self, name: str, adapter: LoraAdapter) -> None:
+        """``adapter`` under ``name`` in a free slot (its own, replacing one of that name)."""
+        slot = self.slots.get(name)
+        if slot is None:
+            free = sorted(set(range(self.max_loras)) - set(self.slots.values()))
+            if not free:
+                raise ValueError(f"all {self.max_loras} LoRA slots hold adapters")
+            slot = free[0]
+        for projection in self.projections:
+            projection.write_slot(slot, adapter)
+        self.adapters[name] = adapter
+        self.slots[name] = slot
+
+    def remove(self, name: str) -> bool:
+        """Drop adapter ``name`` and zero its slot; False where none is loaded under it."""
+        slot = self.slots.pop(name, None)
+        if slot is None:
+            return False
+        del self.adapters[name]
+        for projection in self.projections:
+            projection.write_slot(slot, None)
+        return True
 
     @contextmanager
-    def rows(self, groups: dict[str, list[int]], device: torch.device) -> Iterator[None]:
-        """``batch`` from ``groups`` (adapter name -> rows) while the block runs."""
-        self.batch = [
-            (self.adapters[name], torch.tensor(rows, dtype=torch.int64, device=device))
-            for name, rows in groups.items()
-            if rows
-        ]
+    def step(self, row_slots: torch.Tensor | None) -> Iterator[None]:
+        """``mask`` from ``row_slots`` (int64 ``[num_tokens]`` on the device, each row's slot or
+        -1) while the block runs; None: no row runs with an adapter. Under CUDA graph capture
+        the mask is computed inside the graph, from the static tensor ``row_slots``."""
+        if row_slots is None:
+            self.mask = None
+        else:
+            mask = (row_slots[:, None] == self._column_slots).to(self.dtype)  # [num_tokens, K]
+            self.mask = mask.repeat(1, 3)
         try:
             yield
         finally:
-            self.batch = []
+            self.mask = None
 
 
-def _add_deltas(
-    state: LoraState,
-    layer: int,
-    parts: tuple[tuple[str, int, int], ...],
-    x: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
-    """In place: ``out[rows, begin:end] += x[rows] A^T (s B^T)`` for each adapter of the step
-    and each of ``parts`` (name, begin, end) it adapts. x: [num_tokens, in]; out: [num_tokens,
-    out_features]."""
-    for adapter, rows in state.batch:
-        selected: torch.Tensor | None = None
-        for name, begin, end in parts:
-            delta = adapter.deltas.get((layer, name))
-            if delta is None:
-                continue
-            if selected is None:
-                selected = x.index_select(0, rows)  # [n, in]
-            a_t, b_t = delta
-            out[:, begin:end].index_add_(0, rows, (selected @ a_t) @ b_t)
+class LoraDeltas:
+    """One projection's stacked adapter weights: ``a`` ``[in, P K]`` (A^T of part p's slot s in
+    columns ``p K + s R`` onwards) and ``b`` ``[P K, out]`` (s B^T in the same rows, in part p's
+    output columns only: block-diagonal), for its P fused parts."""
+
+    def __init__(
+        self,
+        state: LoraState,
+        layer: int,
+        in_features: int,
+        parts: tuple[tuple[str, int, int], ...],
+    ) -> None:
+        self.state = state
+        self.layer = layer
+        self.parts = parts
+        """(PEFT module name, first output column, end column) of each part it fuses."""
+        width = len(parts) * state.columns
+        out_features = parts[-1][2]
+        self.a = torch.zeros(in_features, width, dtype=state.dtype, device=state.device)
+        self.b = torch.zeros(width, out_features, dtype=state.dtype, device=state.device)
+        state.projections.append(self)
+
+    def write_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Slot ``slot`` of each part: ``adapter``'s weights (zero where it has none)."""
+        rank = self.state.max_rank
+        for index, (name, begin, end) in enumerate(self.parts):
+            first = index * self.state.columns + slot * rank
+            self.a[:, first : first + rank].zero_()
+            self.b[first : first + rank].zero_()
+            delta = None if adapter is None else adapter.deltas.get((self.layer, name))
+            if delta is not None:
+                a_t, b_t = delta  # [in, r], [r, end - begin]
+                r = a_t.shape[1]
+                self.a[:, first : first + r].copy_(a_t)
+                self.b[first : first + r, begin:end].copy_(b_t)
+
+    def add_to(self, x: torch.Tensor, out: torch.Tensor, mask: torch.Tensor) -> None:
+        """In place: ``out += ((x A) * mask) B``. x: [num_tokens, in]; out: [num_tokens, out];
+        mask: the state's ``[num_tokens, 3 K]``."""
+        width = self.a.shape[1]
+        out.addmm_((x @ self.a) * mask[:, :width], self.b)
 
 
 class LoraProjection(nn.Module):
     """A projection (``nn.Linear`` or ``PackedLinear``) with its adapters' deltas added."""
 
-    def __init__(
-        self, base: nn.Module, state: LoraState, layer: int, parts: tuple[tuple[str, int, int], ...]
-    ) -> None:
+    def __init__(self, base: nn.Module, deltas: LoraDeltas) -> None:
         super().__init__()
         self.base = base
-        self.state = state
-        self.layer = layer
-        self.parts = parts
-        """(PEFT module name, first output column, end column) of each part it fuses."""
+        self.deltas = deltas
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        if self.state.batch:
-            _add_deltas(self.state, self.layer, self.parts, x, out)
+        mask = self.deltas.state.mask
+        if mask is not None:
+            self.deltas.add_to(x, out, mask)
         return out
 
 
@@ -268,45 +347,45 @@ class LoraGateUp(nn.Module):
     whose kernels apply the activation, or a plain ``nn.Linear``), with the adapters' deltas
     added to gate and up before the activation."""
 
-    def __init__(
-        self, base: nn.Module, state: LoraState, layer: int, intermediate: int, ops: LayerOps
-    ) -> None:
+    def __init__(self, base: nn.Module, deltas: LoraDeltas, ops: LayerOps) -> None:
         super().__init__()
         self.base = base
-        self.state = state
-        self.layer = layer
+        self.deltas = deltas
         self.ops = ops
-        self.parts = (("gate_proj", 0, intermediate), ("up_proj", intermediate, 2 * intermediate))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, hidden] -> [num_tokens, intermediate]."""
         base = self.base
-        if not self.state.batch:
+        mask = self.deltas.state.mask
+        if mask is None:
             if isinstance(base, PackedSiluGateUp):
                 return base(x)
             return self.ops.silu_and_mul(base(x))
         gate_up = base.gate_and_up(x) if isinstance(base, PackedSiluGateUp) else base(x)
-        _add_deltas(self.state, self.layer, self.parts, x, gate_up)
+        self.deltas.add_to(x, gate_up, mask)
         return self.ops.silu_and_mul(gate_up)
 
 
 def install_lora(model: nn.Module, config: ModelConfig, state: LoraState, ops: LayerOps) -> None:
     """Wrap each decoder layer's projections of ``model`` (a ``LlamaForCausalLM``) so that they
-    read ``state``; the embedding and the lm_head are not adapted."""
+    add ``state``'s deltas; the embedding and the lm_head are not adapted."""
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     hidden, inter = config.hidden_size, config.intermediate_size
     for index, layer in enumerate(model.model.layers):  # type: ignore[union-attr]
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = LoraProjection(
-            attn.qkv_proj,
-            state,
-            index,
-            (
-                ("q_proj", 0, q_size),
-                ("k_proj", q_size, q_size + kv_size),
-                ("v_proj", q_size + kv_size, q_size + 2 * kv_size),
-            ),
+        qkv = (
+            ("q_proj", 0, q_size),
+            ("k_proj", q_size, q_size + kv_size),
+            ("v_proj", q_size + kv_size, q_size + 2 * kv_size),
         )
-        attn.o_proj = LoraProjection(attn.o_proj, state, index, (("o_proj", 0, hidden),))
-        mlp.gate_up_proj = LoraGateUp(mlp.gate_up_proj, state, index, inter, ops)
-        mlp.down_proj = LoraProjection(mlp.down_proj, state, index, (("down_proj", 0, hidden),))
+        attn.qkv_proj = LoraProjection(attn.qkv_proj, LoraDeltas(state, index, hidden, qkv))
+        attn.o_proj = LoraProjection(
+            attn.o_proj, LoraDeltas(state, index, q_size, (("o_proj", 0, hidden),))
+        )
+        gate_up = (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))
+        mlp.gate_up_proj = LoraGateUp(
+            mlp.gate_up_proj, LoraDeltas(state, index, hidden, gate_up), ops
+        )
+        mlp.down_proj = LoraProjection(
+            mlp.down_proj, LoraDeltas(state, index, inter, (("down_proj", 0, hidden),))
+        )

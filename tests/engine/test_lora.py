@@ -9,6 +9,7 @@ an adapter; adapters the engine cannot apply are refused naming what is wrong.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -41,13 +42,15 @@ def merged_model(model_dir: Path, deltas: Deltas | None, scale: float) -> torch.
 def reference(
     model: torch.nn.Module, prompt: list[int], steps: int
 ) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens, and the prompt's logprobs ``[len, vocab]`` (row p predicts token p + 1)."""
+    """Greedy tokens, and the prompt's logprobs ``[len, vocab]`` (row p predicts token p + 1),
+    computed on the model's device."""
+    device = next(model.parameters()).device
     with torch.inference_mode():
-        prompt_rows = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        prompt_rows = model(torch.tensor([prompt], device=device)).logits[0].log_softmax(-1)
         tokens = list(prompt)
         for _ in range(steps):
-            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt) :], prompt_rows
+            tokens.append(int(model(torch.tensor([tokens], device=device)).logits[0, -1].argmax()))
+    return tokens[len(prompt) :], prompt_rows.cpu()
 
 
 STEPS = 6
@@ -86,19 +89,44 @@ def lora_llm(model_dir: Path, **kwargs) -> LLM:
     return LLM(model_dir, max_model_len=128, enable_lora=True, **options)
 
 
-@pytest.mark.parametrize("budget", [2048, 16])  # 16: prompts in chunks beside others' decodes
-def test_each_prompt_runs_its_own_adapter(tiny_llama_dir: Path, adapters, budget: int) -> None:
+@pytest.mark.parametrize(
+    ("budget", "device", "cuda_graphs"),
+    [
+        (2048, "cpu", None),
+        (16, "cpu", None),  # 16: prompts in chunks beside others' decodes
+        # Decode-only steps on the static inputs a CUDA graph replays (run eagerly on a CPU):
+        # each row's adapter slot is one of them.
+        (2048, "cpu", True),
+        # Graphs captured at start-up, before any adapter was loaded, replay every adapter.
+        pytest.param(2048, "cuda", None, marks=pytest.mark.gpu),
+    ],
+)
+def test_each_prompt_runs_its_own_adapter(
+    tiny_llama_dir: Path, adapters, budget: int, device: str, cuda_graphs: bool | None
+) -> None:
     rng = random.Random(4)
     names = ["every", "qv", None, "every", None, "qv"]
     prompts = [[rng.randrange(5, 4000) for _ in range(n)] for n in (20, 35, 11, 3, 40, 17)]
-    llm = lora_llm(tiny_llama_dir, max_num_batched_tokens=budget)
+    llm = lora_llm(
+        tiny_llama_dir,
+        max_num_batched_tokens=budget,
+        device=device,
+        cuda_graphs=cuda_graphs,
+        kv_cache_memory=64 << 20,  # not a GPU's default share of its memory
+    )
+    static = llm.engine.runner.static_decode
+    assert (static is not None) == (cuda_graphs or device == "cuda")
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
     outputs = llm.generate(
         prompts, params, lora_request=[adapters[name][0] for name in names], use_tqdm=False
     )
+    if static is not None:
+        assert static.use_graphs == (device == "cuda") and static.lora is llm.engine.runner.lora
+    # The reference on the engine's device (a GPU's fp32 differs from a CPU's in the last bits).
+    models = {name: copy.deepcopy(model).to(device) for name, (_, model) in adapters.items()}
     base_tokens = {}
     for name, prompt, output in zip(names, prompts, outputs, strict=True):
-        tokens, rows = reference(adapters[name][1], prompt, STEPS)
+        tokens, rows = reference(models[name], prompt, STEPS)
         assert output.token_ids == tokens, name
         assert output.prompt_logprobs is not None
         for position in range(1, len(prompt)):
@@ -108,7 +136,7 @@ def test_each_prompt_runs_its_own_adapter(tiny_llama_dir: Path, adapters, budget
             assert entry[token].logprob == pytest.approx(rows[position - 1, token].item(), abs=1e-4)
         if name is None:
             continue
-        base_tokens[name], _ = reference(adapters[None][1], prompt, STEPS)
+        base_tokens[name], _ = reference(models[None], prompt, STEPS)
         assert output.token_ids != base_tokens[name], f"{name} changed nothing"
     assert llm.engine.stats().num_blocks_used == 0
 
@@ -134,6 +162,8 @@ def test_max_loras_unloads_the_least_recently_used(tiny_llama_dir: Path, adapter
     (first,) = llm.generate([[5, 6, 7]], params, lora_request=every)
     (other,) = llm.generate([[5, 6, 7]], params, lora_request=qv)
     assert llm.engine.lora_names == {"qv"}
+    # qv took every's slot, whose k, o and MLP columns it does not adapt: zeroed, not left.
+    assert other.token_ids == reference(adapters["qv"][1], [5, 6, 7], 2)[0]
     (again,) = llm.generate([[5, 6, 7]], params, lora_request=every)
     assert again.token_ids == first.token_ids and llm.engine.lora_names == {"every"}
     with pytest.raises(ValueError, match="max_loras is 1"):
