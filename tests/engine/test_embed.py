@@ -1,6 +1,7 @@
 """Embeddings (vLLM's ``LLM.embed`` and ``PoolingParams``): the last prompt token's final hidden
-state, against Hugging Face's ``last_hidden_state`` (fp32), whole or computed in chunks beside
-other requests' decodes, from the prefix cache or not; a Matryoshka prefix; refusals."""
+state, against Hugging Face's ``last_hidden_state`` (fp32, on the same device: the CPU, and a GPU
+where there is one), whole or computed in chunks beside other requests' decodes, from the prefix
+cache or not; a Matryoshka prefix; refusals."""
 
 from __future__ import annotations
 
@@ -18,27 +19,38 @@ from services.engine import LLM, PoolingParams, SamplingParams
 from services.types import SamplingParamError
 
 
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request: pytest.FixtureRequest) -> str:
+    """Where the engine under test and its reference both run."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def hf_model(tiny_llama_dir: Path) -> torch.nn.Module:
-    return AutoModel.from_pretrained(
-        tiny_llama_dir, dtype=torch.float32, local_files_only=True
-    ).eval()
+def hf_model(tiny_llama_dir: Path, device: str) -> torch.nn.Module:
+    return (
+        AutoModel.from_pretrained(tiny_llama_dir, dtype=torch.float32, local_files_only=True)
+        .to(device)
+        .eval()
+    )
 
 
 def reference(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
-    """The prompt's last token's final hidden state ``[hidden_size]``."""
+    """The prompt's last token's final hidden state ``[hidden_size]``, on the CPU."""
     with torch.inference_mode():
-        return model(torch.tensor([prompt])).last_hidden_state[0, -1]
+        tokens = torch.tensor([prompt], device=model.device)
+        return model(tokens).last_hidden_state[0, -1].cpu()
 
 
 @pytest.mark.parametrize("budget", [2048, 16])  # 16: prompts in chunks beside decodes
 def test_embeddings_are_the_last_tokens_final_hidden_state(
-    tiny_llama_dir: Path, hf_model, budget: int
+    tiny_llama_dir: Path, hf_model, device: str, budget: int
 ) -> None:
     rng = random.Random(3)
     prompts = [[rng.randrange(5, 4000) for _ in range(n)] for n in (1, 7, 40, 70)]
-    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_dtype="float32",
-              max_num_batched_tokens=budget, max_model_len=128)  # fmt: skip
+    # 4 MiB: 2,048 tokens, room for every prompt (the default on a GPU is most of its memory).
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_dtype="float32", device=device,
+              kv_cache_memory=4 << 20, max_num_batched_tokens=budget,
+              max_model_len=128)  # fmt: skip
     # Generation beside the embeddings: both come out right from the same steps.
     engine = llm.engine
     engine.add_request("gen", prompts[3], SamplingParams(max_tokens=4, temperature=0.0))

@@ -1,11 +1,13 @@
 """``LLM(seed=...)``: what requests without a seed of their own sample from (vLLM's engine seed).
 
 The same seed gives the same tokens from one engine to the next, whatever the caller does with
-torch's global generator; another seed gives others; ``seed=None`` a fresh seed each time.
+torch's global generator; another seed gives others; ``seed=None`` a fresh seed each time. A
+request's own seed gives its tokens, alone or in any batch, on the CPU and on a GPU.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,12 +18,20 @@ from support.small_llm import small_llm
 
 PROMPTS = [[10, 11, 12, 13], [7, 300, 4000], [42]]
 UNSEEDED = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def make_llm(
-    model_dir: Path, seed: int | None, *, cuda_graphs: bool | None = None, backend: str = "auto"
+    model_dir: Path,
+    seed: int | None,
+    *,
+    cuda_graphs: bool | None = None,
+    backend: str = "auto",
+    device: str = "cpu",
 ) -> LLM:
-    return small_llm(model_dir, seed=seed, attention_backend=backend, cuda_graphs=cuda_graphs)
+    return small_llm(
+        model_dir, seed=seed, attention_backend=backend, cuda_graphs=cuda_graphs, device=device
+    )
 
 
 def sample(llm: LLM) -> list[list[int]]:
@@ -76,3 +86,20 @@ def test_the_static_decode_path_samples_from_the_same_generator(tiny_llama_dir: 
     static_decode.run = lambda *a, **k: calls.append(1) or run(*a, **k)  # type: ignore[method-assign]
     assert sample(static) == sample(dynamic)
     assert calls, "no step took the static path"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_requests_own_seed_gives_its_tokens_alone_or_in_any_batch(
+    tiny_llama_dir: Path, device: str
+) -> None:
+    # seed=None: the unseeded neighbours draw anew each call, so each batch around it differs.
+    llm = make_llm(tiny_llama_dir, seed=None, device=device)
+    seeded = replace(UNSEEDED, max_tokens=8, seed=5)
+    neighbour = replace(UNSEEDED, max_tokens=8)
+    (alone,) = llm.generate(PROMPTS[:1], seeded)
+    (again,) = llm.generate(PROMPTS[:1], seeded)
+    first = llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], [neighbour, seeded, neighbour])
+    second = llm.generate([PROMPTS[0], PROMPTS[2]], [seeded, neighbour])
+    assert alone.token_ids == again.token_ids == first[1].token_ids == second[0].token_ids
+    (other,) = llm.generate(PROMPTS[:1], replace(seeded, seed=6))
+    assert other.token_ids != alone.token_ids

@@ -1,7 +1,7 @@
 """The offline ``LLM``'s logprobs in vLLM's shape: ``{token id: Logprob}`` per position, each
 with the raw logprob, the rank (the top-n's places 1 .. n, a sampled or prompt token outside them
 its rank in the whole vocabulary) and the token's text; checked against a Hugging Face forward
-pass over the same tokens (fp32)."""
+pass over the same tokens (fp32, on the same device: the CPU, and a GPU where there is one)."""
 
 from __future__ import annotations
 
@@ -17,24 +17,38 @@ from services.engine.logprob import logprob_entries
 
 TEXT = "The quick brown fox jumps over"
 TOP = 2
+KV_CACHE_MEMORY = 4 << 20
+"""2,048 tokens of the tiny model (on a GPU the default would be most of its memory)."""
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request: pytest.FixtureRequest) -> str:
+    """Where the engine under test and its reference both run."""
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_llama_dir: Path) -> LLM:
-    return LLM(tiny_llama_dir, dtype="float32", kv_cache_dtype="float32", max_model_len=128)
+def llm(tiny_llama_dir: Path, device: str) -> LLM:
+    return LLM(tiny_llama_dir, dtype="float32", kv_cache_dtype="float32", max_model_len=128,
+               kv_cache_memory=KV_CACHE_MEMORY, device=device)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def hf_model(tiny_llama_dir: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(
-        tiny_llama_dir, dtype=torch.float32, local_files_only=True
-    ).eval()
+def hf_model(tiny_llama_dir: Path, device: str) -> torch.nn.Module:
+    return (
+        AutoModelForCausalLM.from_pretrained(
+            tiny_llama_dir, dtype=torch.float32, local_files_only=True
+        )
+        .to(device)
+        .eval()
+    )
 
 
 def reference_rows(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
-    """``[len(tokens), vocab]``: row p is the logprobs of the token after ``tokens[: p + 1]``."""
+    """``[len(tokens), vocab]`` on the CPU: row p is the logprobs of the token after
+    ``tokens[: p + 1]``."""
     with torch.inference_mode():
-        return model(torch.tensor([tokens])).logits[0].log_softmax(-1)
+        return model(torch.tensor([tokens], device=model.device)).logits[0].log_softmax(-1).cpu()
 
 
 def check_entry(entry: dict[int, Logprob], token: int, row: torch.Tensor, num_top: int) -> None:
@@ -96,13 +110,16 @@ def test_greedy_tokens_rank_first(llm: LLM) -> None:
     assert all(entry[t].rank == 1 for entry, t in zip(out.logprobs, out.token_ids, strict=True))
 
 
-def test_outputs_without_text_carry_no_token_text(tiny_llama_dir: Path, llm: LLM) -> None:
+def test_outputs_without_text_carry_no_token_text(
+    tiny_llama_dir: Path, device: str, llm: LLM
+) -> None:
     params = SamplingParams(max_tokens=4, logprobs=3, prompt_logprobs=2, detokenize=False)
     (out,) = llm.generate(TEXT, params, use_tqdm=False)
     assert out.text is None and out.logprobs is not None and out.prompt_logprobs is not None
     entries = [*out.logprobs, *out.prompt_logprobs[1:]]
     assert all(lp.decoded_token is None for entry in entries if entry for lp in entry.values())
-    bare = LLM(tiny_llama_dir, dtype="float32", max_model_len=64, skip_tokenizer_init=True)
+    bare = LLM(tiny_llama_dir, dtype="float32", max_model_len=64, skip_tokenizer_init=True,
+               kv_cache_memory=KV_CACHE_MEMORY, device=device)  # fmt: skip
     (out,) = bare.generate([out.prompt_token_ids], params, use_tqdm=False)
     assert out.logprobs is not None
     assert all(lp.decoded_token is None for entry in out.logprobs for lp in entry.values())

@@ -1,4 +1,8 @@
-"""Sampler tests: each outcome is checked against a direct computation from the raw logits."""
+"""Sampler tests: each outcome is checked against a direct computation from the raw logits.
+
+Those of seeds, penalties and the logits steps (logit bias, grammar bitmask, ...) run on each
+device: on a GPU the logits, the per-request generators and the masks built for them live there.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from services.models.layer_ops import LayerOps
 from services.types import SamplingParams
 
 EOS_TOKEN_ID = 2
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def make_sampler() -> Sampler:
@@ -37,13 +42,17 @@ def make_metadata(
     )
 
 
-def make_logits(num_rows: int, vocab_size: int, *, seed: int, scale: float = 2.0) -> torch.Tensor:
+def make_logits(
+    num_rows: int, vocab_size: int, *, seed: int, scale: float = 2.0, device: str = "cpu"
+) -> torch.Tensor:
+    """The same values on every device: drawn on the CPU, then moved."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(num_rows, vocab_size, generator=generator) * scale
+    return (torch.randn(num_rows, vocab_size, generator=generator) * scale).to(device)
 
 
-def make_generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+def make_generator(seed: int, device: str = "cpu") -> torch.Generator:
+    """A request's own generator, on the logits' device as the model runner makes it."""
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def sample_many(
@@ -145,7 +154,8 @@ def test_same_seed_gives_same_tokens_and_other_seeds_differ() -> None:
     assert len(set(first)) > 25
 
 
-def test_seeded_row_does_not_depend_on_the_rest_of_the_batch() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_row_does_not_depend_on_the_rest_of_the_batch(device: str) -> None:
     sampler = make_sampler()
     target = SamplingParams(temperature=0.8, seed=7)
     neighbours = [
@@ -153,10 +163,10 @@ def test_seeded_row_does_not_depend_on_the_rest_of_the_batch() -> None:
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=0.5, seed=8, repetition_penalty=1.3, frequency_penalty=0.5),
     ]
-    alone_generator, batched_generator = make_generator(7), make_generator(7)
-    neighbour_generator = make_generator(8)
+    alone_generator, batched_generator = make_generator(7, device), make_generator(7, device)
+    neighbour_generator = make_generator(8, device)
     for step in range(20):
-        logits = make_logits(4, 300, seed=200 + step, scale=0.3)
+        logits = make_logits(4, 300, seed=200 + step, scale=0.3, device=device)
         alone = sampler(logits[2:3], make_metadata([target], generators=[alone_generator]))
         batched = sampler(
             logits,
@@ -222,7 +232,8 @@ def reference_process(
     return processed
 
 
-def test_process_logits_matches_direct_computation() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_process_logits_matches_direct_computation(device: str) -> None:
     params = [
         SamplingParams(repetition_penalty=1.5),
         SamplingParams(repetition_penalty=0.7, presence_penalty=0.4),
@@ -233,11 +244,12 @@ def test_process_logits_matches_direct_computation() -> None:
     ]
     prompt_token_ids = [[1, 3, 3, 9], [0, 11], [4, 4], [1, 2, 3], [6, 7], [8]]
     output_token_ids = [[3, 12], [11, 11, 13], [5, 5, 5, 7], [1, 1], [6, 2], [10, 10, 4]]
-    logits = make_logits(len(params), 16, seed=4)
+    logits = make_logits(len(params), 16, seed=4, device=device)
     metadata = make_metadata(
         params, prompt_token_ids=prompt_token_ids, output_token_ids=output_token_ids
     )
     processed = process_logits(logits, metadata, [EOS_TOKEN_ID])
+    assert processed.device == logits.device
     expected = torch.tensor(
         [
             reference_process(row, p, prompt, output)
@@ -247,11 +259,12 @@ def test_process_logits_matches_direct_computation() -> None:
         ]
     )
     assert (logits > 0).any() and (logits < 0).any()
-    torch.testing.assert_close(processed, expected)
+    torch.testing.assert_close(processed.cpu(), expected)
 
 
-def test_penalties_change_the_greedy_choice() -> None:
-    logits = torch.tensor([[0.0, 3.0, 2.5, 1.0], [0.0, 3.0, 2.5, 1.0], [0.0, 3.0, 2.5, 1.0]])
+@pytest.mark.parametrize("device", DEVICES)
+def test_penalties_change_the_greedy_choice(device: str) -> None:
+    logits = torch.tensor([[0.0, 3.0, 2.5, 1.0]] * 3, device=device)
     params = [
         SamplingParams(temperature=0.0, repetition_penalty=1.5),  # 3.0 / 1.5 = 2.0 < 2.5
         SamplingParams(temperature=0.0, frequency_penalty=0.3),  # 3.0 - 2 * 0.3 = 2.4 < 2.5
@@ -263,13 +276,14 @@ def test_penalties_change_the_greedy_choice() -> None:
     assert make_sampler()(logits, metadata).token_ids == [2, 2, 1]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "step", ["min_tokens", "allowed", "bad_words", "logit_bias", "penalty", "grammar"]
 )
-def test_each_logits_step_alone_changes_an_all_greedy_batch(step: str) -> None:
+def test_each_logits_step_alone_changes_an_all_greedy_batch(step: str, device: str) -> None:
     # Every row greedy: the sampler takes the raw logits' argmax unless a step applies, so a
     # step it failed to notice would leave token 1 (the raw maximum) chosen.
-    logits = torch.tensor([[0.0, 3.0, 2.5, 1.0]] * 2)
+    logits = torch.tensor([[0.0, 3.0, 2.5, 1.0]] * 2, device=device)
     params = SamplingParams(
         temperature=0.0,
         min_tokens=2 if step == "min_tokens" else 0,
@@ -280,7 +294,9 @@ def test_each_logits_step_alone_changes_an_all_greedy_batch(step: str) -> None:
         presence_penalty=1.0 if step == "penalty" else 0.0,
     )
     metadata = make_metadata([params, params], output_token_ids=[[1], [1]])
-    if step == "grammar":  # the first row may not take token 1: word 0, bits 0, 2, 3
+    if (
+        step == "grammar"
+    ):  # the first row may not take token 1: word 0, bits 0, 2, 3, on the CPU as matchers write it
         metadata = dataclasses.replace(
             metadata, grammar_bitmask=torch.tensor([[0b1101]], dtype=torch.int32), grammar_rows=(0,)
         )

@@ -1,6 +1,7 @@
-"""Guided decoding in the engine: the grammar holds whatever the (random) weights prefer, the
-first token is constrained too, and a request's output is the same colocated, disaggregated
-(prefill engine → pages → decode engine's commit) and recomputed on the decode engine."""
+"""Guided decoding in the engine: the grammar holds whatever the (random) weights prefer, on the
+CPU and on a GPU where there is one; the first token is constrained too, and a request's output is
+the same colocated, disaggregated (prefill engine → pages → decode engine's commit) and recomputed
+on the decode engine."""
 
 from __future__ import annotations
 
@@ -32,13 +33,27 @@ SCHEMA = {
 PROMPT = [11, 400, 27, 3000, 12, 9]
 
 
-def make_llm(model_dir: Path, kv_cache_memory: int = 4 << 20) -> LLM:
-    return LLM(model_dir, dtype="float32", max_model_len=256, kv_cache_memory=kv_cache_memory)
+def make_llm(model_dir: Path, kv_cache_memory: int = 4 << 20, device: str = "cpu") -> LLM:
+    return LLM(model_dir, dtype="float32", max_model_len=256, kv_cache_memory=kv_cache_memory,
+               device=device)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir: Path) -> LLM:
     return make_llm(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def cuda_llm(tiny_llama_dir: Path) -> LLM:
+    """Built only when a gpu test asks for it: on a CPU-only host those are skipped first."""
+    return make_llm(tiny_llama_dir, device="cuda")
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def llm_on_device(request: pytest.FixtureRequest) -> LLM:
+    """The module's engine on each device: the grammar's bitmask masks the logits where they are
+    (on a GPU, without copying them back)."""
+    return request.getfixturevalue("llm" if request.param == "cpu" else "cuda_llm")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +68,8 @@ def generate(llm: LLM, guided: GuidedDecoding, **kwargs: object) -> tuple[list[i
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_json_schema_output_is_valid_and_stops(llm, tokenizer, seed) -> None:
+def test_json_schema_output_is_valid_and_stops(llm_on_device, tokenizer, seed) -> None:
+    llm = llm_on_device
     token_ids, reason = generate(llm, GuidedDecoding.json_schema(SCHEMA), seed=seed)
     assert reason == "stop"
     value = json.loads(tokenizer.decode(token_ids))
@@ -65,7 +81,8 @@ def test_json_schema_output_is_valid_and_stops(llm, tokenizer, seed) -> None:
     assert len(llm.engine.structured_outputs) == 0  # the matcher went with the request
 
 
-def test_choice_regex_and_grammar(llm, tokenizer) -> None:
+def test_choice_regex_and_grammar(llm_on_device, tokenizer) -> None:
+    llm = llm_on_device
     choices = ["yes", "no", "maybe not"]
     for seed in range(4):
         token_ids, reason = generate(llm, GuidedDecoding.choice(choices), seed=seed)
