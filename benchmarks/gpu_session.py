@@ -32,6 +32,9 @@ Stages (each one runs, or records why it cannot, and the session goes on):
    SIGTERM: exit code and log tail.
 7. ``serving_burst``: ``benchmarks/serving_comparison.py --systems colocated`` with the node on
    the GPU (``PDSERVE_DEVICE``), a burst through the gateway.
+7a. ``lora``: ``benchmarks/lora_overhead.py --device cuda`` on the ~1B model (64 prompts x 128
+   in / 128 out, rank 16 on every projection): no LoRA, LoRA on with base requests, one adapter,
+   two adapters; with decode graphs (the adapters' deltas replayed in them) and ``--eager``.
 
 ``--dry-run`` (what the CPU test suite runs): stages that need CUDA say so instead of running,
 and nothing slow starts; the JSON and the table are written the same way.
@@ -576,6 +579,19 @@ def stage_launcher(args: argparse.Namespace) -> dict:
     return launch_and_ask(ensure_model(args.model), [0], args.out / "launcher", args.deadline)
 
 
+def stage_lora(args: argparse.Namespace) -> dict:
+    need_cuda(args)
+    runs = {}
+    for name, extra in (("graphs", []), ("eager", ["--eager"])):
+        runs[name] = run_script(
+            ["benchmarks/lora_overhead.py", "--model", str(ensure_model(args.model_1b, "1b")),
+             "--device", "cuda", "--num-prompts", "64", "--input-len", "128", "--output-len",
+             "128", "--kv-cache-memory", "4GiB", "--dtype", "bfloat16", *extra],
+            args.deadline,
+        )  # fmt: skip
+    return runs
+
+
 def stage_serving_burst(args: argparse.Namespace) -> dict:
     need_cuda(args)
     run = run_script(
@@ -601,6 +617,7 @@ STAGES = (
     "offline_budget",
     "launcher",
     "serving_burst",
+    "lora",
     "decode_steps",
     "step_profile",
 )
@@ -624,6 +641,7 @@ def run_session(args: argparse.Namespace) -> dict[str, dict]:
         "offline_budget": lambda: stage_offline_budget(args),
         "launcher": lambda: stage_launcher(args),
         "serving_burst": lambda: stage_serving_burst(args),
+        "lora": lambda: stage_lora(args),
     }
     for name in STAGES:
         if args.only and name not in args.only:

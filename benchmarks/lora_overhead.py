@@ -2,12 +2,14 @@
 request on the base model, every request on one adapter, and half on each of two adapters.
 
     python benchmarks/lora_overhead.py [--model DIR] [--num-prompts 64] [--input-len 128]
-        [--output-len 32] [--rank 16] [--dtype auto] [--rounds 2]
+        [--output-len 32] [--rank 16] [--dtype auto] [--rounds 2] [--device cuda]
+        [--kv-cache-memory 4GiB] [--eager]
 
 The adapters are random (``services/models/random_lora.py``), of ``--rank`` on all seven
 projections of every layer. Every run is the same random prompts, greedy, EOS ignored, prefix
 caching off; the runs take turns ``--rounds`` times and each keeps its best. Prints each run's
-output tok/s and its ratio to the run without LoRA.
+output tok/s and its ratio to the run without LoRA. On a GPU, decode steps replay CUDA graphs,
+the adapters' deltas within them; ``--eager`` turns graphs off for both engines.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from services.cli import parse_bytes  # noqa: E402
 from services.engine import LLM, LoRARequest, SamplingParams  # noqa: E402
 from services.host_memory import restart_with_huge_page_heap  # noqa: E402
 from services.models.random_lora import write_random_adapter  # noqa: E402
@@ -38,6 +41,11 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--kv-cache-memory", type=parse_bytes, default=None, help="each engine's (two run)"
+    )
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs (a GPU's default)")
     args = parser.parse_args()
 
     def engine(enable_lora: bool) -> LLM:
@@ -50,6 +58,9 @@ def main() -> None:
             enable_lora=enable_lora,
             max_loras=2,
             max_lora_rank=args.rank,
+            device=args.device,
+            kv_cache_memory=args.kv_cache_memory,
+            cuda_graphs=False if args.eager else None,
         )
 
     plain, with_lora = engine(False), engine(True)
@@ -86,7 +97,10 @@ def main() -> None:
                 best[name] = min(best[name], time.perf_counter() - start)
     tokens = args.num_prompts * args.output_len
     dtype = with_lora.engine.dtype_choice.dtype
-    print(f"{args.model.name}, {dtype}, {args.num_prompts} prompts x {args.input_len} tokens, "
+    static = with_lora.engine.runner.static_decode
+    graphs = static is not None and static.use_graphs
+    print(f"{args.model.name}, {dtype}, {args.device}, decode graphs {graphs}, "
+          f"{args.num_prompts} prompts x {args.input_len} tokens, "
           f"{args.output_len} out, rank {args.rank}, best of {args.rounds}")  # fmt: skip
     for name, seconds in best.items():
         print(f"{name:26s} {seconds:7.2f} s  {tokens / seconds:8.1f} output tok/s  "
