@@ -393,7 +393,7 @@ def profile_graphed_step(engine, batch: int, out: Path) -> dict:
     steps = 64
     static = engine.runner.static_decode
     start_decodes(engine, batch, 128, steps, f"profile-b{batch}")
-    graph = static._graphs[static.bucket_for(batch)]
+    graph = static._graphs[static.bucket_for(batch), False]
     replay_s = cuda_time(graph.replay)
     profile = cProfile.Profile()
     torch.cuda.synchronize()

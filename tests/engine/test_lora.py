@@ -138,6 +138,12 @@ def test_each_prompt_runs_its_own_adapter(
             continue
         base_tokens[name], _ = reference(models[None], prompt, STEPS)
         assert output.token_ids != base_tokens[name], f"{name} changed nothing"
+    # Decode steps without an adapter row (a graph without the deltas, where graphs are), then
+    # with one again: each as its model.
+    greedy = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    for name in (None, "every"):
+        (again,) = llm.generate([prompts[2]], greedy, lora_request=adapters[name][0])
+        assert again.token_ids == reference(models[name], prompts[2], STEPS)[0], name
     assert llm.engine.stats().num_blocks_used == 0
 
 
