@@ -60,7 +60,8 @@ def time_staging(model: Path, batch: int, repeats: int = 2000) -> float:
     static = llm.engine.runner.static_decode
     assert static is not None
     tables = [list(range(i * 9, i * 9 + 9)) for i in range(batch)]
-    args = ([1] * batch, [140] * batch, [5] * batch, tables, static.bucket_for(batch) or batch)
+    # No LoRA adapter slots (the engine has LoRA off).
+    args = ([1] * batch, [140] * batch, [5] * batch, tables, (), static.bucket_for(batch) or batch)
     for _ in range(50):
         static._stage(*args)
     start = time.perf_counter()
