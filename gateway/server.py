@@ -65,6 +65,11 @@ class GatewayServer:
             tls=config.tls,
         )
         self.router = Router(self.pool, config.router)
+        self.lora_updates = (
+            LoraUpdates(self.pool, prefill_grace_ms=config.router.lease_ms)
+            if config.allow_runtime_lora_updating
+            else None
+        )
         routed = RoutedGenerator(self.router, config.router, self.metrics)
         self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests)
         self.frontend = Frontend(
@@ -87,11 +92,7 @@ class GatewayServer:
             lora_modules=config.lora_modules,
             node_lora_names=self.pool.lora_names,
             embedder=RoutedEmbedder(self.router, config.router),
-            lora_updates=(
-                LoraUpdates(self.pool, prefill_grace_ms=config.router.lease_ms)
-                if config.allow_runtime_lora_updating
-                else None
-            ),
+            lora_updates=self.lora_updates,
         )
         if config.sampling_defaults.as_dict():
             logger.info(
@@ -105,6 +106,9 @@ class GatewayServer:
         self._grpc: grpc.aio.Server | None = None
         self._http: _EmbeddedUvicorn | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._restores: set[asyncio.Task[list[str]]] = set()
+        """``LoraUpdates.restore`` of nodes back from UNHEALTHY, off the health loop (a load
+        may take seconds)."""
 
     async def start(self) -> None:
         config = self.config
@@ -196,6 +200,15 @@ class GatewayServer:
             await asyncio.sleep(self.pool.interval_s)
             for node in await self.pool.poll_once():
                 self.router.forget(node)  # soft state: a restarted node's cache is empty
+                if self.lora_updates is not None:  # and it has only its --lora-modules
+                    task = asyncio.create_task(self.lora_updates.restore(node))
+                    self._restores.add(task)
+                    task.add_done_callback(self._restore_done)
+
+    def _restore_done(self, task: asyncio.Task[list[str]]) -> None:
+        self._restores.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("restoring a node's LoRA adapters failed", exc_info=task.exception())
 
     async def stop(self, grace_s: float = 30.0) -> None:
         await self.health.enter_graceful_shutdown()
@@ -205,6 +218,8 @@ class GatewayServer:
             self._http.should_exit = True
         if self._grpc is not None:
             await self._grpc.stop(grace_s)
+        for restore in list(self._restores):
+            restore.cancel()
         for task in self._tasks:
             if task.get_name() == "http":
                 with contextlib.suppress(Exception):

@@ -16,10 +16,15 @@ on their way. A node that does not have it is no error unless none has (404). Ne
 can undo what a node did after it answered, so a node that failed is named, and those that
 unloaded it stay so.
 
-Nodes the gateway does not see healthy are skipped and named in the answer: a node keeps only
+Nodes the gateway does not see healthy are skipped and named in the answer. A node keeps only
 its ``--lora-modules`` across a restart, so a node that comes back lacks the adapters loaded at
-run time and is not routed their requests (the load reports say which adapters each node has)
-until the load is sent again, which the nodes that have it answer as a no-op.
+run time, and is not routed their requests meanwhile (the load reports say which adapters each
+node has); so does a node new to the gateway (a replica added). ``restore`` mends that: for a
+node that turns HEALTHY (new, restarted, or one a load skipped), it loads each adapter loaded
+through this gateway that the node lacks and another healthy node still has, from the same
+path. An adapter no healthy node has any more (unloaded meanwhile, here or through another
+gateway) is not brought back. What a gateway loaded is its own memory: a restarted gateway, or
+another replica, restores none of it.
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ class LoraUpdates:
         self._prefill_grace_ms = prefill_grace_ms
         self._lock = asyncio.Lock()
         """One update at a time: a load's roll-back must not undo another call's load."""
+        self._loaded: dict[str, str] = {}
+        """Adapter name -> path of each load this gateway made, until its unload: what
+        ``restore`` gives a node that lacks it."""
 
     async def load(self, name: str, path: str) -> str:
         """Load adapter ``name`` from ``path`` (as the nodes' hosts see it) on every healthy
@@ -84,6 +92,7 @@ class LoraUpdates:
                     f"The lora adapter '{name}' has already been loaded.",
                     param="lora_name",
                 )
+            self._loaded[name] = path
             logger.info("LoRA adapter %r loaded from %s on %d nodes", name, path, len(loaded))
             return f"Success: LoRA adapter '{name}' added successfully." + _skipped(skipped)
 
@@ -98,6 +107,7 @@ class LoraUpdates:
                   for node in nodes),
                 return_exceptions=True,
             )  # fmt: skip
+            self._loaded.pop(name, None)  # asked to go: never restored, whatever the nodes say
             unloaded: list[Node] = []
             failed: list[tuple[Node, BaseException]] = []
             for node, result in zip(nodes, results, strict=True):
@@ -119,6 +129,35 @@ class LoraUpdates:
                 )
             logger.info("LoRA adapter %r unloaded on %d nodes", name, len(unloaded))
             return f"Success: LoRA adapter '{name}' removed successfully." + _skipped(skipped)
+
+    async def restore(self, node: Node) -> list[str]:
+        """Load on ``node`` (just HEALTHY: new, or maybe restarted) each adapter loaded through
+        this gateway that it lacks and another healthy node has; returns their names. A refusal
+        is logged and the node left without that adapter (its reports keep its requests away)."""
+        async with self._lock:
+            if not node.is_healthy:
+                return []
+            others = [other for other in self._pool.nodes if other is not node and other.is_healthy]
+            missing = [
+                (name, path)
+                for name, path in sorted(self._loaded.items())
+                if name not in _names(node) and any(name in _names(other) for other in others)
+            ]
+            restored = []
+            for name, path in missing:
+                try:
+                    await self._pool.client(node).load_lora_adapter(name, path, self._timeout_s)
+                except grpc.aio.AioRpcError as exc:
+                    logger.warning("node %s (%s) did not take LoRA adapter %r back from %s: %s: %s",
+                                   node.address, node.role, name, path, exc.code().name,
+                                   exc.details())  # fmt: skip
+                    continue
+                node.set_lora_names(_names(node) | {name})
+                restored.append(name)
+            if restored:
+                logger.info("node %s (%s): LoRA adapters %s loaded again", node.address,
+                            node.role, ", ".join(restored))  # fmt: skip
+            return restored
 
     def _grace_ms(self, node: Node) -> int:
         return self._prefill_grace_ms if node.role is Role.PREFILL else 0
@@ -174,5 +213,6 @@ def _skipped(nodes: Sequence[Node]) -> str:
         return ""
     return (
         f" Not sent to {len(nodes)} node(s) not healthy now "
-        f"({', '.join(node.address for node in nodes)}): send it again once they serve."
+        f"({', '.join(node.address for node in nodes)}): this gateway loads it on them when "
+        "they serve again."
     )

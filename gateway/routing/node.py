@@ -126,12 +126,13 @@ class Node:
         self, load: NodeLoad | None, error: str | None, lora_version: int | None = None
     ) -> bool:
         """Applies one poll: ``error`` None means SERVING; ``load`` None means the node did not
-        answer (ends its legs once it is unresponsive). True when the node just came back from
-        UNHEALTHY (it may have restarted with an empty cache). ``lora_version``: the node's
+        answer (ends its legs once it is unresponsive). True when the node just turned HEALTHY:
+        new to the gateway, or back from UNHEALTHY (it may have restarted with an empty cache
+        and without its run-time LoRA adapters). ``lora_version``: the node's
         ``lora_version`` when the poll was sent; an update since keeps its adapters (the node
         may have answered before it)."""
         assert load is not None or error is not None, "an unanswered poll says why"
-        was_unhealthy = self.health is NodeHealth.UNHEALTHY
+        was_not_healthy = self.health is not NodeHealth.HEALTHY
         if load is not None:
             if lora_version is not None and lora_version != self.lora_version:
                 load = dataclasses.replace(load, lora_names=self.load.lora_names)
@@ -153,7 +154,7 @@ class Node:
                     f" ({error})" if error else "")  # fmt: skip
         self.health = health
         self.last_error = error
-        return was_unhealthy and health is NodeHealth.HEALTHY
+        return was_not_healthy and health is NodeHealth.HEALTHY
 
     def _end_legs(self, reason: str) -> None:
         logger.warning("node %s (%s): ending the %d legs open on it: %s", self.address, self.role,

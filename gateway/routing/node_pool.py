@@ -145,7 +145,7 @@ class NodePool:
 
     async def poll_once(self) -> list[Node]:
         """Refreshes the node set, then polls every node (ending the legs on an unresponsive
-        one); returns those that came back from UNHEALTHY."""
+        one); returns those that just turned HEALTHY (new, or back from UNHEALTHY)."""
         await self.refresh()
         nodes = self.nodes
         versions = [node.lora_version for node in nodes]

@@ -6,6 +6,7 @@ from polls sent before it. The real nodes' side: ``tests/integration/test_lora_s
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 import pytest
@@ -156,6 +157,48 @@ def test_an_unload_a_node_fails_names_it_and_what_was_unloaded(pool, monkeypatch
     assert "127.0.0.1:7101" in error.value.message
     assert "unloaded on: 127.0.0.1:6100, 127.0.0.1:7100" in error.value.message
     assert names(pool.decode[1]) == {"old"}
+
+
+def test_a_node_back_or_new_gets_the_adapters_loaded_through_the_gateway(
+    pool, monkeypatch, caplog
+) -> None:
+    clients = script(pool, monkeypatch)
+    updates = LoraUpdates(pool)
+    skipped = pool.decode[1]
+    skipped.health = NodeHealth.UNHEALTHY
+    run(updates.load("sql", "/adapters/sql"))
+    run(updates.load("chat", "/adapters/chat"))
+    assert run(updates.restore(skipped)) == []  # not healthy: nothing sent yet
+    # Back (restarted: only its --lora-modules), it reports "old": it gets sql and chat.
+    assert skipped.observe_poll(NodeLoad(lora_names=frozenset({"old"})), None)
+    assert run(updates.restore(skipped)) == ["chat", "sql"]
+    assert clients[skipped.address].calls == [("load", "chat"), ("load", "sql")]
+    assert names(skipped) == {"old", "sql", "chat"}
+    # Nothing to do for a node that has them all.
+    assert run(updates.restore(pool.decode[0])) == []
+    # An adapter unloaded since, or that no other healthy node has any more, is not brought
+    # back; a node's refusal is logged and leaves it without the adapter.
+    run(updates.unload("chat"))
+    for node in (pool.prefill[0], pool.decode[0]):
+        node.set_lora_names(names(node) - {"sql"})  # as if unloaded through another gateway
+    full = rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "max_loras: 1 loaded")
+    clients[skipped.address].load = full
+    skipped.set_lora_names(frozenset())
+    assert run(updates.restore(skipped)) == []
+    assert clients[skipped.address].calls[-1] == ("unload", "chat")  # nothing sent since
+    pool.decode[0].set_lora_names(frozenset({"sql"}))
+    with caplog.at_level(logging.WARNING, logger="gateway.routing.lora_updates"):
+        assert run(updates.restore(skipped)) == []
+    assert clients[skipped.address].calls[-1] == ("load", "sql")
+    assert "did not take LoRA adapter 'sql' back" in caplog.text
+    assert names(skipped) == frozenset()
+
+
+def test_a_new_node_counts_as_turned_healthy() -> None:
+    # A replica that joins (DNS) answers SERVING at its first poll: restore must see it too.
+    node = Node("127.0.0.1:7102", Role.DECODE)
+    assert node.observe_poll(NodeLoad(), None)
+    assert not node.observe_poll(NodeLoad(), None)
 
 
 def test_no_healthy_node_is_503(pool, monkeypatch) -> None:

@@ -5,6 +5,7 @@ each equals the offline engine's output for the same adapter."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from pathlib import Path
@@ -202,6 +203,56 @@ def test_adapters_load_and_unload_while_serving(
         extra=["--allow-runtime-lora-updating", "--served-model-name", "tiny-llama"],
         prefill_extra=["--max-loras", "2"],
         node_extra=["--enable-lora", "--test-step-delay-s", "0.05"],
+    )
+
+
+def test_a_node_back_gets_the_adapters_loaded_at_run_time(
+    tiny_llama_dir: Path, adapter: Path, expected
+) -> None:
+    """A decode node that comes back from UNHEALTHY without an adapter loaded at run time (as a
+    restarted node has only its ``--lora-modules``) gets it from the gateway at its first good
+    poll, and requests of it are served equal to the offline engine."""
+    prompts, with_lora, _ = expected
+
+    async def body(stack: Stack) -> None:
+        base_url = f"http://127.0.0.1:{stack.gateway.http_port}"
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+            load = {"lora_name": "sql", "lora_path": str(adapter)}
+            response = await client.post("/v1/load_lora_adapter", json=load)
+            assert response.status_code == 200, response.text
+        server, engine = stack.nodes["decode1"]
+        (node,) = [n for n in stack.gateway.pool.decode if n.address.endswith(f":{server.port}")]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30  # bounds a slow host, not the test
+
+        async def until(done, what: str) -> None:
+            while not await done():
+                assert loop.time() < deadline, what
+                await asyncio.sleep(0.05)
+
+        assert await engine.call(lambda core: core.remove_lora("sql"))
+
+        async def reported_gone() -> bool:
+            return "sql" not in (node.load.lora_names or ())
+
+        # A poll sent before the removal must not be the one that finds it back.
+        await until(reported_gone, "no poll reported the removal")
+        node.mark_failed("restarted (test)")
+
+        async def restored() -> bool:
+            return "sql" in await engine.call(lambda core: core.lora_names)
+
+        await until(restored, "decode1 never got sql back")
+        assert node.is_healthy and node.load.lora_names == {"sql"}
+        for prompt, tokens in zip(prompts, with_lora, strict=True):
+            got, _, _ = await stack.generate(prompt, GREEDY, model="sql")
+            assert got == tokens
+
+    run_stack(
+        tiny_llama_dir,
+        body,
+        extra=["--allow-runtime-lora-updating", "--health-interval-s", "0.2"],
+        node_extra=["--enable-lora"],
     )
 
 
