@@ -48,6 +48,7 @@ from services.engine.structured_output import GrammarMatcher, GrammarState, Stru
 from services.models.config import ModelConfig
 from services.models.gguf_file import find_gguf, open_gguf
 from services.models.lora import LoraAdapterError
+from services.models.pooling_config import LAST_TOKEN, declared_pooling
 from services.types import EngineConfigError, PoolingParams, SamplingParamError, SamplingParams
 from services.types.lora_request import LoRARequest
 
@@ -70,6 +71,9 @@ class EngineCore:
             self.model_config.eos_token_ids,
         )
         """Grammar matchers of the constrained requests (``SamplingParams.guided``)."""
+        self._embedding_refusal = _embedding_refusal(Path(config.model_dir))
+        """Why embedding requests are refused (the checkpoint declares another pooling than
+        the last token's), or None."""
         gguf_path = find_gguf(config.model_dir)
         self.dtype_choice = choose_compute_dtype(
             config.dtype,
@@ -306,6 +310,8 @@ class EngineCore:
     def _check_pooling(self, params: SamplingParams, pooling: PoolingParams, hold_kv: bool) -> None:
         if not isinstance(pooling, PoolingParams):
             raise ValueError(f"pooling must be PoolingParams, got {type(pooling).__name__}")
+        if self._embedding_refusal is not None:
+            raise ValueError(self._embedding_refusal)
         hidden_size = self.model_config.hidden_size
         if pooling.dimensions is not None and pooling.dimensions > hidden_size:
             raise SamplingParamError(
@@ -571,3 +577,19 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
                 f"prompt_token_ids[{index}] = {token_id} is outside the vocabulary "
                 f"[0, {vocab_size})"
             )
+
+
+def _embedding_refusal(model_dir: Path) -> str | None:
+    """Why this checkpoint's embeddings are refused: it declares a sentence-transformers
+    pooling other than the last token's, which is all the engine pools (``pooler.py``)."""
+    try:
+        declared = declared_pooling(model_dir)
+    except ValueError as exc:
+        return f"this model's pooling cannot be read ({exc}): embeddings are refused"
+    if declared is None or declared[0] == LAST_TOKEN:
+        return None
+    mode, where = declared
+    return (
+        f"this model declares {mode} pooling ({where}); pdserve pools the last token only, "
+        "so its embeddings would not be the model's: embeddings are refused"
+    )

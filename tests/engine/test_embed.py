@@ -77,6 +77,43 @@ def test_embeddings_are_the_last_tokens_final_hidden_state(
     assert engine.stats().num_blocks_used == 0
 
 
+@pytest.mark.parametrize(
+    ("pooling", "refused"),
+    [
+        ({"pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False}, None),
+        ({"pooling_mode_mean_tokens": True, "pooling_mode_lasttoken": False}, "mean_tokens"),
+        ({"pooling_mode_cls_token": True}, "cls_token"),
+        ("{not json", "cannot be read"),
+    ],
+)
+def test_a_declared_pooling_other_than_the_last_tokens_is_refused(
+    tiny_llama_dir: Path, tmp_path: Path, pooling: dict | str, refused: str | None
+) -> None:
+    # A sentence-transformers checkpoint names its pooling: vectors of another pooling than
+    # the one it was trained with would pass unnoticed, so its embeddings are refused; it still
+    # generates.
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    modules = [
+        {"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    (model / "modules.json").write_text(json.dumps(modules))
+    (model / "1_Pooling").mkdir()
+    text = pooling if isinstance(pooling, str) else json.dumps(pooling)
+    (model / "1_Pooling" / "config.json").write_text(text)
+    llm = LLM(model, dtype="float32", max_model_len=64, kv_cache_memory=4 << 20)
+    if refused is None:
+        assert len(llm.embed([[5, 6, 7]], use_tqdm=False)[0].outputs.embedding) > 0
+    else:
+        with pytest.raises(ValueError, match=refused) as error:
+            llm.embed([[5, 6, 7]], use_tqdm=False)
+        assert "1_Pooling/config.json" in str(error.value)
+    (out,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2
+    assert llm.engine.stats().num_blocks_used == 0
+
+
 def test_embedding_requests_are_checked(tiny_llama_dir: Path) -> None:
     llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=64)
     engine = llm.engine
