@@ -158,7 +158,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             )
             try:
                 pooling = PoolingParams(
-                    normalize=request.normalize if request.HasField("normalize") else True,
+                    normalize=request.normalize if request.HasField("normalize") else None,
                     dimensions=request.dimensions if request.HasField("dimensions") else None,
                 )
             except SamplingParamError as exc:

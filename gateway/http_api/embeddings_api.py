@@ -71,8 +71,9 @@ class EmbeddingCreateRequest(RequestModel):
     """vLLM's: keep each input's last N tokens (-1: ``max_model_len``)."""
     add_special_tokens: TrueFlag = True
     """vLLM's: text inputs tokenized with the tokenizer's special tokens (BOS)."""
-    normalize: TrueFlag = True
-    """vLLM's: L2-normalize the embeddings (false: the raw hidden state)."""
+    normalize: bool | None = None
+    """vLLM's: L2-normalize the embeddings (false: the raw hidden state); unset: as the
+    model's sentence-transformers modules do, normalized for a model without them."""
     priority: int = 0
     """vLLM's: lower is served first (nodes with ``--scheduling-policy priority``)."""
 

@@ -23,6 +23,7 @@ prefill node adds requests with ``hold_kv=True``: when one stops, its blocks sta
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import numbers
@@ -71,9 +72,12 @@ class EngineCore:
             self.model_config.eos_token_ids,
         )
         """Grammar matchers of the constrained requests (``SamplingParams.guided``)."""
-        self._embedding_refusal = _embedding_refusal(Path(config.model_dir))
+        self._embedding_refusal, self.normalize_embeddings = _embedding_defaults(
+            Path(config.model_dir)
+        )
         """Why embedding requests are refused (the checkpoint declares another pooling than
-        the last token's), or None."""
+        the last token's), or None; and whether a request that leaves ``normalize`` unset gets
+        a normalized embedding (its sentence-transformers modules say, else yes)."""
         gguf_path = find_gguf(config.model_dir)
         self.dtype_choice = choose_compute_dtype(
             config.dtype,
@@ -171,6 +175,8 @@ class EngineCore:
         request = self._make_request(request_id, prompt_token_ids, params, hold_kv)
         if pooling is not None:
             self._check_pooling(params, pooling, hold_kv)
+            if pooling.normalize is None:
+                pooling = dataclasses.replace(pooling, normalize=self.normalize_embeddings)
             request.pooling = pooling
         else:
             self._check_can_generate()
@@ -579,17 +585,19 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
             )
 
 
-def _embedding_refusal(model_dir: Path) -> str | None:
-    """Why this checkpoint's embeddings are refused: it declares a sentence-transformers
-    pooling other than the last token's, which is all the engine pools (``pooler.py``)."""
+def _embedding_defaults(model_dir: Path) -> tuple[str | None, bool]:
+    """Why this checkpoint's embeddings are refused (it declares a sentence-transformers
+    pooling other than the last token's, which is all the engine pools: ``pooler.py``), or
+    None; and whether its embeddings are normalized by default."""
     try:
         declared = declared_pooling(model_dir)
     except ValueError as exc:
-        return f"this model's pooling cannot be read ({exc}): embeddings are refused"
-    if declared is None or declared[0] == LAST_TOKEN:
-        return None
-    mode, where = declared
+        return f"this model's pooling cannot be read ({exc}): embeddings are refused", True
+    if declared is None:
+        return None, True
+    if declared.mode is None or declared.mode == LAST_TOKEN:
+        return None, declared.normalize
     return (
-        f"this model declares {mode} pooling ({where}); pdserve pools the last token only, "
-        "so its embeddings would not be the model's: embeddings are refused"
-    )
+        f"this model declares {declared.mode} pooling ({declared.file}); pdserve pools the "
+        "last token only, so its embeddings would not be the model's: embeddings are refused"
+    ), declared.normalize

@@ -477,7 +477,8 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """vLLM's ``LLM.embed``: one embedding per prompt (prompts as ``generate`` takes them),
-        the final hidden state of its last token (``PoolingParams``: normalized by default,
+        the final hidden state of its last token (``PoolingParams``: normalized unless the
+        model's sentence-transformers modules leave it raw,
         ``dimensions`` for a Matryoshka prefix); ``truncate_prompt_tokens`` keeps each prompt's
         last k tokens (-1: ``max_model_len``); ``lora_request`` as ``generate``'s."""
         use_tqdm = check_use_tqdm(use_tqdm)
@@ -548,8 +549,10 @@ class LLM:
                 "or as many as data_2 (at least one)"
             )
         texts = list(dict.fromkeys([*firsts, *seconds]))
-        outputs = self.embed(texts, truncate_prompt_tokens=truncate_prompt_tokens,
-                             use_tqdm=use_tqdm, lora_request=lora_request)  # fmt: skip
+        # Normalized whatever the model's default: the dot products below are cosines.
+        outputs = self.embed(texts, PoolingParams(normalize=True),
+                             truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                             lora_request=lora_request)  # fmt: skip
         vectors = {text: out.outputs.embedding for text, out in zip(texts, outputs, strict=True)}
         return [
             ScoringRequestOutput(

@@ -14,7 +14,8 @@ from services.types import PoolingParams
 def pool_last_tokens(final_hidden: torch.Tensor, params: list[PoolingParams]) -> list[list[float]]:
     """final_hidden: ``[num_requests, hidden_size]``, each row a prompt's last token after the
     model's final norm; one embedding per row, in float32: its first ``dimensions`` values
-    (Matryoshka), L2-normalized unless ``normalize`` is False."""
+    (Matryoshka), L2-normalized where ``normalize`` is True (the engine has set every None to
+    the model's default)."""
     rows = final_hidden.float()
     embeddings: list[list[float]] = []
     for row, pooling in zip(rows, params, strict=True):

@@ -36,7 +36,7 @@ async def embed(
                 cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
             )
             pooling = PoolingParams(
-                normalize=request.normalize if request.HasField("normalize") else True,
+                normalize=request.normalize if request.HasField("normalize") else None,
                 dimensions=request.dimensions if request.HasField("dimensions") else None,
             )
             stream = engine.generate(request_id, prompt, params, pooling=pooling)

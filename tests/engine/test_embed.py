@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
 from services.engine import LLM, PoolingParams, SamplingParams
+from services.models.pooling_config import NORMALIZE_MODULE
 from services.types import SamplingParamError
 
 
@@ -77,6 +78,51 @@ def test_embeddings_are_the_last_tokens_final_hidden_state(
     assert engine.stats().num_blocks_used == 0
 
 
+def sentence_transformers_checkpoint(
+    model_dir: Path, tmp_path: Path, pooling: dict | str, normalize_module: bool = False
+) -> Path:
+    """A copy of ``model_dir`` with sentence-transformers' ``modules.json``: a Pooling module
+    whose ``config.json`` is ``pooling`` (text: written as it is), and a Normalize module."""
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    modules = [
+        {"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize_module:
+        modules.append({"idx": 2, "path": "2_Normalize", "type": NORMALIZE_MODULE})
+    (model / "modules.json").write_text(json.dumps(modules))
+    (model / "1_Pooling").mkdir()
+    text = pooling if isinstance(pooling, str) else json.dumps(pooling)
+    (model / "1_Pooling" / "config.json").write_text(text)
+    return model
+
+
+@pytest.mark.parametrize("normalize_module", [False, True])
+def test_normalize_left_unset_is_what_the_checkpoints_modules_do(
+    tiny_llama_dir: Path, tmp_path: Path, normalize_module: bool
+) -> None:
+    model = sentence_transformers_checkpoint(
+        tiny_llama_dir, tmp_path, {"pooling_mode_lasttoken": True}, normalize_module
+    )
+    llm = LLM(model, dtype="float32", max_model_len=64, kv_cache_memory=4 << 20)
+    prompt = [5, 6, 7, 8]
+
+    def embed(normalize: bool | None) -> torch.Tensor:
+        (out,) = llm.embed([prompt], PoolingParams(normalize=normalize), use_tqdm=False)
+        return torch.tensor(out.outputs.embedding)
+
+    unset, raw, normalized = embed(None), embed(False), embed(True)
+    torch.testing.assert_close(unset, normalized if normalize_module else raw)
+    assert abs(raw.norm().item() - 1) > 1e-3  # the two differ: the test could fail
+    # score is a cosine whatever the model's default.
+    (score,) = llm.score(["a b"], ["c d"])
+    a, b = (torch.tensor(o.outputs.embedding) for o in llm.embed(["a b", "c d"], use_tqdm=False))
+    assert score.outputs.score == pytest.approx(
+        torch.nn.functional.cosine_similarity(a, b, dim=0).item(), abs=1e-5
+    )
+
+
 @pytest.mark.parametrize(
     ("pooling", "refused"),
     [
@@ -92,16 +138,7 @@ def test_a_declared_pooling_other_than_the_last_tokens_is_refused(
     # A sentence-transformers checkpoint names its pooling: vectors of another pooling than
     # the one it was trained with would pass unnoticed, so its embeddings are refused; it still
     # generates.
-    model = tmp_path / "model"
-    shutil.copytree(tiny_llama_dir, model)
-    modules = [
-        {"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-    ]
-    (model / "modules.json").write_text(json.dumps(modules))
-    (model / "1_Pooling").mkdir()
-    text = pooling if isinstance(pooling, str) else json.dumps(pooling)
-    (model / "1_Pooling" / "config.json").write_text(text)
+    model = sentence_transformers_checkpoint(tiny_llama_dir, tmp_path, pooling)
     llm = LLM(model, dtype="float32", max_model_len=64, kv_cache_memory=4 << 20)
     if refused is None:
         assert len(llm.embed([[5, 6, 7]], use_tqdm=False)[0].outputs.embedding) > 0
