@@ -21,6 +21,8 @@ RETRY_AFTER_S = 1
 class ErrorKind(enum.Enum):
     # value: (HTTP status, OpenAI error type, gRPC status code)
     INVALID_ARGUMENT = (400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT)
+    # Right fields, wrong state of the server (a feature it was started without).
+    FAILED_PRECONDITION = (400, "invalid_request_error", grpc.StatusCode.FAILED_PRECONDITION)
     UNAUTHENTICATED = (401, "authentication_error", grpc.StatusCode.UNAUTHENTICATED)
     NOT_FOUND = (404, "not_found_error", grpc.StatusCode.NOT_FOUND)
     REQUEST_TIMEOUT = (408, "timeout", grpc.StatusCode.DEADLINE_EXCEEDED)

@@ -28,6 +28,7 @@ from gateway.frontend import Frontend
 from gateway.generation import CLIENT_REQUEST_ID, GenerationRequest
 from gateway.grpc_chat import ChatInput, chat_input, in_chat
 from gateway.guided import check
+from gateway.lora_admin import load_adapter, unload_adapter
 from gateway.metrics import stream_failure
 from gateway.pipeline import TextOptions, admitted, generate_text, tokenize
 from gateway.text.text_stream import TextDelta, TextFinished
@@ -59,6 +60,7 @@ _ListModelsContext: TypeAlias = (
 _EmbedContext: TypeAlias = (
     "grpc.aio.ServicerContext[gateway_pb2.GatewayEmbedRequest, gateway_pb2.GatewayEmbedResponse]"
 )
+_LoraContext: TypeAlias = "grpc.aio.ServicerContext[Any, gateway_pb2.GatewayLoraAdapterResponse]"
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,26 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             model=frontend.response_model(request.model or None),
             prompt_tokens=sum(map(len, prompts)),
         )
+
+    async def LoadLoraAdapter(
+        self, request: gateway_pb2.GatewayLoadLoraAdapterRequest, context: _LoraContext
+    ) -> gateway_pb2.GatewayLoraAdapterResponse:
+        try:
+            self._authenticate(context)
+            text = await load_adapter(self.frontend, request.lora_name, request.lora_path)
+        except GatewayError as exc:
+            await self._abort(context, exc)
+        return gateway_pb2.GatewayLoraAdapterResponse(message=text)
+
+    async def UnloadLoraAdapter(
+        self, request: gateway_pb2.GatewayUnloadLoraAdapterRequest, context: _LoraContext
+    ) -> gateway_pb2.GatewayLoraAdapterResponse:
+        try:
+            self._authenticate(context)
+            text = await unload_adapter(self.frontend, request.lora_name)
+        except GatewayError as exc:
+            await self._abort(context, exc)
+        return gateway_pb2.GatewayLoraAdapterResponse(message=text)
 
     async def _abort(
         self, context: grpc.aio.ServicerContext[Any, Any], exc: GatewayError

@@ -63,6 +63,7 @@ from gateway.http_api.responses_protocol import ResponseObject, ResponsesRequest
 from gateway.http_api.score_api import score_router
 from gateway.http_api.sse import MEDIA_TYPE
 from gateway.http_api.tokenize_api import tokenize_router
+from gateway.lora_admin import load_adapter, unload_adapter
 
 try:
     _VERSION = importlib.metadata.version("pdserve")
@@ -108,15 +109,6 @@ _RESPONSES_STREAM: dict[int | str, dict[str, object]] = {
         "content": {MEDIA_TYPE: {"schema": {"type": "string"}}},
     }
 }
-
-
-def _lora_name(name: str, frontend: Frontend) -> str:
-    """A run-time adapter's name: non-blank, and not a name of the base model."""
-    if not name.strip():
-        raise invalid("lora_name must not be blank", param="lora_name")
-    if name in frontend.served_model_names:
-        raise invalid(f"lora_name {name!r} is a name of the base model", param="lora_name")
-    return name
 
 
 def build_openai_app(frontend: Frontend, cors: CorsConfig | None = None) -> FastAPI:
@@ -203,28 +195,23 @@ def build_openai_app(frontend: Frontend, cors: CorsConfig | None = None) -> Fast
         check_model(model, frontend)
         return model_card(model)
 
-    lora_updates = frontend.lora_updates
-    if lora_updates is not None:  # vLLM's routes exist only when runtime updates are allowed
+    if frontend.lora_updates is not None:  # vLLM's routes exist only with runtime updates on
 
         @v1.post("/load_lora_adapter", response_class=PlainTextResponse, responses=_LORA_ERRORS)
         async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
             """Load a LoRA adapter on every node, served as the model ``lora_name``."""
-            name = _lora_name(body.lora_name, frontend)
-            if not body.lora_path.strip():
-                raise invalid("lora_path must not be blank", param="lora_path")
             if body.load_inplace:
                 raise invalid(
                     "load_inplace is not supported: unload the adapter, then load it",
                     param="load_inplace",
                 )
-            return PlainTextResponse(await lora_updates.load(name, body.lora_path))
+            return PlainTextResponse(await load_adapter(frontend, body.lora_name, body.lora_path))
 
         @v1.post("/unload_lora_adapter", response_class=PlainTextResponse, responses=_LORA_ERRORS)
         async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
             """Unload a LoRA adapter from every node: new requests may not name it, and the
             requests running with it finish with it."""
-            name = _lora_name(body.lora_name, frontend)
-            return PlainTextResponse(await lora_updates.unload(name))
+            return PlainTextResponse(await unload_adapter(frontend, body.lora_name))
 
     app.include_router(v1)
     app.include_router(embeddings_router(frontend, bearer, _ERROR_RESPONSES))

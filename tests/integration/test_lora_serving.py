@@ -211,15 +211,23 @@ def test_a_node_back_gets_the_adapters_loaded_at_run_time(
 ) -> None:
     """A decode node that comes back from UNHEALTHY without an adapter loaded at run time (as a
     restarted node has only its ``--lora-modules``) gets it from the gateway at its first good
-    poll, and requests of it are served equal to the offline engine."""
+    poll, and requests of it are served equal to the offline engine. The loads and unloads go
+    through the gRPC API's LoadLoraAdapter and UnloadLoraAdapter."""
     prompts, with_lora, _ = expected
 
     async def body(stack: Stack) -> None:
-        base_url = f"http://127.0.0.1:{stack.gateway.http_port}"
-        async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
-            load = {"lora_name": "sql", "lora_path": str(adapter)}
-            response = await client.post("/v1/load_lora_adapter", json=load)
-            assert response.status_code == 200, response.text
+        # Through the gRPC API's LoadLoraAdapter (the HTTP one's test is above).
+        for bad, field in ((" ", "lora_name"), ("tiny-llama", "lora_name")):
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stack.stub.LoadLoraAdapter(
+                    gateway_pb2.GatewayLoadLoraAdapterRequest(lora_name=bad, lora_path="x"),
+                    timeout=30,
+                )
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+            assert field in (error.value.details() or "")
+        load = gateway_pb2.GatewayLoadLoraAdapterRequest(lora_name="sql", lora_path=str(adapter))
+        answer = await stack.stub.LoadLoraAdapter(load, timeout=120)
+        assert answer.message == "Success: LoRA adapter 'sql' added successfully."
         server, engine = stack.nodes["decode1"]
         (node,) = [n for n in stack.gateway.pool.decode if n.address.endswith(f":{server.port}")]
         loop = asyncio.get_running_loop()
@@ -247,11 +255,23 @@ def test_a_node_back_gets_the_adapters_loaded_at_run_time(
         for prompt, tokens in zip(prompts, with_lora, strict=True):
             got, _, _ = await stack.generate(prompt, GREEDY, model="sql")
             assert got == tokens
+        unload = gateway_pb2.GatewayUnloadLoraAdapterRequest(lora_name="sql")
+        answer = await stack.stub.UnloadLoraAdapter(unload, timeout=120)
+        assert answer.message == "Success: LoRA adapter 'sql' removed successfully."
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stack.stub.UnloadLoraAdapter(unload, timeout=120)
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND
 
     run_stack(
         tiny_llama_dir,
         body,
-        extra=["--allow-runtime-lora-updating", "--health-interval-s", "0.2"],
+        extra=[
+            "--allow-runtime-lora-updating",
+            "--health-interval-s",
+            "0.2",
+            "--served-model-name",
+            "tiny-llama",
+        ],
         node_extra=["--enable-lora"],
     )
 
@@ -262,6 +282,12 @@ def test_runtime_updates_need_the_gateways_flag(tiny_llama_dir: Path, adapter: P
         async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
             load = {"lora_name": "sql", "lora_path": str(adapter)}
             assert (await client.post("/v1/load_lora_adapter", json=load)).status_code == 404
+        with pytest.raises(grpc.aio.AioRpcError) as error:  # the gRPC API's, naming the flag
+            await stack.stub.LoadLoraAdapter(
+                gateway_pb2.GatewayLoadLoraAdapterRequest(**load), timeout=10
+            )
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "--allow-runtime-lora-updating" in (error.value.details() or "")
         # A node without LoRA refuses the call itself, naming the flag.
         _, (server, _) = next(iter(stack.nodes.items()))
         async with node_channel(f"127.0.0.1:{server.port}") as channel:
