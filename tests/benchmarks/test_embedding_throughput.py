@@ -4,25 +4,19 @@ the two compute the same vectors (how fast is never asserted: a test does not bo
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from support.benchmark_script import run_benchmark
 
 
 def test_reports_both_runs_and_their_agreement(tiny_llama_dir: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/embedding_throughput.py"), "--model",
-         str(tiny_llama_dir), "--num-prompts", "6", "--min-len", "3", "--max-len", "20",
-         "--dtype", "float32", "--batch-size", "4", "--rounds", "1"],
-        capture_output=True, text=True, timeout=300, check=False,
+    stdout = run_benchmark(
+        "embedding_throughput.py", "--model", tiny_llama_dir, "--num-prompts", "6",
+        "--min-len", "3", "--max-len", "20", "--dtype", "float32", "--batch-size", "4",
+        "--rounds", "1",
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    rows = re.findall(
-        r"^(\S+)\s+[\d.]+ s\s+([\d.]+) prompt tok/s\s+([\d.]+)x$", result.stdout, re.M
-    )
-    assert [name for name, _, _ in rows] == ["pdserve", "transformers"], result.stdout
+    rows = re.findall(r"^(\S+)\s+[\d.]+ s\s+([\d.]+) prompt tok/s\s+([\d.]+)x$", stdout, re.M)
+    assert [name for name, _, _ in rows] == ["pdserve", "transformers"], stdout
     assert rows[1][2] == "1.00" and all(float(rate) > 0 for _, rate, _ in rows)
-    cosine = re.search(r"lowest cosine similarity between the two: ([\d.]+)", result.stdout)
-    assert cosine is not None and float(cosine[1]) > 0.9999, result.stdout
+    cosine = re.search(r"lowest cosine similarity between the two: ([\d.]+)", stdout)
+    assert cosine is not None and float(cosine[1]) > 0.9999, stdout

@@ -4,21 +4,14 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from support.benchmark_script import run_benchmark
 
 
 def test_reports_the_step_and_the_staging_time(tiny_llama_dir: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/engine_host_overhead.py"), "--model",
-         str(tiny_llama_dir), "--batch", "8", "--steps", "20"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    match = re.search(
-        r"batch 8: engine.step\(\) host time (\d+) us .* staging (\d+) us", result.stdout
+    stdout = run_benchmark(
+        "engine_host_overhead.py", "--model", tiny_llama_dir, "--batch", "8", "--steps", "20"
     )
-    assert match and int(match.group(1)) > 0 and int(match.group(2)) > 0, result.stdout
+    match = re.search(r"batch 8: engine.step\(\) host time (\d+) us .* staging (\d+) us", stdout)
+    assert match and int(match.group(1)) > 0 and int(match.group(2)) > 0, stdout

@@ -4,28 +4,21 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from support.benchmark_script import run_benchmark
 
 
 def test_reports_every_run_against_the_one_without_lora(tiny_llama_dir: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/lora_overhead.py"), "--model",
-         str(tiny_llama_dir), "--num-prompts", "4", "--input-len", "8", "--output-len", "2",
-         "--rank", "4", "--dtype", "float32", "--rounds", "1"],
-        capture_output=True, text=True, timeout=300, check=False,
+    stdout = run_benchmark(
+        "lora_overhead.py", "--model", tiny_llama_dir, "--num-prompts", "4", "--input-len",
+        "8", "--output-len", "2", "--rank", "4", "--dtype", "float32", "--rounds", "1",
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    rows = re.findall(
-        r"^(.+?)\s+[\d.]+ s\s+([\d.]+) output tok/s\s+([\d.]+)x$", result.stdout, re.M
-    )
+    rows = re.findall(r"^(.+?)\s+[\d.]+ s\s+([\d.]+) output tok/s\s+([\d.]+)x$", stdout, re.M)
     assert [name.strip() for name, _, _ in rows] == [
         "no LoRA",
         "LoRA on, base requests",
         "one adapter",
         "two adapters, half each",
-    ], result.stdout
+    ], stdout
     assert rows[0][2] == "1.00" and all(float(rate) > 0 for _, rate, _ in rows)
