@@ -116,12 +116,17 @@ def test_each_prompt_runs_its_own_adapter(
     )
     static = llm.engine.runner.static_decode
     assert (static is not None) == (cuda_graphs or device == "cuda")
+    static_steps: list[int] = []
+    if static is not None:  # counts the decode steps that take the static path
+        run = static.run
+        static.run = lambda *a, **k: static_steps.append(1) or run(*a, **k)  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
     outputs = llm.generate(
         prompts, params, lora_request=[adapters[name][0] for name in names], use_tqdm=False
     )
     if static is not None:
         assert static.use_graphs == (device == "cuda") and static.lora is llm.engine.runner.lora
+        assert static_steps, "no decode step took the static path"
     # The reference on the engine's device (a GPU's fp32 differs from a CPU's in the last bits).
     models = {name: copy.deepcopy(model).to(device) for name, (_, model) in adapters.items()}
     base_tokens = {}
