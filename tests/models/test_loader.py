@@ -15,11 +15,12 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from services.engine import LLM, SamplingParams
 from services.models import ModelFileError
-from services.models.attention import AttentionMetadata, PrefillSpan, TorchPagedAttention
+from services.models.attention import TorchPagedAttention
 from services.models.config import ModelConfig
 from services.models.llama import LlamaForCausalLM
 from services.models.loader import load_model
 from services.models.tiny import ARCHS
+from support.prefill_logits import prefill_logits as support_prefill_logits
 
 BLOCK_SIZE = 4
 MAX_POSITIONS = 64
@@ -48,25 +49,8 @@ def load_hf(model_dir: Path) -> PreTrainedModel:
     return model.eval()
 
 
-@torch.inference_mode()
 def prefill_logits(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tensor:
-    """Logits at every position of one prompt computed as a single prefill chunk."""
-    config = model.config
-    num_tokens = len(token_ids)
-    num_blocks = -(-num_tokens // BLOCK_SIZE)
-    kv_caches = [
-        torch.zeros(2, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
-        for _ in range(config.num_layers)
-    ]
-    metadata = AttentionMetadata(
-        slot_mapping=torch.arange(num_tokens),
-        num_decodes=0,
-        decode_block_tables=torch.zeros(0, 0, dtype=torch.int64),
-        decode_seq_lens=torch.zeros(0, dtype=torch.int64),
-        prefills=[PrefillSpan(0, num_tokens, 0, torch.arange(num_blocks))],
-    )
-    hidden = model(torch.tensor(token_ids), torch.arange(num_tokens), kv_caches, metadata)
-    return model.compute_logits(hidden)  # [num_tokens, vocab_size]
+    return support_prefill_logits(model, token_ids, BLOCK_SIZE)
 
 
 @torch.inference_mode()
