@@ -191,6 +191,11 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoraConfig | None = None
     """LoRA adapters on; None: off (the projections are not wrapped)."""
+    quantization: str | None = None
+    """``fp8``: the decoder's projections hold fp8 weights and multiply in fp8 (a 16-bit
+    checkpoint's quantized per row at load; a GPU of compute capability 8.9+, or a CPU). None:
+    as the checkpoint says: an fp8 checkpoint multiplies in fp8 where the GPU can, and is
+    dequantized elsewhere (``fp8_linear.choose_fp8_linears``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_dir, str | os.PathLike):
@@ -242,5 +247,7 @@ class EngineConfig:
             raise EngineConfigError(f"seed must be in [-2**63, 2**64 - 1], got {seed}")
         if self.cuda_graphs is not None:
             _check_bool("cuda_graphs", self.cuda_graphs)
+        if self.quantization not in (None, "fp8"):
+            raise EngineConfigError(f"quantization must be fp8 or None, got {self.quantization!r}")
         if self.lora is not None and not isinstance(self.lora, LoraConfig):
             raise EngineConfigError(f"lora must be a LoraConfig or None, got {self.lora!r}")

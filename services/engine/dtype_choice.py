@@ -9,7 +9,8 @@ Life cycle of a choice, once per engine start:
   1. an explicit dtype (``float32``, ``bfloat16``, ``float16``) is used as given;
   2. ``auto`` on CUDA is ``bfloat16`` (the default before ``auto`` existed; not measured);
   3. ``auto`` on CPU for a quantized checkpoint (a GGUF file of Q4_1, Q8_0, K-quants, ...,
-     dequantized at load) is ``float32``, not measured: a block's dequantized weights (its
+     or an fp8 checkpoint, dequantized at load) is ``float32``, not measured (an fp8 value
+     times its float32 scale is exact in fp32 too): a block's dequantized weights (its
      fp16 scale times a small integer, plus its fp16 minimum) are exact in fp32 and not in bf16
      (8 significant bits), so bf16 would add an error the file does not have. Measured on the
      default model: SmolLM2-135M-Instruct's first answer token to the README's question ("The"

@@ -47,6 +47,8 @@ from services.engine.request import Request, RequestStatus
 from services.engine.scheduler import SampledToken, Scheduler
 from services.engine.structured_output import GrammarMatcher, GrammarState, StructuredOutputs
 from services.models.config import ModelConfig
+from services.models.fp8_checkpoint import read_fp8_checkpoint
+from services.models.fp8_linear import choose_fp8_linears
 from services.models.gguf_file import find_gguf, open_gguf
 from services.models.lora import LoraAdapterError
 from services.models.pooling_config import LAST_TOKEN, declared_pooling
@@ -79,11 +81,18 @@ class EngineCore:
         the last token's), or None; and whether a request that leaves ``normalize`` unset gets
         a normalized embedding (its sentence-transformers modules say, else yes)."""
         gguf_path = find_gguf(config.model_dir)
+        fp8_scheme = None if gguf_path is not None else read_fp8_checkpoint(config.model_dir)
+        self.fp8_choice = choose_fp8_linears(
+            config.quantization, fp8_scheme, torch.device(config.device)
+        )
+        """Whether the decoder's projections multiply in fp8 (``fp8_linear.py``)."""
+        logger.info("decoder projections compute in %s", self.fp8_choice.describe())
         self.dtype_choice = choose_compute_dtype(
             config.dtype,
             config.device,
             model_gemm_shapes(self.model_config, config.scheduler.max_num_batched_tokens),
-            quantized_checkpoint=gguf_path is not None and open_gguf(gguf_path).is_quantized,
+            quantized_checkpoint=fp8_scheme is not None
+            or (gguf_path is not None and open_gguf(gguf_path).is_quantized),
         )
         """The compute dtype: ``config.dtype`` unless that is ``auto``."""
         logger.info("compute dtype %s", self.dtype_choice.describe())
@@ -100,6 +109,7 @@ class EngineCore:
             kv_cache_dtype=self.kv_dtype_choice.dtype,
             max_model_len=self.max_model_len,
             structured_outputs=self.structured_outputs,
+            fp8_linears=self.fp8_choice.on,
         )
         num_blocks = self.runner.num_blocks_for(config.cache)
         # The pool hands out the first num_usable blocks; the runner keeps the rest (a dummy

@@ -107,6 +107,7 @@ class LLM:
         enable_lora: bool = False,
         max_loras: int = 1,
         max_lora_rank: int = 16,
+        quantization: str | None = None,
     ) -> None:
         """``max_num_batched_tokens``: None picks ``default_max_num_batched_tokens`` for
         ``device`` (2,048 on a CPU, 16,384 on a GPU). ``seed``: what requests without a seed of
@@ -118,7 +119,10 @@ class LLM:
         taken either way, since no code from a model directory ever runs here. vLLM's
         ``enable_lora`` runs requests with PEFT LoRA adapters (``generate(...,
         lora_request=...)``), at most ``max_loras`` loaded at once (the least recently used one
-        unloaded for another), each of rank ``max_lora_rank`` at most."""
+        unloaded for another), each of rank ``max_lora_rank`` at most. vLLM's
+        ``quantization="fp8"`` keeps the decoder's projections in fp8 and multiplies in fp8
+        (a 16-bit checkpoint's quantized at load); an fp8 checkpoint needs no flag
+        (``EngineConfig.quantization``)."""
         for name, flag in (
             ("enforce_eager", enforce_eager),
             ("trust_remote_code", trust_remote_code),
@@ -153,6 +157,7 @@ class LLM:
             seed=seed,
             attention_backend=attention_backend,
             cuda_graphs=cuda_graphs,
+            quantization=quantization,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=kv_cache_memory,

@@ -106,11 +106,13 @@ class ModelRunner:
         dtype: str | None = None,
         kv_cache_dtype: str | None = None,
         structured_outputs: StructuredOutputs | None = None,
+        fp8_linears: bool = False,
     ) -> None:
         """``dtype``: the resolved compute dtype (default ``config.dtype``, which must then not
         be ``auto``; ``EngineCore`` resolves it with ``dtype_choice``). ``kv_cache_dtype``: the
         resolved dtype the KV cache holds (default ``config.kv_cache_dtype``, resolved with
-        ``dtype_choice.choose_kv_cache_dtype`` when ``auto``)."""
+        ``dtype_choice.choose_kv_cache_dtype`` when ``auto``). ``fp8_linears``: the decoder's
+        projections hold fp8 weights (``fp8_linear.choose_fp8_linears`` decides)."""
         keep_freed_memory_mapped()
         self.structured_outputs = structured_outputs
         """Grammar matchers of constrained requests: their rows get a token bitmask."""
@@ -147,6 +149,7 @@ class ModelRunner:
             max_positions=max_model_len,
             backend=self.backend,
             ops=ops,
+            fp8_linears=fp8_linears,
         )
         # CPU bf16 and fp32: weights in oneDNN's blocked layout, packed once (packed_linear.py).
         pack_linears(self.model, self.device, self.dtype)

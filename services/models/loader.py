@@ -1,5 +1,8 @@
 """Loads a checkpoint into ``LlamaForCausalLM``: Hugging Face safetensors (one file, or shards
-with an index), or a GGUF file (``gguf_loader`` names and dequantizes its tensors).
+with an index), or a GGUF file (``gguf_loader`` names and dequantizes its tensors). An fp8
+checkpoint's weights (``fp8_checkpoint``) are joined with their scales and either kept in fp8
+(the projections that ``fp8_linears`` made ``Fp8Linear``) or dequantized; a 16-bit weight bound
+for an ``Fp8Linear`` is quantized per row on the way in (``--quantization fp8``).
 
 The checkpoint's separate q/k/v and gate/up projections are copied into our fused parameters;
 every parameter must be filled exactly once, and a missing, unexpected or misshapen weight is a
@@ -19,6 +22,13 @@ from safetensors import SafetensorError, safe_open
 from services.host_memory import advise_huge_pages
 from services.models.attention import AttentionBackend
 from services.models.config import ModelConfig
+from services.models.fp8_checkpoint import (
+    Fp8Weights,
+    QuantizedWeight,
+    quantize_rows,
+    read_fp8_checkpoint,
+)
+from services.models.fp8_linear import Fp8Linear, install_fp8_linears
 from services.models.gguf_file import find_gguf, open_gguf
 from services.models.gguf_loader import gguf_weights
 from services.models.layer_ops import LayerOps
@@ -61,10 +71,18 @@ def load_model(
     max_positions: int,
     backend: AttentionBackend,
     ops: LayerOps | None = None,
+    fp8_linears: bool = False,
 ) -> LlamaForCausalLM:
-    """``ops``: the decoder's elementwise steps (default: torch's; ``layer_ops.py``)."""
+    """``ops``: the decoder's elementwise steps (default: torch's; ``layer_ops.py``).
+    ``fp8_linears``: the decoder's projections hold fp8 weights and multiply in fp8
+    (``fp8_linear.py``), but for those an fp8 checkpoint leaves in 16 bits."""
+    gguf_path = find_gguf(model_dir)
+    scheme = None if gguf_path is not None else read_fp8_checkpoint(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions, backend, ops).to(dtype)
+    if fp8_linears:
+        count = install_fp8_linears(model, scheme, device)
+        logger.info("%d decoder projections hold fp8 weights", count)
     model = model.to_empty(device=device)
     if device.type == "cpu":
         for param in model.parameters():
@@ -74,11 +92,19 @@ def load_model(
     model.model.rotary.to_device(device)
 
     params = dict(model.named_parameters())
+    fp8_modules = {
+        f"{name}.weight": module
+        for name, module in model.named_modules()
+        if isinstance(module, Fp8Linear)
+    }
     targets = _checkpoint_targets(config)
     filled: set[str] = set()
-    gguf_path = find_gguf(model_dir)
+    joiner = Fp8Weights(scheme) if scheme is not None else None
     if gguf_path is not None:
         weights = _named(gguf_weights(open_gguf(gguf_path), config), gguf_path)
+    elif joiner is not None:
+        logger.info("%s: %s", model_dir, scheme.describe())  # type: ignore[union-attr]
+        weights = _joined(_safetensors_weights(model_dir), joiner)
     else:
         weights = _safetensors_weights(model_dir)
     for name, tensor, origin in weights:
@@ -93,16 +119,30 @@ def load_model(
         if name not in targets:
             raise ModelFileError(origin, f"unexpected weight {name!r}")
         param_name, offset = targets[name]
-        param = params[param_name]
-        rows = param.data.narrow(0, offset, tensor.shape[0])
-        if rows.shape != tensor.shape:
+        fp8_module = fp8_modules.get(param_name)
+        if fp8_module is not None and not isinstance(tensor, QuantizedWeight):
+            tensor = quantize_rows(tensor)
+        elif fp8_module is None and isinstance(tensor, QuantizedWeight):
+            tensor = tensor.dequantize()
+        shape = tensor.values.shape if isinstance(tensor, QuantizedWeight) else tensor.shape
+        rows = params[param_name].data.narrow(0, offset, shape[0])
+        if rows.shape != shape:
             raise ModelFileError(
                 origin,
-                f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                f"weight {name!r} has shape {tuple(shape)}, "
                 f"expected {tuple(rows.shape)} from the model's config",
             )
-        rows.copy_(tensor)
+        if isinstance(tensor, QuantizedWeight):
+            fp8_module.fill(offset, tensor)  # type: ignore[union-attr]
+        else:
+            rows.copy_(tensor)
         filled.add(name)
+    if joiner is not None and joiner.leftovers():
+        raise ModelFileError(
+            model_dir,
+            "fp8 tensors without their pair (a weight without its scale, or a scale "
+            f"without its weight): {', '.join(joiner.leftovers()[:5])}",
+        )
     missing = sorted(set(targets) - filled)
     if missing == ["lm_head.weight"] and "model.embed_tokens.weight" in filled:
         # No output projection (an embedding model's checkpoint): it embeds, it cannot generate.
@@ -126,6 +166,13 @@ def _safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor, P
                     yield name, f.get_tensor(name), path
         except SafetensorError as exc:
             raise ModelFileError(path, f"not a valid safetensors file ({exc})") from None
+
+
+def _joined(
+    weights: Iterator[tuple[str, torch.Tensor, Path]], joiner: Fp8Weights
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight, Path]]:
+    for name, tensor, origin in weights:
+        yield from joiner.push(name, tensor, origin)
 
 
 def _named(

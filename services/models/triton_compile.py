@@ -1,5 +1,5 @@
-"""Ahead-of-time compile of every Triton kernel variant (attention and the fused layer ops),
-without a GPU.
+"""Ahead-of-time compile of every Triton kernel variant (attention, the fused layer ops, the
+fp8 projections' input quantization), without a GPU.
 
 Why: the interpreter (how the CPU suite runs the kernels) accepts tile shapes that the real
 compiler rejects or that spill registers to local memory, which would only show on a GPU.
@@ -30,6 +30,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from services.models import triton_attention as kernels
+from services.models import triton_fp8_quant as fp8_quant
 from services.models import triton_layer_ops as layer_ops
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,9 @@ DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # The widest rows the layer ops' one-program-per-token kernels take whole (Llama-3-70B's
 # hidden size): the largest register footprint.
 LAYER_OPS_HIDDEN = 8192
+FP8_QUANT_COLS = 28672
+"""The widest input an fp8 projection quantizes (Llama-3-70B's down projection): the most
+columns a program of the quantization kernel holds, and its register footprint."""
 # Llama/Qwen head sizes, and GQA groups from MHA (1) to Llama-3-70B's 8.
 # The GQA group changes masks and indices only (decode pads it to 16 MMA rows): one suffices.
 HEAD_DIMS = (64, 128)
@@ -158,6 +162,22 @@ def _layer_ops_signatures(dtype: str) -> dict[str, dict[str, str]]:
             ),
         },
         "silu_and_mul": {"out_ptr": tensor, "gate_up_ptr": tensor, "intermediate": "i32"},
+        "fp8_quantize": {
+            "q_ptr": "*fp8e4nv",
+            "scale_ptr": "*fp32",
+            "x_ptr": tensor,
+            "cols": "i32",
+            "static_scale": "fp32",
+            "fp8_max": "fp32",
+        },
+        "fp8_scale_output": {
+            "out_ptr": tensor,
+            "raw_ptr": "*bf16",
+            "x_scale_ptr": "*fp32",
+            "w_scale_ptr": "*fp32",
+            "bias_ptr": tensor,
+            "cols": "i32",
+        },
     }
 
 
@@ -258,12 +278,25 @@ def compile_all(
                 signatures["silu_and_mul"],
                 {"BLOCK": layer_ops._SILU_BLOCK},
             )
+            builds["fp8_quantize"] = (
+                fp8_quant._quantize_rows_kernel,
+                signatures["fp8_quantize"],
+                {"STATIC": False, "BLOCK": fp8_quant.quantize_block(FP8_QUANT_COLS)},
+            )
+            builds["fp8_scale_output"] = (
+                fp8_quant._scale_output_kernel,
+                signatures["fp8_scale_output"],
+                {"HAS_BIAS": True, "BLOCK": fp8_quant.SCALE_BLOCK},
+            )
         for name, (fn, signature, constexprs) in builds.items():
             # The other layer ops launch with Triton's default of 4 warps.
             warps = {
                 "decode_partial": tiles.decode_num_warps,
                 "prefill": tiles.prefill_num_warps,
                 "add_rms_norm": layer_ops.norm_num_warps(LAYER_OPS_HIDDEN),
+                "fp8_quantize": fp8_quant.quantize_num_warps(
+                    fp8_quant.quantize_block(FP8_QUANT_COLS)
+                ),
             }.get(name, 4)
             options = layer_ops.ROTARY_OPTIONS if name == "rotary" else {}
             compiled = _compile(fn, signature, constexprs, arch, warps, **options)

@@ -147,6 +147,15 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
         "half the bytes), the compute dtype on CUDA; fp8_e5m2 (CPU only) halves bf16's bytes "
         "again at two mantissa bits. Prefill and decode nodes must agree",
     )
+    add(
+        "--quantization",
+        default=None,
+        choices=["fp8"],
+        help="fp8: the decoder's projections hold fp8 weights and multiply in fp8 (a 16-bit "
+        "checkpoint's quantized per row at load): on a GPU of compute capability 8.9+, or on a "
+        "CPU (correct, but slower than its 16-bit path). "
+        "Unset: as the checkpoint says (an fp8 checkpoint runs in fp8 where the GPU can)",
+    )
     add("--device", default="cpu", help="cpu or cuda[:N]")
     add("--host", default="0.0.0.0", help="address the gRPC server binds")
     add(
@@ -288,6 +297,7 @@ def parse_node_config(
             seed=args.seed,
             attention_backend=args.attention_backend,
             cuda_graphs=args.cuda_graphs,
+            quantization=args.quantization,
             cache=CacheConfig(
                 block_size=args.block_size,
                 kv_cache_memory=args.kv_cache_memory,

@@ -30,10 +30,11 @@ def test_every_kernel_compiles_for_sm90_without_spills() -> None:
     kernels = {v["kernel"] for v in variants}
     assert kernels == {
         "write_kv", "decode_partial", "decode_reduce", "prefill", "rotary", "add_rms_norm",
-        "silu_and_mul",
+        "silu_and_mul", "fp8_quantize", "fp8_scale_output",
     }  # fmt: skip
-    # Per dtype: the KV write, attention and rotary for each head size, norm and SiLU once.
-    assert len(variants) == 2 * (5 * 2 + 2)
+    # Per dtype: the KV write, attention and rotary for each head size; norm, SiLU and the fp8
+    # projections' two kernels once.
+    assert len(variants) == 2 * (5 * 2 + 4)
     spilling = [v for v in variants if v["spill_bytes"] > 0]
     assert not spilling, f"register spills: {spilling}"
     assert all(0 < v["num_registers"] <= 255 for v in variants)
