@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import platform
@@ -275,9 +276,9 @@ def streamed_weight_bytes(model: torch.nn.Module) -> int:
     return total - embedding.nbytes
 
 
-def decode_llm(model: Path, cuda_graphs: bool):  # -> services.engine.LLM
-    """The decode stages' engine: bf16 on the GPU, room for the largest batch, no prefix cache
-    (every step decodes what it was given)."""
+def decode_llm(model: Path, cuda_graphs: bool, quantization: str | None = None):  # -> LLM
+    """The decode stages' engine: bf16 on the GPU (``quantization="fp8"``: fp8 projections),
+    room for the largest batch, no prefix cache (every step decodes what it was given)."""
     from services.engine import LLM
 
     return LLM(
@@ -288,6 +289,7 @@ def decode_llm(model: Path, cuda_graphs: bool):  # -> services.engine.LLM
         max_num_seqs=max(DECODE_BATCHES),
         cuda_graphs=cuda_graphs,
         enable_prefix_caching=False,
+        quantization=quantization,
     )
 
 
@@ -315,7 +317,6 @@ def stage_decode_steps(args: argparse.Namespace, copy_gb_per_s: float | None) ->
     need_cuda(args)
 
     rows = []
-    prompt_len, steps = 128, 32
     # (size, checkpoint, CUDA graphs, fused Triton layer ops): each model with torch's
     # elementwise ops and with the fused kernels, which are opt-in until measured here.
     cases = [
@@ -332,37 +333,137 @@ def stage_decode_steps(args: argparse.Namespace, copy_gb_per_s: float | None) ->
             llm = decode_llm(ensure_model(path, size), graphs)
         finally:
             os.environ.pop(TRITON_LAYER_OPS_ENV)
-        engine = llm.engine
-        weight_bytes = streamed_weight_bytes(engine.runner.model)
-        for batch in DECODE_BATCHES:
-            start_decodes(engine, batch, prompt_len, steps, f"{size}-{graphs}-{fused}-{batch}")
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            torch.cuda.synchronize()
-            step_s = (time.perf_counter() - start) / steps
-            drain(engine)
-            kv_bytes = batch * (prompt_len + steps // 2) * engine.runner.block_bytes // BLOCK_SIZE
-            row = {
-                "model": size,
-                "cuda_graphs": graphs,
-                "fused_ops": fused,
-                "batch": batch,
-                "step_ms": step_s * 1e3,
-                "weight_mb": weight_bytes / 1e6,
-            }
-            if copy_gb_per_s:
-                # A step reads the weights and the whole KV once; the copy figure counts read
-                # + write traffic, the rate a pure read stream also reaches.
-                floor_s = (weight_bytes + kv_bytes) / (copy_gb_per_s * 1e9)
-                row["floor_ms"] = floor_s * 1e3
-                row["x_floor"] = step_s / floor_s
-            rows.append(row)
-        del llm, engine
+        rows += decode_step_rows(
+            llm.engine,
+            {"model": size, "cuda_graphs": graphs, "fused_ops": fused},
+            copy_gb_per_s,
+        )
+        del llm
         gc.collect()
         torch.cuda.empty_cache()
     return {"rows": rows}
+
+
+def decode_step_rows(engine, label: dict, copy_gb_per_s: float | None) -> list[dict]:
+    """One row per batch of ``DECODE_BATCHES``: the mean decode step time of ``engine`` over
+    32 steps of requests with 128-token prompts, and the bandwidth floor of such a step."""
+    prompt_len, steps = 128, 32
+    weight_bytes = streamed_weight_bytes(engine.runner.model)
+    rows = []
+    for batch in DECODE_BATCHES:
+        tag = "-".join(str(v) for v in (*label.values(), batch))
+        start_decodes(engine, batch, prompt_len, steps, tag)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        step_s = (time.perf_counter() - start) / steps
+        drain(engine)
+        kv_bytes = batch * (prompt_len + steps // 2) * engine.runner.block_bytes // BLOCK_SIZE
+        row = {**label, "batch": batch, "step_ms": step_s * 1e3, "weight_mb": weight_bytes / 1e6}
+        if copy_gb_per_s:
+            # A step reads the weights and the whole KV once; the copy figure counts read
+            # + write traffic, the rate a pure read stream also reaches.
+            floor_s = (weight_bytes + kv_bytes) / (copy_gb_per_s * 1e9)
+            row["floor_ms"] = floor_s * 1e3
+            row["x_floor"] = step_s / floor_s
+        rows.append(row)
+    return rows
+
+
+FP8_GEMM_SHAPES = ((2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048))
+"""(in, out) of the ~1B model's projections: fused QKV, O, fused gate/up, down."""
+
+
+def time_fp8_gemms() -> list[dict]:
+    """Microseconds a call, replayed 50 to a graph as a decode graph replays them, of each part
+    of an fp8 projection against bf16's one GEMM, at the ~1B model's shapes and decode batches:
+    the input's quantization, the GEMM with a scale per row (what ``Fp8Linear`` runs), the GEMM
+    with one scale per operand (cuBLASLt's), and the whole projection."""
+    return [
+        fp8_gemm_row(k, n, m) for (k, n), m in itertools.product(FP8_GEMM_SHAPES, DECODE_BATCHES)
+    ]
+
+
+def fp8_gemm_row(k: int, n: int, m: int) -> dict:
+    from services.models.fp8_checkpoint import quantize_rows
+    from services.models.fp8_linear import Fp8Linear
+    from services.models.triton_fp8_quant import quantize_input_triton
+
+    def per_call(fn: Callable[[], object], calls: int = 50) -> float:
+        graph = capture(lambda: [fn() for _ in range(calls)])
+        return cuda_time(graph.replay) / calls * 1e6
+
+    weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    linear = Fp8Linear(k, n, bias=False).cuda()
+    linear.fill(0, quantize_rows(weight))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    q, x_scale = quantize_input_triton(x, None)
+    one = torch.ones((), device="cuda")
+    w_t, w_scale = linear.weight.t(), linear.weight_scale.view(1, -1)
+    bf16 = torch.bfloat16
+    return {
+        "in": k,
+        "out": n,
+        "rows": m,
+        "bf16_us": per_call(lambda: torch.nn.functional.linear(x, weight)),
+        "quantize_us": per_call(lambda: quantize_input_triton(x, None)),
+        "rowwise_gemm_us": per_call(
+            lambda: torch._scaled_mm(q, w_t, scale_a=x_scale, scale_b=w_scale, out_dtype=bf16)
+        ),
+        "tensorwise_gemm_us": per_call(
+            lambda: torch._scaled_mm(q, w_t, scale_a=one, scale_b=one, out_dtype=bf16)
+        ),
+        "fp8_projection_us": per_call(lambda: linear(x)),
+    }
+
+
+def stage_fp8(args: argparse.Namespace, copy_gb_per_s: float | None) -> dict:
+    """fp8 projections (``quantization="fp8"``, quantized per row at load) against bf16 on the
+    ~1B model, both with graphs and the fused ops: decode step time against the floor, how far
+    greedy outputs agree, and offline throughput."""
+    need_cuda(args)
+    from services.engine import SamplingParams
+
+    gemms = time_fp8_gemms()
+    path = ensure_model(args.model_1b, "1b")
+    rows: list[dict] = []
+    tokens: dict[str, list[list[int]]] = {}
+    prompts = [[16 + (7 * i + j) % 1000 for j in range(96)] for i in range(16)]
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for quantization in (None, "fp8"):
+        args.deadline.check()
+        name = quantization or "bf16"
+        llm = decode_llm(path, True, quantization)
+        rows += decode_step_rows(llm.engine, {"model": "1b", "weights": name}, copy_gb_per_s)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens[name] = [list(o.outputs[0].token_ids) for o in outputs]
+        del llm, outputs
+        gc.collect()
+        torch.cuda.empty_cache()
+    agree = [
+        next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+        for x, y in zip(tokens["bf16"], tokens["fp8"], strict=True)
+    ]
+    offline = {}
+    for quantization in (None, "fp8"):
+        out = args.out / f"offline_1b_{quantization or 'bf16'}.json"
+        run = run_script(
+            ["benchmarks/offline_throughput.py", "--model", str(path), "--device", "cuda",
+             "--num-prompts", "256", "--input-len", "512", "--output-len", "128", "--skip-hf",
+             "--json", str(out), *(["--quantization", quantization] if quantization else [])],
+            args.deadline,
+        )  # fmt: skip
+        if out.is_file():
+            run["results"] = json.loads(out.read_text())["pdserve"]
+        offline[quantization or "bf16"] = run
+    return {
+        "rows": rows,
+        "gemms": gemms,
+        "greedy_tokens_equal_before_first_difference": agree,
+        "offline": offline,
+    }
 
 
 def stage_step_profile(args: argparse.Namespace) -> dict:
@@ -619,6 +720,7 @@ STAGES = (
     "serving_burst",
     "lora",
     "decode_steps",
+    "fp8",
     "step_profile",
 )
 
@@ -642,6 +744,7 @@ def run_session(args: argparse.Namespace) -> dict[str, dict]:
         "launcher": lambda: stage_launcher(args),
         "serving_burst": lambda: stage_serving_burst(args),
         "lora": lambda: stage_lora(args),
+        "fp8": lambda: stage_fp8(args, bandwidth()),
     }
     for name in STAGES:
         if args.only and name not in args.only:

@@ -2,7 +2,7 @@
 
     python benchmarks/offline_throughput.py [--model DIR] [--num-prompts 64] [--input-len 256]
         [--output-len 64] [--dtype bfloat16|float32|auto] [--hf-dtype same|default|...]
-        [--hf-batch-size 16] [--device cpu] [--json OUT.json]
+        [--hf-batch-size 16] [--device cpu] [--quantization fp8] [--json OUT.json]
 
 Both run in this process on the same random prompts (every prompt exactly ``--input-len``
 tokens, so the static baseline pads nothing) and generate exactly ``--output-len`` tokens each
@@ -54,6 +54,7 @@ def run_pdserve(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,  # random prompts share nothing; keep the comparison plain
+        quantization=args.quantization,
     )
     args.pdserve_dtype = llm.engine.dtype_choice.dtype
     budget = llm.engine.config.scheduler.max_num_batched_tokens
@@ -138,6 +139,9 @@ def main() -> None:
         type=int,
         default=None,
         help="pdserve's step budget (default: the engine's for the device, 2048 on CPU)",
+    )
+    parser.add_argument(
+        "--quantization", choices=["fp8"], default=None, help="pdserve's (fp8 projections)"
     )
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
