@@ -19,7 +19,9 @@ its rows (tensor, channel) or blocks. ``Fp8Weights`` joins each weight with its 
 loader streams the checkpoint's tensors, whatever their order, into a ``QuantizedWeight``:
 per-row scales where the scheme has them (what ``fp8_linear.Fp8Linear`` computes with), or the
 weight dequantized for a block scheme (no block-scaled GEMM is built). Any other quantization
-(AWQ, GPTQ, bitsandbytes, integer compressed-tensors) is refused by name.
+(AWQ, GPTQ, bitsandbytes, integer compressed-tensors) is refused by name. The scales of an fp8
+KV cache that some of these checkpoints carry are passed over: the cache holds the compute
+dtype on a GPU.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ FP8_MAX = 448.0
 WeightStrategy = Literal["tensor", "channel", "block"]
 ActivationScheme = Literal["dynamic", "static", "none"]
 _SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
+KV_CACHE_SCALE_SUFFIXES = (
+    ".k_scale", ".v_scale", ".kv_scale", ".q_scale", ".prob_scale", ".output_scale",
+)  # fmt: skip
+"""The scales of an fp8 KV cache (and of attention's inputs) that llm-compressor and ModelOpt
+store beside the weights. pdserve's GPU cache holds the compute dtype, so they are not used:
+``Fp8Weights`` drops them (counted in ``dropped``) rather than refuse the checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +73,7 @@ class Fp8Checkpoint:
             if entry.startswith("re:"):
                 if re.fullmatch(entry[3:], module):
                     return True
-            elif module == entry or module.endswith(f".{entry}") or entry.endswith(f".{module}"):
+            elif module == entry or module.endswith(f".{entry}"):
                 return True
         return False
 
@@ -219,12 +227,17 @@ class Fp8Weights:
         self.scheme = scheme
         self._pending: dict[str, dict[str, tuple[torch.Tensor, Path]]] = {}
         """Checkpoint module name → its tensors seen so far, by suffix."""
+        self.dropped = 0
+        """KV cache scales passed over (``KV_CACHE_SCALE_SUFFIXES``)."""
 
     def push(
         self, name: str, tensor: torch.Tensor, origin: Path
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight, Path]]:
         """``(weight name, its tensor or its QuantizedWeight, file)`` for each weight complete
         now: a quantized projection's comes once its weight and scales are all in."""
+        if name.endswith(KV_CACHE_SCALE_SUFFIXES):
+            self.dropped += 1
+            return
         suffix = next((s for s in _SCALE_SUFFIXES if name.endswith(s)), None)
         if suffix is None and (tensor.dtype != torch.float8_e4m3fn or not name.endswith(".weight")):
             yield name, tensor, origin

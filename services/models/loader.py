@@ -137,6 +137,12 @@ def load_model(
         else:
             rows.copy_(tensor)
         filled.add(name)
+    if joiner is not None and joiner.dropped:
+        logger.info(
+            "%s: %d fp8 KV cache scales left unused (the KV cache holds the compute dtype)",
+            model_dir,
+            joiner.dropped,
+        )
     if joiner is not None and joiner.leftovers():
         raise ModelFileError(
             model_dir,

@@ -244,6 +244,18 @@ def test_a_weight_without_its_scale_is_named(tiny_llama_dir: Path, tmp_path: Pat
         load(fp8_dir)
 
 
+def test_kv_cache_scales_beside_the_weights_are_passed_over(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    fp8_dir, ref_dir = write_fp8_checkpoint(tiny_llama_dir, tmp_path)
+    tensors = load_file(fp8_dir / "model.safetensors")
+    for layer in range(2):  # llm-compressor's kv_cache_scheme, and AutoFP8's output scales
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(0.1)
+        tensors[f"model.layers.{layer}.self_attn.v_proj.output_scale"] = torch.tensor([0.2])
+    save_file(tensors, fp8_dir / "model.safetensors")
+    assert torch.equal(prefill_logits(load(fp8_dir), PROMPT), prefill_logits(load(ref_dir), PROMPT))
+
+
 def test_a_misshapen_scale_is_named(tiny_llama_dir: Path, tmp_path: Path) -> None:
     fp8_dir, _ = write_fp8_checkpoint(tiny_llama_dir, tmp_path)
     tensors = load_file(fp8_dir / "model.safetensors")
