@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -147,16 +148,26 @@ def test_an_fp8_projection_computes_its_quantized_operands_product() -> None:
     torch.testing.assert_close(linear(x), q_static @ q_w.t() + bias, rtol=1e-5, atol=1e-5)
 
 
+def triton_device(device: str) -> None:
+    """The Triton kernels run on ``device``: CPU tensors only under the interpreter (the
+    conftest sets it where there is no GPU)."""
+    pytest.importorskip("triton")
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton runs CPU tensors under TRITON_INTERPRET=1 only")
+
+
+TRITON_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("static_scale", [None, 0.05])
 @pytest.mark.parametrize("cols", [96, 20000])  # one block, and a row wider than a block
 def test_the_triton_input_quantization_gives_the_torch_paths_bits(
-    cols: int, static_scale: float | None
+    cols: int, static_scale: float | None, device: str
 ) -> None:
-    """Under the interpreter on a CPU (the conftest sets it), compiled on a GPU."""
-    pytest.importorskip("triton")
+    triton_device(device)
     from services.models.triton_fp8_quant import quantize_input_triton
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator().manual_seed(cols)
     x = torch.randn(3, cols, generator=generator) * torch.tensor([[1e-3], [1.0], [300.0]])
     x[1, cols - 1] = 9.0  # the row's largest value in its last block
@@ -178,14 +189,16 @@ def test_the_triton_input_quantization_gives_the_torch_paths_bits(
     assert (got.abs() <= FP8_MAX).all()
 
 
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_triton_output_scaling_gives_the_torch_paths_numbers(with_bias: bool) -> None:
+def test_the_triton_output_scaling_gives_the_torch_paths_numbers(
+    with_bias: bool, device: str
+) -> None:
     """raw sums x row scales x column scales (+ bias), in float32 (the interpreter rounds to
     16-bit types toward zero, so the output is float32 here)."""
-    pytest.importorskip("triton")
+    triton_device(device)
     from services.models.triton_fp8_quant import scale_output_triton
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator().manual_seed(7)
     raw = (torch.randn(3, 2500, generator=generator) * 1e4).to(torch.bfloat16).to(device)
     x_scale = torch.rand(3, 1, generator=generator).to(device) * 1e-2
