@@ -9,8 +9,11 @@ checkpoint's static ``input_scale``, multiplies the two fp8 matrices with unit s
 kernels: the quantization and the scaling in Triton (``triton_fp8_quant``), the GEMM cuBLASLt's
 per-tensor one. torch's GEMM with a scale per row and per column, one kernel, ran 1.4-2.7x slower
 than it on an H200 at decode batches (8.1 against 4.1 us for 1 x 2,048 by 2,048 x 3,072; 21.5
-against 8.0 us for 1 x 8,192 by 8,192 x 2,048). Nothing here syncs with the host, so a decode
-step with these projections is captured in CUDA graphs like any other.
+against 8.0 us for 1 x 8,192 by 8,192 x 2,048). As built, a 1B model's decode step takes
+bf16's time there (the two ~2-3 us kernels around each GEMM cost what its halved bytes save),
+and its prefill steps run faster (offline 1.80x; ``docs/benchmarks.md``). Nothing here syncs
+with the host, so a decode step with these projections is captured in CUDA graphs like any
+other.
 
 Life cycle: ``install_fp8_linears`` runs on the model built on the meta device, before its
 memory is allocated (so a 16-bit copy of the weights is never made); the loader then fills
@@ -19,8 +22,8 @@ quantizing a 16-bit checkpoint's (``fp8_checkpoint.quantize_rows``). Nothing cha
 afterwards. The embedding and the lm_head stay in the compute dtype, as in vLLM.
 
 Where it runs: ``torch._scaled_mm`` needs a GPU of compute capability 8.9 or later (Ada,
-Hopper, Blackwell) or a CPU (correct there, and used by the suite, but not faster than the
-16-bit path: ``fp8_gemm_unavailable_reason``).
+Hopper, Blackwell) or a CPU (correct there, and used by the suite, but several times slower
+than the 16-bit path: ``fp8_gemm_unavailable_reason``, ``choose_fp8_linears``).
 """
 
 from __future__ import annotations
