@@ -251,7 +251,13 @@ def test_a_node_back_gets_the_adapters_loaded_at_run_time(
             return "sql" in await engine.call(lambda core: core.lora_names)
 
         await until(restored, "decode1 never got sql back")
-        assert node.is_healthy and node.load.lora_names == {"sql"}
+
+        async def reported_back() -> bool:
+            return node.load.lora_names == {"sql"}
+
+        # The restore lands on the node before the gateway's next poll reports it.
+        await until(reported_back, "no poll reported sql back")
+        assert node.is_healthy
         for prompt, tokens in zip(prompts, with_lora, strict=True):
             got, _, _ = await stack.generate(prompt, GREEDY, model="sql")
             assert got == tokens
