@@ -191,7 +191,7 @@ def choose_fp8_linears(
             why += "; on a CPU correct but several times slower than the 16-bit path"
         return Fp8Choice(True, why)
     if scheme is None:
-        return Fp8Choice(False, "16-bit checkpoint")
+        return Fp8Choice(False, "unquantized checkpoint")
     if scheme.block is not None:
         return Fp8Choice(False, "block-scaled fp8 checkpoint, dequantized: no block GEMM built")
     if scheme.activations == "none":

@@ -453,3 +453,24 @@ def test_lora_adapters_apply_on_fp8_projections(tiny_llama_dir: Path, tmp_path: 
     assert (with_adapter - base).abs().mean() > 0.1  # the adapter changes the model
     fp8_error = (prompt_logprobs(fp8, adapter) - with_adapter).abs().mean()
     assert fp8_error < (base - with_adapter).abs().mean() / 4
+
+
+def test_a_sharded_checkpoint_may_keep_a_weight_and_its_scale_apart(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """Each weight in one shard and its scales in the other, the index naming both."""
+    fp8_dir, ref_dir = write_fp8_checkpoint(tiny_llama_dir, tmp_path, activations="static")
+    tensors = load_file(fp8_dir / "model.safetensors")
+    (fp8_dir / "model.safetensors").unlink()
+    shards: dict[str, dict[str, torch.Tensor]] = {"scales.safetensors": {}, "rest.safetensors": {}}
+    for name, tensor in tensors.items():
+        shards["scales.safetensors" if name.endswith("_scale") else "rest.safetensors"][name] = (
+            tensor
+        )
+    weight_map = {name: file for file, part in shards.items() for name in part}
+    for file, part in shards.items():
+        save_file(part, fp8_dir / file)
+    (fp8_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert torch.equal(prefill_logits(load(fp8_dir), PROMPT), prefill_logits(load(ref_dir), PROMPT))
+    fused = load(fp8_dir, fp8_linears=True).model.layers[0].self_attn.qkv_proj
+    assert isinstance(fused, Fp8Linear) and fused.input_scale == pytest.approx(STATIC_INPUT_SCALE)
