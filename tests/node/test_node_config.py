@@ -34,6 +34,7 @@ def test_environment_fills_what_the_command_line_leaves_out() -> None:
         "PDSERVE_SCHEDULING_POLICY": "priority",
         "PDSERVE_METRICS_PORT": "9100",
         "PDSERVE_TEST_KV_PUSH_PAUSE_S": "0.5",
+        "PDSERVE_QUANTIZATION": "fp8",
     }
     config = parse_node_config(
         ["--grpc-port", "7000", "--max-num-seqs", "4"], env, role=Role.PREFILL
@@ -45,6 +46,8 @@ def test_environment_fills_what_the_command_line_leaves_out() -> None:
     assert not config.engine.cache.enable_prefix_caching
     assert config.engine.scheduler.policy is SchedulingPolicy.PRIORITY
     assert config.test_kv_push_pause_s == 0.5
+    assert config.engine.quantization == "fp8"
+    assert parse_node_config([], {}, role=Role.PREFILL).engine.quantization is None
 
 
 def test_step_budget_defaults_to_the_devices_and_a_flag_or_variable_wins(cuda_visible) -> None:
@@ -70,6 +73,7 @@ def test_role_can_come_from_the_environment() -> None:
         (["--kv-cache-memory", "huge"], {}, "not a byte size"),
         (["--block-size", "0"], {}, "--block-size must be a positive integer"),
         (["--dtype", "int8"], {}, "--dtype"),
+        (["--quantization", "awq"], {}, "--quantization: invalid choice: 'awq'"),
         (["--grpc-port", "70000"], {}, "--grpc-port must be in [0, 65535]"),
         (["--test-kv-push-pause-s", "-1"], {}, "--test-kv-push-pause-s must be >= 0"),
         ([], {}, "--role is required"),
