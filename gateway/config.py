@@ -25,6 +25,7 @@ from gateway.auth import ApiKey, ApiKeys
 from gateway.limits import RequestLimits
 from gateway.reasoning import ReasoningParser
 from gateway.sampling_defaults import SamplingDefaults, load_sampling_defaults
+from gateway.tool_parsers import PARSERS
 from services.cli import (
     ENV_PREFIX,
     AppendOverDefault,
@@ -150,6 +151,9 @@ class GatewayConfig:
     """TLS on the public HTTP and gRPC ports; None: plaintext."""
     reasoning_parser: ReasoningParser | None = None
     """How chat completions split a thinking model's reasoning from its answer; None: not."""
+    tool_call_parser: str | None = None
+    """``--tool-call-parser``: the tool-call syntax parsed out of a chat's text (a key of
+    ``tool_parsers.PARSERS``); None: the family the vocabulary's marker tokens name."""
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     """What a request's unset sampling fields take (``--generation-config``)."""
     served_model_aliases: tuple[str, ...] = ()
@@ -356,6 +360,15 @@ def build_parser() -> argparse.ArgumentParser:
         "qwen3 (the model opens <think>), deepseek_r1 (the template does); default: none",
     )
     add(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", *PARSERS],
+        help="the tool-call syntax chat completions parse from the model's text with "
+        "tool_choice auto: hermes (<tool_call> JSON), mistral ([TOOL_CALLS]), llama3_json, "
+        "pythonic ([f(a=1), g()]; Llama 3.2/4's pythonic templates); auto: the family whose "
+        "marker token the vocabulary has, else hermes",
+    )
+    add(
         "--chat-template",
         default=None,
         help="Jinja chat template used in place of the model's (chat completions, /tokenize, "
@@ -457,6 +470,7 @@ def parse_gateway_config(
             reasoning_parser=(
                 None if args.reasoning_parser is None else ReasoningParser(args.reasoning_parser)
             ),
+            tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser,
             sampling_defaults=load_sampling_defaults(args.generation_config, args.model),
             chat_template=(
                 None if args.chat_template is None else _read_chat_template(args.chat_template)

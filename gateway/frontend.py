@@ -48,6 +48,9 @@ class Frontend:
     """Per-key limits of the keys in ``api_keys``; the gateway gives it its metrics registry."""
     reasoning_parser: ReasoningParser | None = None
     """``--reasoning-parser``: chat completions split reasoning from content; None: they do not."""
+    tool_call_parser: str | None = None
+    """``--tool-call-parser``: the tool-call syntax to parse (``tool_parsers.make_parser``);
+    None: the family the vocabulary's marker tokens name."""
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     """The model's sampling defaults (``--generation-config``): what unset fields take."""
     served_model_aliases: tuple[str, ...] = ()

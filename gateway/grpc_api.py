@@ -33,7 +33,7 @@ from gateway.metrics import stream_failure
 from gateway.pipeline import TextOptions, admitted, generate_text, tokenize
 from gateway.text.text_stream import TextDelta, TextFinished
 from gateway.tool_calls import ToolCallStream, ToolMode
-from gateway.tool_parsers import parser_for
+from gateway.tool_parsers import make_parser
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.bad_words import bad_words_token_ids
 from services.convert import (
@@ -259,7 +259,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         plan = checked.chat.tools
         tools = None
         if plan is not None and plan.mode is not ToolMode.NONE:
-            tools = ToolCallStream(plan, parser_for(self.frontend.tokenizer.backend.token_to_id))
+            parser = make_parser(
+                self.frontend.tool_call_parser, self.frontend.tokenizer.backend.token_to_id
+            )
+            tools = ToolCallStream(plan, parser)
         # A grammar (sampling.guided, a forced call) covers the whole output: no reasoning.
         reasoning = self.frontend.reasoning_parser if checked.sampling.guided is None else None
         if tools is None and reasoning is None:

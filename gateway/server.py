@@ -87,6 +87,7 @@ class GatewayServer:
             client_send_timeout_s=config.client_send_timeout_s,
             key_limiter=KeyLimiter(self.metrics.registry),
             reasoning_parser=config.reasoning_parser,
+            tool_call_parser=config.tool_call_parser,
             sampling_defaults=config.sampling_defaults,
             served_model_aliases=config.served_model_aliases,
             lora_modules=config.lora_modules,

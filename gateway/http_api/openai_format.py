@@ -40,7 +40,7 @@ from gateway.reasoning import split_reasoning
 from gateway.text.text_stream import TextDelta, TextFinished
 from gateway.text.tokenizer import Tokenizer
 from gateway.tool_calls import ToolCallStream
-from gateway.tool_parsers import parser_for
+from gateway.tool_parsers import make_parser
 from services.chat_template import ChatRequestError, message_text
 from services.types import TokenLogprob
 
@@ -359,7 +359,7 @@ class ChatFormat(OpenAIFormat):
             return None
         stream = self._tool_streams.get(state.index)
         if stream is None:
-            parser = parser_for(self.tokenizer.backend.token_to_id)
+            parser = make_parser(self.job.tool_call_parser, self.tokenizer.backend.token_to_id)
             stream = self._tool_streams[state.index] = ToolCallStream(self.job.tools, parser)
         return stream
 

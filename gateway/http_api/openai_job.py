@@ -59,6 +59,8 @@ class OpenAIJob:
     logit_bias: tuple[tuple[int, float], ...] = ()
     tools: ToolPlan | None = None
     """Chat: the request's tools and how they may be called; None without tools."""
+    tool_call_parser: str | None = None
+    """Chat: ``--tool-call-parser``'s syntax for the calls in the text; None: the vocabulary's."""
     prompt_tokens_kept: int | None = None
     """``truncate_prompt_tokens``, resolved: each prompt's last tokens kept; None: all."""
     reasoning: ReasoningParser | None = None
@@ -172,6 +174,7 @@ def chat_job(
         guided=None if guided is None else guided[0],
         logit_bias=_logit_bias(body, frontend),
         tools=plan if plan is not None and plan.mode is not ToolMode.NONE else None,
+        tool_call_parser=frontend.tool_call_parser,
         reasoning=frontend.reasoning_parser if guided is None else None,
     )
 

@@ -2,7 +2,9 @@
 
 ``parser_for(tokenizer_vocab)`` picks the family from the special tokens the vocabulary has:
 ``<tool_call>`` (Qwen2.5, Hermes), ``[TOOL_CALLS]`` (Mistral), ``<|python_tag|>`` (Llama 3.x);
-a vocabulary with none of them gets the Hermes parser, whose markers are plain text.
+a vocabulary with none of them gets the Hermes parser, whose markers are plain text. The
+gateway's ``--tool-call-parser`` (vLLM's flag) names one instead (``make_parser``): the
+``pythonic`` family has no marker token to be found by.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from gateway.tool_parsers.base import ParsedCall, ParsedOutput, ToolParser
 from gateway.tool_parsers.hermes import HermesToolParser
 from gateway.tool_parsers.llama3_json import Llama3JsonToolParser
 from gateway.tool_parsers.mistral import MistralToolParser
+from gateway.tool_parsers.pythonic import PythonicToolParser
 
 PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "mistral": MistralToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "pythonic": PythonicToolParser,
 }
 _MARKER_TOKENS = (
     ("<tool_call>", "hermes"),
@@ -34,6 +38,11 @@ def parser_for(token_to_id: Callable[[str], int | None]) -> ToolParser:
     return HermesToolParser()
 
 
+def make_parser(name: str | None, token_to_id: Callable[[str], int | None]) -> ToolParser:
+    """The parser ``name``s (a key of ``PARSERS``), or with None the vocabulary's family."""
+    return parser_for(token_to_id) if name is None else PARSERS[name]()
+
+
 __all__ = [
     "PARSERS",
     "HermesToolParser",
@@ -41,6 +50,8 @@ __all__ = [
     "MistralToolParser",
     "ParsedCall",
     "ParsedOutput",
+    "PythonicToolParser",
     "ToolParser",
+    "make_parser",
     "parser_for",
 ]

@@ -53,6 +53,18 @@ def test_reasoning_parser_from_flag_env_or_default(tiny_llama_dir: Path, capsys)
     assert "invalid choice: 'o1'" in capsys.readouterr().err
 
 
+def test_tool_call_parser_from_flag_env_or_default(tiny_llama_dir: Path, capsys) -> None:
+    assert parse(tiny_llama_dir).tool_call_parser is None  # auto: the vocabulary's family
+    assert parse(tiny_llama_dir, "--tool-call-parser", "auto").tool_call_parser is None
+    flag = parse(tiny_llama_dir, "--tool-call-parser", "pythonic")
+    assert flag.tool_call_parser == "pythonic"
+    from_env = parse(tiny_llama_dir, PDSERVE_TOOL_CALL_PARSER="llama3_json")
+    assert from_env.tool_call_parser == "llama3_json"
+    with pytest.raises(SystemExit):
+        parse(tiny_llama_dir, "--tool-call-parser", "granite")
+    assert "invalid choice: 'granite'" in capsys.readouterr().err
+
+
 def test_served_model_names_from_flag_env_or_default(tiny_llama_dir: Path, capsys) -> None:
     default = parse(tiny_llama_dir)
     assert (default.served_model_name, default.served_model_aliases) == (tiny_llama_dir.name, ())

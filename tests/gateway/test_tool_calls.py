@@ -19,6 +19,9 @@ from gateway.tool_parsers import (
     Llama3JsonToolParser,
     MistralToolParser,
     ParsedCall,
+    ParsedOutput,
+    PythonicToolParser,
+    make_parser,
     parser_for,
 )
 from support.openai_app import MODEL, Served, output_script, start
@@ -74,6 +77,38 @@ def test_llama3_json_parser() -> None:
     assert Llama3JsonToolParser().parse(prose).calls == ()
 
 
+def test_pythonic_parser() -> None:
+    text = """[get_weather(city='Oslo', days=2), get_time(), book(rooms=[{"n": 1, "view": None}],
+    ok=True, note="a ] and ) inside", ratio=-0.5)]"""
+    assert PythonicToolParser().parse(text) == ParsedOutput(None, (
+        ParsedCall("get_weather", '{"city": "Oslo", "days": 2}'),
+        ParsedCall("get_time", "{}"),
+        ParsedCall(
+            "book",
+            '{"rooms": [{"n": 1, "view": null}], "ok": true, "note": "a ] and ) inside", '
+            '"ratio": -0.5}',
+        ),
+    ))  # fmt: skip
+    # Llama 4 wraps the list in its python markers; leading blanks are allowed.
+    wrapped = PythonicToolParser().parse(' <|python_start|>[f(x="é")]<|python_end|>')
+    assert wrapped.calls == (ParsedCall("f", '{"x": "é"}'),) and wrapped.content is None
+    # Anything but literal keyword arguments of named functions is text, never evaluated.
+    for text in (
+        "The answer is [1, 2].",  # prose: a list mid-sentence
+        "[f(1)]",  # positional
+        "[f(x=y)]",  # a name, not a literal
+        "[f(x=__import__('os').getcwd())]",
+        "[f(**kw)]",
+        "[obj.method(a=1)]",
+        "[f(a=1)] and more",
+        "[f(a=float('nan'))]",
+        "[f(a={1, 2})]",  # a set has no JSON
+        "[]",
+        "[f(a=1",  # cut off
+    ):
+        assert PythonicToolParser().parse(text) == ParsedOutput(text, ()), text
+
+
 def test_the_family_is_chosen_by_the_vocabulary() -> None:
     def vocab(*tokens: str):
         return lambda token: 7 if token in tokens else None
@@ -82,6 +117,9 @@ def test_the_family_is_chosen_by_the_vocabulary() -> None:
     assert isinstance(parser_for(vocab("[TOOL_CALLS]")), MistralToolParser)
     assert isinstance(parser_for(vocab("<|python_tag|>")), Llama3JsonToolParser)
     assert isinstance(parser_for(vocab()), HermesToolParser)
+    # --tool-call-parser names one whatever the vocabulary; unset, the vocabulary decides.
+    assert isinstance(make_parser("pythonic", vocab("<tool_call>")), PythonicToolParser)
+    assert isinstance(make_parser(None, vocab("[TOOL_CALLS]")), MistralToolParser)
 
 
 def test_a_marker_split_across_deltas_is_held_back() -> None:
@@ -150,6 +188,36 @@ def test_auto_tool_calls_through_the_sdk(hermes_served: Served, tokenizer: Token
     # parallel_tool_calls=false keeps the first call only.
     single = client.chat.completions.create(parallel_tool_calls=False, **options)
     assert len(single.choices[0].message.tool_calls) == 1
+
+
+def test_a_named_parser_reads_pythonic_calls_through_the_sdk(tokenizer: Tokenizer) -> None:
+    """``--tool-call-parser pythonic``: a Llama-3.2-style answer becomes tool calls, whole and
+    streamed, over HTTP; the vocabulary alone would have chosen Hermes."""
+    text = "[get_weather(city='Oslo'), get_weather(city=\"Lima\")]"
+    served, server = start(
+        tokenizer, output_script(tokenizer, text), max_tokens=200, tool_call_parser="pythonic"
+    )
+    try:
+        client = served.client()
+        options: dict[str, Any] = dict(
+            model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER]
+        )
+        choice = client.chat.completions.create(**options).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        calls = [
+            (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls
+        ]
+        assert calls == [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Lima"})]
+        streamed: dict[int, dict[str, str]] = {}
+        for chunk in client.chat.completions.create(stream=True, **options):
+            assert not chunk.choices[0].delta.content  # the list is held back, not sent as text
+            for part in chunk.choices[0].delta.tool_calls or ():
+                call = streamed.setdefault(part.index, {"name": "", "arguments": ""})
+                call["name"] += part.function.name or ""
+                call["arguments"] += part.function.arguments or ""
+        assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == calls
+    finally:
+        server.stop()
 
 
 def test_echo_starts_each_completion_with_its_prompt(tokenizer: Tokenizer) -> None:

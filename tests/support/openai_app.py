@@ -159,6 +159,7 @@ def start(
     aliases: tuple[str, ...] = (),
     tokenizer_admission: Admission | None = None,
     embedder: Embedder | None = None,
+    tool_call_parser: str | None = None,
     **limits: Any,
 ) -> tuple[Served, ThreadedUvicorn]:
     generator = FakeGenerator(script or output_script(tokenizer))
@@ -174,6 +175,7 @@ def start(
         request_timeout_s=30.0,
         client_send_timeout_s=client_send_timeout_s,
         reasoning_parser=reasoning_parser,
+        tool_call_parser=tool_call_parser,
         sampling_defaults=sampling_defaults or SamplingDefaults(),
         served_model_aliases=aliases,
         embedder=embedder,
