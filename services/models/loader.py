@@ -37,6 +37,8 @@ from services.models.model_file_error import ModelFileError
 
 logger = logging.getLogger(__name__)
 
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 # Checkpoint entries that hold no weights of ours (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -119,6 +121,13 @@ def load_model(
         if name not in targets:
             raise ModelFileError(origin, f"unexpected weight {name!r}")
         param_name, offset = targets[name]
+        if isinstance(tensor, torch.Tensor) and tensor.dtype in _FP8_DTYPES:
+            # Copied as it is, an fp8 value would lose its scale and the model its weights.
+            raise ModelFileError(
+                origin,
+                f"weight {name!r} is {tensor.dtype} without a scale: config.json's "
+                "quantization_config names no fp8 scheme to read it with",
+            )
         fp8_module = fp8_modules.get(param_name)
         if fp8_module is not None and not isinstance(tensor, QuantizedWeight):
             tensor = quantize_rows(tensor)

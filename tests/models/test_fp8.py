@@ -269,6 +269,17 @@ def test_kv_cache_scales_beside_the_weights_are_passed_over(
     assert torch.equal(prefill_logits(load(fp8_dir), PROMPT), prefill_logits(load(ref_dir), PROMPT))
 
 
+def test_fp8_weights_without_a_quantization_config_are_refused(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    fp8_dir, _ = write_fp8_checkpoint(tiny_llama_dir, tmp_path)
+    config = json.loads((fp8_dir / "config.json").read_text())
+    del config["quantization_config"]
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFileError, match=r"float8_e4m3fn without a scale"):
+        load(fp8_dir)
+
+
 def test_a_misshapen_scale_is_named(tiny_llama_dir: Path, tmp_path: Path) -> None:
     fp8_dir, _ = write_fp8_checkpoint(tiny_llama_dir, tmp_path)
     tensors = load_file(fp8_dir / "model.safetensors")
