@@ -43,6 +43,17 @@ class ToolParser:
         raise NotImplementedError
 
 
+class WholeAnswerToolParser(ToolParser):
+    """A family whose calls are the whole answer (Llama 3.x JSON, pythonic): a start marker
+    counts only at the answer's start, after blanks; one mid-sentence is text."""
+
+    def find_start(self, text: str) -> int | None:
+        stripped = text.lstrip()
+        if stripped.startswith(self.start_markers):
+            return len(text) - len(stripped)
+        return None
+
+
 def call_from_json(value: object, arguments_key: str = "arguments") -> ParsedCall | None:
     """``{"name": ..., "arguments" | "parameters": {...}}`` as a call; None if it is not one."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):

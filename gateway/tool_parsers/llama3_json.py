@@ -6,23 +6,21 @@ from __future__ import annotations
 import json
 import logging
 
-from gateway.tool_parsers.base import ParsedCall, ParsedOutput, ToolParser, call_from_json
+from gateway.tool_parsers.base import (
+    ParsedCall,
+    ParsedOutput,
+    WholeAnswerToolParser,
+    call_from_json,
+)
 
 logger = logging.getLogger(__name__)
 
 _PYTHON_TAG = "<|python_tag|>"
 
 
-class Llama3JsonToolParser(ToolParser):
+class Llama3JsonToolParser(WholeAnswerToolParser):
     name = "llama3_json"
     start_markers = (_PYTHON_TAG, "{")
-
-    def find_start(self, text: str) -> int | None:
-        # Only an answer that starts with a call is one: a "{" mid-sentence is text.
-        stripped = text.lstrip()
-        if stripped.startswith(_PYTHON_TAG) or stripped.startswith("{"):
-            return len(text) - len(stripped)
-        return None
 
     def parse(self, text: str) -> ParsedOutput:
         start = self.find_start(text)

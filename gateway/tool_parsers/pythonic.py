@@ -14,21 +14,14 @@ from __future__ import annotations
 import ast
 import json
 
-from gateway.tool_parsers.base import ParsedCall, ParsedOutput, ToolParser
+from gateway.tool_parsers.base import ParsedCall, ParsedOutput, WholeAnswerToolParser
 
 _START, _END = "<|python_start|>", "<|python_end|>"
 
 
-class PythonicToolParser(ToolParser):
+class PythonicToolParser(WholeAnswerToolParser):
     name = "pythonic"
     start_markers = (_START, "[")
-
-    def find_start(self, text: str) -> int | None:
-        # Only an answer that starts with a call list is one: a "[" mid-sentence is text.
-        stripped = text.lstrip()
-        if stripped.startswith((_START, "[")):
-            return len(text) - len(stripped)
-        return None
 
     def parse(self, text: str) -> ParsedOutput:
         start = self.find_start(text)
