@@ -5,7 +5,7 @@ for ``LLM.beam_search``); ``EngineCore`` is the step-wise engine (``add_request`
 ``abort``) that the prefill and decode nodes drive.
 """
 
-from services.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from services.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from services.engine.config import (
     CacheConfig,
     EngineConfig,

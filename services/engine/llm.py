@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, cast
 from tokenizers import Tokenizer as HfTokenizer
 
 from services.bad_words import bad_words_token_ids
+from services.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from services.chat_template import ChatRequestError, ChatTemplate, ChatTemplateError
-from services.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from services.engine.config import (
     CacheConfig,
     EngineConfig,
@@ -575,7 +575,7 @@ class LLM:
         lora_request: LoRARequest | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: for each prompt (as ``generate`` takes them), its best
-        ``params.beam_width`` sequences, best first (``services.engine.beam_search``). Each
+        ``params.beam_width`` sequences, best first (``services.beam_search``). Each
         generated token costs one ``generate`` round of every live beam of every prompt, one
         token each. ``use_tqdm`` (off by default, as vLLM's): a bar of the rounds run, out of
         ``max_tokens``. ``lora_request``: one adapter for every beam, as ``generate``'s."""

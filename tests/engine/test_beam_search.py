@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from services.beam_search import MAX_BEAM_WIDTH, beam_search
 from services.engine import (
     LLM,
     BeamSearchOutput,
@@ -27,7 +28,6 @@ from services.engine import (
     Logprob,
     SamplingParams,
 )
-from services.engine.beam_search import MAX_BEAM_WIDTH, beam_search
 from services.types import SamplingParamError
 from support.small_llm import small_llm
 

@@ -1,4 +1,5 @@
-"""Beam search over the engine, as vLLM's ``LLM.beam_search``: parameters, results, the search.
+"""Beam search over the engine, as vLLM's ``LLM.beam_search`` and its OpenAI server's
+``use_beam_search``: parameters, results, the search (torch-free: the gateway runs it too).
 
 The engine samples one token a request; beam search is built on top of it from rounds of
 one-token requests. The life cycle of a beam (each prompt searches on its own; the beams of every
@@ -33,8 +34,8 @@ import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
-from services.engine.logprob import Logprob
 from services.types import FinishReason, SamplingParamError, SamplingParams
+from services.types.logprob import Logprob
 from services.types.sampling_params import MAX_N, check_float, check_int
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,81 @@ class _PromptSearch:
     completed: list[BeamSearchSequence] = field(default_factory=list)
 
 
+class BeamSearch:
+    """One search over every prompt at once, driven a round at a time, so that the offline
+    ``LLM`` (``beam_search``) and the gateway (each round's requests sent to the nodes
+    concurrently) run the same search: ``beams()`` are this round's live beams' token lists
+    (none once the search is over), ``advance`` takes their next tokens' logprobs in that order,
+    ``results`` ranks what completed."""
+
+    def __init__(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: BeamSearchParams,
+        *,
+        eos_token_ids: Collection[int],
+        vocab_size: int,
+        max_model_len: int,
+    ) -> None:
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        self.params = params
+        self.round_params = params.round_params(vocab_size)
+        """What each live beam's request of a round asks for."""
+        self._eos_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        self._searches = [
+            _PromptSearch(
+                # A prompt of max_model_len tokens still gets one, as LLM.generate gives it.
+                max_new_tokens=min(params.max_tokens, max(max_model_len - len(prompt), 1)),
+                live=[BeamSearchSequence(tokens=[int(t) for t in prompt], logprobs=[])],
+            )
+            for prompt in prompts
+        ]
+
+    def beams(self) -> list[list[int]]:
+        """This round's live beams' tokens (prompt + generated), every prompt's in turn."""
+        return [beam.tokens for search in self._searches for beam in search.live]
+
+    def advance(self, rows: Sequence[dict[int, Logprob]]) -> None:
+        """One round: ``rows`` holds each live beam's next-token logprobs ({sampled id:
+        ``Logprob``, plus the top ids}), in ``beams()``'s order."""
+        num_live = sum(len(search.live) for search in self._searches)
+        if len(rows) != num_live:
+            raise ValueError(f"{len(rows)} logprob rows for {num_live} beams")
+        returned = iter(rows)
+        for search in self._searches:
+            candidates = []
+            for beam in search.live:
+                step = next(returned)
+                for token_id, logprob in step.items():
+                    candidate = BeamSearchSequence(
+                        tokens=[*beam.tokens, token_id],
+                        logprobs=[*beam.logprobs, step],
+                        cum_logprob=beam.cum_logprob + logprob.logprob,
+                    )
+                    if token_id in self._eos_ids:
+                        search.completed.append(
+                            replace(
+                                candidate, finish_reason=FinishReason.STOP, stop_reason=token_id
+                            )
+                        )
+                    else:
+                        candidates.append(candidate)
+            # A prompt's live beams are all of one length, so length_penalty cannot reorder them.
+            candidates.sort(key=lambda beam: beam.cum_logprob, reverse=True)
+            search.live = candidates[: self.params.beam_width]
+            if search.live and len(search.live[0].logprobs) >= search.max_new_tokens:
+                search.completed.extend(
+                    replace(beam, finish_reason=FinishReason.LENGTH) for beam in search.live
+                )
+                search.live = []
+
+    def results(self, decode: Decode | None = None) -> list[BeamSearchOutput]:
+        """One ``BeamSearchOutput`` per prompt, in their order; ``decode`` gives each returned
+        sequence its ``text`` (None: no text)."""
+        return [_ranked(search.completed, self.params, decode) for search in self._searches]
+
+
 def beam_search(
     prompts: Sequence[Sequence[int]],
     params: BeamSearchParams,
@@ -160,52 +236,19 @@ def beam_search(
     """Search every prompt (token ids) at once, one ``next_logprobs`` round per generated token:
     one ``BeamSearchOutput`` per prompt, in their order. ``decode`` gives each returned
     sequence its ``text`` (None: no text)."""
-    if not isinstance(params, BeamSearchParams):
-        raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
-    round_params = params.round_params(vocab_size)
-    eos_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
-    searches = [
-        _PromptSearch(
-            # A prompt of max_model_len tokens still gets one, as LLM.generate gives it.
-            max_new_tokens=min(params.max_tokens, max(max_model_len - len(prompt), 1)),
-            live=[BeamSearchSequence(tokens=[int(t) for t in prompt], logprobs=[])],
-        )
-        for prompt in prompts
-    ]
-    for _ in range(params.max_tokens):
-        beams = [beam for search in searches for beam in search.live]
-        if not beams:
-            break
-        rows = next_logprobs([beam.tokens for beam in beams], round_params)
+    search = BeamSearch(
+        prompts,
+        params,
+        eos_token_ids=eos_token_ids,
+        vocab_size=vocab_size,
+        max_model_len=max_model_len,
+    )
+    # Each round ends at least one token of every live beam: max_tokens rounds at most.
+    while beams := search.beams():
+        rows = next_logprobs(beams, search.round_params)
         assert len(rows) == len(beams), f"{len(rows)} logprob rows for {len(beams)} beams"
-        returned = iter(rows)
-        for search in searches:
-            candidates = []
-            for beam in search.live:
-                step = next(returned)
-                for token_id, logprob in step.items():
-                    candidate = BeamSearchSequence(
-                        tokens=[*beam.tokens, token_id],
-                        logprobs=[*beam.logprobs, step],
-                        cum_logprob=beam.cum_logprob + logprob.logprob,
-                    )
-                    if token_id in eos_ids:
-                        search.completed.append(
-                            replace(
-                                candidate, finish_reason=FinishReason.STOP, stop_reason=token_id
-                            )
-                        )
-                    else:
-                        candidates.append(candidate)
-            # A prompt's live beams are all of one length, so length_penalty cannot reorder them.
-            candidates.sort(key=lambda beam: beam.cum_logprob, reverse=True)
-            search.live = candidates[: params.beam_width]
-            if search.live and len(search.live[0].logprobs) >= search.max_new_tokens:
-                search.completed.extend(
-                    replace(beam, finish_reason=FinishReason.LENGTH) for beam in search.live
-                )
-                search.live = []
-    return [_ranked(search.completed, params, decode) for search in searches]
+        search.advance(rows)
+    return search.results(decode)
 
 
 def _ranked(
