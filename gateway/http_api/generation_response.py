@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.errors import ErrorKind, GatewayError
 from gateway.frontend import Frontend
+from gateway.http_api.beam_search_fanout import BeamSearchFanout
 from gateway.http_api.choice_fanout import ChoiceEvent, ChoiceFanout
 from gateway.http_api.client_send import SlowClientError, bounded_send, send_json
 from gateway.http_api.disconnect import wait_for_disconnect
@@ -105,7 +106,15 @@ class GenerationResponse(Response):
                     include_stop_str_in_output=self._job.body.include_stop_str_in_output,
                     skip_special_tokens=self._job.body.skip_special_tokens,
                 )
-                async with ChoiceFanout(frontend, requests, options) as choices:
+                body = self._job.body
+                fanout: ChoiceFanout | BeamSearchFanout = (
+                    BeamSearchFanout(
+                        frontend, requests, options, self._n, body.length_penalty or 1.0
+                    )
+                    if body.use_beam_search
+                    else ChoiceFanout(frontend, requests, options)
+                )
+                async with fanout as choices:
                     first_events = await choices.first_events()
                     self._share_prompt_logprobs(states, first_events)
                     if self._job.body.stream:
@@ -154,7 +163,7 @@ class GenerationResponse(Response):
         self,
         send: Send,
         states: list[ChoiceState],
-        choices: ChoiceFanout,
+        choices: ChoiceFanout | BeamSearchFanout,
         first_events: list[tuple[int, ChoiceEvent]],
     ) -> None:
         headers = [
@@ -231,7 +240,7 @@ class GenerationResponse(Response):
         self,
         send: Send,
         states: list[ChoiceState],
-        choices: ChoiceFanout,
+        choices: ChoiceFanout | BeamSearchFanout,
         first_events: list[tuple[int, ChoiceEvent]],
     ) -> None:
         for index, event in first_events:

@@ -203,6 +203,53 @@ def _logit_bias(
     return tuple(bias)
 
 
+_BEAM_SEARCH_UNUSED: tuple[tuple[str, tuple[object, ...]], ...] = (
+    # field, and the values that leave it unused: the search reads none of these.
+    ("stop", (None, [])),
+    ("stop_token_ids", (None, [])),
+    ("top_p", (None, 1.0)),
+    ("top_k", (None, -1, 0)),
+    ("min_p", (None, 0.0)),
+    ("presence_penalty", (None, 0.0)),
+    ("frequency_penalty", (None, 0.0)),
+    ("repetition_penalty", (None, 1.0)),
+    ("min_tokens", (None, 0)),
+    ("logit_bias", (None, {})),
+    ("allowed_token_ids", (None,)),
+    ("bad_words", (None, [])),
+    ("prompt_logprobs", (None,)),
+    ("logprobs", (None, False)),
+    ("top_logprobs", (None,)),
+    ("echo", (False,)),
+    ("guided_json", (None,)),
+    ("guided_regex", (None,)),
+    ("guided_choice", (None,)),
+    ("guided_grammar", (None,)),
+    ("structured_outputs", (None,)),
+    ("response_format", (None,)),
+    ("tools", (None, [])),
+)
+
+
+def _check_beam_search(body: CompletionRequest | ChatCompletionRequest, frontend: Frontend) -> None:
+    """``use_beam_search`` (vLLM's): ``n`` beams need ``2 n`` logprobs a round from the nodes, and
+    a field the search would silently ignore is refused, named."""
+    if not body.use_beam_search:
+        if body.length_penalty is not None:
+            raise invalid("length_penalty applies with use_beam_search only", "length_penalty")
+        return
+    max_beams = frontend.limits.max_logprobs // 2
+    if body.n > max_beams:
+        raise invalid(
+            f"use_beam_search keeps n beams and asks the nodes for 2 n logprobs a step: n must "
+            f"be <= {max_beams}, got {body.n}",
+            param="n",
+        )
+    for name, unused in _BEAM_SEARCH_UNUSED:
+        if getattr(body, name, None) not in unused:
+            raise invalid(f"{name} is not supported with use_beam_search", param=name)
+
+
 def _check_common(
     body: CompletionRequest | ChatCompletionRequest, frontend: Frontend
 ) -> tuple[str, ...]:
@@ -220,6 +267,7 @@ def _check_common(
             "stream_options.continuous_usage_stats needs include_usage: true",
             param="stream_options.continuous_usage_stats",
         )
+    _check_beam_search(body, frontend)
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     limits.check_stop(stop)
     limits.check_bad_words(body.bad_words or ())

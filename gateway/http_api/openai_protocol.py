@@ -9,7 +9,7 @@ the deployment (``RequestLimits``, the prompt's length) are checked by the app.
 vLLM's sampling extensions are accepted: ``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
 ``include_stop_str_in_output``, ``bad_words``, ``priority``, ``return_tokens_as_token_ids``,
-``add_special_tokens``.
+``add_special_tokens``, ``use_beam_search`` with ``length_penalty``.
 Structured outputs: ``response_format`` (json_object, json_schema), vLLM's
 ``structured_outputs`` and its older ``guided_json``, ``guided_regex``, ``guided_choice``,
 ``guided_grammar``; tools with ``tool_choice``; and ``logit_bias``. Chat takes vLLM's template
@@ -172,6 +172,16 @@ class _GenerationParams(RequestModel):
     the same prompt). Give each tenant a long random salt (e.g. 256 bits, base64)."""
     user: str | None = None
     """Accepted and ignored (OpenAI uses it for abuse monitoring)."""
+    use_beam_search: Flag = False
+    """vLLM extension: each prompt's ``n`` choices are its ``n`` best beams (``n`` at most half
+    of ``max_logprobs``), searched by rounds of one-token requests to the nodes (the prefix
+    cache serves what the beams share); a choice's text is sent whole once the search ends,
+    also when streaming. ``temperature`` draws one more candidate per beam; ``max_tokens``,
+    ``ignore_eos``, ``include_stop_str_in_output``, ``seed`` and ``length_penalty`` apply. The
+    sampling and output fields the search does not use are refused with it."""
+    length_penalty: float | None = None
+    """vLLM extension, with ``use_beam_search``: a beam's score is ``cum_logprob / num_tokens **
+    length_penalty`` (default 1; above 0 favours longer beams)."""
 
 
 class CompletionRequest(_GenerationParams):
