@@ -122,15 +122,14 @@ class BeamSearchFanout:
             vocab_size=tokenizer.vocab_size,
             max_model_len=self._frontend.limits.max_model_len,
         )
-        # The request's own fields (model, salt, priority, seed) with the round's.
+        # The round's, as the offline search asks (no top-p, top-k or penalties from the
+        # model's generation config), with the request's own model, salt, priority and seed.
         round_sampling = dataclasses.replace(
-            sampling,
-            n=1,
-            max_tokens=search.round_params.max_tokens,
-            logprobs=search.round_params.logprobs,
-            temperature=search.round_params.temperature,
-            ignore_eos=search.round_params.ignore_eos,
-            detokenize=False,
+            search.round_params,
+            seed=sampling.seed,
+            priority=sampling.priority,
+            cache_salt=sampling.cache_salt,
+            lora_name=sampling.lora_name,
         )
         step = 0
         while beams := search.beams():
