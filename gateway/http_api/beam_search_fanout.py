@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Sequence
 from gateway.errors import ErrorKind, GatewayError
 from gateway.frontend import Frontend
 from gateway.generation import Finished, GenerationEvent, GenerationRequest, TokenChunk
-from gateway.http_api.choice_fanout import ChoiceEvent
+from gateway.http_api.choice_fanout import ChoiceEvent, ChoiceQueue
 from gateway.pipeline import TextOptions
 from gateway.text.text_stream import TextFinished, stream_text
 from services.beam_search import BeamSearch, BeamSearchParams, BeamSearchSequence
@@ -33,7 +33,7 @@ from services.types.logprob import Logprob
 logger = logging.getLogger(__name__)
 
 
-class BeamSearchFanout:
+class BeamSearchFanout(ChoiceQueue):
     """The choices of one ``use_beam_search`` request, in choice order: prompt 0's ``n`` best
     beams, then prompt 1's..."""
 
@@ -48,40 +48,18 @@ class BeamSearchFanout:
         """``requests``: ``choice_requests``' (one per choice, ``n`` per prompt); each prompt's
         first gives its prompt, its resolved ``max_tokens`` and what every round's requests
         carry."""
+        super().__init__(len(requests))
         self._frontend = frontend
         self._requests = requests
         self._options = options
         self._n = n
         self._length_penalty = length_penalty
-        self._queue: asyncio.Queue[tuple[int, ChoiceEvent | Exception]] = asyncio.Queue()
-        self._tasks: list[asyncio.Task[None]] = []
 
-    async def __aenter__(self) -> BeamSearchFanout:
-        self._tasks = [
+    def _start(self) -> list[asyncio.Task[None]]:
+        return [
             asyncio.create_task(self._search(first), name=self._requests[first].request_id)
             for first in range(0, len(self._requests), self._n)
         ]
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def first_events(self) -> list[tuple[int, ChoiceEvent]]:
-        """Events up to every choice's first one; the first error among them is raised."""
-        waiting = set(range(len(self._requests)))
-        events: list[tuple[int, ChoiceEvent]] = []
-        while waiting:
-            index, item = await self._queue.get()
-            if isinstance(item, Exception):
-                raise item
-            events.append((index, item))
-            waiting.discard(index)
-        return events
-
-    async def next(self) -> tuple[int, ChoiceEvent | Exception]:
-        return await self._queue.get()
 
     async def _search(self, first: int) -> None:
         """The search of the prompt whose choices start at ``first``; its choices' events, or

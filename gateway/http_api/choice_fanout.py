@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from typing import Self
 
 from gateway.errors import GatewayError
 from gateway.frontend import Frontend
@@ -24,37 +25,33 @@ logger = logging.getLogger(__name__)
 ChoiceEvent = TextDelta | TextFinished
 
 
-class ChoiceFanout:
-    """The generations of one HTTP request, in choice order: prompt 0's n choices, then 1's..."""
+class ChoiceQueue:
+    """What the response reads choices from: every choice's events on one queue, in order within
+    a choice, from the tasks a subclass's ``_start`` makes on entering the block
+    (``ChoiceFanout``'s one per choice; ``beam_search_fanout``'s one per prompt). Leaving the
+    block cancels them."""
 
-    def __init__(
-        self,
-        frontend: Frontend,
-        requests: Sequence[GenerationRequest],
-        options: TextOptions,
-    ) -> None:
-        self._frontend = frontend
-        self._requests = requests
-        self._options = options
+    def __init__(self, num_choices: int) -> None:
+        self._num_choices = num_choices
         self._queue: asyncio.Queue[tuple[int, ChoiceEvent | Exception]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
 
-    async def __aenter__(self) -> ChoiceFanout:
-        self._tasks = [
-            asyncio.create_task(self._pump(index, request), name=request.request_id)
-            for index, request in enumerate(self._requests)
-        ]
+    def _start(self) -> list[asyncio.Task[None]]:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        self._tasks = self._start()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        # Cancelling a pump closes its iterators; the generator then cancels its node legs.
+        # Cancelling a task closes its iterators; the generator then cancels its node legs.
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def first_events(self) -> list[tuple[int, ChoiceEvent]]:
         """Events up to every choice's first one; the first error among them is raised."""
-        waiting = set(range(len(self._requests)))
+        waiting = set(range(self._num_choices))
         events: list[tuple[int, ChoiceEvent]] = []
         while waiting:
             index, item = await self._queue.get()
@@ -66,6 +63,27 @@ class ChoiceFanout:
 
     async def next(self) -> tuple[int, ChoiceEvent | Exception]:
         return await self._queue.get()
+
+
+class ChoiceFanout(ChoiceQueue):
+    """The generations of one HTTP request, in choice order: prompt 0's n choices, then 1's..."""
+
+    def __init__(
+        self,
+        frontend: Frontend,
+        requests: Sequence[GenerationRequest],
+        options: TextOptions,
+    ) -> None:
+        super().__init__(len(requests))
+        self._frontend = frontend
+        self._requests = requests
+        self._options = options
+
+    def _start(self) -> list[asyncio.Task[None]]:
+        return [
+            asyncio.create_task(self._pump(index, request), name=request.request_id)
+            for index, request in enumerate(self._requests)
+        ]
 
     async def _pump(self, index: int, request: GenerationRequest) -> None:
         try:

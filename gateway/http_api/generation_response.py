@@ -25,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.errors import ErrorKind, GatewayError
 from gateway.frontend import Frontend
 from gateway.http_api.beam_search_fanout import BeamSearchFanout
-from gateway.http_api.choice_fanout import ChoiceEvent, ChoiceFanout
+from gateway.http_api.choice_fanout import ChoiceEvent, ChoiceFanout, ChoiceQueue
 from gateway.http_api.client_send import SlowClientError, bounded_send, send_json
 from gateway.http_api.disconnect import wait_for_disconnect
 from gateway.http_api.openai_errors import internal_error_body
@@ -107,7 +107,7 @@ class GenerationResponse(Response):
                     skip_special_tokens=self._job.body.skip_special_tokens,
                 )
                 body = self._job.body
-                fanout: ChoiceFanout | BeamSearchFanout = (
+                fanout: ChoiceQueue = (
                     BeamSearchFanout(
                         frontend, requests, options, self._n, body.length_penalty or 1.0
                     )
@@ -163,7 +163,7 @@ class GenerationResponse(Response):
         self,
         send: Send,
         states: list[ChoiceState],
-        choices: ChoiceFanout | BeamSearchFanout,
+        choices: ChoiceQueue,
         first_events: list[tuple[int, ChoiceEvent]],
     ) -> None:
         headers = [
@@ -240,7 +240,7 @@ class GenerationResponse(Response):
         self,
         send: Send,
         states: list[ChoiceState],
-        choices: ChoiceFanout | BeamSearchFanout,
+        choices: ChoiceQueue,
         first_events: list[tuple[int, ChoiceEvent]],
     ) -> None:
         for index, event in first_events:
