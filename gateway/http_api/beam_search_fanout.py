@@ -130,22 +130,25 @@ class BeamSearchFanout(ChoiceQueue):
         return output.sequences
 
     async def _next_logprobs(self, request: GenerationRequest) -> dict[int, Logprob]:
-        """The one token ``request`` generates: {sampled id: its logprob, plus the top ids'}."""
+        """The one token ``request`` generates: {sampled id: its logprob, plus the top ids'}.
+        Read to its ``Finished``, so that the generation counts as finished, not cancelled."""
         events = self._frontend.generator.generate(request)
+        row: dict[int, Logprob] | None = None
         try:
             async for event in events:
-                if isinstance(event, TokenChunk) and event.logprobs:
+                if isinstance(event, TokenChunk) and event.logprobs and row is None:
                     sampled = event.logprobs[0]
                     row = {sampled.token_id: Logprob(sampled.logprob)}
                     for token_id, logprob in sampled.top:
                         row.setdefault(token_id, Logprob(logprob))
+                elif isinstance(event, Finished):
+                    if row is None or event.finish_reason is FinishReason.ERROR:
+                        raise GatewayError(
+                            ErrorKind.UNAVAILABLE,
+                            f"a beam search step ended {event.finish_reason} without a token: "
+                            f"{event.error or 'no reason given'}",
+                        )
                     return row
-                if isinstance(event, Finished):
-                    raise GatewayError(
-                        ErrorKind.UNAVAILABLE,
-                        f"a beam search step ended without a token ({event.finish_reason}): "
-                        f"{event.error or 'no reason given'}",
-                    )
             raise GatewayError(ErrorKind.UNAVAILABLE, "a beam search step ended without a token")
         finally:
             aclose = getattr(events, "aclose", None)

@@ -5,6 +5,8 @@ every node's blocks are free afterwards."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from pathlib import Path
 
 import httpx
@@ -101,3 +103,39 @@ def test_fields_the_search_does_not_use_are_refused_by_name(
         assert response.json()["error"]["param"] == param
 
     run_stack(tiny_llama_dir, body, colocated=True)
+
+
+def test_a_client_that_leaves_mid_search_leaves_no_blocks(tiny_llama_dir: Path) -> None:
+    """The search's rounds stop with the client: no round outlives it, every block is freed."""
+
+    async def body(stack: Stack) -> None:
+        base_url = f"http://127.0.0.1:{stack.gateway.http_port}"
+        request = {"prompt": PROMPTS[0], "n": 4, "max_tokens": 200, "ignore_eos": True,
+                   "temperature": 0.0, "use_beam_search": True}  # fmt: skip
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+            post = asyncio.create_task(client.post("/v1/completions", json=request))
+            generated = stack.gateway.metrics.generation_tokens
+
+            # Rounds are running once the nodes have produced tokens for them.
+            while _count(generated) == 0:
+                await asyncio.sleep(0.01)
+            post.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await post
+        started = _count(generated)
+        await stack.wait_all_free()
+        await asyncio.sleep(0.5)  # a round still running would produce tokens meanwhile
+        assert _count(generated) - started <= 4  # at most the round in flight, one per beam
+        await stack.wait_all_free()
+
+    run_stack(tiny_llama_dir, body, colocated=True)
+
+
+def _count(counter: object) -> float:
+    """A prometheus counter's value, summed over its labels."""
+    return sum(
+        sample.value
+        for metric in counter.collect()  # type: ignore[attr-defined]
+        for sample in metric.samples
+        if sample.name.endswith("_total")
+    )
