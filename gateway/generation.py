@@ -87,5 +87,14 @@ async def stop_early(events: AsyncIterator[GenerationEvent]) -> Finished | None:
     return last if isinstance(last, Finished) else None
 
 
+async def close_events(events: object) -> None:
+    """Closes a generation's events (or an iterator wrapping them) early: ``Generator.generate``
+    promises an ``AsyncIterator``, and the real ones are async generators, whose ``aclose``
+    cancels both node legs. Closing twice, or an iterator without ``aclose``, does nothing."""
+    aclose = getattr(events, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
 class Generator(Protocol):
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]: ...

@@ -44,6 +44,7 @@ from gateway.generation import (
     Generator,
     StopGeneration,
     TokenChunk,
+    close_events,
     stop_early,
 )
 
@@ -249,6 +250,4 @@ class KeyMeteredGenerator:
                     return
         finally:
             # Closing this iterator early must close the inner one: that cancels the node legs.
-            aclose = getattr(events, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await close_events(events)

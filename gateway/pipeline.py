@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
 from gateway.frontend import Frontend
-from gateway.generation import GenerationRequest
+from gateway.generation import GenerationRequest, close_events
 from gateway.text.text_stream import TextEvent, stream_text
 
 P = ParamSpec("P")
@@ -72,14 +72,6 @@ async def generate_text(
         try:
             yield texts
         finally:
-            await _aclose(texts)
+            await close_events(texts)
     finally:
-        await _aclose(events)
-
-
-async def _aclose(iterator: object) -> None:
-    # Generator.generate promises an AsyncIterator; the real ones are async generators, whose
-    # aclose() is what cancels the node legs when the generation did not run to its end.
-    aclose = getattr(iterator, "aclose", None)
-    if aclose is not None:
-        await aclose()
+        await close_events(events)

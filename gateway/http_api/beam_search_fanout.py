@@ -22,7 +22,13 @@ from collections.abc import AsyncIterator, Sequence
 
 from gateway.errors import ErrorKind, GatewayError
 from gateway.frontend import Frontend
-from gateway.generation import Finished, GenerationEvent, GenerationRequest, TokenChunk
+from gateway.generation import (
+    Finished,
+    GenerationEvent,
+    GenerationRequest,
+    TokenChunk,
+    close_events,
+)
 from gateway.http_api.choice_fanout import ChoiceEvent, ChoiceQueue
 from gateway.pipeline import TextOptions
 from gateway.text.text_stream import TextFinished, stream_text
@@ -151,9 +157,7 @@ class BeamSearchFanout(ChoiceQueue):
                     return row
             raise GatewayError(ErrorKind.UNAVAILABLE, "a beam search step ended without a token")
         finally:
-            aclose = getattr(events, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await close_events(events)
 
     async def _text(
         self, request: GenerationRequest, beam: BeamSearchSequence

@@ -30,11 +30,10 @@ consumer that stops early (a client gone) also cancels the node legs.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Collection, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol, runtime_checkable
 
-from gateway.generation import Finished, GenerationEvent, TokenChunk, stop_early
+from gateway.generation import Finished, GenerationEvent, TokenChunk, close_events, stop_early
 from gateway.text.detokenizer import IncrementalDetokenizer
 from gateway.text.stop_strings import StopMatch, StopStringMatcher
 from gateway.text.tokenizer import Tokenizer
@@ -71,11 +70,6 @@ class TextFinished:
 
 
 TextEvent = TextDelta | TextFinished
-
-
-@runtime_checkable
-class _Closable(Protocol):
-    def aclose(self) -> Awaitable[object]: ...
 
 
 @dataclass(frozen=True)
@@ -127,7 +121,7 @@ async def stream_text(
                     # The nodes ended it otherwise (max_tokens): the events count it as a stop.
                     await stop_early(events)
                 # Settled before the client sees the end: the request is counted by then.
-                await _close(events)
+                await close_events(events)
                 if tail.text:
                     yield TextDelta(tail.text, (), None)
                 stop_reason: str | int | None = tail.matched
@@ -157,7 +151,7 @@ async def stream_text(
                 continue
             # Cancel the node legs before the client sees anything: they are still decoding.
             stopped = await stop_early(events)
-            await _close(events)
+            await close_events(events)
             yield TextDelta(chunk.text, token_ids, logprobs, event.prompt_logprobs)
             if stopped is None:
                 stopped = Finished(FinishReason.STOP, Usage(len(prompt_token_ids), 0))
@@ -183,7 +177,7 @@ async def stream_text(
             stop_reason=None,
         )
     finally:
-        await _close(events)
+        await close_events(events)
 
 
 def _chunk_text(
@@ -228,10 +222,3 @@ def _flush(
     if match.stopped:
         return match
     return StopMatch(match.text + matcher.flush())
-
-
-async def _close(events: AsyncIterator[GenerationEvent]) -> None:
-    # Generator.generate's iterators cancel both node legs on aclose (gateway/generation.py);
-    # closing twice is a no-op.
-    if isinstance(events, _Closable):
-        await events.aclose()
