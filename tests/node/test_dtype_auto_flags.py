@@ -103,3 +103,20 @@ def test_a_node_exports_its_kv_cache_dtype() -> None:
     sample = metrics.registry.get_sample_value
     assert sample("pdserve:kv_cache_dtype_info", info) == 1.0
     assert sample("pdserve:kv_cache_dtype_info", {**info, "dtype": "float32"}) is None
+
+
+def test_a_topologys_quantization_args_reach_each_nodes_engine_config() -> None:
+    """The README's ``args: {quantization: fp8}``: both roles' engines get fp8 projections."""
+    topology = topology_from_dict(
+        {
+            "model": "/m/x",
+            "prefill": {"args": {"quantization": "fp8"}},
+            "decode": {"args": {"quantization": "fp8"}},
+        }
+    )
+    nodes = [p for p in local_processes(topology, python="py") if "_node" in p.argv[2]]
+    assert len(nodes) == 2
+    for process in nodes:
+        role = Role.PREFILL if process.argv[2] == "prefill_node" else Role.DECODE
+        config = parse_node_config(list(process.argv[3:]), {}, role=role)
+        assert config.engine.quantization == "fp8"
