@@ -258,7 +258,7 @@ def _answer(
         assert code is grpc.StatusCode.OK, details
         deltas = [r.delta for r in responses if r.WhichOneof("event") == "delta"]
         text: Any = "".join(d.text for d in deltas)
-        if extra:
+        if "--reasoning-parser" in extra:
             text = ("".join(d.reasoning for d in deltas), text)
         return served.node.prompts[-1], served.node.samplings[-1], text, responses[-1].finished
     finally:
@@ -287,6 +287,21 @@ def test_tools_are_rendered_and_the_calls_parsed(model: Path) -> None:
     chat.tool_choice = "none"
     prompt, _, text, finished = _answer(model, CALL, chat)
     assert "TOOLS" not in tokenizer.decode(prompt) and text == CALL and not finished.tool_calls
+
+
+def test_a_named_tool_call_parser_reads_the_calls(model: Path) -> None:
+    """``--tool-call-parser pythonic`` on the gRPC API: a Llama-3.2-style list of calls becomes
+    the Finished's tool calls, as over HTTP; the vocabulary alone would have chosen Hermes."""
+    chat = gateway_pb2.ChatMessages(messages=ASK, tools=[WEATHER])
+    pythonic = ("--tool-call-parser", "pythonic")
+    answer = "[get_weather(city='Oslo'), get_weather(city=\"Lima\")]"
+    _, _, text, finished = _answer(model, answer, chat, pythonic)
+    assert text == ""  # the list is held back, not sent as text
+    calls = [(c.name, json.loads(c.arguments)) for c in finished.tool_calls]
+    assert calls == [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Lima"})]
+    # Hermes' tags are plain text to the pythonic parser.
+    _, _, text, finished = _answer(model, CALL, chat, pythonic)
+    assert text == CALL and not finished.tool_calls
 
 
 def test_a_forced_tool_choice_sends_a_grammar(model: Path) -> None:
