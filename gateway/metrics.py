@@ -107,7 +107,8 @@ class GatewayMetrics:
         )  # fmt: skip
         self.attempts = Counter(
             "pdserve:request_attempts", "Attempts sent to nodes, by route: disaggregated, "
-            "local_prefill (a short prompt prefilled on its decode node) or colocated",
+            "prefill_only (a request ending at its first token), local_prefill (a short prompt "
+            "prefilled on its decode node) or colocated",
             ("route",), registry=registry,
         )  # fmt: skip
         self.num_requests_running = Gauge(

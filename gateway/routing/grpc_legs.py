@@ -92,18 +92,19 @@ class GrpcLegs:
         node: Node,
         leg_id: str,
         request: GenerationRequest,
-        decode: Node,
+        decode: Node | None,
         timeout: float | None,
     ) -> GrpcPrefillLeg:
         message = prefill_pb2.PrefillRequest(
             request_id=leg_id,
             prompt_token_ids=request.prompt_token_ids,
             sampling=sampling_params_to_proto(request.sampling),
-            decode_target=decode.address,
+            decode_target=decode.address if decode is not None else "",
         )
         # Under recompute a hung prefill node is left to the reservation's lease: the decode node
-        # then computes the prompt itself, where a retry might find no other prefill node.
-        ends = self.config.on_kv_failure == KvFailurePolicy.FAIL
+        # then computes the prompt itself, where a retry might find no other prefill node. A
+        # prefill node serving alone has no lease and no decode node to take over.
+        ends = decode is None or self.config.on_kv_failure == KvFailurePolicy.FAIL
         return GrpcPrefillLeg(self.pool, node, message, timeout, ends_when_unresponsive=ends)
 
 
@@ -265,13 +266,14 @@ class GrpcPrefillLeg(PrefillLeg):
         if self._call is not None:
             self._call.cancel()
 
-    async def reply(self, reservation: object) -> PrefillReply:
-        assert isinstance(reservation, kv_pb2.KvReservation), type(reservation)
+    async def reply(self, reservation: object | None) -> PrefillReply:
+        assert reservation is None or isinstance(reservation, kv_pb2.KvReservation)
         if self._ended is not None:  # while the decode node was reserving
             raise RetryableFailure("prefill_unresponsive", self.node, self._ended)
         message = prefill_pb2.PrefillRequest()
         message.CopyFrom(self.message)
-        message.destination.CopyFrom(reservation)
+        if reservation is not None:
+            message.destination.CopyFrom(reservation)
         client = self.pool.client(self.node)
         self._call = client.prefill.Prefill(message, timeout=self.timeout)
         try:
@@ -294,6 +296,8 @@ class GrpcPrefillLeg(PrefillLeg):
             ),
             cached_prompt_tokens=result.cached_prompt_tokens,
             timings=_timings(result.timings, self.node),
+            # Unset (0) unless the first token ends the request.
+            finish_reason=finish_reason_from_proto(result.finish_reason),
         )
 
 

@@ -55,6 +55,8 @@ class PrefillReply:
     """The first token (with its logprobs when asked for)."""
     cached_prompt_tokens: int
     timings: StageTimings
+    finish_reason: FinishReason | None = None
+    """Set when the first token ends the request (EOS, ``max_tokens=1``)."""
 
 
 class DecodeLeg(ABC):
@@ -91,9 +93,10 @@ class PrefillLeg(ABC):
     ) -> None: ...
 
     @abstractmethod
-    async def reply(self, reservation: object) -> PrefillReply:
+    async def reply(self, reservation: object | None) -> PrefillReply:
         """Pushes the prompt's pages to ``reservation`` and returns the first token; the leg
-        stops counting itself in flight once this returns."""
+        stops counting itself in flight once this returns. Without a reservation (a request
+        ending at its first token), nothing is pushed and the node frees the pages at once."""
 
 
 class Legs(Protocol):
@@ -114,6 +117,8 @@ class Legs(Protocol):
         node: Node,
         leg_id: str,
         request: GenerationRequest,
-        decode: Node,
+        decode: Node | None,
         timeout: float | None,
-    ) -> PrefillLeg: ...
+    ) -> PrefillLeg:
+        """``decode``: the node the pages go to; None when the first token ends the request."""
+        ...

@@ -11,6 +11,8 @@ Life cycle of one request here:
    push), the prefill leg is dropped and every token comes from the decode stream.
    Colocated, or a short prompt prefilled on its decode node (``local_prefill_max_tokens``):
    one ``Generate`` stream without ``kv_source`` carries every token.
+   Prefill only (``max_tokens=1``: the first token is the last): one ``Prefill`` call without a
+   destination; its reply is the token and says how the request finished.
 3. RETRY: a refusal or failure before anything was sent to the client ends the attempt (both
    legs cancelled, so both nodes free their blocks); the next attempt uses a fresh leg id, so a
    fresh reservation and transfer id (peers.md #13), on nodes this request has not tried. A
@@ -133,17 +135,18 @@ class RoutedGenerator:
         attempt = 0
         node_id = f"{request.request_id}.{uuid.uuid4().hex[:12]}"  # see "Request ids" above
         namespace = (request.sampling.cache_salt, request.sampling.lora_name)
+        ends = _first_token_ends(request)
         while True:
             route = None
             if attempt <= self.config.max_retries:
                 route = self.router.pick(
-                    request.prompt_token_ids, exclude=tried, namespace=namespace
+                    request.prompt_token_ids, tried, namespace, first_token_ends=ends
                 )
             if route is None and not wait_for_room and _all_full(failures):
                 # Every decode node tried is full: wait for room on one (the router's pick).
                 wait_for_room, tried = True, set()
                 route = self.router.pick(
-                    request.prompt_token_ids, exclude=tried, namespace=namespace
+                    request.prompt_token_ids, tried, namespace, first_token_ends=ends
                 )
             if route is None:
                 break
@@ -217,7 +220,9 @@ class RoutedGenerator:
         if num_attempts > self.config.max_retries:
             why = f"{num_attempts} attempts failed (--max-retries {self.config.max_retries})"
         else:
-            why = self.router.why_none(request.prompt_token_ids, request.sampling.lora_name)
+            why = self.router.why_none(
+                request.prompt_token_ids, request.sampling.lora_name, _first_token_ends(request)
+            )
         # The latest failure first: it is what ended the request (an earlier one may be a decode
         # node's refusal that the wait for room has since answered).
         detail = "; ".join(f"{f.node.address}: {f.message}" for f in reversed(failures))
@@ -264,7 +269,10 @@ class RoutedGenerator:
         if timeout is not None and timeout <= 0:
             raise _deadline_error()
         self.metrics.attempts.labels(route=route.kind).inc()
-        if route.prefill is None:
+        if route.decode is None:
+            assert route.prefill is not None
+            leg = self._prefill_only(route.prefill, leg_id, request, timeout, progress)
+        elif route.prefill is None:
             leg = self._colocated(route.decode, leg_id, request, timeout)
         else:
             leg = self._disaggregated(
@@ -294,6 +302,32 @@ class RoutedGenerator:
                     yield event
                 if isinstance(event, Finished):
                     return
+
+    async def _prefill_only(
+        self,
+        node: Node,
+        leg_id: str,
+        request: GenerationRequest,
+        timeout: float | None,
+        progress: _Progress,
+    ) -> AsyncGenerator[GenerationEvent, None]:
+        async with self.legs.prefill(node, leg_id, request, None, timeout) as prefill:
+            answer = await prefill.reply(None)  # a failure here is retryable
+        progress.cached_prompt_tokens = answer.cached_prompt_tokens
+        progress.prefill_timings = answer.timings
+        yield answer.first
+        usage = Usage(
+            len(request.prompt_token_ids), len(answer.first.token_ids), answer.cached_prompt_tokens
+        )
+        if answer.finish_reason is None:  # a node's bug: never a silent end
+            yield Finished(
+                FinishReason.ERROR,
+                usage,
+                answer.timings,
+                error=f"prefill node {node.address} did not end a max_tokens=1 request",
+            )
+            return
+        yield Finished(answer.finish_reason, usage, answer.timings)
 
     async def _disaggregated(
         self,
@@ -379,6 +413,10 @@ async def _hold_until_prefill(
             pending.cancel()
         raise
     return held, False, pending
+
+
+def _first_token_ends(request: GenerationRequest) -> bool:
+    return request.sampling.max_tokens == 1
 
 
 def _all_full(failures: list[RetryableFailure]) -> bool:

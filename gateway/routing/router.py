@@ -1,4 +1,5 @@
-"""Picks the nodes for one attempt of one request: a (prefill, decode) pair, or a colocated node.
+"""Picks the nodes for one attempt of one request: a (prefill, decode) pair, a prefill node
+alone, or a colocated node.
 
 - **Decode by load**: the healthy decode node with the least work, where work is the larger of
   the gateway's own in-flight count and the node's last reported running + waiting + reserved,
@@ -11,6 +12,11 @@
   a prompt of at most ``local_prefill_max_tokens`` tokens is prefilled by the decode node
   itself. Its prefill adds a small chunk to one decode step, where on a prefill node it would
   queue behind long prompts and then pay the reservation, push and commit.
+- **A first token that is the last goes no further than the prefill node** (``first_token_ends``:
+  ``max_tokens=1``, as a beam search round's or a scoring request's): the prefill node samples
+  the first token in every disaggregated route, so a decode node would only reserve blocks,
+  take the pushed pages and free them unread. Such a request goes to a prefill node alone
+  (chosen as above), and is served even while no decode node is healthy.
 - **Colocated nodes** serve when no pair is available (none configured, none healthy, or all
   already tried by this request).
 
@@ -39,13 +45,20 @@ _KV_USAGE_PENALTY = 32
 
 @dataclass(frozen=True)
 class Route:
-    decode: Node
-    """Generates; it also computes the prompt when ``prefill`` is None."""
+    decode: Node | None
+    """Generates; it also computes the prompt when ``prefill`` is None. None: the prefill node's
+    first token ends the request, no decode node takes part."""
     prefill: Node | None
+
+    def __post_init__(self) -> None:
+        assert self.decode is not None or self.prefill is not None, "a route needs a node"
 
     @property
     def kind(self) -> str:
-        """The metric label: ``disaggregated``, ``local_prefill`` or ``colocated``."""
+        """The metric label: ``disaggregated``, ``prefill_only``, ``local_prefill`` or
+        ``colocated``."""
+        if self.decode is None:
+            return "prefill_only"
         if self.prefill is not None:
             return "disaggregated"
         return "local_prefill" if self.decode.role is Role.DECODE else "colocated"
@@ -71,10 +84,12 @@ class Router:
         prompt: Sequence[int],
         exclude: Collection[str] = (),
         namespace: Namespace = BASE,
+        first_token_ends: bool = False,
     ) -> Route | None:
         """A route for ``prompt`` (its ``namespace`` keys prefix affinity, as the nodes' prefix
         caches) over nodes that loaded its LoRA adapter, avoiding the nodes in ``exclude``;
-        None where none is healthy."""
+        None where none is healthy. ``first_token_ends``: the request ends at its first token
+        (``max_tokens=1``), which a prefill node serves alone."""
         lora = namespace[1]
 
         def usable(nodes: list[Node]) -> list[Node]:
@@ -88,19 +103,22 @@ class Router:
         if decodes and len(prompt) <= self.config.local_prefill_max_tokens:
             # Needs no prefill node: served even while none is healthy.
             return Route(decode=min(decodes, key=_decode_work), prefill=None)
-        if decodes and prefills:
-            decode = min(decodes, key=_decode_work)
+        if prefills and (decodes or first_token_ends):
             prefill = self.pick_prefill(prompt, prefills, namespace)
             self.affinity.record(prompt, prefill.address, namespace)
+            decode = None if first_token_ends else min(decodes, key=_decode_work)
             return Route(decode=decode, prefill=prefill)
         colocated = usable(self.pool.colocated)
         if colocated:
             return Route(decode=min(colocated, key=_decode_work), prefill=None)
         return None
 
-    def why_none(self, prompt: Sequence[int], lora_name: str | None = None) -> str:
-        """Why ``pick`` finds no route for ``prompt`` of adapter ``lora_name`` now (the nodes a
-        request tried aside): what a client's 503 names first."""
+    def why_none(
+        self, prompt: Sequence[int], lora_name: str | None = None, first_token_ends: bool = False
+    ) -> str:
+        """Why ``pick`` finds no route for ``prompt`` of adapter ``lora_name`` (ending at its
+        first token or not) now, the nodes a request tried aside: what a client's 503 names
+        first."""
 
         def any_healthy(nodes: list[Node]) -> bool:
             return any(n.is_healthy for n in nodes)
@@ -125,12 +143,21 @@ class Router:
         if self.config.decode:
             missing = []
             needs_prefill = len(prompt) > self.config.local_prefill_max_tokens
-            if needs_prefill and not any_healthy(self.pool.prefill):
-                missing.append("prefill")
-            if not any_healthy(self.pool.decode):
-                missing.append("decode")
+            prefill_up, decode_up = any_healthy(self.pool.prefill), any_healthy(self.pool.decode)
+            if first_token_ends:
+                # A prefill node alone serves it; a decode node only a short prompt.
+                if not prefill_up and (needs_prefill or not decode_up):
+                    missing = ["prefill"] if needs_prefill else ["prefill", "decode"]
+            else:
+                if needs_prefill and not prefill_up:
+                    missing.append("prefill")
+                if not decode_up:
+                    missing.append("decode")
             if missing:
                 causes.append(f"no healthy {' or '.join(missing)} node")
+            elif first_token_ends and prefill_up:
+                tried = "prefill" if needs_prefill or not decode_up else "decode and prefill"
+                causes.append(f"this request tried every healthy {tried} node")
             elif needs_prefill:
                 causes.append("this request tried every healthy prefill/decode pair")
             else:

@@ -167,20 +167,26 @@ class PairRouter:
 
     def __init__(self, routes: list[Route]) -> None:
         self.routes = routes
+        self.first_token_ends: list[bool] = []
+        """What each pick was told of the request."""
 
     def pick(
         self,
         prompt: object,
         exclude: set[str] | frozenset[str] = frozenset(),
         namespace: object = None,
+        first_token_ends: bool = False,
     ) -> Route | None:
+        self.first_token_ends.append(first_token_ends)
         for route in self.routes:
-            nodes = [route.decode] + ([route.prefill] if route.prefill else [])
+            nodes = [node for node in (route.decode, route.prefill) if node is not None]
             if not any(node.address in exclude for node in nodes):
                 return route
         return None
 
-    def why_none(self, prompt: object, lora_name: str | None = None) -> str:
+    def why_none(
+        self, prompt: object, lora_name: str | None = None, first_token_ends: bool = False
+    ) -> str:
         return "every pair was tried"
 
 
@@ -211,7 +217,13 @@ def request() -> GenerationRequest:
 
 
 async def collect(generator: RoutedGenerator) -> list[GenerationEvent]:
-    return [event async for event in generator.generate(request())]
+    return await collect_request(generator, request())
+
+
+async def collect_request(
+    generator: RoutedGenerator, sent: GenerationRequest
+) -> list[GenerationEvent]:
+    return [event async for event in generator.generate(sent)]
 
 
 def token_ids(events: list[GenerationEvent]) -> list[int]:
@@ -220,7 +232,7 @@ def token_ids(events: list[GenerationEvent]) -> list[int]:
 
 def assert_no_work_left(routes: list[Route], legs: FakeLegs) -> None:
     for route in routes:
-        assert route.decode.num_in_flight == 0
+        assert route.decode is None or route.decode.num_in_flight == 0
         assert route.prefill is None or route.prefill.num_in_flight == 0
     assert all(leg.closed for leg in legs.opened if isinstance(leg, FakeDecodeLeg))
 
@@ -364,6 +376,46 @@ def test_a_colocated_node_serves_alone_and_skips_a_recomputing_notice() -> None:
     events = asyncio.run(collect(make_generator(routes, legs)))
     assert token_ids(events) == [1, 2]
     assert [type(leg) for leg in legs.opened] == [FakeDecodeLeg]
+    assert_no_work_left(routes, legs)
+
+
+def test_a_request_ending_at_its_first_token_is_the_prefill_nodes_alone() -> None:
+    """``max_tokens=1``: one Prefill call without a reservation; its reply is the token and the
+    request's end, with the prefill node's usage and stages. A failed call is retried on the
+    next prefill node, and no decode leg is ever opened."""
+    routes = [Route(decode=None, prefill=healthy(f"p{i}", Role.PREFILL)) for i in range(2)]
+    ended = replace(reply(20), finish_reason=FinishReason.STOP)  # an EOS
+    down = RetryableFailure("prefill_unavailable", routes[0].prefill, "connection refused")
+    legs = FakeLegs({}, {"p0": down, "p1": ended})
+    generator = make_generator(routes, legs)
+    one = GenerationRequest("req", PROMPT, SamplingParams(max_tokens=1))
+    events = asyncio.run(collect_request(generator, one))
+    assert token_ids(events) == [20]
+    final = events[-1]
+    assert isinstance(final, Finished) and final.finish_reason is FinishReason.STOP
+    assert final.usage == Usage(len(PROMPT), 1, cached_prompt_tokens=2)
+    assert final.timings == replace(PREFILL_TIMINGS, gateway_queue_s=final.timings.gateway_queue_s)
+    assert final.num_retries == 1 and final.error is None
+    assert all(isinstance(leg, FakePrefillLeg) for leg in legs.opened)
+    assert [leg.reservation for leg in legs.opened] == [None, None]
+    assert generator.router.first_token_ends == [True, True]  # type: ignore[attr-defined]
+    assert sample(generator, "request_attempts_total", route="prefill_only") == 2
+    assert_no_work_left(routes, legs)
+    # A request that goes on is routed as ever.
+    on = make_generator(pairs(1), FakeLegs({"d0": served(11)}, {"p0": reply(10)}))
+    assert token_ids(asyncio.run(collect(on))) == [10, 11]
+    assert on.router.first_token_ends == [False]  # type: ignore[attr-defined]
+
+
+def test_a_prefill_node_that_does_not_end_a_one_token_request_is_an_error_not_silence() -> None:
+    routes = [Route(decode=None, prefill=healthy("p0", Role.PREFILL))]
+    legs = FakeLegs({}, {"p0": reply(20)})  # no finish reason: a node's bug
+    one = GenerationRequest("req", PROMPT, SamplingParams(max_tokens=1))
+    events = asyncio.run(collect_request(make_generator(routes, legs), one))
+    assert token_ids(events) == [20]
+    final = events[-1]
+    assert isinstance(final, Finished) and final.finish_reason is FinishReason.ERROR
+    assert final.error == "prefill node p0 did not end a max_tokens=1 request"
     assert_no_work_left(routes, legs)
 
 

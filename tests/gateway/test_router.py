@@ -226,6 +226,34 @@ def test_short_prompts_are_prefilled_on_the_least_loaded_decode_node(loop) -> No
     assert router.pick([1] * 17) is None
 
 
+def test_a_request_ending_at_its_first_token_goes_to_a_prefill_node_alone(loop) -> None:
+    router = make_router(local_prefill_max_tokens=4)
+    p0, p1 = router.pool.prefill
+    p0.load = NodeLoad(num_waiting=5)
+    route = router.pick([1] * 8, first_token_ends=True)
+    assert (route.prefill, route.decode, route.kind) == (p1, None, "prefill_only")
+    # Chosen as a pair's prefill node is: by prefix affinity too.
+    assert router.affinity.matched_tokens([1] * 8) == {p1.address: 8}
+    # A short prompt is still its decode node's to prefill.
+    assert router.pick([1] * 4, first_token_ends=True).kind == "local_prefill"
+    # Served while no decode node is healthy, a short prompt included.
+    for node in router.pool.decode:
+        node.mark_failed("UNAVAILABLE")
+    assert router.pick([1] * 4, first_token_ends=True).kind == "prefill_only"
+    assert router.pick([1] * 8) is None  # one that goes on needs a decode node
+    assert router.why_none([1] * 8) == "no healthy decode node"
+    route = router.pick([1] * 8, exclude={p1.address}, first_token_ends=True)
+    assert route.prefill is p0
+    assert router.pick([1] * 8, exclude={p0.address, p1.address}, first_token_ends=True) is None
+    assert router.why_none([1] * 8, first_token_ends=True) == (
+        "this request tried every healthy prefill node"
+    )
+    for node in router.pool.prefill:
+        node.mark_failed("UNAVAILABLE")
+    assert router.why_none([1] * 8, first_token_ends=True) == "no healthy prefill node"
+    assert router.why_none([1] * 4, first_token_ends=True) == "no healthy prefill or decode node"
+
+
 def test_without_a_threshold_every_prompt_goes_to_a_prefill_node(loop) -> None:
     router = make_router()
     assert router.pick([7]).kind == "disaggregated"

@@ -136,6 +136,40 @@ def test_short_prompts_are_prefilled_on_the_decode_node(tiny_llama_dir: Path, ex
     run_stack(tiny_llama_dir, body, extra=["--local-prefill-max-tokens", "40"])
 
 
+def test_a_request_ending_at_its_first_token_is_served_by_the_prefill_node_alone(
+    tiny_llama_dir: Path, expected
+) -> None:
+    """max_tokens=1 needs no decode node: with both gone (drained, not yet noticed by the
+    gateway's polls), every prompt still gets the single engine's first token from the prefill
+    node, with no attempt on a decode node, and no block left held there."""
+    prompts, tokens = expected
+    one = common_pb2.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    async def body(stack: Stack) -> None:
+        for name in ("decode0", "decode1"):
+            server, engine = stack.nodes.pop(name)
+            await server.drain()
+            engine.shutdown()
+        results = await asyncio.gather(*(stack.generate(p, one) for p in prompts))
+        assert [r[0] for r in results] == [t[:1] for t in tokens]
+        for _, _, finished in results:
+            assert finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert finished.usage.completion_tokens == 1 and finished.num_retries == 0
+        registry = stack.gateway.metrics.registry
+        attempts = {
+            route: registry.get_sample_value("pdserve:request_attempts_total", {"route": route})
+            for route in ("prefill_only", "disaggregated")
+        }
+        assert attempts == {"prefill_only": len(prompts), "disaggregated": None}
+        # A request that goes on needs a decode node, and says so.
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stack.generate(prompts[4])
+        assert raised.value.code() is grpc.StatusCode.UNAVAILABLE
+        await stack.wait_all_free()
+
+    run_stack(tiny_llama_dir, body)
+
+
 def test_a_full_decode_node_is_retried_on_another(tiny_llama_dir: Path, expected) -> None:
     prompts, tokens = expected
 
