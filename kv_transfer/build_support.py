@@ -70,9 +70,14 @@ def load_extension(
     """Compiles (if needed) and loads a plain shared library (no pybind11) into
     ``extensions_root() / name`` with ``torch.utils.cpp_extension.load``, under a lock that a
     killed holder cannot leave behind (module docstring); returns the library's path. Raises
-    what ``load`` raises."""
+    what ``load`` raises.
+
+    The directory is ``name`` and a hash of where the sources and torch are
+    (``build_name``)."""
+    import torch
     from torch.utils.cpp_extension import load
 
+    name = build_name(name, sources, f"{torch.__file__} {torch.__version__}")
     root = extensions_root()
     build_directory = root / name
     build_directory.mkdir(parents=True, exist_ok=True)
@@ -92,6 +97,16 @@ def load_extension(
             verbose=False,
         )
     return str(path)
+
+
+def build_name(name: str, sources: Sequence[Path], toolchain: str) -> str:
+    """``name`` and a short hash of the sources' paths and of ``toolchain`` (the torch it links
+    against). torch's rebuild check compares a build with the previous one in its directory,
+    paths included, so two checkouts (or virtual environments) that shared one directory rebuilt
+    each other's library each time the other one ran (100-200 s of compiling on a 2-core host);
+    each now has its own, built once."""
+    where = "\n".join([*(str(Path(path).resolve()) for path in sources), toolchain])
+    return f"{name}_{hashlib.sha256(where.encode()).hexdigest()[:8]}"
 
 
 def build_error_summary(exc: BaseException, max_part: int = 200) -> str:

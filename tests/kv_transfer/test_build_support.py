@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kv_transfer.build_support import BuildOnce, build_error_summary, cpu_tag
+from kv_transfer.build_support import BuildOnce, build_error_summary, build_name, cpu_tag
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,6 +22,18 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_cpu_tag_is_a_short_stable_hash() -> None:
     assert re.fullmatch(r"[0-9a-f]{12}", cpu_tag())
     assert cpu_tag() == cpu_tag()
+
+
+def test_checkouts_at_two_paths_build_in_directories_of_their_own(tmp_path: Path) -> None:
+    """torch rebuilds a library whose sources moved; two checkouts sharing one directory rebuilt
+    each other's on every alternation. The same sources at one path keep their directory."""
+    here, there = tmp_path / "a" / "ops.cpp", tmp_path / "b" / "ops.cpp"
+    toolchain = "torch 2.13.0"
+    name = build_name("pdserve_ops", [here], toolchain)
+    assert re.fullmatch(r"pdserve_ops_[0-9a-f]{8}", name)
+    assert name == build_name("pdserve_ops", [tmp_path / "a" / "." / "ops.cpp"], toolchain)
+    assert name != build_name("pdserve_ops", [there], toolchain)
+    assert name != build_name("pdserve_ops", [here], "torch 2.14.0"), "another torch: rebuilt"
 
 
 def test_a_build_log_becomes_its_head_and_first_cause() -> None:
@@ -83,10 +95,15 @@ def test_a_build_killed_midway_leaves_nothing_that_hangs_the_next(tmp_path: Path
     start (a node restarted after Ctrl-C during its first build) must build instead."""
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
     first = _build_copy(env)
-    torch_lock = tmp_path / f"pdserve_kv_copy_runs_{cpu_tag()}" / "lock"
     deadline = time.monotonic() + 120
-    while not torch_lock.exists() and first.poll() is None and time.monotonic() < deadline:
+    while first.poll() is None and time.monotonic() < deadline:
+        locks = list(tmp_path.glob(f"pdserve_kv_copy_runs_{cpu_tag()}_*/lock"))
+        if locks:
+            (torch_lock,) = locks
+            break
         time.sleep(0.005)
+    else:
+        pytest.fail("the first process never reached torch's build")
     assert torch_lock.exists(), "the first process never reached torch's build"
     first.kill()
     first.wait()
