@@ -25,6 +25,9 @@ Scenarios:
 - ``mixed``: decodes running (``--num-prompts`` short prompts, long outputs, fixed concurrency)
   while long prompts arrive (Poisson, ``--long-rate`` per second): the decoders' TPOT shows how
   much the prefills stall them.
+- ``beam``: ``--num-prompts`` beam searches at once (``use_beam_search``, ``n`` =
+  ``--beam-width``, ``--output-len`` tokens at most, temperature 0) over the completions API, as
+  vLLM's API takes them: each search is rounds of one-token requests inside the server.
 
 ``--repeat N`` (burst): every system is started once and the bursts alternate between them, N
 rounds, with per-round and median throughput and the ratio to vLLM printed at the end.
@@ -38,12 +41,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from deploy.local_ports import free_ports
@@ -219,12 +225,66 @@ def burst(system: str, base: str, args: argparse.Namespace, out: Path, round_: i
     )  # fmt: skip
 
 
+def beam_searches(base: str, args: argparse.Namespace, out: Path) -> dict:
+    """``--num-prompts`` beam searches sent at once; each request's latency and status, and a
+    summary with serve.py's names (completed and failed first)."""
+    rng = random.Random(args.seed)
+    # Token-id prompts, as serve.py's --prompt-as-token-ids: no tokenizer round trip.
+    prompts = [
+        [rng.randrange(16, 30000) for _ in range(args.input_len)] for _ in range(args.num_prompts)
+    ]
+
+    def search(prompt: list[int]) -> tuple[float, str | None]:
+        body = {
+            "model": "model", "prompt": prompt, "max_tokens": args.output_len,
+            "n": args.beam_width, "use_beam_search": True, "temperature": 0.0,
+        }  # fmt: skip
+        request = urllib.request.Request(
+            f"{base}/v1/completions", json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        started = time.perf_counter()
+        try:
+            with urllib.request.urlopen(request, timeout=args.request_timeout) as response:
+                choices = json.loads(response.read())["choices"]
+            error = None if len(choices) == args.beam_width else f"{len(choices)} choices"
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        return time.perf_counter() - started, error
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=args.num_prompts) as pool:
+        results = list(pool.map(search, prompts))
+    duration = time.perf_counter() - started
+    latencies = sorted(1000 * seconds for seconds, error in results if error is None)
+    errors: dict[str, int] = {}
+    for _, error in results:
+        if error is not None:
+            errors[error] = errors.get(error, 0) + 1
+    summary = {
+        "completed": len(latencies),
+        "failed": len(results) - len(latencies),
+        "duration": duration,
+        "request_throughput": len(latencies) / duration,
+        "median_e2el_ms": statistics.median(latencies) if latencies else None,
+        "p99_e2el_ms": latencies[min(len(latencies) - 1, len(latencies) * 99 // 100)]
+        if latencies
+        else None,
+        "errors": errors,
+    }
+    result = {"config": {k: str(v) for k, v in vars(args).items()}, "summary": summary}
+    out.write_text(json.dumps(result, indent=2))
+    return result
+
+
 def run_system(system: str, args: argparse.Namespace, out_dir: Path) -> dict[str, dict]:
     base, processes = start_system(system, args, out_dir)
     try:
         results = {}
         if args.scenario == "burst":
             results["burst"] = burst(system, base, args, out_dir / f"burst-{system}.json")
+        elif args.scenario == "beam":
+            results["beam"] = beam_searches(base, args, out_dir / f"beam-{system}.json")
         else:
             long_out = out_dir / f"mixed-long-{system}.json"
             background = subprocess.Popen(
@@ -291,7 +351,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=ROOT / "models/small-llama")
     parser.add_argument("--systems", default="colocated,disaggregated,vllm")
-    parser.add_argument("--scenario", choices=["burst", "mixed"], default="burst")
+    parser.add_argument("--scenario", choices=["burst", "mixed", "beam"], default="burst")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=256)
@@ -319,6 +379,10 @@ def main() -> None:
         help="Hugging Face directory vLLM serves and serve.py tokenizes with (default: --model); "
         "for a GGUF --model, the same weights converted by transformers (docs/benchmarks.md)",
     )
+    parser.add_argument("--beam-width", type=int, default=4, help="beam: each search's n")
+    parser.add_argument(
+        "--request-timeout", type=float, default=1800.0, help="beam: seconds per search"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--repeat", type=int, default=1,
@@ -343,13 +407,20 @@ def main() -> None:
     # completed / failed first: a system that refuses requests looks fast on the rest.
     keys = ("completed", "failed", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
             "median_tpot_ms", "p99_tpot_ms", "median_itl_ms")  # fmt: skip
+    if args.scenario == "beam":
+        keys = ("completed", "failed", "request_throughput", "median_e2el_ms", "p99_e2el_ms")
     print("| run | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 1) + "|")
     for name, stats in summary.items():
-        print(f"| {name} | " + " | ".join(f"{stats.get(k, float('nan')):.1f}" for k in keys) + " |")
+        print(f"| {name} | " + " | ".join(_cell(stats.get(k)) for k in keys) + " |")
     for name, stats in summary.items():
         if stats.get("failed"):
             print(f"WARNING {name}: {stats['failed']} requests failed: {stats.get('errors')}")
+
+
+def _cell(value: float | None) -> str:
+    """A table cell; ``-`` where serve.py had no figure (TPOT and ITL of one-token outputs)."""
+    return "-" if value is None else f"{value:.1f}"
 
 
 if __name__ == "__main__":
