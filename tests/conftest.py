@@ -30,6 +30,7 @@ if os.environ.get("TRITON_INTERPRET") is None and not torch.cuda.is_available():
 from deploy.fetch_model import SMOLLM2, FetchError, fetch_gguf  # noqa: E402 (after TRITON_INTERPRET)
 from services.models.tiny import build_tiny_model  # noqa: E402
 from support.gguf_files import close_gguf  # noqa: E402
+from support.model_dirs import with_config  # noqa: E402
 
 TinyModelFactory = Callable[..., Path]
 
@@ -83,6 +84,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def matryoshka_llama_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama declaring ``is_matryoshka``: its embeddings may be cut to any size."""
+    return with_config(tiny_llama_dir, tmp_path_factory.mktemp("matryoshka"), is_matryoshka=True)
 
 
 @pytest.fixture(scope="session")

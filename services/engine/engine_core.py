@@ -323,17 +323,37 @@ class EngineCore:
                 "embeddings only"
             )
 
+    def _check_dimensions(self, dimensions: int) -> None:
+        """A shorter embedding only for a model trained to give one (vLLM refuses alike): the
+        first values of another model's vector are a poor embedding, not an error anyone sees."""
+        hidden_size = self.model_config.hidden_size
+        allowed = self.model_config.matryoshka_dimensions
+        if allowed is None:
+            raise SamplingParamError(
+                "dimensions",
+                "this model does not support matryoshka representation (its config.json sets "
+                "neither is_matryoshka nor matryoshka_dimensions): changing the output "
+                "dimensions would give poor embeddings",
+            )
+        if allowed and dimensions not in allowed:
+            raise SamplingParamError(
+                "dimensions",
+                f"this model supports the matryoshka dimensions {list(allowed)} only, got "
+                f"{dimensions}",
+            )
+        if dimensions > hidden_size:
+            raise SamplingParamError(
+                "dimensions",
+                f"dimensions {dimensions} is above the model's hidden size {hidden_size}",
+            )
+
     def _check_pooling(self, params: SamplingParams, pooling: PoolingParams, hold_kv: bool) -> None:
         if not isinstance(pooling, PoolingParams):
             raise ValueError(f"pooling must be PoolingParams, got {type(pooling).__name__}")
         if self._embedding_refusal is not None:
             raise ValueError(self._embedding_refusal)
-        hidden_size = self.model_config.hidden_size
-        if pooling.dimensions is not None and pooling.dimensions > hidden_size:
-            raise SamplingParamError(
-                "dimensions",
-                f"dimensions {pooling.dimensions} is above the model's hidden size {hidden_size}",
-            )
+        if pooling.dimensions is not None:
+            self._check_dimensions(pooling.dimensions)
         for name, wrong in (
             ("hold_kv", hold_kv),
             ("guided", params.guided is not None),

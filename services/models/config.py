@@ -67,6 +67,11 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    matryoshka_dimensions: tuple[int, ...] | None = None
+    """Embedding sizes the model was trained to be cut to (Matryoshka representation learning),
+    from ``config.json``'s ``matryoshka_dimensions``; ``()`` where ``is_matryoshka`` allows any
+    size; None where it declares neither, so its embeddings keep every value (as vLLM reads
+    both keys)."""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -150,7 +155,22 @@ class ModelConfig:
             sliding_window=sliding_window,
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
+            matryoshka_dimensions=_matryoshka(raw),
         )
+
+
+def _matryoshka(raw: dict[str, Any]) -> tuple[int, ...] | None:
+    dimensions = raw.get("matryoshka_dimensions")
+    if dimensions:
+        if not isinstance(dimensions, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dimensions
+        ):
+            raise EngineConfigError(
+                f"config.json's matryoshka_dimensions must be a list of positive integers, got "
+                f"{dimensions!r}"
+            )
+        return tuple(dimensions)
+    return () if raw.get("is_matryoshka") is True else None
 
 
 def _architecture(raw: dict[str, Any]) -> str:

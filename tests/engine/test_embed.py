@@ -17,7 +17,8 @@ from transformers import AutoModel
 
 from services.engine import LLM, PoolingParams, SamplingParams
 from services.models.pooling_config import NORMALIZE_MODULE
-from services.types import SamplingParamError
+from services.types import EngineConfigError, SamplingParamError
+from support.model_dirs import with_config
 
 
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -44,12 +45,13 @@ def reference(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("budget", [2048, 16])  # 16: prompts in chunks beside decodes
 def test_embeddings_are_the_last_tokens_final_hidden_state(
-    tiny_llama_dir: Path, hf_model, device: str, budget: int
+    matryoshka_llama_dir: Path, hf_model, device: str, budget: int
 ) -> None:
     rng = random.Random(3)
     prompts = [[rng.randrange(5, 4000) for _ in range(n)] for n in (1, 7, 40, 70)]
     # 4 MiB: 2,048 tokens, room for every prompt (the default on a GPU is most of its memory).
-    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_dtype="float32", device=device,
+    # The tiny llama's weights, declaring is_matryoshka (for the shortened embedding below).
+    llm = LLM(matryoshka_llama_dir, dtype="float32", kv_cache_dtype="float32", device=device,
               kv_cache_memory=4 << 20, max_num_batched_tokens=budget,
               max_model_len=128)  # fmt: skip
     # Generation beside the embeddings: both come out right from the same steps.
@@ -151,13 +153,40 @@ def test_a_declared_pooling_other_than_the_last_tokens_is_refused(
     assert llm.engine.stats().num_blocks_used == 0
 
 
+def test_dimensions_only_for_a_model_trained_for_them(
+    tiny_llama_dir: Path, matryoshka_llama_dir: Path, tmp_path: Path
+) -> None:
+    """As vLLM: ``dimensions`` is refused for a model whose config.json declares no Matryoshka
+    training, limited to ``matryoshka_dimensions`` where it lists them, any size up to the
+    hidden size with ``is_matryoshka``."""
+    plain = LLM(tiny_llama_dir, dtype="float32", max_model_len=64)
+    with pytest.raises(SamplingParamError, match="does not support matryoshka") as error:
+        plain.embed([[1, 2, 3]], PoolingParams(dimensions=8), use_tqdm=False)
+    assert error.value.param == "dimensions"
+    assert plain.engine.stats().num_waiting == 0, "refused before it was queued"
+    listed = LLM(
+        with_config(tiny_llama_dir, tmp_path / "listed", matryoshka_dimensions=[8, 16]),
+        dtype="float32",
+        max_model_len=64,
+    )
+    with pytest.raises(SamplingParamError, match=r"dimensions \[8, 16\] only, got 12"):
+        listed.embed([[1, 2, 3]], PoolingParams(dimensions=12), use_tqdm=False)
+    assert len(listed.embed([[1, 2, 3]], PoolingParams(dimensions=16))[0].outputs.embedding) == 16
+    anything = LLM(matryoshka_llama_dir, dtype="float32", max_model_len=64)
+    hidden_size = anything.engine.model_config.hidden_size
+    assert len(anything.embed([[1, 2, 3]], PoolingParams(dimensions=12))[0].outputs.embedding) == 12
+    with pytest.raises(SamplingParamError, match="hidden size") as error:
+        anything.embed([[1, 2, 3]], PoolingParams(dimensions=hidden_size + 1), use_tqdm=False)
+    assert error.value.param == "dimensions"
+    bad = with_config(tiny_llama_dir, tmp_path / "bad", matryoshka_dimensions=[8, "16"])
+    with pytest.raises(EngineConfigError, match="matryoshka_dimensions must be a list"):
+        LLM(bad, dtype="float32", max_model_len=64)
+
+
 def test_embedding_requests_are_checked(tiny_llama_dir: Path) -> None:
     llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=64)
     engine = llm.engine
     hidden_size = llm.engine.model_config.hidden_size
-    with pytest.raises(SamplingParamError, match="hidden size") as error:
-        llm.embed([[1, 2, 3]], PoolingParams(dimensions=hidden_size + 1), use_tqdm=False)
-    assert error.value.param == "dimensions"
     for bad in ({"dimensions": 0}, {"dimensions": True}, {"normalize": "yes"}):
         with pytest.raises(SamplingParamError):
             PoolingParams(**bad)

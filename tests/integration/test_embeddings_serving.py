@@ -23,8 +23,8 @@ IDS = [[5, 17, 300, 42, 9], list(range(20, 60))]
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_llama_dir: Path) -> dict[str, list[list[float]]]:
-    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN)
+def expected(matryoshka_llama_dir: Path) -> dict[str, list[list[float]]]:
+    llm = LLM(matryoshka_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN)
     return {
         "texts": [o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)],
         "ids": [o.outputs.embedding for o in llm.embed(IDS, use_tqdm=False)],
@@ -46,8 +46,10 @@ def close(got: list[float], want: list[float]) -> None:
 
 @pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
 def test_embeddings_equal_the_offline_engines(
-    tiny_llama_dir: Path, expected, colocated: bool
+    matryoshka_llama_dir: Path, expected, colocated: bool
 ) -> None:
+    """On the tiny llama declaring is_matryoshka, so that ``dimensions`` may shorten them."""
+
     async def body(stack: Stack) -> None:
         base_url = f"http://127.0.0.1:{stack.gateway.http_port}"
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
@@ -139,7 +141,7 @@ def test_embeddings_equal_the_offline_engines(
         await stack.wait_all_free()
 
     run_stack(
-        tiny_llama_dir,
+        matryoshka_llama_dir,
         body,
         colocated=colocated,
         extra=["--served-model-name", "tiny-llama"],
