@@ -369,6 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
         "marker token the vocabulary has, else hermes",
     )
     add(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="vLLM's flag, accepted so that its command lines start the gateway: pdserve "
+        "always parses tool calls from chats that send tools with tool_choice auto",
+    )
+    add(
         "--chat-template",
         default=None,
         help="Jinja chat template used in place of the model's (chat completions, /tokenize, "

@@ -198,7 +198,19 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
         help="tokens per engine step; default 2048 on CPU, 8192 on a GPU",
     )
     add("--scheduling-policy", default="fcfs", choices=[p.value for p in SchedulingPolicy])
-    add("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    add(
+        "--no-prefix-caching",
+        "--no-enable-prefix-caching",
+        action="store_true",
+        help="disable prefix caching (the second spelling is vLLM's)",
+    )
+    # vLLM's spellings of pdserve's defaults, so that its command lines start a node.
+    add(
+        "--enable-prefix-caching",
+        action="store_false",
+        dest="no_prefix_caching",
+        help="prefix caching on (the default; vLLM's flag)",
+    )
     add("--attention-backend", default="auto", choices=["auto", "torch", "native", "triton"])
     add(
         "--cuda-graphs",
@@ -206,6 +218,12 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
         default=None,
         help="decode steps on static buffers replayed as CUDA graphs "
         "(default: on for CUDA with the triton attention backend)",
+    )
+    add(
+        "--enforce-eager",
+        action="store_false",
+        dest="cuda_graphs",
+        help="vLLM's flag: every step eager, no CUDA graphs (as --no-cuda-graphs)",
     )
     add(
         "--lora-modules",
@@ -407,11 +425,11 @@ def _triton_interpreted() -> bool:
 
 @functools.cache
 def _flags_by_field() -> dict[str, str]:
-    fields = {
-        action.dest: action.option_strings[0]
-        for action in build_parser(None)._actions  # argparse has no public iterator
-        if action.option_strings and "_" in action.dest
-    }
+    fields: dict[str, str] = {}
+    for action in build_parser(None)._actions:  # argparse has no public iterator
+        if action.option_strings and "_" in action.dest:
+            # The first flag of a field is its own; a later one (vLLM's spelling) is an alias.
+            fields.setdefault(action.dest, action.option_strings[0])
     return fields | _FIELD_FLAGS
 
 

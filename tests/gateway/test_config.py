@@ -60,6 +60,9 @@ def test_tool_call_parser_from_flag_env_or_default(tiny_llama_dir: Path, capsys)
     assert flag.tool_call_parser == "pythonic"
     from_env = parse(tiny_llama_dir, PDSERVE_TOOL_CALL_PARSER="llama3_json")
     assert from_env.tool_call_parser == "llama3_json"
+    # vLLM's command lines pair it with --enable-auto-tool-choice, which changes nothing here.
+    vllm = parse(tiny_llama_dir, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    assert vllm.tool_call_parser == "hermes"
     with pytest.raises(SystemExit):
         parse(tiny_llama_dir, "--tool-call-parser", "granite")
     assert "invalid choice: 'granite'" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.engine import SchedulingPolicy
-from services.node.config import Role, parse_bytes, parse_node_config
+from services.node.config import NodeConfig, Role, name_flags, parse_bytes, parse_node_config
 
 
 def test_defaults_per_role() -> None:
@@ -20,6 +20,24 @@ def test_defaults_per_role() -> None:
     assert config.kv_scope == "host"
     assert config.metrics_port is None and config.engine.cache.enable_prefix_caching
     assert config.test_kv_push_pause_s == 0.0  # the test hook is off unless asked for
+
+
+def test_vllms_spellings_of_the_same_settings_are_taken() -> None:
+    """A vLLM command line's --enable-prefix-caching, --no-enable-prefix-caching and
+    --enforce-eager start a node with what they mean there; errors name pdserve's own flag."""
+
+    def parse(*argv: str) -> NodeConfig:
+        return parse_node_config(list(argv), {}, role=Role.DECODE)
+
+    assert parse("--enable-prefix-caching").engine.cache.enable_prefix_caching
+    assert not parse("--no-enable-prefix-caching").engine.cache.enable_prefix_caching
+    on_again = parse("--no-prefix-caching", "--enable-prefix-caching")
+    assert on_again.engine.cache.enable_prefix_caching  # the last flag wins, as in vLLM
+    assert parse("--enforce-eager").engine.cuda_graphs is False
+    assert parse().engine.cuda_graphs is None  # auto
+    assert name_flags("cuda_graphs and no_prefix_caching") == (
+        "--cuda-graphs and --no-prefix-caching"
+    )
 
 
 def test_environment_fills_what_the_command_line_leaves_out() -> None:
