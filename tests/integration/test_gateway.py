@@ -161,6 +161,12 @@ def test_a_request_ending_at_its_first_token_is_served_by_the_prefill_node_alone
             for route in ("prefill_only", "disaggregated")
         }
         assert attempts == {"prefill_only": len(prompts), "disaggregated": None}
+        # A first token that is a stop token ends the request as "stop", as the node says.
+        stopping = common_pb2.SamplingParams(
+            max_tokens=1, temperature=0.0, stop_token_ids=[tokens[2][0]]
+        )
+        _, _, finished = await stack.generate(prompts[2], stopping)
+        assert finished.finish_reason == common_pb2.FINISH_REASON_STOP
         # A request that goes on needs a decode node, and says so.
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await stack.generate(prompts[4])
