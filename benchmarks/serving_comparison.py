@@ -53,6 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from deploy.local_ports import free_ports
+from services.models.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 # Seed offset of the warm-up prompts (rounds use offsets 0, 1, ...).
@@ -229,9 +230,12 @@ def beam_searches(base: str, args: argparse.Namespace, out: Path) -> dict:
     """``--num-prompts`` beam searches sent at once; each request's latency and status, and a
     summary with serve.py's names (completed and failed first)."""
     rng = random.Random(args.seed)
-    # Token-id prompts, as serve.py's --prompt-as-token-ids: no tokenizer round trip.
+    # Token-id prompts, as serve.py's --prompt-as-token-ids: no tokenizer round trip. The ids
+    # stay inside the vocabulary, past the first ids, where tokenizers keep their special tokens.
+    vocab_size = ModelConfig.from_model_path(args.model).vocab_size
     prompts = [
-        [rng.randrange(16, 30000) for _ in range(args.input_len)] for _ in range(args.num_prompts)
+        [rng.randrange(16, vocab_size) for _ in range(args.input_len)]
+        for _ in range(args.num_prompts)
     ]
 
     def search(prompt: list[int]) -> tuple[float, str | None]:
