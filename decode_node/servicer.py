@@ -294,6 +294,7 @@ class DecodeServicer(SharedNodeRpcs, decode_pb2_grpc.DecodeServiceServicer):
                 worker_address=self.transfers.transport.address().to_bytes(),
             ),
             block_ids=transfer.block_ids,
+            cached_blocks=transfer.num_cached_blocks,
             layout_fingerprint=layout.fingerprint,
             block_size=layout.block_size,
             num_blocks_total=layout.num_blocks,

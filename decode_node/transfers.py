@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 from kv_transfer import KvTransport, TransferStatus
 from services.async_engine import AsyncEngine
-from services.engine import SamplingParams
+from services.engine import Reservation, SamplingParams
 from services.node.metrics import NodeMetrics
 from services.types import StageTimings
 
@@ -100,6 +100,9 @@ class Transfer:
     state: TransferState = TransferState.RESERVED
     abort_reason: str = ""
     abort_cause: AbortCause | None = None
+    num_cached_blocks: int = 0
+    """The first blocks of ``block_ids`` came from this node's prefix cache (they hold the
+    prompt's KV already): the prefill node pushes the rest only."""
     cached_prompt_tokens: int = 0
     """From the commit: prompt tokens the prefill node served from its prefix cache."""
     prefill_timings: StageTimings | None = None
@@ -216,8 +219,8 @@ class TransferManager:
                 return None
             # AsyncEngine.reserve: a caller cancelled before the transfer is recorded (no lease,
             # no reaper would ever see it) leaves no blocks behind.
-            block_ids = await self.engine.reserve(request_id, prompt_token_ids, params)
-            if block_ids is None:
+            reservation = await self.engine.reserve(request_id, prompt_token_ids, params)
+            if reservation is None:
                 return None
         else:
             if self.num_waiting >= self.max_waiting:
@@ -226,14 +229,17 @@ class TransferManager:
             self._publish_gauges()
             try:
                 async with self._queue:
-                    block_ids = await self._reserve_when_room(request_id, prompt_token_ids, params)
+                    reservation = await self._reserve_when_room(
+                        request_id, prompt_token_ids, params
+                    )
             finally:
                 self.num_waiting -= 1
                 self._publish_gauges()
         transfer = Transfer(
             transfer_id=f"kv-{uuid.uuid4().hex}",
             request_id=request_id,
-            block_ids=block_ids,
+            block_ids=reservation.block_ids,
+            num_cached_blocks=reservation.num_cached_blocks,
             lease_deadline=self.clock() + lease_s,
             lease_s=lease_s,
         )
@@ -244,15 +250,15 @@ class TransferManager:
 
     async def _reserve_when_room(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> list[int]:
+    ) -> Reservation:
         waited = False
         while True:
             self._room.clear()
             if len(self._unstarted()) < self.max_unstarted:
-                block_ids = await self.engine.reserve(request_id, prompt_token_ids, params)
-                if block_ids is not None:
+                reservation = await self.engine.reserve(request_id, prompt_token_ids, params)
+                if reservation is not None:
                     self.counters.waited += waited
-                    return block_ids
+                    return reservation
             waited = True
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._room.wait(), self.room_poll_s)

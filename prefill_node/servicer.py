@@ -296,6 +296,11 @@ class PrefillServicer(SharedNodeRpcs, prefill_pb2_grpc.PrefillServiceServicer):
                     f"destination.block_ids has {len(destination.block_ids)} blocks for a prompt "
                     f"of {len(prompt)} tokens (block size {self.layout.block_size})"
                 )
+            if destination.cached_blocks >= num_blocks:
+                await invalid(
+                    f"destination.cached_blocks={destination.cached_blocks} leaves none of the "
+                    f"{num_blocks} blocks to push (it must be below len(block_ids))"
+                )
             if max(destination.block_ids) >= destination.num_blocks_total:
                 await invalid(
                     f"destination.block_ids reach {max(destination.block_ids)}, outside "
@@ -361,7 +366,12 @@ class PrefillServicer(SharedNodeRpcs, prefill_pb2_grpc.PrefillServiceServicer):
     ) -> tuple[int, float]:
         dst_layout = dataclasses.replace(self.layout, num_blocks=destination.num_blocks_total)
         src_blocks = await self.engine.call(lambda engine: engine.kv_block_ids(request_id))
-        pages = kv_page_table(self.layout, src_blocks, dst_layout, list(destination.block_ids))
+        # The decode node's first cached_blocks hold this prefix already (its prefix cache,
+        # shared with its running requests): they are neither pushed nor written.
+        skip = destination.cached_blocks
+        pages = kv_page_table(
+            self.layout, src_blocks[skip:], dst_layout, list(destination.block_ids)[skip:]
+        )
         started = time.monotonic()
         num_bytes = int(pages.table[:, 4].sum())
         push_timeout_s = PUSH_TIMEOUT_S + num_bytes / PUSH_MIN_BYTES_PER_S

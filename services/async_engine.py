@@ -64,6 +64,7 @@ from services.engine import (
     EngineStats,
     FinishReason,
     PoolingParams,
+    Reservation,
     SamplingParams,
 )
 from services.engine.request import RequestStatus
@@ -219,16 +220,16 @@ class AsyncEngine:
 
     async def reserve(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> list[int] | None:
-        """``EngineCore.reserve`` on the engine thread: the blocks' ids, or None (no room)."""
+    ) -> Reservation | None:
+        """``EngineCore.reserve`` on the engine thread: the blocks, or None (no room)."""
         grammar = await self._compile(params)
         is_reserved = False  # set and read on the engine thread only
 
-        def reserve_on_engine(engine: EngineCore) -> list[int] | None:
+        def reserve_on_engine(engine: EngineCore) -> Reservation | None:
             nonlocal is_reserved
-            block_ids = engine.reserve(request_id, prompt_token_ids, params, grammar=grammar)
-            is_reserved = block_ids is not None
-            return block_ids
+            reservation = engine.reserve(request_id, prompt_token_ids, params, grammar=grammar)
+            is_reserved = reservation is not None
+            return reservation
 
         def take_back() -> None:
             if is_reserved:

@@ -27,6 +27,7 @@ from services.engine.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
+from services.engine.scheduler import Reservation
 from services.types import (
     EngineConfigError,
     FinishReason,
@@ -57,6 +58,7 @@ __all__ = [
     "Logprob",
     "PoolingParams",
     "RequestOutput",
+    "Reservation",
     "SamplingParams",
     "SchedulerConfig",
     "SchedulingPolicy",

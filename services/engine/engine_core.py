@@ -44,7 +44,7 @@ from services.engine.kv_layout import KvLayout
 from services.engine.model_runner import ModelRunner, check_device
 from services.engine.outputs import EngineCoreOutput, EngineStats
 from services.engine.request import Request, RequestStatus
-from services.engine.scheduler import SampledToken, Scheduler
+from services.engine.scheduler import Reservation, SampledToken, Scheduler
 from services.engine.structured_output import GrammarMatcher, GrammarState, StructuredOutputs
 from services.models.config import ModelConfig
 from services.models.fp8_checkpoint import read_fp8_checkpoint
@@ -201,10 +201,10 @@ class EngineCore:
         params: SamplingParams,
         *,
         grammar: GrammarMatcher | None = None,
-    ) -> list[int] | None:
-        """Decode role: hold blocks for the prompt's KV; their ids, or None when there is no room
-        (too few free blocks, or ``max_num_seqs`` requests already running or reserved).
-        ``grammar`` as in ``add_request``."""
+    ) -> Reservation | None:
+        """Decode role: hold blocks for the prompt's KV (the first from the prefix cache, already
+        holding it), or None when there is no room (too few free blocks, or ``max_num_seqs``
+        requests already running or reserved). ``grammar`` as in ``add_request``."""
         request = self._make_request(request_id, prompt_token_ids, params, hold_kv=False)
         self._check_can_generate()
         if not self.scheduler.can_reserve(request):

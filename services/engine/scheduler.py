@@ -69,6 +69,18 @@ class SampledToken:
     not computed (a first token committed from another node)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """A decode-side request's blocks for its whole prompt, held until the KV arrives."""
+
+    block_ids: list[int]
+    """In token order: block i holds tokens [i * block_size, (i + 1) * block_size)."""
+    num_cached_blocks: int
+    """The first blocks came from this engine's prefix cache and hold the prompt's KV already
+    (shared with the requests that computed it): a peer writes ``block_ids[num_cached_blocks:]``
+    only. Never all of them (``KVCacheManager.get_computed_blocks`` leaves the last token out)."""
+
+
 class Scheduler:
     def __init__(
         self,
@@ -116,24 +128,33 @@ class Scheduler:
         self.waiting.append(request)
 
     def can_reserve(self, request: Request) -> bool:
-        """Room for ``request``'s prompt, and for one more sequence in the batch it will join."""
+        """Room for ``request``'s prompt (past its prefix-cache hit), and for one more sequence
+        in the batch it will join."""
         if len(self.running) + len(self.reserved) >= self.config.max_num_seqs:
             return False
-        return self.kv_cache.can_allocate(request, request.num_prompt_tokens)
+        computed_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
+        return self.kv_cache.can_allocate(
+            request, request.num_prompt_tokens - num_hit, computed_blocks
+        )
 
-    def reserve(self, request: Request) -> list[int]:
-        """Allocate blocks for the whole prompt of a decode-side request; returns their ids.
+    def reserve(self, request: Request) -> Reservation:
+        """Blocks for the whole prompt of a decode-side request: its longest prefix-cache hit,
+        shared, then new blocks for the rest.
 
         The request is not scheduled until ``commit``: a prefill node writes the prompt's KV
-        into these blocks meanwhile.
+        into the new blocks meanwhile (a shared prompt, such as a system prompt or a chat's
+        earlier turns, is neither pushed again nor held twice).
         """
         assert request.request_id not in self.requests, request.request_id
         assert request.status is RequestStatus.WAITING and request.num_computed_tokens == 0
-        self.kv_cache.allocate(request, request.num_prompt_tokens)
+        computed_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
+        self.kv_cache.allocate(request, request.num_prompt_tokens - num_hit, computed_blocks)
+        if self.kv_cache.enable_prefix_caching:
+            self.kv_cache.record_prefix_lookup(request.num_prompt_tokens, num_hit)
         request.status = RequestStatus.RESERVED
         self.requests[request.request_id] = request
         self.reserved[request.request_id] = request
-        return self.kv_cache.block_ids(request.request_id)
+        return Reservation(self.kv_cache.block_ids(request.request_id), len(computed_blocks))
 
     def commit(self, request_id: str, first_token: SampledToken) -> Request:
         """The prompt's KV is in the reserved blocks: join the running batch with the first token

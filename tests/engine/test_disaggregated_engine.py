@@ -60,8 +60,9 @@ def test_prefill_then_decode_equals_one_engine(
 
     # Decode reserves first (design §2): no prefill work is spent on a request it cannot take.
     ids = [f"req-{i}" for i in range(len(prompts))]
-    reserved = {rid: decode.reserve(rid, p, params) for rid, p in zip(ids, prompts, strict=True)}
-    assert all(blocks is not None for blocks in reserved.values())
+    reservations = [decode.reserve(rid, p, params) for rid, p in zip(ids, prompts, strict=True)]
+    reserved = {rid: r.block_ids for rid, r in zip(ids, reservations, strict=True) if r}
+    assert len(reserved) == len(prompts)
     assert decode.stats().num_reserved == len(prompts)
     assert not decode.has_work  # nothing to compute until a commit
 
@@ -98,8 +99,9 @@ def test_reservation_refused_when_full_and_freed_by_abort(
     block_size = decode.kv_layout.block_size
     big = [7] * 200
     taken = []
-    while (blocks := decode.reserve(f"fill-{len(taken)}", big, params)) is not None:
-        taken.append(blocks)
+    while (reservation := decode.reserve(f"fill-{len(taken)}", big, params)) is not None:
+        assert reservation.num_cached_blocks == 0  # nothing committed: nothing cached
+        taken.append(reservation.block_ids)
     assert sum(len(b) for b in taken) <= num_free < (len(taken) + 1) * -(-200 // block_size)
     for i in range(len(taken)):
         assert decode.abort(f"fill-{i}")
@@ -145,3 +147,77 @@ def test_layouts_of_different_models_do_not_match(engines, tiny_model_factory) -
     assert other.fingerprint != prefill.kv_layout.fingerprint
     with pytest.raises(ValueError, match="KV layouts differ"):
         layer_copies(prefill.kv_layout, [0], other, [0])
+
+
+def hand_off(
+    prefill: EngineCore, decode: EngineCore, rid: str, prompt: list[int], params: SamplingParams
+) -> tuple[list[int], int]:
+    """One request through reserve → prefill → copy of the blocks the decode engine lacks →
+    commit → decode to the end: its tokens and how many blocks the reservation took cached."""
+    reservation = decode.reserve(rid, prompt, params)
+    assert reservation is not None
+    first_only = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    prefill.add_request(rid, prompt, first_only, hold_kv=True)
+    first: list[int] = []
+    while prefill.has_unfinished_requests:
+        for out in prefill.step():
+            first.extend(out.new_token_ids)
+    skip = reservation.num_cached_blocks
+    copy_pages(prefill, prefill.kv_block_ids(rid)[skip:], decode, reservation.block_ids[skip:])
+    assert prefill.release_kv(rid)
+    tokens = list(first)
+    decode.commit(rid, first[0])
+    while decode.has_unfinished_requests:
+        for out in decode.step():
+            tokens.extend(out.new_token_ids)
+    return tokens, skip
+
+
+def test_a_reservation_reuses_the_decode_engines_cached_prefix(tiny_llama_dir: Path) -> None:
+    """A prompt whose prefix the decode engine already holds (a system prompt, a chat's
+    earlier turns) takes those blocks from its prefix cache: only the rest is copied, and the
+    tokens are still exactly one engine's."""
+    prefill, decode = make_engine(tiny_llama_dir, 3 << 20), make_engine(tiny_llama_dir, 5 << 20)
+    block_size = decode.kv_layout.block_size
+    rng = random.Random(11)
+    shared = [rng.randrange(5, 4096) for _ in range(3 * block_size + 5)]
+    prompts = [shared + [rng.randrange(5, 4096) for _ in range(n)] for n in (9, 2 * block_size)]
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+    alone = LLM(tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=4 << 20)
+    expected = [o.token_ids for o in alone.generate(prompts, params)]
+
+    first, skipped = hand_off(prefill, decode, "a", prompts[0], params)
+    assert skipped == 0 and first == expected[0]
+    hits_before = decode.stats().prefix_cache_hit_tokens
+    second, skipped = hand_off(prefill, decode, "b", prompts[1], params)
+    assert skipped == 3  # the shared prefix's full blocks; its partial fourth is pushed
+    assert second == expected[1]
+    assert decode.stats().prefix_cache_hit_tokens - hits_before == 3 * block_size
+    assert decode.stats().num_blocks_used == 0
+
+    # Another tenant's salt shares nothing (design: the prefix cache's salt).
+    salted = SamplingParams(
+        max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, cache_salt="tenant-b"
+    )
+    tokens, skipped = hand_off(prefill, decode, "c", prompts[1], salted)
+    assert skipped == 0 and tokens == expected[1]
+
+
+def test_a_reserved_prefix_stays_cached_while_the_reservation_holds_it(
+    tiny_llama_dir: Path,
+) -> None:
+    """The shared blocks are referenced by the reservation: aborting it gives them back to the
+    prefix cache, not to the free pool's reuse, and an abort frees only the new blocks."""
+    prefill, decode = make_engine(tiny_llama_dir, 3 << 20), make_engine(tiny_llama_dir, 5 << 20)
+    block_size = decode.kv_layout.block_size
+    prompt = list(range(100, 100 + 2 * block_size + 3))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    hand_off(prefill, decode, "a", prompt, params)
+    reservation = decode.reserve("b", prompt, params)
+    assert reservation is not None and reservation.num_cached_blocks == 2
+    assert decode.stats().num_blocks_used == len(reservation.block_ids)
+    assert decode.abort("b")
+    assert decode.stats().num_blocks_used == 0
+    again = decode.reserve("c", prompt, params)
+    assert again is not None and again.block_ids[:2] == reservation.block_ids[:2]
+    assert decode.abort("c")

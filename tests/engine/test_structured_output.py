@@ -179,10 +179,10 @@ def test_disaggregated_and_recomputed_outputs_equal_colocated(llm, tiny_llama_di
     prefill = make_llm(tiny_llama_dir, 3 << 20).engine
     decode = make_llm(tiny_llama_dir, 5 << 20).engine
     ids = [f"r{i}" for i in range(len(prompts))]
-    reserved = {
-        rid: decode.reserve(rid, prompt, p)
-        for rid, prompt, p in zip(ids, prompts, params, strict=True)
-    }
+    reservations = [
+        decode.reserve(rid, prompt, p) for rid, prompt, p in zip(ids, prompts, params, strict=True)
+    ]
+    reserved = {rid: r.block_ids for rid, r in zip(ids, reservations, strict=True) if r}
     firsts: dict[str, int] = {}
     for rid, prompt, p in zip(ids, prompts, params, strict=True):
         prefill.add_request(rid, prompt, dataclasses.replace(p, max_tokens=1), hold_kv=True)

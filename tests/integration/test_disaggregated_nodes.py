@@ -230,6 +230,51 @@ def test_an_fp8_kv_cache_moves_between_nodes_and_equals_the_single_engine(
     assert expected != offline("bfloat16")
 
 
+def test_a_prefix_the_decode_node_holds_is_not_pushed_again(tiny_llama_dir: Path) -> None:
+    """A second prompt that shares a first's prefix (a system prompt, a chat's earlier turns):
+    the decode node's reservation takes those blocks from its prefix cache, the prefill node
+    pushes only the rest, and the tokens are still the single engine's."""
+    rng = random.Random(13)
+
+    async def body(cluster: Cluster) -> None:
+        block_size = cluster.decode_engine.engine.kv_layout.block_size
+        shared = [rng.randrange(5, 4096) for _ in range(3 * block_size + 5)]
+        prompts = [shared + [rng.randrange(5, 4096) for _ in range(n)] for n in (7, 40)]
+        offline = LLM(tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN)
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        expected = [o.token_ids for o in offline.generate(prompts, params)]
+        seen: list[int] = []
+        results = []
+        for i, prompt in enumerate(prompts):  # in turn: the first must finish to be cached
+            tokens, result, _ = await cluster.generate_full(
+                f"shared-{i}", prompt, tamper=lambda r: seen.append(r.cached_blocks)
+            )
+            results.append((tokens, result))
+        assert [tokens for tokens, _ in results] == expected
+        assert seen == [0, 3]
+        blocks = [-(-len(p) // block_size) for p in prompts]
+        per_block = results[0][1].kv_bytes_pushed // blocks[0]
+        assert per_block > 0 and results[0][1].kv_bytes_pushed == per_block * blocks[0]
+        assert results[1][1].kv_bytes_pushed == per_block * (blocks[1] - 3)
+        await cluster.wait_all_free()
+
+    run_cluster(tiny_llama_dir, body)
+
+
+def test_a_reservation_that_leaves_nothing_to_push_is_refused(tiny_llama_dir: Path) -> None:
+    def tamper(reservation) -> None:
+        reservation.cached_blocks = len(reservation.block_ids)
+
+    async def body(cluster: Cluster) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await cluster.generate("all-cached", list(range(10, 40)), tamper=tamper)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "destination.cached_blocks" in error.value.details()
+        await cluster.wait_all_free()
+
+    run_cluster(tiny_llama_dir, body)
+
+
 def test_fingerprint_mismatch_is_refused_before_any_byte_moves(tiny_llama_dir: Path) -> None:
     def tamper(reservation) -> None:
         reservation.layout_fingerprint = "0" * 16

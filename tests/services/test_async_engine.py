@@ -202,8 +202,9 @@ def test_attach_streams_a_committed_reservation(engine: AsyncEngine, tiny_llama_
     async def main() -> list[int]:
         # Here the KV is computed by a prefill inside the same engine instead of pushed: a
         # throwaway hold_kv request fills blocks whose contents the reservation then copies.
-        blocks = await engine.call(lambda e: e.reserve("d", prompt, GREEDY))
-        assert blocks is not None
+        reservation = await engine.call(lambda e: e.reserve("d", prompt, GREEDY))
+        assert reservation is not None
+        blocks = reservation.block_ids
         first_only = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         first = [out async for out in engine.generate("p", prompt, first_only, hold_kv=True)]
 
@@ -303,9 +304,10 @@ def test_stats_answer_at_once_while_a_step_runs_and_include_what_returned(engine
 
     async def main() -> None:
         assert engine.stats.num_blocks_used == 0
-        block_ids = await engine.reserve("held", list(range(10, 50)), GREEDY)
+        reservation = await engine.reserve("held", list(range(10, 50)), GREEDY)
+        assert reservation is not None
         assert engine.stats.num_reserved == 1
-        assert engine.stats.num_blocks_used == len(block_ids)
+        assert engine.stats.num_blocks_used == len(reservation.block_ids)
         busy = asyncio.ensure_future(engine.call(lambda e: gate.wait(5)))
         await asyncio.sleep(0.05)  # the engine thread is inside the busy call now
         assert engine.stats.num_reserved == 1  # answered while the thread is held
