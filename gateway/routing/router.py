@@ -1,9 +1,13 @@
 """Picks the nodes for one attempt of one request: a (prefill, decode) pair, a prefill node
 alone, or a colocated node.
 
-- **Decode by load**: the healthy decode node with the least work, where work is the larger of
-  the gateway's own in-flight count and the node's last reported running + waiting + reserved,
-  plus a penalty that grows with KV usage (a nearly full cache will refuse reservations).
+- **Decode by load plus prefix affinity**: the healthy decode node with the least work, where
+  work is the larger of the gateway's own in-flight count and the node's last reported running
+  + waiting + reserved, plus a penalty that grows with KV usage (a nearly full cache will refuse
+  reservations); but the node that was last sent the longest prefix of this prompt while its
+  work is at most ``affinity_max_imbalance`` above the least. A decode node's reservation takes
+  a prefix its cache holds instead of having it pushed and held again (a chat's earlier turns,
+  a system prompt), so a conversation stays on its node. Colocated nodes are chosen so too.
 - **Prefill by queue depth plus prefix affinity**: the node that was last sent the longest
   prefix of this prompt, while its queue is at most ``affinity_max_imbalance`` deeper than the
   shortest; otherwise the shortest queue. Requests sharing a system prompt therefore land on
@@ -27,7 +31,7 @@ blocks and never retries by itself.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from gateway.config import RouterConfig
@@ -78,6 +82,11 @@ class Router:
         self.pool = pool
         self.config = config
         self.affinity = PrefixAffinity(config.affinity_block_size)
+        """Which node that computes prompts (prefill, or colocated for embeddings) last saw each
+        prefix."""
+        self.decode_affinity = PrefixAffinity(config.affinity_block_size)
+        """Which node that generates (decode or colocated) was last given each prefix: its
+        prefix cache holds the prompt (and what it generated) once the request ends."""
 
     def pick(
         self,
@@ -102,16 +111,33 @@ class Router:
         decodes, prefills = usable(self.pool.decode), usable(self.pool.prefill)
         if decodes and len(prompt) <= self.config.local_prefill_max_tokens:
             # Needs no prefill node: served even while none is healthy.
-            return Route(decode=min(decodes, key=_decode_work), prefill=None)
+            return Route(decode=self._pick_decode(prompt, decodes, namespace), prefill=None)
         if prefills and (decodes or first_token_ends):
             prefill = self.pick_prefill(prompt, prefills, namespace)
             self.affinity.record(prompt, prefill.address, namespace)
-            decode = None if first_token_ends else min(decodes, key=_decode_work)
-            return Route(decode=decode, prefill=prefill)
+            if first_token_ends:
+                return Route(decode=None, prefill=prefill)
+            return Route(decode=self._pick_decode(prompt, decodes, namespace), prefill=prefill)
         colocated = usable(self.pool.colocated)
         if colocated:
-            return Route(decode=min(colocated, key=_decode_work), prefill=None)
+            return Route(decode=self._pick_decode(prompt, colocated, namespace), prefill=None)
         return None
+
+    def _pick_decode(
+        self, prompt: Sequence[int], candidates: list[Node], namespace: Namespace
+    ) -> Node:
+        """The generating node for ``prompt`` among ``candidates``, recorded in
+        ``decode_affinity``."""
+        node = _pick_affine(
+            prompt,
+            candidates,
+            namespace,
+            self.decode_affinity,
+            _decode_work,
+            self.config.affinity_max_imbalance,
+        )
+        self.decode_affinity.record(prompt, node.address, namespace)
+        return node
 
     def why_none(
         self, prompt: Sequence[int], lora_name: str | None = None, first_token_ends: bool = False
@@ -195,18 +221,36 @@ class Router:
     def forget(self, node: Node) -> None:
         """A node came back (perhaps restarted, its prefix cache empty): its affinity goes."""
         self.affinity.forget(node.address)
+        self.decode_affinity.forget(node.address)
 
     def pick_prefill(
         self, prompt: Sequence[int], candidates: list[Node], namespace: Namespace = BASE
     ) -> Node:
-        shortest = min(_prefill_queue(n) for n in candidates)
-        matches = self.affinity.matched_tokens(prompt, namespace)
-        affine = [
-            n
-            for n in candidates
-            if matches.get(n.address, 0) > 0
-            and _prefill_queue(n) <= shortest + self.config.affinity_max_imbalance
-        ]
-        if affine:
-            return max(affine, key=lambda n: (matches[n.address], -_prefill_queue(n)))
-        return min(candidates, key=_prefill_queue)
+        return _pick_affine(
+            prompt,
+            candidates,
+            namespace,
+            self.affinity,
+            _prefill_queue,
+            self.config.affinity_max_imbalance,
+        )
+
+
+def _pick_affine(
+    prompt: Sequence[int],
+    candidates: list[Node],
+    namespace: Namespace,
+    index: PrefixAffinity,
+    load: Callable[[Node], float],
+    max_imbalance: float,
+) -> Node:
+    """The candidate ``index`` last gave the longest prefix of ``prompt``, while its ``load``
+    is at most ``max_imbalance`` above the least; otherwise the least loaded."""
+    least = min(load(n) for n in candidates)
+    matches = index.matched_tokens(prompt, namespace)
+    affine = [
+        n for n in candidates if matches.get(n.address, 0) > 0 and load(n) <= least + max_imbalance
+    ]
+    if affine:
+        return max(affine, key=lambda n: (matches[n.address], -load(n)))
+    return min(candidates, key=load)

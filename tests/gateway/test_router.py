@@ -95,6 +95,37 @@ def test_shared_prefix_goes_to_the_same_prefill(loop) -> None:
     assert router.pick([*system, 7, 7, 7, 7]).prefill is not first.prefill
 
 
+def test_a_shared_prefix_goes_to_the_same_decode_node(loop) -> None:
+    """A decode node reuses a prefix its cache holds (it is not pushed again): a conversation's
+    next turn stays on its decode node while that node is not too much busier."""
+    router = make_router()
+    chat = list(range(200, 216))
+    first = router.pick([*chat, 1, 2, 3, 4]).decode
+    other = next(n for n in router.pool.decode if n is not first)
+    first.num_in_flight = 2  # within the imbalance bound (2 in make_router)
+    assert router.pick([*chat, 1, 2, 3, 4, 5, 6, 7, 8]).decode is first
+    first.num_in_flight = 3  # past it: the least work wins over affinity
+    assert router.pick([*chat, 7, 7, 7, 7]).decode is other
+    # That turn was recorded for the other node: its longer prefix now points there.
+    first.num_in_flight = 0
+    assert router.pick([*chat, 7, 7, 7, 7, 5, 5, 5, 5]).decode is other
+    assert router.decode_affinity.matched_tokens([*chat, 1, 2, 3, 4]) == {
+        other.address: 16,
+        first.address: 20,
+    }
+    router.forget(first)
+    assert router.decode_affinity.matched_tokens([*chat, 1, 2, 3, 4]) == {other.address: 16}
+
+
+def test_colocated_nodes_keep_a_conversation_too(loop) -> None:
+    router = make_router(prefill=0, decode=0, colocated=2)
+    chat = list(range(300, 316))
+    first = router.pick([*chat, 1]).decode
+    first.num_in_flight = 1
+    assert router.pick([*chat, 2]).decode is first
+    assert router.pick([5] * 16).decode is not first  # unrelated: the least loaded
+
+
 def test_unrelated_prompts_spread_by_queue_depth(loop) -> None:
     router = make_router()
     a = router.pick([1] * 8).prefill
