@@ -21,7 +21,11 @@ Systems:
   model with its OpenAI server.
 
 Scenarios:
-- ``burst``: ``--num-prompts`` × ``--input-len`` in / ``--output-len`` out, all at once.
+- ``burst``: ``--num-prompts`` × ``--input-len`` in / ``--output-len`` out, all at once (or as
+  Poisson arrivals at ``--request-rate`` per second); with ``--shared-prefix-len P`` every
+  prompt starts with one of ``--num-prefixes`` prefixes of P tokens. On a disaggregated system
+  the table adds the MB of KV the prefill node pushed and the prompt tokens the decode node's
+  reservations took from its own prefix cache (not pushed), both over the burst.
 - ``mixed``: decodes running (``--num-prompts`` short prompts, long outputs, fixed concurrency)
   while long prompts arrive (Poisson, ``--long-rate`` per second): the decoders' TPOT shows how
   much the prefills stall them.
@@ -67,6 +71,8 @@ class Processes:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.children: list[subprocess.Popen] = []
+        self.metrics_ports: dict[str, int] = {}
+        """A pdserve node's role -> its Prometheus port (disaggregated systems)."""
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 (closed with the child)
@@ -128,21 +134,24 @@ def start_pdserve(system: str, args: argparse.Namespace, processes: Processes) -
         processes.start("colocated", node_argv("colocated", args, port, "loopback"))
         nodes = ["--colocated", f"127.0.0.1:{port}"]
     else:
-        prefill_port, decode_port = free_ports(2)
+        prefill_port, decode_port, prefill_metrics, decode_metrics = free_ports(4)
+        processes.metrics_ports = {"prefill": prefill_metrics, "decode": decode_metrics}
         one_thread = {"OMP_NUM_THREADS": "1"}
         slow = []
         if system == "disaggregated-slow":
             slow = ["--test-step-slowdown", str(args.prefill_slowdown)]
         processes.start(
             "prefill",
-            ["taskset", "-c", "0", *node_argv("prefill", args, prefill_port, transport), *slow],
+            ["taskset", "-c", "0", *node_argv("prefill", args, prefill_port, transport), *slow,
+             "--metrics-port", str(prefill_metrics)],
             one_thread,
-        )
+        )  # fmt: skip
         processes.start(
             "decode",
-            ["taskset", "-c", "1", *node_argv("decode", args, decode_port, transport)],
+            ["taskset", "-c", "1", *node_argv("decode", args, decode_port, transport),
+             "--metrics-port", str(decode_metrics)],
             one_thread,
-        )
+        )  # fmt: skip
         nodes = ["--prefill", f"127.0.0.1:{prefill_port}", "--decode", f"127.0.0.1:{decode_port}"]
         if system == "conditional":
             nodes += ["--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
@@ -218,12 +227,55 @@ def start_system(system: str, args: argparse.Namespace, out_dir: Path) -> tuple[
     return base, processes
 
 
-def burst(system: str, base: str, args: argparse.Namespace, out: Path, round_: int = 0) -> dict:
-    return load(
+def burst(
+    system: str,
+    base: str,
+    args: argparse.Namespace,
+    out: Path,
+    round_: int = 0,
+    processes: Processes | None = None,
+) -> dict:
+    """One burst; on a disaggregated system its summary also gets ``kv_pushed_mb`` (the prefill
+    node's pushes) and ``decode_prefix_hits`` (prompt tokens the decode node's reservations took
+    from its prefix cache), both counted over the burst."""
+    workload: dict[str, object] = {}
+    if args.shared_prefix_len:
+        workload = {"shared_prefix_len": args.shared_prefix_len, "num_prefixes": args.num_prefixes}
+    ports = processes.metrics_ports if processes is not None else {}
+    before = node_counters(ports)
+    result = load(
         base, args, out, system, seed_offset=round_,
         num_prompts=args.num_prompts, input_len=args.input_len,
-        output_len=args.output_len, request_rate="inf",
+        output_len=args.output_len, request_rate=args.request_rate, **workload,
     )  # fmt: skip
+    after = node_counters(ports)
+    for name, scale in (("kv_pushed_mb", 1e-6), ("decode_prefix_hits", 1)):
+        if name in after:
+            result["summary"][name] = (after[name] - before[name]) * scale
+    return result
+
+
+_COUNTERS = {
+    # summary name: (role, Prometheus sample)
+    "kv_pushed_mb": ("prefill", "pdserve:kv_transfer_bytes_sum"),
+    "decode_prefix_hits": ("decode", "pdserve:prefix_cache_hits_total"),
+}
+
+
+def node_counters(ports: dict[str, int]) -> dict[str, float]:
+    """The ``_COUNTERS`` read from the nodes' metrics (none where the system has no such node).
+    The decode node refreshes its engine totals periodically: wait a refresh first."""
+    if not ports:
+        return {}
+    time.sleep(1.5)
+    values: dict[str, float] = {}
+    for name, (role, sample) in _COUNTERS.items():
+        url = f"http://127.0.0.1:{ports[role]}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith(sample + "{"):
+                    values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
 
 
 def beam_searches(base: str, args: argparse.Namespace, out: Path) -> dict:
@@ -286,7 +338,9 @@ def run_system(system: str, args: argparse.Namespace, out_dir: Path) -> dict[str
     try:
         results = {}
         if args.scenario == "burst":
-            results["burst"] = burst(system, base, args, out_dir / f"burst-{system}.json")
+            results["burst"] = burst(
+                system, base, args, out_dir / f"burst-{system}.json", processes=processes
+            )
         elif args.scenario == "beam":
             results["beam"] = beam_searches(base, args, out_dir / f"beam-{system}.json")
         else:
@@ -326,8 +380,9 @@ def run_interleaved(systems: list[str], args: argparse.Namespace) -> dict[str, d
                 out = args.out / f"burst-{system}-{round_ + 1}.json"
                 # Fresh prompts each round (the same for every system): a repeated prompt would be
                 # served from the prefix cache.
+                base, processes = running[system]
                 summary[f"{system}/burst/{round_ + 1}"] = burst(
-                    system, running[system][0], args, out, round_
+                    system, base, args, out, round_, processes
                 )["summary"]
     finally:
         for _, processes in running.values():
@@ -360,6 +415,15 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument(
+        "--shared-prefix-len", type=int, default=0,
+        help="burst: every prompt starts with one of --num-prefixes prefixes this long "
+        "(counted in --input-len)",
+    )  # fmt: skip
+    parser.add_argument("--num-prefixes", type=int, default=1)
+    parser.add_argument(
+        "--request-rate", default="inf", help="burst: Poisson arrivals per second (inf: at once)"
+    )
     parser.add_argument("--long-len", type=int, default=1536)
     parser.add_argument("--long-prompts", type=int, default=8)
     parser.add_argument("--long-rate", type=float, default=0.25)
@@ -413,6 +477,8 @@ def main() -> None:
             "median_tpot_ms", "p99_tpot_ms", "median_itl_ms")  # fmt: skip
     if args.scenario == "beam":
         keys = ("completed", "failed", "request_throughput", "median_e2el_ms", "p99_e2el_ms")
+    elif any("kv_pushed_mb" in stats for stats in summary.values()):
+        keys = (*keys, "kv_pushed_mb", "decode_prefix_hits")
     print("| run | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 1) + "|")
     for name, stats in summary.items():
