@@ -170,6 +170,9 @@ class GatewayConfig:
     allow_runtime_lora_updating: bool = False
     """vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: ``/v1/load_lora_adapter`` and
     ``/v1/unload_lora_adapter`` exist and reach every node."""
+    responses_store_size: int = 1024
+    """Responses API responses kept in memory (``previous_response_id``, ``GET`` and ``DELETE
+    /v1/responses/{id}``), least recently used evicted first; 0: none."""
 
     def __post_init__(self) -> None:
         names = (self.served_model_name, *self.served_model_aliases)
@@ -190,6 +193,10 @@ class GatewayConfig:
         if self.max_concurrent_requests < 1:
             raise ValueError(
                 f"--max-concurrent-requests must be >= 1, got {self.max_concurrent_requests}"
+            )
+        if self.responses_store_size < 0:
+            raise ValueError(
+                f"--responses-store-size must be >= 0 (0: none), got {self.responses_store_size}"
             )
         if self.max_queued_requests < 0:
             raise ValueError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
@@ -281,6 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's) load and unload "
         "LoRA adapters on every node (started with --enable-lora) while serving; they read "
         "any path the client names on the nodes' hosts: use with --api-key(-file)",
+    )
+    add(
+        "--responses-store-size",
+        type=int,
+        default=1024,
+        help="/v1/responses: responses kept in this gateway's memory for previous_response_id "
+        "and GET/DELETE /v1/responses/{id} (least recently used evicted first; a request's "
+        "store: false keeps its own out); 0: none",
     )
     add("--host", default="0.0.0.0", help="address both servers bind")
     add("--http-port", type=int, default=8000, help="OpenAI API, /health, /metrics")
@@ -460,6 +475,7 @@ def parse_gateway_config(
             served_model_aliases=tuple(names[1:]),
             lora_modules=tuple(module.partition("=")[0] for module in args.lora_modules),
             allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+            responses_store_size=args.responses_store_size,
             host=args.host,
             http_port=args.http_port,
             grpc_port=args.grpc_port,

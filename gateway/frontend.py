@@ -66,6 +66,9 @@ class Frontend:
     lora_updates: LoraUpdates | None = None
     """Run-time LoRA loads and unloads on every node (``--allow-runtime-lora-updating``);
     None: off, and their routes do not exist."""
+    responses_store_size: int = 1024
+    """``--responses-store-size``: Responses API responses kept for ``previous_response_id``
+    and ``GET /v1/responses/{id}`` (``http_api/response_store.py``); 0: none."""
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

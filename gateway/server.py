@@ -94,6 +94,7 @@ class GatewayServer:
             node_lora_names=self.pool.lora_names,
             embedder=RoutedEmbedder(self.router, config.router),
             lora_updates=self.lora_updates,
+            responses_store_size=config.responses_store_size,
         )
         if config.sampling_defaults.as_dict():
             logger.info(

@@ -58,6 +58,8 @@ class HttpGate:
                     key = self._frontend.api_keys.check(
                         None if authorization is None else authorization.decode("latin-1")
                     )
+                    # Whose request it is (stored responses are the key's own).
+                    scope["state"]["api_key"] = None if key is None else key.name
                     if path in GENERATION_PATHS:  # listing models costs nothing
                         held.enter_context(self._frontend.key_limiter.hold(key))
                 body = await self._read_body(receive, headers.get(b"content-length"))

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import time
+import uuid
 
 from fastapi import APIRouter, FastAPI, Request, Security
 from fastapi.responses import PlainTextResponse, Response
@@ -57,9 +58,10 @@ from gateway.http_api.openai_protocol import (
     ModelList,
     UnloadLoRAAdapterRequest,
 )
+from gateway.http_api.response_store import Message, ResponseStore, StoredResponse
 from gateway.http_api.responses_format import ResponsesFormat
-from gateway.http_api.responses_job import responses_job
-from gateway.http_api.responses_protocol import ResponseObject, ResponsesRequest
+from gateway.http_api.responses_job import input_messages, responses_job
+from gateway.http_api.responses_protocol import ResponseDeleted, ResponseObject, ResponsesRequest
 from gateway.http_api.score_api import score_router
 from gateway.http_api.sse import MEDIA_TYPE
 from gateway.http_api.tokenize_api import tokenize_router
@@ -138,6 +140,8 @@ def build_openai_app(frontend: Frontend, cors: CorsConfig | None = None) -> Fast
     install_error_handlers(app, frontend)
     drop_fastapi_422(app)
     created = int(time.time())
+    size = frontend.responses_store_size
+    responses = ResponseStore(size) if size > 0 else None
 
     # auto_error=False: HttpGate enforces the key (before the body is read); this declares the
     # scheme in the OpenAPI document.
@@ -169,9 +173,63 @@ def build_openai_app(frontend: Frontend, cors: CorsConfig | None = None) -> Fast
     )
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         """OpenAI's Responses API over the chat pipeline (``responses_job.py``)."""
-        job = await asyncio.to_thread(responses_job, body, request, frontend)
-        output = ResponsesFormat(job, frontend.tokenizer, frontend.response_model(body.model), body)
+        owner = _api_key(request)
+        history: tuple[Message, ...] = ()
+        if body.previous_response_id is not None:
+            history = _stored(body.previous_response_id, owner, "previous_response_id").conversation
+        job = await asyncio.to_thread(responses_job, body, request, frontend, history)
+        # The id a stored response is found by is the server's own, never a client's
+        # X-Request-Id (which stays the request's id in logs and on the nodes): a client could
+        # otherwise name another's response and replace it.
+        response_id = (
+            job.request_id if "x-request-id" not in request.headers else f"resp-{uuid.uuid4().hex}"
+        )
+        on_end = None
+        if responses is not None and body.store is not False:
+            store, turns = responses, [*history, *input_messages(body)]
+
+            def on_end(final: ResponseObject, text: str) -> None:
+                reply = {"role": "assistant", "content": text}
+                store.put(final.id, final.model_dump(), [*turns, reply], owner)
+
+        model = frontend.response_model(body.model)
+        output = ResponsesFormat(job, frontend.tokenizer, model, body, on_end, response_id)
         return GenerationResponse(frontend, job, output)
+
+    def _stored(response_id: str, owner: str | None, param: str | None = None) -> StoredResponse:
+        if responses is None:
+            raise GatewayError(
+                ErrorKind.FAILED_PRECONDITION,
+                "responses are not stored on this server (--responses-store-size 0)",
+                param,
+            )
+        stored = responses.get(response_id, owner)
+        if stored is None:
+            # Another key's response reads as absent too: its existence is not told.
+            raise GatewayError(
+                ErrorKind.NOT_FOUND, f"no stored response with id {response_id!r}", param
+            )
+        return stored
+
+    @v1.get(
+        "/responses/{response_id}",
+        response_model=ResponseObject,
+        responses={401: _ERROR_RESPONSES[401], 404: _ERROR_RESPONSES[404]},
+    )
+    async def retrieve_response(response_id: str, request: Request) -> dict[str, object]:
+        """A stored response, as it was returned."""
+        return _stored(response_id, _api_key(request)).response
+
+    @v1.delete(
+        "/responses/{response_id}",
+        response_model=ResponseDeleted,
+        responses={401: _ERROR_RESPONSES[401], 404: _ERROR_RESPONSES[404]},
+    )
+    async def delete_response(response_id: str, request: Request) -> ResponseDeleted:
+        _stored(response_id, _api_key(request))
+        assert responses is not None
+        responses.delete(response_id, _api_key(request))
+        return ResponseDeleted(id=response_id)
 
     def model_card(name: str) -> ModelCard:
         return ModelCard(
@@ -249,3 +307,8 @@ def build_openai_app(frontend: Frontend, cors: CorsConfig | None = None) -> Fast
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _api_key(request: Request) -> str | None:
+    """The name of the API key the request came with (``HttpGate``); None without keys."""
+    return getattr(request.state, "api_key", None)

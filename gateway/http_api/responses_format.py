@@ -13,7 +13,7 @@ each with its ``sequence_number``, as ``event: <type>`` and ``data: <json>`` lin
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import BaseModel
@@ -44,10 +44,21 @@ class ResponsesFormat(OpenAIFormat):
     ends_with_done = False
 
     def __init__(
-        self, job: OpenAIJob, tokenizer: Tokenizer, model: str, body: ResponsesRequest
+        self,
+        job: OpenAIJob,
+        tokenizer: Tokenizer,
+        model: str,
+        body: ResponsesRequest,
+        on_end: Callable[[ResponseObject, str], None] | None = None,
+        response_id: str | None = None,
     ) -> None:
+        """``on_end``: given the final response object and its output text once the response
+        ends (it stores them); None: the response is not stored. ``response_id``: the
+        response's id (default: the job's request id)."""
         super().__init__(job, tokenizer, model)
         self._body = body
+        self._response_id = job.request_id if response_id is None else response_id
+        self._on_end = on_end
         self._message_id = f"msg_{uuid.uuid4().hex}"
         self._sequence = 0
 
@@ -76,7 +87,7 @@ class ResponsesFormat(OpenAIFormat):
     def finish_chunk(self, state: ChoiceState) -> list[dict[str, Any]]:
         # A response without text still opens its message before closing it.
         events = [] if state.is_started else self._opening_events(state)
-        final = self._response(state, self._status(state))
+        final = self._ended(state)
         text = "".join(state.texts)
         where = {"item_id": self._message_id, "output_index": 0, "content_index": 0}
         events += [
@@ -104,7 +115,14 @@ class ResponsesFormat(OpenAIFormat):
 
     def response(self, states: Sequence[ChoiceState], usage: UsageInfo) -> BaseModel:
         (state,) = states
-        return self._response(state, self._status(state))
+        return self._ended(state)
+
+    def _ended(self, state: ChoiceState) -> ResponseObject:
+        """The final response object, stored first (where it is to be)."""
+        final = self._response(state, self._status(state))
+        if self._on_end is not None:
+            self._on_end(final, "".join(state.texts))
+        return final
 
     def _opening_events(self, state: ChoiceState) -> list[dict[str, Any]]:
         opened = self._response(state, "in_progress").model_dump()
@@ -155,7 +173,7 @@ class ResponsesFormat(OpenAIFormat):
             )
         text_format = None if body.text is None else body.text.format
         return ResponseObject(
-            id=self.job.request_id,
+            id=self._response_id,
             created_at=self.job.created,
             status=status,
             incomplete_details=(
@@ -182,6 +200,8 @@ class ResponsesFormat(OpenAIFormat):
             },
             metadata=body.metadata or {},
             usage=usage,
+            previous_response_id=body.previous_response_id,
+            store=self._on_end is not None,
         )
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:

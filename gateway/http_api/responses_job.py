@@ -1,6 +1,8 @@
 """OpenAI's Responses API (``POST /v1/responses``) as the chat request it means: ``instructions``
 a system message, ``input`` the messages, ``max_output_tokens`` the chat's
-``max_completion_tokens``, ``text.format`` its ``response_format``. The request then runs as a
+``max_completion_tokens``, ``text.format`` its ``response_format``, and ``previous_response_id``
+the stored conversation it continues, between the instructions and the input (OpenAI does not
+carry the earlier response's instructions over). The request then runs as a
 chat completion (``openai_job.chat_job``) and is answered by ``responses_format.py``. An error
 names the Responses field the client sent (``input``, not ``messages``).
 """
@@ -8,6 +10,7 @@ names the Responses field the client sent (``input``, not ``messages``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import Request
@@ -16,6 +19,7 @@ from gateway.errors import GatewayError, invalid
 from gateway.frontend import Frontend
 from gateway.http_api.openai_job import OpenAIJob, chat_job, renamed
 from gateway.http_api.openai_protocol import ChatCompletionRequest
+from gateway.http_api.response_store import Message
 from gateway.http_api.responses_protocol import ResponsesRequest
 
 # What the chat request calls the fields a Responses request names otherwise (error params).
@@ -26,17 +30,18 @@ _PARAM_NAMES = (
 )
 
 
-def responses_job(body: ResponsesRequest, request: Request, frontend: Frontend) -> OpenAIJob:
-    """The request checked (what needs no tokenizer) as the chat job it means."""
+def responses_job(
+    body: ResponsesRequest,
+    request: Request,
+    frontend: Frontend,
+    history: Sequence[Message] = (),
+) -> OpenAIJob:
+    """The request checked (what needs no tokenizer) as the chat job it means; ``history``: the
+    conversation of the response that ``previous_response_id`` names (``response_store.py``),
+    between ``instructions`` and the input."""
     for name in ("tools", "include"):
         if getattr(body, name):
             raise invalid(f"{name} is not supported by this server's /v1/responses", param=name)
-    if body.previous_response_id is not None:
-        raise invalid(
-            "previous_response_id is not supported: responses are not stored; send the "
-            "conversation as input",
-            param="previous_response_id",
-        )
     if body.reasoning is not None:
         raise invalid("reasoning options are not supported", param="reasoning")
     if body.tool_choice not in (None, "none", "auto"):
@@ -47,26 +52,32 @@ def responses_job(body: ResponsesRequest, request: Request, frontend: Frontend) 
             param="truncation",
         )
     try:
-        job = chat_job(_chat_request(body), request, frontend, id_prefix="resp")
+        job = chat_job(_chat_request(body, history), request, frontend, id_prefix="resp")
     except GatewayError as error:
         raise renamed(error, _PARAM_NAMES) from None
     return dataclasses.replace(job, param_names=_PARAM_NAMES)
 
 
-def _chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    messages: list[dict[str, Any]] = []
+def input_messages(body: ResponsesRequest) -> list[Message]:
+    """The request's ``input`` as chat messages (without ``instructions``)."""
+    if isinstance(body.input, str):
+        return [{"role": "user", "content": body.input}]
+    messages: list[Message] = []
+    for item in body.input:
+        content: str | list[dict[str, str]] = (
+            item.content
+            if isinstance(item.content, str)
+            else [{"type": "text", "text": part.text} for part in item.content]
+        )
+        messages.append({"role": item.role, "content": content})
+    return messages
+
+
+def _chat_request(body: ResponsesRequest, history: Sequence[Message]) -> ChatCompletionRequest:
+    messages: list[Message] = []
     if body.instructions is not None:
         messages.append({"role": "system", "content": body.instructions})
-    if isinstance(body.input, str):
-        messages.append({"role": "user", "content": body.input})
-    else:
-        for item in body.input:
-            content: str | list[dict[str, str]] = (
-                item.content
-                if isinstance(item.content, str)
-                else [{"type": "text", "text": part.text} for part in item.content]
-            )
-            messages.append({"role": item.role, "content": content})
+    messages += [*history, *input_messages(body)]
     chat: dict[str, Any] = {
         "model": body.model,
         "messages": messages,

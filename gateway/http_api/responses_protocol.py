@@ -3,8 +3,8 @@ in (a string, or messages of text parts, with ``instructions``), text or JSON ou
 streamed as events.
 
 Requests are strict like the other routes' (``openai_protocol.py``). Fields of OpenAI's API
-that need what this server does not have (stored responses and ``previous_response_id``, tools,
-reasoning summaries) are declared so that their refusal names them.
+that need what this server does not have (tools, reasoning summaries) are declared so that their
+refusal names them. Responses are stored for ``previous_response_id`` (``response_store.py``).
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ class ResponsesRequest(RequestModel):
     stream: Flag = False
     text: TextConfig | None = None
     store: bool | None = None
-    """Accepted either way: nothing is stored (as vLLM without ``--enable-store``)."""
+    """False: the response is not kept for ``previous_response_id`` or ``GET`` (default: kept,
+    while the gateway stores responses: ``--responses-store-size``)."""
     metadata: dict[str, str] | None = None
     """Returned with the response."""
     user: str | None = None
@@ -85,7 +86,7 @@ class ResponsesRequest(RequestModel):
     tools: list[dict[str, Any]] | None = None
     """Unsupported: only empty."""
     previous_response_id: str | None = None
-    """Unsupported (nothing is stored): only null."""
+    """A stored response this one continues: its conversation comes before ``input``."""
     reasoning: dict[str, Any] | None = None
     """Unsupported: only null."""
     include: list[str] | None = None
@@ -155,3 +156,12 @@ class ResponseObject(ResponseModel):
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     metadata: dict[str, str] = Field(default_factory=dict)
     usage: ResponseUsage | None = None
+    previous_response_id: str | None = None
+    store: bool = False
+    """Whether this response is kept (``GET /v1/responses/{id}``, ``previous_response_id``)."""
+
+
+class ResponseDeleted(ResponseModel):
+    id: str
+    object: Literal["response.deleted"] = "response.deleted"
+    deleted: bool = True

@@ -216,6 +216,11 @@ def test_limit_errors_name_the_flag_and_value(tiny_llama_dir: Path, capsys) -> N
         parse(tiny_llama_dir, "--max-queued-requests", "-1")
     assert "--max-queued-requests must be >= 0, got -1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
+        parse(tiny_llama_dir, "--responses-store-size", "-1")
+    assert "--responses-store-size must be >= 0 (0: none), got -1" in capsys.readouterr().err
+    assert parse(tiny_llama_dir).responses_store_size == 1024
+    assert parse(tiny_llama_dir, "--responses-store-size", "0").responses_store_size == 0
+    with pytest.raises(SystemExit):
         parse(tiny_llama_dir, "--http-port", "70000")
     assert "--http-port must be in [0, 65535], got 70000" in capsys.readouterr().err
 

@@ -8,6 +8,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from gateway.generation import Finished, GenerationRequest, TokenChunk
@@ -138,7 +139,7 @@ def test_cache_salt_reaches_the_nodes(served: Served) -> None:
     ("change", "status", "param"),
     [
         ({"tools": [{"type": "function", "name": "f"}]}, 400, "tools"),
-        ({"previous_response_id": "resp_1"}, 400, "previous_response_id"),
+        ({"previous_response_id": "resp_1"}, 404, "previous_response_id"),
         ({"reasoning": {"effort": "low"}}, 400, "reasoning"),
         ({"include": ["message.output_text.logprobs"]}, 400, "include"),
         ({"truncation": "auto"}, 400, "truncation"),
@@ -204,3 +205,113 @@ def test_a_failed_response_says_whose_fault(tokenizer: Tokenizer) -> None:
             assert events[-1].code == error_type and "failed" in events[-1].message
     finally:
         server.stop()
+
+
+def test_previous_response_id_continues_the_stored_conversation(served: Served) -> None:
+    """The earlier turns (input and output) come before the new input; the earlier response's
+    instructions do not carry over (OpenAI's rule), the new request's own do."""
+    client = served.client()
+    first = client.responses.create(
+        model=MODEL, input="Hi", instructions="Be brief.", max_output_tokens=4
+    )
+    assert first.store is True and first.previous_response_id is None
+    second = client.responses.create(
+        model=MODEL, input="And then?", previous_response_id=first.id, instructions="Be long."
+    )
+    assert second.previous_response_id == first.id
+    expected = [{"role": "system", "content": "Be long."},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "And then?"}]  # fmt: skip
+    assert list(served.generator.requests[-1].prompt_token_ids) == served.tokenizer.encode_chat(
+        expected
+    )
+    # A chain: the third turn sees both earlier ones, streamed turns stored like whole ones.
+    third = list(
+        client.responses.create(
+            model=MODEL, input=[{"role": "user", "content": "Last?"}],
+            previous_response_id=second.id, max_output_tokens=3, stream=True,
+        )
+    )[-1].response  # fmt: skip
+    fourth = client.responses.create(model=MODEL, input="Done.", previous_response_id=third.id)
+    assert fourth.previous_response_id == third.id
+    expected = [expected[1], expected[2],
+                {"role": "user", "content": "And then?"},
+                {"role": "assistant", "content": second.output_text},
+                {"role": "user", "content": "Last?"},
+                {"role": "assistant", "content": third.output_text},
+                {"role": "user", "content": "Done."}]  # fmt: skip
+    assert list(served.generator.requests[-1].prompt_token_ids) == served.tokenizer.encode_chat(
+        expected
+    )
+
+
+def test_a_stored_response_is_retrieved_and_deleted(served: Served) -> None:
+    import openai
+
+    client = served.client()
+    created = client.responses.create(model=MODEL, input="Hi", metadata={"k": "v"})
+    retrieved = client.responses.retrieve(created.id)
+    assert retrieved.model_dump() == created.model_dump()
+    client.responses.delete(created.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(created.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(created.id)
+    before = len(served.generator.requests)
+    body = {"model": MODEL, "input": "x", "previous_response_id": created.id}
+    assert_error(served.post("/v1/responses", body), 404, "previous_response_id")
+    assert len(served.generator.requests) == before  # refused before any generation
+
+
+def test_store_false_keeps_a_response_out(served: Served) -> None:
+    response = served.client().responses.create(model=MODEL, input="Hi", store=False)
+    assert response.store is False
+    assert httpx.get(f"{served.url}/v1/responses/{response.id}", timeout=10).status_code == 404
+
+
+def test_a_response_is_its_api_keys_own(tokenizer: Tokenizer) -> None:
+    """Another key (another tenant) is told the response does not exist, and cannot continue
+    or delete it."""
+    served, server = start(tokenizer, api_keys=("key-a", "key-b"))
+    try:
+        mine = served.client("key-a").responses.create(model=MODEL, input="Hi")
+        theirs = {"Authorization": "Bearer key-b"}
+        url = f"{served.url}/v1/responses/{mine.id}"
+        assert_error(httpx.get(url, headers=theirs, timeout=10), 404, None)
+        assert_error(httpx.delete(url, headers=theirs, timeout=10), 404, None)
+        body = {"model": MODEL, "input": "x", "previous_response_id": mine.id}
+        assert_error(
+            served.post("/v1/responses", body, headers=theirs), 404, "previous_response_id"
+        )
+        assert served.client("key-a").responses.retrieve(mine.id).id == mine.id
+    finally:
+        server.stop()
+
+
+def test_a_gateway_that_stores_nothing_says_so(tokenizer: Tokenizer) -> None:
+    served, server = start(tokenizer, responses_store_size=0)
+    try:
+        response = served.client().responses.create(model=MODEL, input="Hi")
+        assert response.store is False
+        body = {"model": MODEL, "input": "x", "previous_response_id": response.id}
+        assert_error(served.post("/v1/responses", body), 400, "previous_response_id")
+    finally:
+        server.stop()
+
+
+def test_a_clients_request_id_never_names_a_stored_response(served: Served) -> None:
+    """X-Request-Id stays the request's id on the nodes, but a stored response gets an id of
+    the server's: a client naming another's response id cannot replace it."""
+    client = served.client()
+    original = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    body = {"model": MODEL, "input": "Other", "max_output_tokens": 3}
+    reply = served.post("/v1/responses", body, headers={"X-Request-Id": original.id})
+    assert reply.status_code == 200
+    assert served.generator.requests[-1].request_id == original.id
+    assert reply.json()["id"] != original.id
+    assert client.responses.retrieve(original.id).output_text == original.output_text
+    [message] = reply.json()["output"]
+    assert (
+        client.responses.retrieve(reply.json()["id"]).output_text == message["content"][0]["text"]
+    )

@@ -160,6 +160,7 @@ def start(
     tokenizer_admission: Admission | None = None,
     embedder: Embedder | None = None,
     tool_call_parser: str | None = None,
+    responses_store_size: int = 1024,
     **limits: Any,
 ) -> tuple[Served, ThreadedUvicorn]:
     generator = FakeGenerator(script or output_script(tokenizer))
@@ -179,6 +180,7 @@ def start(
         sampling_defaults=sampling_defaults or SamplingDefaults(),
         served_model_aliases=aliases,
         embedder=embedder,
+        responses_store_size=responses_store_size,
         **({} if tokenizer_admission is None else {"tokenizer_admission": tokenizer_admission}),
     )
     server = ThreadedUvicorn(build_openai_app(frontend), send_buffer_bytes)
