@@ -188,8 +188,7 @@ def build_openai_app(frontend: Frontend, cors: CorsConfig | None = None) -> Fast
         if responses is not None and body.store is not False:
             store, turns = responses, [*history, *input_messages(body)]
 
-            def on_end(final: ResponseObject, text: str) -> None:
-                reply = {"role": "assistant", "content": text}
+            def on_end(final: ResponseObject, reply: Message) -> None:
                 store.put(final.id, final.model_dump(), [*turns, reply], owner)
 
         model = frontend.response_model(body.model)

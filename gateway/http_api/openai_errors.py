@@ -86,14 +86,16 @@ def _validation_error(exc: RequestValidationError) -> GatewayError:
         return invalid(f"unsupported parameter: {path}", param=path)
     path = _field_path(loc)
     message = f"{path}: {first.get('msg', 'invalid value')}"
-    if any(isinstance(part, str) and not _is_field_name(part) for part in loc):
+    if any(isinstance(part, str) and not _is_field_name(part) and ":" not in part for part in loc):
         # pydantic names the member of a union it tried: it is no part of the field's path.
         message += " (the value matches none of the types this field accepts)"
     return invalid(message, param=path)
 
 
 def _field_path(loc: Sequence[int | str]) -> str:
-    """``("messages", 0, "content")`` → ``messages[0].content``, without union member tags."""
+    """``("messages", 0, "content")`` → ``messages[0].content``, without union member tags:
+    pydantic's names of the members it tried, and a discriminated union's ``Tag``s, which the
+    request models write ``kind:name`` (``item:function_call``) so that they read as none."""
     path = ""
     for part in loc:
         if isinstance(part, int):

@@ -43,7 +43,7 @@ class StoredResponse:
 
     @property
     def chars(self) -> int:
-        return sum(_text_chars(message["content"]) for message in self.conversation)
+        return sum(_message_chars(message) for message in self.conversation)
 
 
 class ResponseStore:
@@ -100,7 +100,12 @@ class ResponseStore:
             self._chars -= entry.chars
 
 
-def _text_chars(content: str | list[dict[str, Any]]) -> int:
-    if isinstance(content, str):
-        return len(content)
-    return sum(len(part.get("text", "")) for part in content)
+def _message_chars(message: Message) -> int:
+    """The text a message holds: its content and its tool calls' names and arguments."""
+    content = message.get("content")
+    chars = len(content) if isinstance(content, str) else 0
+    if isinstance(content, list):
+        chars += sum(len(part.get("text", "")) for part in content)
+    for call in message.get("tool_calls", ()):
+        chars += len(call["function"]["name"]) + len(call["function"]["arguments"])
+    return chars

@@ -20,13 +20,19 @@ from gateway.frontend import Frontend
 from gateway.http_api.openai_job import OpenAIJob, chat_job, renamed
 from gateway.http_api.openai_protocol import ChatCompletionRequest
 from gateway.http_api.response_store import Message
-from gateway.http_api.responses_protocol import ResponsesRequest
+from gateway.http_api.responses_protocol import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    ResponsesRequest,
+)
 
 # What the chat request calls the fields a Responses request names otherwise (error params).
 _PARAM_NAMES = (
     ("max_completion_tokens", "max_output_tokens"),
     ("response_format", "text.format"),
     ("messages", "input"),
+    # The chat request nests a function's fields under "function": the client's tools do not.
+    ("tools", "tools"),
 )
 
 
@@ -39,13 +45,10 @@ def responses_job(
     """The request checked (what needs no tokenizer) as the chat job it means; ``history``: the
     conversation of the response that ``previous_response_id`` names (``response_store.py``),
     between ``instructions`` and the input."""
-    for name in ("tools", "include"):
-        if getattr(body, name):
-            raise invalid(f"{name} is not supported by this server's /v1/responses", param=name)
+    if body.include:
+        raise invalid("include is not supported by this server's /v1/responses", param="include")
     if body.reasoning is not None:
         raise invalid("reasoning options are not supported", param="reasoning")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise invalid("tool_choice: there are no tools to choose", param="tool_choice")
     if body.truncation == "auto":
         raise invalid(
             "truncation 'auto' is not supported: a prompt past the context is refused",
@@ -59,17 +62,33 @@ def responses_job(
 
 
 def input_messages(body: ResponsesRequest) -> list[Message]:
-    """The request's ``input`` as chat messages (without ``instructions``)."""
+    """The request's ``input`` as chat messages (without ``instructions``): a run of function
+    calls joins the assistant turn before it (or makes one), as the chat API holds them, and a
+    call's output is a tool message."""
     if isinstance(body.input, str):
         return [{"role": "user", "content": body.input}]
     messages: list[Message] = []
     for item in body.input:
-        content: str | list[dict[str, str]] = (
-            item.content
-            if isinstance(item.content, str)
-            else [{"type": "text", "text": part.text} for part in item.content]
-        )
-        messages.append({"role": item.role, "content": content})
+        if isinstance(item, FunctionCallItem):
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        else:
+            content: str | list[dict[str, str]] = (
+                item.content
+                if isinstance(item.content, str)
+                else [{"type": "text", "text": part.text} for part in item.content]
+            )
+            messages.append({"role": item.role, "content": content})
     return messages
 
 
@@ -88,6 +107,22 @@ def _chat_request(body: ResponsesRequest, history: Sequence[Message]) -> ChatCom
         "user": body.user,
         "cache_salt": body.cache_salt,
     }
+    if body.tools:
+        # The chat API's shape: the function's fields under "function".
+        chat["tools"] = [
+            {"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
+            for tool in body.tools
+        ]
+        chat["parallel_tool_calls"] = body.parallel_tool_calls
+    choice = body.tool_choice
+    if choice is not None and body.tools:
+        chat["tool_choice"] = (
+            choice
+            if isinstance(choice, str)
+            else {"type": "function", "function": {"name": choice.name}}
+        )
+    elif choice not in (None, "none", "auto"):
+        raise invalid("tool_choice: there are no tools to choose", param="tool_choice")
     text_format = None if body.text is None else body.text.format
     if text_format is not None:
         if text_format.type == "json_schema":

@@ -3,8 +3,10 @@ in (a string, or messages of text parts, with ``instructions``), text or JSON ou
 streamed as events.
 
 Requests are strict like the other routes' (``openai_protocol.py``). Fields of OpenAI's API
-that need what this server does not have (tools, reasoning summaries) are declared so that their
-refusal names them. Responses are stored for ``previous_response_id`` (``response_store.py``).
+that need what this server does not have (built-in tools, reasoning summaries) are declared so
+that their refusal names them. Function tools run as the chat route's tools: the calls come out
+as ``function_call`` items, and a client sends them back with its ``function_call_output`` items.
+Responses are stored for ``previous_response_id`` (``response_store.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,62 @@ class InputMessage(RequestModel):
     """Of an earlier response's message sent back: ignored."""
 
 
+class FunctionCallItem(RequestModel):
+    """A function call of an earlier response, sent back as context."""
+
+    type: Literal["function_call"]
+    call_id: NonEmptyText
+    name: NonEmptyText
+    arguments: Text
+    id: str | None = None
+    """Ignored."""
+    status: str | None = None
+    """Ignored."""
+
+
+class FunctionCallOutputItem(RequestModel):
+    """The client's result of a function call (``call_id``), for the model to read."""
+
+    type: Literal["function_call_output"]
+    call_id: NonEmptyText
+    output: Text
+    id: str | None = None
+    """Ignored."""
+    status: str | None = None
+    """Ignored."""
+
+
+def _item_kind(value: Any) -> str:
+    """An input item's model, by its type (a message may leave it out): so that a bad item's
+    error names its own fields; an unknown type goes to the message model, which names it."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return f"item:{kind if kind in ('function_call', 'function_call_output') else 'message'}"
+
+
+# Tags as kind:name: an error's field path leaves them out (openai_errors._field_path).
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("item:message")]
+    | Annotated[FunctionCallItem, Tag("item:function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("item:function_call_output")],
+    Discriminator(_item_kind),
+]
+
+
+class FunctionTool(RequestModel):
+    type: Literal["function"]
+    """Only function tools: OpenAI's built-in ones (web search, file search...) are not here."""
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    """Accepted: a named or required tool choice follows the schema exactly anyway."""
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    name: NonEmptyText
+
+
 class TextFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
@@ -61,7 +119,7 @@ class ResponsesRequest(RequestModel):
     model: str | None = None
     input: Annotated[
         Annotated[NonEmptyText, Tag("str")]
-        | Annotated[list[InputMessage], Field(min_length=1), Tag("list")],
+        | Annotated[list[InputItem], Field(min_length=1), Tag("list")],
         # Chosen by the JSON type, so that a bad item's error names it (input[0].role).
         Discriminator(lambda value: "str" if isinstance(value, str) else "list"),
     ]
@@ -81,10 +139,12 @@ class ResponsesRequest(RequestModel):
     cache_salt: NonEmptyText | None = None
     """vLLM extension: as the chat API's ``cache_salt``."""
     parallel_tool_calls: bool | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    """Only ``none`` or ``auto``, without tools."""
-    tools: list[dict[str, Any]] | None = None
-    """Unsupported: only empty."""
+    """False: at most one function call per response. Default true."""
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """As the chat route's: ``auto`` (default with tools), ``none``, ``required`` or a named
+    function (``{"type": "function", "name": ...}``)."""
+    tools: list[FunctionTool] | None = None
+    """Function tools, as the chat route takes them."""
     previous_response_id: str | None = None
     """A stored response this one continues: its conversation comes before ``input``."""
     reasoning: dict[str, Any] | None = None
@@ -107,6 +167,17 @@ class OutputMessage(ResponseModel):
     status: Literal["in_progress", "completed", "incomplete"]
     role: Literal["assistant"] = "assistant"
     content: list[OutputText]
+
+
+class OutputFunctionCall(ResponseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    """What the client's ``function_call_output`` names."""
+    name: str
+    arguments: str
+    """JSON text."""
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
 class InputTokensDetails(ResponseModel):
@@ -145,14 +216,14 @@ class ResponseObject(ResponseModel):
     incomplete_details: IncompleteDetails | None = None
     error: ResponseError | None = None
     model: str
-    output: list[OutputMessage]
+    output: list[OutputMessage | OutputFunctionCall]
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    parallel_tool_calls: bool = False
-    tool_choice: str = "none"
-    tools: list[Any] = Field(default_factory=list)
+    parallel_tool_calls: bool = True
+    tool_choice: str | dict[str, Any] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     metadata: dict[str, str] = Field(default_factory=dict)
     usage: ResponseUsage | None = None

@@ -138,7 +138,7 @@ def test_cache_salt_reaches_the_nodes(served: Served) -> None:
 @pytest.mark.parametrize(
     ("change", "status", "param"),
     [
-        ({"tools": [{"type": "function", "name": "f"}]}, 400, "tools"),
+        ({"tools": [{"type": "file_search"}]}, 400, "tools[0].type"),
         ({"previous_response_id": "resp_1"}, 404, "previous_response_id"),
         ({"reasoning": {"effort": "low"}}, 400, "reasoning"),
         ({"include": ["message.output_text.logprobs"]}, 400, "include"),

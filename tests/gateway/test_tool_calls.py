@@ -24,7 +24,7 @@ from gateway.tool_parsers import (
     make_parser,
     parser_for,
 )
-from support.openai_app import MODEL, Served, output_script, start
+from support.openai_app import MODEL, Served, assert_error, output_script, start
 
 WEATHER = {
     "type": "function",
@@ -241,3 +241,116 @@ def test_echo_starts_each_completion_with_its_prompt(tokenizer: Tokenizer) -> No
         assert ids.choices[0].text.startswith(tokenizer.decode([5, 6, 7]))
     finally:
         server.stop()
+
+
+RESPONSES_WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+
+
+def test_function_tools_through_the_responses_api(
+    hermes_served: Served, tokenizer: Tokenizer
+) -> None:
+    """OpenAI's Responses API with function tools (as the Agents SDK calls it): the calls come
+    out as ``function_call`` items after the message, whole and streamed alike; the client's
+    ``function_call_output`` goes back as the tool's turn, and ``previous_response_id`` carries
+    the calls over."""
+    client = hermes_served.client()
+    whole = client.responses.create(
+        model=MODEL, input="Weather?", tools=[RESPONSES_WEATHER], max_output_tokens=200
+    )
+    assert whole.status == "completed"
+    kinds = [item.type for item in whole.output]
+    assert kinds == ["message", "function_call", "function_call"]
+    assert whole.output_text == "Let me look."
+    calls = [item for item in whole.output if item.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_weather", {"city": "Lima"}),
+    ]
+    assert len({c.call_id for c in calls}) == 2 and len({c.id for c in calls}) == 2
+    assert whole.tools[0].name == "get_weather" and whole.tool_choice == "auto"
+    prompt = tokenizer.decode(hermes_served.generator.requests[-1].prompt_token_ids)
+    assert prompt.startswith("<tools>get_weather;</tools>")
+
+    events = list(
+        client.responses.create(
+            model=MODEL, input="Weather?", tools=[RESPONSES_WEATHER], max_output_tokens=200,
+            stream=True,
+        )
+    )  # fmt: skip
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == "Let me look."  # the calls' markup is never streamed as text
+    arguments = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert [json.loads(a) for a in arguments] == [{"city": "Oslo"}, {"city": "Lima"}]
+    final = events[-1]
+    assert final.type == "response.completed"
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [item.model_dump() for item in done] == [
+        item.model_dump() for item in final.response.output
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+    # The client runs the tool and answers; the model sees both calls and their outputs.
+    follow = client.responses.create(
+        model=MODEL,
+        previous_response_id=whole.id,
+        tools=[RESPONSES_WEATHER],
+        tool_choice="none",
+        input=[
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"},
+            {"type": "function_call_output", "call_id": calls[1].call_id, "output": "rain"},
+        ],
+    )
+    assert [item.type for item in follow.output] == ["message"]
+    prompt = tokenizer.decode(hermes_served.generator.requests[-1].prompt_token_ids)
+    assert not prompt.startswith("<tools>")  # tool_choice none: no tools in the template
+    assert "user: Weather?\nassistant: Let me look.\ntool: sunny\ntool: rain\n" in prompt
+
+
+def test_responses_function_call_items_replayed_as_input(
+    hermes_served: Served, tokenizer: Tokenizer
+) -> None:
+    """Without a stored response, the client sends the calls back itself (the SDK's
+    ``to_input_list``): a run of calls joins the assistant turn before it."""
+    client = hermes_served.client()
+    client.responses.create(
+        model=MODEL,
+        tools=[RESPONSES_WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        input=[
+            {"role": "user", "content": "Weather?"},
+            {"type": "message", "role": "assistant", "content": [
+                {"type": "output_text", "text": "Let me look."}]},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather",
+             "arguments": '{"city": "Oslo"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        ],
+    )  # fmt: skip
+    request = hermes_served.generator.requests[-1]
+    assert request.sampling.guided is not None  # the named function's arguments are forced
+    expected = hermes_served.tokenizer.encode_chat(
+        [{"role": "user", "content": "Weather?"},
+         {"role": "assistant", "content": "Let me look.", "tool_calls": [
+             {"id": "c1", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
+        tools=[WEATHER],
+    )  # fmt: skip
+    assert list(request.prompt_token_ids) == expected
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
+        ({"tool_choice": {"type": "function", "name": "other"}}, "tool_choice"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+        ({"input": [{"type": "computer_call"}]}, "input[0].type"),
+    ],
+)
+def test_responses_tool_refusals_name_the_field(
+    hermes_served: Served, change: dict[str, Any], param: str
+) -> None:
+    body = {"model": MODEL, "input": "Hi", "tools": [RESPONSES_WEATHER], **change}
+    assert_error(hermes_served.post("/v1/responses", body), 400, param)
