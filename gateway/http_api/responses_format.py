@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from gateway.chat_output import ChatOutput, ChatPiece
 from gateway.errors import GatewayError
 from gateway.http_api.openai_format import ChoiceState, OpenAIFormat
 from gateway.http_api.openai_job import OpenAIJob
@@ -28,7 +29,9 @@ from gateway.http_api.responses_protocol import (
     InputTokensDetails,
     OutputFunctionCall,
     OutputMessage,
+    OutputReasoning,
     OutputText,
+    ReasoningText,
     ResponseError,
     ResponseObject,
     ResponsesRequest,
@@ -64,19 +67,25 @@ class ResponsesFormat(OpenAIFormat):
         self._on_end = on_end
         self._response_id = job.request_id if response_id is None else response_id
         self._message_id = f"msg_{uuid.uuid4().hex}"
+        self._reasoning_id = f"rs_{uuid.uuid4().hex}"
         self._sequence = 0
         self._is_opened = False
         """response.created and response.in_progress went out."""
-        self._is_message_open = False
-        """The message item and its text part were added (the first text went out)."""
-        # With function tools, the text goes through the tool-call parser: content is streamed
-        # as it comes, the calls are items once the choice ends (tool_calls.py).
-        self._tools: ToolCallStream | None = None
+        self._streamed: list[str] = []
+        """The items opened so far, in output order: ``reasoning``, then ``message``."""
+        self._is_reasoning_done = False
+        # The text goes through the reasoning parser (a thinking model's block, with
+        # --reasoning-parser) and the tool-call parser (with function tools), as the chat
+        # route's: reasoning and content stream as they come, the calls are items at the end.
+        tools = None
         if job.tools is not None:
             parser = make_parser(job.tool_call_parser, tokenizer.backend.token_to_id)
-            self._tools = ToolCallStream(job.tools, parser)
+            tools = ToolCallStream(job.tools, parser)
+        self._chat = ChatOutput(job.reasoning, tools)
         self._is_fed = False
-        self._output: tuple[str | None, list[OutputFunctionCall]] | None = None
+        self._reasoning: list[str] = []
+        self._content: list[str] = []
+        self._output: list[OutputReasoning | OutputMessage | OutputFunctionCall] | None = None
 
     def encode_event(self, payload: BaseModel | dict[str, Any]) -> bytes:
         """``event: <type>`` before the data line, as OpenAI streams a response."""
@@ -85,24 +94,18 @@ class ResponsesFormat(OpenAIFormat):
         return prefix + super().encode_event(payload)
 
     def delta_chunk(self, state: ChoiceState, delta: TextDelta) -> list[dict[str, Any]] | None:
-        text: str | None = delta.text
-        if self._tools is not None:
-            self._is_fed = True
-            text, _ = self._tools.feed(delta.text)
-        if not text:
-            return None
-        return [*self._open(state), *self._open_message(), self._text_delta(text)]
+        self._is_fed = True
+        events = self._piece_events(state, self._chat.feed(delta.text))
+        return events or None
 
     def finish_chunk(self, state: ChoiceState) -> list[dict[str, Any]]:
-        events = self._open(state)
-        rest = None
-        if self._tools is not None:
-            self._is_fed = True
-            rest, _ = self._tools.finish()
-        if rest:
-            events += [*self._open_message(), self._text_delta(rest)]
+        self._is_fed = True
+        events = self._open(state) + self._piece_events(state, self._chat.finish())
         final = self._ended(state)
         for index, item in enumerate(final.output):
+            if isinstance(item, OutputReasoning):
+                events += self._close_reasoning(item, index)
+                continue
             if isinstance(item, OutputMessage):
                 # A response without text or calls still opens its message before closing it.
                 events += self._open_message()
@@ -134,6 +137,59 @@ class ResponsesFormat(OpenAIFormat):
         events.append(self._event(f"response.{final.status}", response=final.model_dump()))
         return events
 
+    def _piece_events(self, state: ChoiceState, piece: ChatPiece) -> list[dict[str, Any]]:
+        """The events of one parsed piece of text: its reasoning, then its content (the calls
+        are items once the choice ends)."""
+        events: list[dict[str, Any]] = []
+        if piece.reasoning:
+            self._reasoning.append(piece.reasoning)
+            events += self._open(state)
+            if "reasoning" not in self._streamed:
+                self._streamed.append("reasoning")
+                events += self._reasoning_opening()
+            where = {"item_id": self._reasoning_id, "output_index": 0, "content_index": 0}
+            events.append(
+                self._event("response.reasoning_text.delta", **where, delta=piece.reasoning)
+            )
+        if piece.content:
+            self._content.append(piece.content)
+            events += self._open(state)
+            if "reasoning" in self._streamed and not self._is_reasoning_done:
+                events += self._close_reasoning(self._reasoning_item(), 0)
+            events += [*self._open_message(), self._text_delta(piece.content)]
+        return events
+
+    def _reasoning_item(self) -> OutputReasoning:
+        return OutputReasoning(
+            id=self._reasoning_id, content=[ReasoningText(text="".join(self._reasoning))]
+        )
+
+    def _reasoning_opening(self) -> list[dict[str, Any]]:
+        opened = OutputReasoning(id=self._reasoning_id, content=[], status="in_progress")
+        return [
+            self._event("response.output_item.added", output_index=0, item=opened.model_dump()),
+            self._event(
+                "response.content_part.added",
+                item_id=self._reasoning_id,
+                output_index=0,
+                content_index=0,
+                part=ReasoningText(text="").model_dump(),
+            ),
+        ]
+
+    def _close_reasoning(self, item: OutputReasoning, index: int) -> list[dict[str, Any]]:
+        """The reasoning item's closing events, once (when the answer starts, or at the end)."""
+        if self._is_reasoning_done:
+            return []
+        self._is_reasoning_done = True
+        where = {"item_id": item.id, "output_index": index, "content_index": 0}
+        part = item.content[0]
+        return [
+            self._event("response.reasoning_text.done", **where, text=part.text),
+            self._event("response.content_part.done", **where, part=part.model_dump()),
+            self._event("response.output_item.done", output_index=index, item=item.model_dump()),
+        ]
+
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
         raise AssertionError("a Responses stream carries its usage in its last event")
 
@@ -153,8 +209,10 @@ class ResponsesFormat(OpenAIFormat):
         """The final response object, stored first (where it is to be)."""
         final = self._response(state, self._status(state))
         if self._on_end is not None:
-            text, calls = self._parsed(state)
-            reply: Message = {"role": "assistant", "content": text}
+            # The answer alone: a thinking model's templates drop earlier turns' reasoning.
+            content = "".join(self._content) or None
+            reply: Message = {"role": "assistant", "content": content}
+            calls = [item for item in final.output if isinstance(item, OutputFunctionCall)]
             if calls:
                 reply["tool_calls"] = [
                     {
@@ -167,27 +225,38 @@ class ResponsesFormat(OpenAIFormat):
             self._on_end(final, reply)
         return final
 
-    def _parsed(self, state: ChoiceState) -> tuple[str | None, list[OutputFunctionCall]]:
-        """The ended choice's text (None: only calls) and its function calls."""
+    def _parsed(
+        self, state: ChoiceState, status: ResponseStatus
+    ) -> list[OutputReasoning | OutputMessage | OutputFunctionCall]:
+        """The ended choice's output items: its reasoning (where there is any), its message
+        (where there is text, or nothing else), then its function calls."""
         if self._output is None:
-            tools, text = self._tools, "".join(state.texts)
-            if tools is None:
-                self._output = text, []
-            else:
-                if not self._is_fed:  # a whole response: the text at once
-                    tools.feed(text)
-                    tools.finish()
-                content, calls = tools.result()
-                items = [
-                    OutputFunctionCall(
-                        id=f"fc_{uuid.uuid4().hex}",
-                        call_id=call.id,
-                        name=call.function.name,
-                        arguments=call.function.arguments,
+            if not self._is_fed:  # a whole response: the text at once
+                for piece in (self._chat.feed("".join(state.texts)), self._chat.finish()):
+                    self._reasoning += [piece.reasoning] if piece.reasoning else []
+                    self._content += [piece.content] if piece.content else []
+            output: list[OutputReasoning | OutputMessage | OutputFunctionCall] = []
+            if self._reasoning:
+                output.append(self._reasoning_item())
+            calls = [
+                OutputFunctionCall(
+                    id=f"fc_{uuid.uuid4().hex}",
+                    call_id=call.id,
+                    name=call.function.name,
+                    arguments=call.function.arguments,
+                )
+                for call in self._chat.tool_calls
+            ]
+            text = "".join(self._content)
+            if text or not calls:
+                output.append(
+                    OutputMessage(
+                        id=self._message_id,
+                        status="incomplete" if status == "incomplete" else "completed",
+                        content=[OutputText(text=text)],
                     )
-                    for call in calls or ()
-                ]
-                self._output = content, items
+                )
+            self._output = [*output, *calls]
         return self._output
 
     def _open(self, state: ChoiceState) -> list[dict[str, Any]]:
@@ -201,13 +270,14 @@ class ResponsesFormat(OpenAIFormat):
         ]
 
     def _open_message(self) -> list[dict[str, Any]]:
-        if self._is_message_open:
+        if "message" in self._streamed:
             return []
-        self._is_message_open = True
+        self._streamed.append("message")
+        index = self._message_index
         return [
             self._event(
                 "response.output_item.added",
-                output_index=0,
+                output_index=index,
                 item=OutputMessage(
                     id=self._message_id, status="in_progress", content=[]
                 ).model_dump(),
@@ -215,17 +285,22 @@ class ResponsesFormat(OpenAIFormat):
             self._event(
                 "response.content_part.added",
                 item_id=self._message_id,
-                output_index=0,
+                output_index=index,
                 content_index=0,
                 part=OutputText(text="").model_dump(),
             ),
         ]
 
+    @property
+    def _message_index(self) -> int:
+        """The message's place in the output: after the reasoning, where there is any."""
+        return 1 if self._reasoning else 0
+
     def _text_delta(self, text: str) -> dict[str, Any]:
         return self._event(
             "response.output_text.delta",
             item_id=self._message_id,
-            output_index=0,
+            output_index=self._message_index,
             content_index=0,
             delta=text,
             logprobs=[],
@@ -236,22 +311,12 @@ class ResponsesFormat(OpenAIFormat):
         return _STATUS.get(state.finished.finish_reason, "completed")
 
     def _response(self, state: ChoiceState, status: ResponseStatus) -> ResponseObject:
-        """The response object as it stands: no output or usage while in progress. The output
-        is the message (where there is text, or nothing else), then the function calls."""
+        """The response object as it stands: no output or usage while in progress."""
         body, finished = self._body, state.finished
-        output: list[OutputMessage | OutputFunctionCall] = []
+        output: list[OutputReasoning | OutputMessage | OutputFunctionCall] = []
         usage = None
         if status != "in_progress" and finished is not None:
-            text, calls = self._parsed(state)
-            if text or not calls:
-                output.append(
-                    OutputMessage(
-                        id=self._message_id,
-                        status="incomplete" if status == "incomplete" else "completed",
-                        content=[OutputText(text=text or "")],
-                    )
-                )
-            output += calls
+            output = self._parsed(state, status)
             prompt, completion = len(state.prompt_token_ids), finished.usage.completion_tokens
             usage = ResponseUsage(
                 input_tokens=prompt,

@@ -169,6 +169,22 @@ class OutputMessage(ResponseModel):
     content: list[OutputText]
 
 
+class ReasoningText(ResponseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(ResponseModel):
+    """What a thinking model wrote before its answer (the gateway's ``--reasoning-parser``)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    """Empty: no summaries are written."""
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
 class OutputFunctionCall(ResponseModel):
     type: Literal["function_call"] = "function_call"
     id: str
@@ -216,7 +232,7 @@ class ResponseObject(ResponseModel):
     incomplete_details: IncompleteDetails | None = None
     error: ResponseError | None = None
     model: str
-    output: list[OutputMessage | OutputFunctionCall]
+    output: list[OutputReasoning | OutputMessage | OutputFunctionCall]
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None

@@ -120,3 +120,38 @@ def test_tool_calls_after_the_reasoning(start: Any) -> None:
     assert reasoning == "Use the tool." and content == ""
     calls = [call for d in deltas for call in d.get("tool_calls") or []]
     assert calls[0]["function"]["name"] == "get_weather"
+
+
+def test_the_responses_api_gives_reasoning_its_own_item(start: Any) -> None:
+    """``/v1/responses``: a ``reasoning`` item (its text as ``reasoning_text``) before the
+    message, whole or streamed alike; the message holds the answer alone, and so does the
+    stored turn a continuation sends back."""
+    served = start(THOUGHT)
+    client = served.client()
+    whole = client.responses.create(model=MODEL, input="A city?")
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    reasoning = whole.output[0]
+    assert reasoning.content[0].text == "\nThe user wants a city. Paris </ fits.\n"
+    assert whole.output_text == "\n\nParis."
+
+    events = list(client.responses.create(model=MODEL, input="A city?", stream=True))
+    kinds = [e.type for e in events]
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (thought, answer) == (reasoning.content[0].text, whole.output_text)
+    # The reasoning item closes before the message opens.
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    final = events[-1].response
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.model_dump() for i in done] == [i.model_dump() for i in final.output]
+    assert [e.output_index for e in events if e.type == "response.output_text.delta"][0] == 1
+
+    client.responses.create(model=MODEL, input="Another?", previous_response_id=whole.id)
+    prompt = served.tokenizer.decode(served.generator.requests[-1].prompt_token_ids)
+    assert "\n\nParis." in prompt and "The user wants a city" not in prompt
+
+
+def test_the_responses_api_without_a_parser_has_no_reasoning_item(start: Any) -> None:
+    served = start(THOUGHT, parser=None)
+    whole = served.client().responses.create(model=MODEL, input="A city?")
+    assert [item.type for item in whole.output] == ["message"] and whole.output_text == THOUGHT
