@@ -12,6 +12,7 @@ and between prefill and decode (``tests/integration/test_tls.py`` always does, f
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from pathlib import Path
 
@@ -336,6 +337,29 @@ def test_openai_client_through_the_disaggregated_stack(tiny_llama_dir: Path, exp
         )
         events = [event async for event in streamed_response]
         assert events[-1].response.output_text == response.output_text
+        # A continuation: the stored turn and the new input, as the chat of the whole talk.
+        follow = await client.responses.create(
+            model=model, input="and?", previous_response_id=response.id, max_output_tokens=8,
+            temperature=0,
+        )  # fmt: skip
+        talk = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": response.output_text},
+                {"role": "user", "content": "and?"}]  # fmt: skip
+        same = await client.chat.completions.create(
+            model=model, messages=talk, max_tokens=8, temperature=0
+        )
+        assert follow.output_text == same.choices[0].message.content
+        # A named function: the nodes' grammar forces its arguments; they come out as an item.
+        weather = {"type": "function", "name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}},
+            "required": ["city"], "additionalProperties": False}}  # fmt: skip
+        called = await client.responses.create(
+            model=model, input="weather?", tools=[weather], max_output_tokens=100,
+            tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+        )  # fmt: skip
+        [call] = [item for item in called.output if item.type == "function_call"]
+        assert call.name == "get_weather"
+        assert json.loads(call.arguments)["city"] in ("Oslo", "Lima")
 
         # A node's refusal names the field, as the gateway's own checks do.
         async with httpx.AsyncClient(base_url=base, timeout=30) as http:
