@@ -366,6 +366,7 @@ class ResponsesFormat(OpenAIFormat):
             metadata=body.metadata or {},
             usage=usage,
             previous_response_id=body.previous_response_id,
+            reasoning=None if body.reasoning is None else body.reasoning.model_dump(),
             store=self._on_end is not None,
         )
 

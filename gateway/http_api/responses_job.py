@@ -23,6 +23,7 @@ from gateway.http_api.response_store import Message
 from gateway.http_api.responses_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
+    ReasoningItem,
     ResponsesRequest,
 )
 
@@ -47,8 +48,6 @@ def responses_job(
     between ``instructions`` and the input."""
     if body.include:
         raise invalid("include is not supported by this server's /v1/responses", param="include")
-    if body.reasoning is not None:
-        raise invalid("reasoning options are not supported", param="reasoning")
     if body.truncation == "auto":
         raise invalid(
             "truncation 'auto' is not supported: a prompt past the context is refused",
@@ -82,6 +81,8 @@ def input_messages(body: ResponsesRequest) -> list[Message]:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        elif isinstance(item, ReasoningItem):
+            continue  # earlier turns' reasoning stays out of the prompt
         else:
             content: str | list[dict[str, str]] = (
                 item.content
@@ -107,6 +108,8 @@ def _chat_request(body: ResponsesRequest, history: Sequence[Message]) -> ChatCom
         "user": body.user,
         "cache_salt": body.cache_salt,
     }
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        chat["chat_template_kwargs"] = {"reasoning_effort": body.reasoning.effort}
     if body.tools:
         # The chat API's shape: the function's fields under "function".
         chat["tools"] = [

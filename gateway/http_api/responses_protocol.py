@@ -3,8 +3,8 @@ in (a string, or messages of text parts, with ``instructions``), text or JSON ou
 streamed as events.
 
 Requests are strict like the other routes' (``openai_protocol.py``). Fields of OpenAI's API
-that need what this server does not have (built-in tools, reasoning summaries) are declared so
-that their refusal names them. Function tools run as the chat route's tools: the calls come out
+that need what this server does not have (built-in tools, ``include``) are declared so that
+their refusal names them. Function tools run as the chat route's tools: the calls come out
 as ``function_call`` items, and a client sends them back with its ``function_call_output`` items.
 Responses are stored for ``previous_response_id`` (``response_store.py``).
 """
@@ -69,18 +69,33 @@ class FunctionCallOutputItem(RequestModel):
     """Ignored."""
 
 
+class ReasoningItem(RequestModel):
+    """A reasoning item of an earlier response sent back (as clients replay whole outputs):
+    accepted and left out of the prompt, as thinking models' templates drop earlier turns'
+    reasoning."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[Any] = Field(default_factory=list)
+    content: list[Any] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
 def _item_kind(value: Any) -> str:
     """An input item's model, by its type (a message may leave it out): so that a bad item's
     error names its own fields; an unknown type goes to the message model, which names it."""
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return f"item:{kind if kind in ('function_call', 'function_call_output') else 'message'}"
+    known = ("function_call", "function_call_output", "reasoning")
+    return f"item:{kind if kind in known else 'message'}"
 
 
 # Tags as kind:name: an error's field path leaves them out (openai_errors._field_path).
 InputItem = Annotated[
     Annotated[InputMessage, Tag("item:message")]
     | Annotated[FunctionCallItem, Tag("item:function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("item:function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("item:function_call_output")]
+    | Annotated[ReasoningItem, Tag("item:reasoning")],
     Discriminator(_item_kind),
 ]
 
@@ -98,6 +113,14 @@ class FunctionTool(RequestModel):
 class NamedToolChoice(RequestModel):
     type: Literal["function"]
     name: NonEmptyText
+
+
+class ReasoningOptions(RequestModel):
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    """Given to the chat template as ``reasoning_effort`` (gpt-oss's templates read it; others
+    ignore it)."""
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    """Accepted: no summaries are written (a reasoning item's ``summary`` is empty)."""
 
 
 class TextFormat(RequestModel):
@@ -147,8 +170,7 @@ class ResponsesRequest(RequestModel):
     """Function tools, as the chat route takes them."""
     previous_response_id: str | None = None
     """A stored response this one continues: its conversation comes before ``input``."""
-    reasoning: dict[str, Any] | None = None
-    """Unsupported: only null."""
+    reasoning: ReasoningOptions | None = None
     include: list[str] | None = None
     """Unsupported: only empty."""
     truncation: Literal["disabled", "auto"] | None = None
@@ -244,6 +266,8 @@ class ResponseObject(ResponseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
     usage: ResponseUsage | None = None
     previous_response_id: str | None = None
+    reasoning: dict[str, Any] | None = None
+    """The request's reasoning options, as given."""
     store: bool = False
     """Whether this response is kept (``GET /v1/responses/{id}``, ``previous_response_id``)."""
 

@@ -155,3 +155,22 @@ def test_the_responses_api_without_a_parser_has_no_reasoning_item(start: Any) ->
     served = start(THOUGHT, parser=None)
     whole = served.client().responses.create(model=MODEL, input="A city?")
     assert [item.type for item in whole.output] == ["message"] and whole.output_text == THOUGHT
+
+
+def test_a_whole_output_sent_back_as_input_leaves_the_reasoning_out(start: Any) -> None:
+    """Clients replay a response's output items as the next input (the Agents SDK's
+    ``to_input_list``): the reasoning item is accepted and kept out of the prompt."""
+    served = start(THOUGHT)
+    client = served.client()
+    first = client.responses.create(model=MODEL, input="A city?")
+    replay = [item.model_dump(mode="json", exclude_none=True) for item in first.output]
+    client.responses.create(
+        model=MODEL, input=[{"role": "user", "content": "A city?"}, *replay,
+                            {"role": "user", "content": "Another?"}],
+    )  # fmt: skip
+    expected = served.tokenizer.encode_chat(
+        [{"role": "user", "content": "A city?"},
+         {"role": "assistant", "content": first.output_text},
+         {"role": "user", "content": "Another?"}]
+    )  # fmt: skip
+    assert list(served.generator.requests[-1].prompt_token_ids) == expected

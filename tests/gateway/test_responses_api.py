@@ -140,7 +140,8 @@ def test_cache_salt_reaches_the_nodes(served: Served) -> None:
     [
         ({"tools": [{"type": "file_search"}]}, 400, "tools[0].type"),
         ({"previous_response_id": "resp_1"}, 404, "previous_response_id"),
-        ({"reasoning": {"effort": "low"}}, 400, "reasoning"),
+        ({"reasoning": {"effort": "extreme"}}, 400, "reasoning.effort"),
+        ({"reasoning": {"summary": "long"}}, 400, "reasoning.summary"),
         ({"include": ["message.output_text.logprobs"]}, 400, "include"),
         ({"truncation": "auto"}, 400, "truncation"),
         ({"tool_choice": "required"}, 400, "tool_choice"),
@@ -315,3 +316,27 @@ def test_a_clients_request_id_never_names_a_stored_response(served: Served) -> N
     assert (
         client.responses.retrieve(reply.json()["id"]).output_text == message["content"][0]["text"]
     )
+
+
+def test_reasoning_effort_reaches_the_chat_template(tokenizer: Tokenizer) -> None:
+    """``reasoning.effort`` is the template's ``reasoning_effort`` (gpt-oss's templates read
+    it), and the response says which options it ran with."""
+    template = (
+        "{% if reasoning_effort is defined %}effort={{ reasoning_effort }};{% endif %}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    )
+    templated = Tokenizer(tokenizer.backend, tokenizer.special_tokens, (), template)
+    served, server = start(templated)
+    try:
+        client = served.client()
+        response = client.responses.create(
+            model=MODEL, input="Hi", reasoning={"effort": "low", "summary": "auto"}
+        )
+        assert response.reasoning is not None and response.reasoning.effort == "low"
+        prompt = tokenizer.decode(served.generator.requests[-1].prompt_token_ids)
+        assert prompt.startswith("effort=low;user: Hi")
+        client.responses.create(model=MODEL, input="Hi")
+        prompt = tokenizer.decode(served.generator.requests[-1].prompt_token_ids)
+        assert prompt.startswith("user: Hi")
+    finally:
+        server.stop()
