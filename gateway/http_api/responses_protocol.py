@@ -34,52 +34,47 @@ class InputTextPart(RequestModel):
     """Of an ``output_text`` part sent back: ignored."""
 
 
-class InputMessage(RequestModel):
+class InputItemBase(RequestModel):
+    """What every input item may carry when it was an earlier response's output sent back."""
+
+    id: str | None = None
+    """Ignored."""
+    status: str | None = None
+    """Ignored."""
+
+
+class InputMessage(InputItemBase):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: Text | Annotated[list[InputTextPart], Field(min_length=1)]
-    id: str | None = None
-    """Of an earlier response's message sent back: ignored."""
-    status: str | None = None
-    """Of an earlier response's message sent back: ignored."""
 
 
-class FunctionCallItem(RequestModel):
+class FunctionCallItem(InputItemBase):
     """A function call of an earlier response, sent back as context."""
 
     type: Literal["function_call"]
     call_id: NonEmptyText
     name: NonEmptyText
     arguments: Text
-    id: str | None = None
-    """Ignored."""
-    status: str | None = None
-    """Ignored."""
 
 
-class FunctionCallOutputItem(RequestModel):
+class FunctionCallOutputItem(InputItemBase):
     """The client's result of a function call (``call_id``), for the model to read."""
 
     type: Literal["function_call_output"]
     call_id: NonEmptyText
     output: Text
-    id: str | None = None
-    """Ignored."""
-    status: str | None = None
-    """Ignored."""
 
 
-class ReasoningItem(RequestModel):
+class ReasoningItem(InputItemBase):
     """A reasoning item of an earlier response sent back (as clients replay whole outputs):
     accepted and left out of the prompt, as thinking models' templates drop earlier turns'
     reasoning."""
 
     type: Literal["reasoning"]
-    id: str | None = None
     summary: list[Any] = Field(default_factory=list)
     content: list[Any] | None = None
     encrypted_content: str | None = None
-    status: str | None = None
 
 
 def _item_kind(value: Any) -> str:
