@@ -16,6 +16,10 @@ Life cycle of a request's blocks:
                              their chained hash, so that later requests can share them.
 4. ``free``                  on finish, abort or preemption: drop the request's references, last
                              block first, so the tail of a sequence is evicted before its prefix.
+
+A decode node's reservation (``Scheduler.reserve``) takes its hit at 1-2 at once; at its commit,
+``share_cached_prefix`` swaps the leading blocks a side-by-side reservation committed first for
+the cached ones, before 3.
 """
 
 from __future__ import annotations
@@ -178,6 +182,36 @@ class KVCacheManager:
         for index in range(num_done, num_full):
             self.pool.cache_block(blocks[index], request.block_hashes[index])
         self._num_cached_blocks[request.request_id] = num_full
+
+    def share_cached_prefix(self, request: Request) -> int:
+        """Swap each leading full block of ``request`` whose tokens another block already holds
+        in the prefix cache for that block, freeing its own copy; the number swapped.
+
+        For a decode node's reservation at its commit (``Scheduler.commit``): reservations made
+        side by side for one new prefix (a burst of chats sharing a system prompt) each had it
+        pushed into blocks of their own, and the first commit indexed its copy; the later ones
+        then hold the same tokens' KV twice for their whole lives. Safe only before the
+        request's first step: its block table changes."""
+        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
+            return 0
+        blocks = self._blocks[request.request_id]
+        ids = self._block_ids[request.request_id]
+        num_full = request.num_computed_tokens // self.block_size
+        self._extend_block_hashes(request, num_full)
+        num_swapped = 0
+        for index in range(num_full):
+            cached = self.pool.get_cached_block(request.block_hashes[index])
+            if cached is None:
+                break  # a chain: no later block can be cached either
+            own = blocks[index]
+            if cached is own:
+                continue
+            self.pool.touch([cached])
+            self.pool.free([own])
+            blocks[index] = cached
+            ids[index] = cached.block_id
+            num_swapped += 1
+        return num_swapped
 
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])

@@ -162,6 +162,8 @@ class Scheduler:
         request = self.reserved.pop(request_id)
         request.num_computed_tokens = request.num_prompt_tokens
         request.num_cached_tokens = 0
+        # A prefix committed meanwhile by another reservation is held once.
+        self.kv_cache.share_cached_prefix(request)
         self.kv_cache.cache_full_blocks(request)
         request.append_output(first_token.token_id, first_token.logprobs, first_token.rank)
         stop_status = self._check_stop(request)

@@ -221,3 +221,42 @@ def test_a_reserved_prefix_stays_cached_while_the_reservation_holds_it(
     again = decode.reserve("c", prompt, params)
     assert again is not None and again.block_ids[:2] == reservation.block_ids[:2]
     assert decode.abort("c")
+
+
+def test_side_by_side_reservations_of_one_prefix_end_up_sharing_it(tiny_llama_dir: Path) -> None:
+    """Two reservations made before either commit (a burst sharing a system prompt) each have
+    the prefix pushed; the second's commit swaps its copy for the first's cached blocks, so the
+    prefix is held once, and both still decode exactly as one engine."""
+    prefill, decode = make_engine(tiny_llama_dir, 3 << 20), make_engine(tiny_llama_dir, 5 << 20)
+    block_size = decode.kv_layout.block_size
+    rng = random.Random(12)
+    shared = [rng.randrange(5, 4096) for _ in range(3 * block_size)]
+    prompts = [shared + [rng.randrange(5, 4096) for _ in range(n)] for n in (5, 9)]
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+    alone = LLM(tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=4 << 20)
+    expected = [o.token_ids for o in alone.generate(prompts, params)]
+
+    reservations = [decode.reserve(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    assert all(r is not None and r.num_cached_blocks == 0 for r in reservations)
+    first_only = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    firsts: dict[str, int] = {}
+    for i, prompt in enumerate(prompts):
+        prefill.add_request(f"r{i}", prompt, first_only, hold_kv=True)
+    while prefill.has_unfinished_requests:
+        for out in prefill.step():
+            firsts[out.request_id] = out.new_token_ids[0]
+    held = sum(len(r.block_ids) for r in reservations if r is not None)
+    assert decode.stats().num_blocks_used == held
+    for i, reservation in enumerate(reservations):
+        assert reservation is not None
+        copy_pages(prefill, prefill.kv_block_ids(f"r{i}"), decode, reservation.block_ids)
+        assert prefill.release_kv(f"r{i}")
+        decode.commit(f"r{i}", firsts[f"r{i}"])
+    assert decode.stats().num_blocks_used == held - 3  # the prefix's three blocks, once
+    assert decode.kv_block_ids("r1")[:3] == decode.kv_block_ids("r0")[:3]
+    outputs = {f"r{i}": [firsts[f"r{i}"]] for i in range(len(prompts))}
+    while decode.has_unfinished_requests:
+        for out in decode.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+    assert [outputs[f"r{i}"] for i in range(len(prompts))] == expected
+    assert decode.stats().num_blocks_used == 0
