@@ -21,6 +21,7 @@ dtype. Each has its own topology key instead.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -525,7 +526,11 @@ def _flag_args(owner: str, raw: Any) -> FlagArgs:
     for flag, value in raw.items():
         if value is False or value is None:
             continue  # a switch that is off is simply not passed
-        if isinstance(value, Mapping | list):
+        if isinstance(value, Mapping):
+            # A flag that takes a JSON object (hf_overrides): the mapping as its JSON text.
+            pairs.append((str(flag), json.dumps(value)))
+            continue
+        if isinstance(value, list):
             raise ValueError(f"{owner}.args.{flag} must be a single value, got {value!r}")
         pairs.append((str(flag), "" if value is True else str(value)))
     return tuple(pairs)

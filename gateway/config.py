@@ -19,6 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gateway.api_key_file import load_api_key_file
 from gateway.auth import ApiKey, ApiKeys
@@ -33,7 +34,9 @@ from services.cli import (
     finite_float,
     join_negative_sizes,
     parse_bytes,
+    parse_json_object,
 )
+from services.models.config import with_overrides
 from services.models.gguf_file import find_gguf, open_gguf
 from services.tls import EdgeTlsFiles, TlsFiles, add_tls_flags, tls_from_args
 
@@ -331,6 +334,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="at most the model's max_position_embeddings, which is the default",
     )
     add(
+        "--hf-overrides",
+        type=parse_json_object,
+        default=None,
+        metavar="JSON",
+        help="vLLM's: values that replace the model's config.json ones, as the nodes' "
+        "--hf-overrides (the gateway reads max_position_embeddings)",
+    )
+    add(
         "--max-tokens-limit",
         type=int,
         default=None,
@@ -441,7 +452,7 @@ def parse_gateway_config(
             if args.public_tls_cert is not None
             else None
         )
-        max_model_len = _max_model_len(args.max_model_len, args.model)
+        max_model_len = _max_model_len(args.max_model_len, args.model, args.hf_overrides)
         max_tokens = max_model_len if args.max_tokens_limit is None else args.max_tokens_limit
         if not 1 <= max_tokens <= max_model_len:
             raise ValueError(
@@ -525,14 +536,16 @@ def _read_chat_template(value: str) -> str:
         raise ValueError(f"--chat-template: cannot read {value!r}: {exc.strerror}") from None
 
 
-def _max_model_len(flag: int | None, model_dir: Path) -> int:
+def _max_model_len(
+    flag: int | None, model_dir: Path, overrides: Mapping[str, Any] | None = None
+) -> int:
     """``--max-model-len``, at most the model's (vLLM refuses more too: positions past it
     were never trained, and the nodes refuse it); unset: the model's."""
     if flag is None:
-        return model_max_len(model_dir)
+        return model_max_len(model_dir, overrides)
     if flag < 2:
         raise ValueError(f"--max-model-len must be >= 2, got {flag}")
-    limit = _model_context_len(model_dir)
+    limit = _model_context_len(model_dir, overrides)
     if limit is not None and flag > limit:
         raise ValueError(
             f"--max-model-len {flag} exceeds the model's max_position_embeddings ({limit})"
@@ -540,10 +553,10 @@ def _max_model_len(flag: int | None, model_dir: Path) -> int:
     return flag
 
 
-def model_max_len(model_dir: Path) -> int:
+def model_max_len(model_dir: Path, overrides: Mapping[str, Any] | None = None) -> int:
     """The context length from ``config.json`` (``max_position_embeddings``), or from a GGUF
-    file's metadata."""
-    value = _model_context_len(model_dir)
+    file's metadata; ``overrides``: ``--hf-overrides``."""
+    value = _model_context_len(model_dir, overrides)
     if value is None:
         raise ValueError(
             f"--model: {model_dir} has no usable max_position_embeddings; pass --max-model-len"
@@ -551,7 +564,7 @@ def model_max_len(model_dir: Path) -> int:
     return value
 
 
-def _model_context_len(model_dir: Path) -> int | None:
+def _model_context_len(model_dir: Path, overrides: Mapping[str, Any] | None = None) -> int | None:
     """``max_position_embeddings``; None when the model does not say (or says nonsense)."""
     path = model_dir / "config.json"
     try:
@@ -563,7 +576,7 @@ def _model_context_len(model_dir: Path) -> int | None:
             config = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"--model: cannot read {path}: {exc}") from None
-    value = config.get("max_position_embeddings")
+    value = with_overrides(config, overrides).get("max_position_embeddings")
     if isinstance(value, bool) or not isinstance(value, int) or value < 2:
         return None
     return value

@@ -1,6 +1,6 @@
 """Command-line plumbing shared by every pdserve process (nodes and gateway): ``PDSERVE_*``
 environment fallbacks for argparse flags, and flag types (byte sizes such as ``2GiB``, finite
-floats).
+floats, JSON objects).
 
 A variable means what its flag given once with that value means: ``PDSERVE_API_KEY=k`` is
 ``--api-key k`` (one key, even for a repeatable flag), ``PDSERVE_SERVED_MODEL_NAME=a,b`` is
@@ -14,6 +14,7 @@ Torch-free, so the gateway can use it.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import sys
@@ -42,6 +43,17 @@ def parse_bytes(text: str) -> int:
     value = int(number * _UNITS[unit])
     if value <= 0:
         raise argparse.ArgumentTypeError(f"byte size must be > 0, got {text!r}")
+    return value
+
+
+def parse_json_object(text: str) -> dict[str, Any]:
+    """A JSON object (``--hf-overrides '{"is_matryoshka": true}'``)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}: {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
     return value
 
 

@@ -7,10 +7,13 @@ by the components that find them and passed on as arguments; they are never writ
 from __future__ import annotations
 
 import enum
+import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from services.types.engine_config_error import EngineConfigError
 from services.types.sampling_params import MAX_SEED, MIN_SEED
@@ -65,6 +68,19 @@ def _check_bool(name: str, value: object) -> None:
     as truthy or falsy (``"no"`` would turn a feature on)."""
     if not isinstance(value, bool):
         raise EngineConfigError(f"{name} must be True or False, got {value!r}")
+
+
+def check_hf_overrides(value: object) -> dict[str, Any]:
+    """``hf_overrides`` as a JSON object's dict; EngineConfigError naming it otherwise."""
+    if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
+        raise EngineConfigError(
+            f"hf_overrides must be an object of config.json keys to values, got {value!r}"
+        )
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise EngineConfigError(f"hf_overrides must be JSON values: {exc}") from None
+    return dict(value)
 
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
@@ -196,6 +212,11 @@ class EngineConfig:
     checkpoint's quantized per row at load; a GPU of compute capability 8.9+, or a CPU). None:
     as the checkpoint says: an fp8 checkpoint multiplies in fp8 where the GPU can, and is
     dequantized elsewhere (``fp8_linear.choose_fp8_linears``)."""
+    hf_overrides: Mapping[str, Any] | None = None
+    """vLLM's ``hf_overrides``: values that replace the model's ``config.json`` ones (a nested
+    object merged key by key; ``models.config.with_overrides``), e.g. ``{"is_matryoshka":
+    true}`` or a ``rope_scaling``. Part of the KV layout's model id: two nodes with different
+    overrides refuse each other's KV."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_dir, str | os.PathLike):
@@ -249,5 +270,7 @@ class EngineConfig:
             _check_bool("cuda_graphs", self.cuda_graphs)
         if self.quantization not in (None, "fp8"):
             raise EngineConfigError(f"quantization must be fp8 or None, got {self.quantization!r}")
+        if self.hf_overrides is not None:
+            object.__setattr__(self, "hf_overrides", check_hf_overrides(self.hf_overrides))
         if self.lora is not None and not isinstance(self.lora, LoraConfig):
             raise EngineConfigError(f"lora must be a LoraConfig or None, got {self.lora!r}")

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import numbers
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -66,7 +68,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         check_device(torch.device(config.device))  # before the model's files are read
         self.config = config
-        self.model_config = ModelConfig.from_model_path(config.model_dir)
+        self.model_config = ModelConfig.from_model_path(config.model_dir, config.hf_overrides)
         self.max_model_len = resolve_max_model_len(self.model_config, config.max_model_len)
         self.structured_outputs = StructuredOutputs(
             config.model_dir,
@@ -131,7 +133,9 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
         )
-        config_hash = hashlib.sha256(_config_bytes(config.model_dir)).hexdigest()
+        config_hash = hashlib.sha256(
+            _config_bytes(config.model_dir, config.hf_overrides)
+        ).hexdigest()
         self.kv_layout = KvLayout(
             model_id=f"{self.model_config.architecture}:{config_hash[:16]}",
             dtype=self.kv_dtype_choice.dtype,
@@ -584,12 +588,17 @@ def resolve_max_model_len(model_config: ModelConfig, requested: int | None) -> i
     return requested
 
 
-def _config_bytes(model_path: Path) -> bytes:
-    """What the KV layout's model id hashes: config.json, or a GGUF file's metadata as one."""
+def _config_bytes(model_path: Path, overrides: Mapping[str, Any] | None) -> bytes:
+    """What the KV layout's model id hashes: config.json, or a GGUF file's metadata as one, and
+    the overrides of its values (sorted JSON) where there are any."""
     gguf_path = find_gguf(model_path)
     if gguf_path is None:
-        return (model_path / "config.json").read_bytes()
-    return open_gguf(gguf_path).config_json().encode()
+        raw = (model_path / "config.json").read_bytes()
+    else:
+        raw = open_gguf(gguf_path).config_json().encode()
+    if not overrides:
+        return raw
+    return raw + b"\nhf_overrides=" + json.dumps(overrides, sort_keys=True).encode()
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:

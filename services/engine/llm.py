@@ -108,6 +108,7 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         quantization: str | None = None,
+        hf_overrides: Mapping[str, Any] | None = None,
     ) -> None:
         """``max_num_batched_tokens``: None picks ``default_max_num_batched_tokens`` for
         ``device`` (2,048 on a CPU, 16,384 on a GPU). ``seed``: what requests without a seed of
@@ -122,7 +123,8 @@ class LLM:
         unloaded for another), each of rank ``max_lora_rank`` at most. vLLM's
         ``quantization="fp8"`` keeps the decoder's projections in fp8 and multiplies in fp8
         (a 16-bit checkpoint's quantized at load); an fp8 checkpoint needs no flag
-        (``EngineConfig.quantization``)."""
+        (``EngineConfig.quantization``). vLLM's ``hf_overrides`` replace values of the
+        model's ``config.json`` (``EngineConfig.hf_overrides``)."""
         for name, flag in (
             ("enforce_eager", enforce_eager),
             ("trust_remote_code", trust_remote_code),
@@ -158,6 +160,7 @@ class LLM:
             attention_backend=attention_backend,
             cuda_graphs=cuda_graphs,
             quantization=quantization,
+            hf_overrides=hf_overrides,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=kv_cache_memory,

@@ -4,6 +4,7 @@ GGUF file's metadata (``gguf_file`` translates it to the same keys)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,20 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+def with_overrides(raw: dict[str, Any], overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``raw`` (a model's ``config.json``) with ``overrides`` (vLLM's ``hf_overrides``) in
+    place of its values, a nested object merged key by key (``{"rope_scaling": {"factor":
+    4}}`` keeps the rest of ``rope_scaling``), as vLLM applies them."""
+    merged = dict(raw)
+    for key, value in (overrides or {}).items():
+        current = merged.get(key)
+        if isinstance(value, Mapping) and isinstance(current, dict):
+            merged[key] = with_overrides(current, value)
+        else:
+            merged[key] = value
+    return merged
 
 
 @dataclass(frozen=True)
@@ -85,16 +100,23 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     @classmethod
-    def from_model_path(cls, path: Path | str) -> ModelConfig:
-        """From a Hugging Face model directory, a GGUF file, or a directory holding one."""
+    def from_model_path(
+        cls, path: Path | str, overrides: Mapping[str, Any] | None = None
+    ) -> ModelConfig:
+        """From a Hugging Face model directory, a GGUF file, or a directory holding one;
+        ``overrides`` (vLLM's ``hf_overrides``) replace its config's values first."""
         gguf_path = find_gguf(path)
         if gguf_path is None:
-            return cls.from_model_dir(path)
+            return cls.from_model_dir(path, overrides)
         gguf = open_gguf(gguf_path)
-        return cls.from_hf_dict(gguf.hf_config(), gguf.generation_config())
+        return cls.from_hf_dict(
+            with_overrides(gguf.hf_config(), overrides), gguf.generation_config()
+        )
 
     @classmethod
-    def from_model_dir(cls, model_dir: Path | str) -> ModelConfig:
+    def from_model_dir(
+        cls, model_dir: Path | str, overrides: Mapping[str, Any] | None = None
+    ) -> ModelConfig:
         model_dir = Path(model_dir)
         expected = "a Hugging Face model directory, a GGUF file, or a directory holding one"
         if not model_dir.exists():
@@ -110,7 +132,7 @@ class ModelConfig:
             raise FileNotFoundError(
                 f"{model_dir} has no config.json and no GGUF file: expected {expected}"
             )
-        raw = read_json_object(path)
+        raw = with_overrides(read_json_object(path), overrides)
         for key in _REQUIRED_SIZES:
             value = raw.get(key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -25,6 +25,7 @@ from services.cli import (
     finite_float,
     join_negative_sizes,
     parse_bytes,
+    parse_json_object,
 )
 from services.engine import (
     CacheConfig,
@@ -220,6 +221,14 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
         "(default: on for CUDA with the triton attention backend)",
     )
     add(
+        "--hf-overrides",
+        type=parse_json_object,
+        default=None,
+        metavar="JSON",
+        help="vLLM's: values that replace the model's config.json ones, e.g. "
+        "'{\"is_matryoshka\": true}' (every node of a pair must be given the same)",
+    )
+    add(
         "--enforce-eager",
         action="store_false",
         dest="cuda_graphs",
@@ -316,6 +325,7 @@ def parse_node_config(
             attention_backend=args.attention_backend,
             cuda_graphs=args.cuda_graphs,
             quantization=args.quantization,
+            hf_overrides=args.hf_overrides,
             cache=CacheConfig(
                 block_size=args.block_size,
                 kv_cache_memory=args.kv_cache_memory,

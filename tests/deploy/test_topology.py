@@ -3,6 +3,7 @@ the processes the launcher builds from it."""
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 from pathlib import Path
@@ -363,3 +364,20 @@ def test_a_taken_metrics_port_is_refused_before_anything_starts(
     assert re.search(
         rf"port\(s\) \[[^]]*\b{port}\b[^]]*\] on 127.0.0.1 are in use", capsys.readouterr().err
     )
+
+
+def test_a_json_flag_takes_a_mapping() -> None:
+    """``args: {hf-overrides: {is_matryoshka: true}}``: the mapping goes as its JSON text, which
+    the node's flag parses back (a list is still refused: no flag takes one)."""
+    overrides = {"is_matryoshka": True, "rope_scaling": {"factor": 2.0}}
+    topology = topology_from_dict(
+        {
+            "model": "/m/qwen",
+            "prefill": {"args": {"hf-overrides": overrides}},
+            "decode": {"args": {"hf-overrides": overrides}},
+        }
+    )
+    prefill, decode, gateway = local_processes(topology, python="py")
+    for process in (prefill, decode):
+        index = process.argv.index("--hf-overrides")
+        assert json.loads(process.argv[index + 1]) == overrides

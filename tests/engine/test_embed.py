@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
 from services.engine import LLM, PoolingParams, SamplingParams
+from services.models.model_file_error import ModelFileError
 from services.models.pooling_config import NORMALIZE_MODULE
 from services.types import EngineConfigError, SamplingParamError
 from support.model_dirs import with_config
@@ -181,6 +182,29 @@ def test_dimensions_only_for_a_model_trained_for_them(
     bad = with_config(tiny_llama_dir, tmp_path / "bad", matryoshka_dimensions=[8, "16"])
     with pytest.raises(EngineConfigError, match="matryoshka_dimensions must be a list"):
         LLM(bad, dtype="float32", max_model_len=64)
+
+
+def test_hf_overrides_declare_what_the_checkpoint_does_not(tiny_llama_dir: Path) -> None:
+    """vLLM's ``hf_overrides``: ``is_matryoshka`` given at start-up instead of written into
+    config.json; the overridden config is part of the KV layout's model id (two nodes with
+    different overrides refuse each other's KV); a bad value is refused naming it."""
+    overridden = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        max_model_len=64,
+        hf_overrides={"is_matryoshka": True, "rope_scaling": None},
+    )
+    assert overridden.engine.model_config.matryoshka_dimensions == ()
+    vector = overridden.embed([[1, 2, 3]], PoolingParams(dimensions=8))[0].outputs.embedding
+    assert len(vector) == 8
+    plain = LLM(tiny_llama_dir, dtype="float32", max_model_len=64)
+    assert plain.engine.kv_layout.fingerprint != overridden.engine.kv_layout.fingerprint
+    for bad in ("is_matryoshka", {1: True}, {"x": object()}):
+        with pytest.raises(EngineConfigError, match="hf_overrides"):
+            LLM(tiny_llama_dir, dtype="float32", max_model_len=64, hf_overrides=bad)
+    # An override of a size the weights do not have is the checkpoint's refusal.
+    with pytest.raises(ModelFileError, match="has shape .* expected .* from the model's config"):
+        LLM(tiny_llama_dir, dtype="float32", max_model_len=64, hf_overrides={"hidden_size": 96})
 
 
 def test_embedding_requests_are_checked(tiny_llama_dir: Path) -> None:

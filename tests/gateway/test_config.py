@@ -219,6 +219,15 @@ def test_limit_errors_name_the_flag_and_value(tiny_llama_dir: Path, capsys) -> N
         parse(tiny_llama_dir, "--responses-store-size", "-1")
     assert "--responses-store-size must be >= 0 (0: none), got -1" in capsys.readouterr().err
     assert parse(tiny_llama_dir).responses_store_size == 1024
+    # --hf-overrides as the nodes': the context the gateway allows follows an override.
+    shorter = parse(tiny_llama_dir, "--hf-overrides", '{"max_position_embeddings": 64}')
+    assert shorter.limits.max_model_len == 64
+    with pytest.raises(SystemExit):
+        parse(tiny_llama_dir, "--hf-overrides", '{"max_position_embeddings": 64}',
+              "--max-model-len", "100")  # fmt: skip
+    assert "--max-model-len 100 exceeds the model's max_position_embeddings (64)" in (
+        capsys.readouterr().err
+    )
     assert parse(tiny_llama_dir, "--responses-store-size", "0").responses_store_size == 0
     with pytest.raises(SystemExit):
         parse(tiny_llama_dir, "--http-port", "70000")

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from services.engine import LLM, SamplingParams
 from services.models import ModelFileError
 from services.models.attention import TorchPagedAttention
-from services.models.config import ModelConfig
+from services.models.config import ModelConfig, with_overrides
 from services.models.llama import LlamaForCausalLM
 from services.models.loader import load_model
 from services.models.tiny import ARCHS
@@ -300,3 +300,18 @@ def test_a_dir_of_other_files_says_what_it_lacks(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("not a model")
     with pytest.raises(FileNotFoundError, match=r"has no config\.json and no GGUF file: expected"):
         ModelConfig.from_model_path(tmp_path)
+
+
+def test_hf_overrides_replace_config_values_and_merge_nested_ones(tiny_llama_dir: Path) -> None:
+    raw = {"a": 1, "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "keep": [1]}
+    merged = with_overrides(raw, {"a": 2, "rope_scaling": {"factor": 4.0}, "new": None})
+    assert merged == {"a": 2, "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+                      "keep": [1], "new": None}  # fmt: skip
+    assert raw["rope_scaling"]["factor"] == 2.0, "the checkpoint's own dict is left as it was"
+    assert with_overrides(raw, {"rope_scaling": None})["rope_scaling"] is None
+    plain = ModelConfig.from_model_path(tiny_llama_dir)
+    longer = ModelConfig.from_model_path(
+        tiny_llama_dir, {"max_position_embeddings": 2 * plain.max_position_embeddings}
+    )
+    assert longer.max_position_embeddings == 2 * plain.max_position_embeddings
+    assert longer.hidden_size == plain.hidden_size

@@ -35,6 +35,8 @@ def test_vllms_spellings_of_the_same_settings_are_taken() -> None:
     assert on_again.engine.cache.enable_prefix_caching  # the last flag wins, as in vLLM
     assert parse("--enforce-eager").engine.cuda_graphs is False
     assert parse().engine.cuda_graphs is None  # auto
+    overrides = parse("--hf-overrides", '{"is_matryoshka": true}').engine.hf_overrides
+    assert overrides == {"is_matryoshka": True} and parse().engine.hf_overrides is None
     assert name_flags("cuda_graphs and no_prefix_caching") == (
         "--cuda-graphs and --no-prefix-caching"
     )
@@ -91,6 +93,8 @@ def test_role_can_come_from_the_environment() -> None:
         (["--kv-cache-memory", "huge"], {}, "not a byte size"),
         (["--block-size", "0"], {}, "--block-size must be a positive integer"),
         (["--dtype", "int8"], {}, "--dtype"),
+        (["--hf-overrides", "{is_matryoshka: true}"], {}, "--hf-overrides: not JSON"),
+        (["--hf-overrides", "[1]"], {}, "--hf-overrides: not a JSON object"),
         (["--quantization", "awq"], {}, "--quantization: invalid choice: 'awq'"),
         (["--grpc-port", "70000"], {}, "--grpc-port must be in [0, 65535]"),
         (["--test-kv-push-pause-s", "-1"], {}, "--test-kv-push-pause-s must be >= 0"),
