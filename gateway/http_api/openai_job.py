@@ -329,7 +329,10 @@ def prompt_token_ids(job: OpenAIJob, tokenizer: Tokenizer) -> list[tuple[int, ..
     if isinstance(body, ChatCompletionRequest):
         messages = [message.model_dump(exclude_none=True) for message in body.messages]
         tools = None if job.tools is None else job.tools.template_tools
-        template_kwargs = {**(body.chat_template_kwargs or {}), "tools": tools}
+        template_kwargs: dict[str, Any] = {}
+        if body.reasoning_effort is not None:
+            template_kwargs["reasoning_effort"] = body.reasoning_effort
+        template_kwargs |= {**(body.chat_template_kwargs or {}), "tools": tools}
         prompts = [
             tokenizer.encode_chat(
                 messages,

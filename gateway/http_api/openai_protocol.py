@@ -267,6 +267,9 @@ class ChatCompletionRequest(_GenerationParams):
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM extension: extra variables for the chat template, e.g. ``{"enable_thinking":
     false}``. Names the server sets itself (``messages``, ``tools``...) are refused."""
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    """OpenAI's: the chat template's ``reasoning_effort`` (gpt-oss's templates read it, others
+    ignore it), as vLLM passes it; a ``chat_template_kwargs`` value of the same name wins."""
     store: bool | None = None
     """Accepted and ignored: nothing is stored."""
     metadata: dict[str, str] | None = None

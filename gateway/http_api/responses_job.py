@@ -108,8 +108,8 @@ def _chat_request(body: ResponsesRequest, history: Sequence[Message]) -> ChatCom
         "user": body.user,
         "cache_salt": body.cache_salt,
     }
-    if body.reasoning is not None and body.reasoning.effort is not None:
-        chat["chat_template_kwargs"] = {"reasoning_effort": body.reasoning.effort}
+    if body.reasoning is not None:
+        chat["reasoning_effort"] = body.reasoning.effort
     if body.tools:
         # The chat API's shape: the function's fields under "function".
         chat["tools"] = [

@@ -338,5 +338,18 @@ def test_reasoning_effort_reaches_the_chat_template(tokenizer: Tokenizer) -> Non
         client.responses.create(model=MODEL, input="Hi")
         prompt = tokenizer.decode(served.generator.requests[-1].prompt_token_ids)
         assert prompt.startswith("user: Hi")
+        # The chat API's own reasoning_effort (OpenAI's), which chat_template_kwargs overrides.
+        messages = [{"role": "user", "content": "Hi"}]
+        client.chat.completions.create(model=MODEL, messages=messages, reasoning_effort="high")
+        prompt = tokenizer.decode(served.generator.requests[-1].prompt_token_ids)
+        assert prompt.startswith("effort=high;user: Hi")
+        client.chat.completions.create(
+            model=MODEL, messages=messages, reasoning_effort="high",
+            extra_body={"chat_template_kwargs": {"reasoning_effort": "low"}},
+        )  # fmt: skip
+        prompt = tokenizer.decode(served.generator.requests[-1].prompt_token_ids)
+        assert prompt.startswith("effort=low;user: Hi")
+        body = {"model": MODEL, "messages": messages, "reasoning_effort": "max"}
+        assert_error(served.post("/v1/chat/completions", body), 400, "reasoning_effort")
     finally:
         server.stop()
