@@ -56,6 +56,39 @@ def test_disaggregated_greedy_equals_the_single_engine(tiny_llama_dir: Path, exp
     run_stack(tiny_llama_dir, body)
 
 
+def test_a_conversation_returns_to_the_decode_node_that_holds_its_turns(
+    tiny_llama_dir: Path,
+) -> None:
+    """A chat's next turn goes back to the decode node that served the last one, though
+    another is less busy (prefix affinity within the load rule), and that node's reservation
+    takes the earlier turns from its prefix cache instead of having them pushed again; the
+    tokens are the single engine's."""
+    rng = random.Random(21)
+    first = [rng.randrange(5, 4096) for _ in range(3 * 16 + 5)]
+
+    async def body(stack: Stack) -> None:
+        engines = [engine for name, (_, engine) in stack.nodes.items() if name.startswith("decode")]
+        turn1, _, _ = await stack.generate(first)
+        second = [*first, *turn1, *[rng.randrange(5, 4096) for _ in range(6)]]
+        hits = [engine.stats.prefix_cache_hit_tokens for engine in engines]
+        # Something else keeps the conversation's node busy meanwhile: the least loaded one is
+        # now the other decode node.
+        busy = common_pb2.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        background = asyncio.ensure_future(stack.generate([7] * 20, busy))
+        await asyncio.sleep(0.2)
+        turn2, _, _ = await stack.generate(second)
+        await background
+        gained = [e.stats.prefix_cache_hit_tokens - h for e, h in zip(engines, hits, strict=True)]
+        # The earlier turns' full blocks (the prompt's 53 tokens and 8 answered: 3 blocks).
+        assert sorted(gained) == [0, 48]
+        offline = LLM(tiny_llama_dir, dtype="float32", max_model_len=MAX_MODEL_LEN)
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        assert turn2 == list(offline.generate([second], params)[0].token_ids)
+        await stack.wait_all_free()
+
+    run_stack(tiny_llama_dir, body)
+
+
 def test_bad_words_are_banned_on_both_legs(tiny_llama_dir: Path, expected) -> None:
     """The prefill node samples the first token, the decode node the rest: both apply them."""
     prompts, tokens = expected
