@@ -134,6 +134,28 @@ class OpenAIFormat:
     def response(self, states: Sequence[ChoiceState], usage: UsageInfo) -> BaseModel:
         raise NotImplementedError
 
+    def token_logprobs(self, logprobs: Sequence[TokenLogprob]) -> list[TokenLogprobInfo]:
+        """Each token's logprob and its top alternatives in OpenAI's chat (and Responses)
+        shape: the token's text and UTF-8 bytes."""
+
+        def top(token_id: int, logprob: float) -> TopLogprob:
+            return TopLogprob(
+                token=self.token_text(token_id),
+                logprob=_finite(logprob),
+                bytes=list(self.token_bytes(token_id)),
+            )
+
+        # OpenAI's top_logprobs: exactly the top n asked for; lp.top also holds the sampled
+        # token when it is not among them (the legacy format's n + 1).
+        num_top = self.job.num_logprobs or 0
+        return [
+            TokenLogprobInfo(
+                **top(lp.token_id, lp.logprob).model_dump(),
+                top_logprobs=[top(t, lp_) for t, lp_ in lp.top[:num_top]],
+            )
+            for lp in logprobs
+        ]
+
     def has_logprobs(self, delta: TextDelta) -> bool:
         return self.job.num_logprobs is not None and bool(delta.token_ids) and bool(delta.logprobs)
 
@@ -311,26 +333,7 @@ class CompletionFormat(OpenAIFormat):
 
 class ChatFormat(OpenAIFormat):
     def chat_logprobs(self, logprobs: Sequence[TokenLogprob]) -> ChatLogprobs:
-        def top(token_id: int, logprob: float) -> TopLogprob:
-            return TopLogprob(
-                token=self.token_text(token_id),
-                logprob=_finite(logprob),
-                bytes=list(self.token_bytes(token_id)),
-            )
-
-        # OpenAI's top_logprobs: exactly the top n asked for; lp.top also holds the sampled
-        # token when it is not among them (the legacy format's n + 1).
-        num_top = self.job.num_logprobs or 0
-        content = []
-        for lp in logprobs:
-            sampled = top(lp.token_id, lp.logprob)
-            content.append(
-                TokenLogprobInfo(
-                    **sampled.model_dump(),
-                    top_logprobs=[top(t, lp_) for t, lp_ in lp.top[:num_top]],
-                )
-            )
-        return ChatLogprobs(content=content)
+        return ChatLogprobs(content=self.token_logprobs(logprobs))
 
     def __init__(self, job: OpenAIJob, tokenizer: Tokenizer, model: str) -> None:
         super().__init__(job, tokenizer, model)

@@ -22,7 +22,7 @@ from gateway.chat_output import ChatOutput, ChatPiece
 from gateway.errors import GatewayError
 from gateway.http_api.openai_format import ChoiceState, OpenAIFormat
 from gateway.http_api.openai_job import OpenAIJob
-from gateway.http_api.openai_protocol import UsageInfo
+from gateway.http_api.openai_protocol import TokenLogprobInfo, UsageInfo
 from gateway.http_api.response_store import Message
 from gateway.http_api.responses_protocol import (
     IncompleteDetails,
@@ -85,6 +85,8 @@ class ResponsesFormat(OpenAIFormat):
         self._is_fed = False
         self._reasoning: list[str] = []
         self._content: list[str] = []
+        self._pending_logprobs: list[TokenLogprobInfo] = []
+        """With logprobs asked for: those of tokens whose text has not gone out yet."""
         self._output: list[OutputReasoning | OutputMessage | OutputFunctionCall] | None = None
 
     def encode_event(self, payload: BaseModel | dict[str, Any]) -> bytes:
@@ -95,6 +97,9 @@ class ResponsesFormat(OpenAIFormat):
 
     def delta_chunk(self, state: ChoiceState, delta: TextDelta) -> list[dict[str, Any]] | None:
         self._is_fed = True
+        if self.job.num_logprobs is not None:
+            # Sent with the next text: a token may end in the middle of a character.
+            self._pending_logprobs += self.token_logprobs(delta.logprobs or ())
         events = self._piece_events(state, self._chat.feed(delta.text))
         return events or None
 
@@ -111,8 +116,9 @@ class ResponsesFormat(OpenAIFormat):
                 events += self._open_message()
                 text = item.content[0].text
                 where = {"item_id": item.id, "output_index": index, "content_index": 0}
+                logprobs = [lp.model_dump() for lp in item.content[0].logprobs]
                 events += [
-                    self._event("response.output_text.done", **where, text=text, logprobs=[]),
+                    self._event("response.output_text.done", **where, text=text, logprobs=logprobs),
                     self._event(
                         "response.content_part.done", **where, part=item.content[0].model_dump()
                     ),
@@ -249,11 +255,14 @@ class ResponsesFormat(OpenAIFormat):
             ]
             text = "".join(self._content)
             if text or not calls:
+                logprobs = (
+                    [] if self.job.num_logprobs is None else self.token_logprobs(state.logprobs)
+                )
                 output.append(
                     OutputMessage(
                         id=self._message_id,
                         status="incomplete" if status == "incomplete" else "completed",
-                        content=[OutputText(text=text)],
+                        content=[OutputText(text=text, logprobs=logprobs)],
                     )
                 )
             self._output = [*output, *calls]
@@ -297,13 +306,14 @@ class ResponsesFormat(OpenAIFormat):
         return 1 if self._reasoning else 0
 
     def _text_delta(self, text: str) -> dict[str, Any]:
+        logprobs, self._pending_logprobs = self._pending_logprobs, []
         return self._event(
             "response.output_text.delta",
             item_id=self._message_id,
             output_index=self._message_index,
             content_index=0,
             delta=text,
-            logprobs=[],
+            logprobs=[lp.model_dump() for lp in logprobs],
         )
 
     def _status(self, state: ChoiceState) -> ResponseStatus:

@@ -46,8 +46,18 @@ def responses_job(
     """The request checked (what needs no tokenizer) as the chat job it means; ``history``: the
     conversation of the response that ``previous_response_id`` names (``response_store.py``),
     between ``instructions`` and the input."""
-    if body.include:
-        raise invalid("include is not supported by this server's /v1/responses", param="include")
+    wants_logprobs = bool(body.include)  # its one value: message.output_text.logprobs
+    if body.top_logprobs is not None and not wants_logprobs:
+        raise invalid(
+            'top_logprobs needs include: ["message.output_text.logprobs"]', param="top_logprobs"
+        )
+    if wants_logprobs and (body.tools or frontend.reasoning_parser is not None):
+        # The text's tokens are then a part of the output's, which is not told apart by token.
+        raise invalid(
+            "include message.output_text.logprobs is not supported with tools or with the "
+            "server's --reasoning-parser",
+            param="include",
+        )
     if body.truncation == "auto":
         raise invalid(
             "truncation 'auto' is not supported: a prompt past the context is refused",
@@ -108,6 +118,9 @@ def _chat_request(body: ResponsesRequest, history: Sequence[Message]) -> ChatCom
         "user": body.user,
         "cache_salt": body.cache_salt,
     }
+    if body.include:
+        chat["logprobs"] = True
+        chat["top_logprobs"] = body.top_logprobs
     if body.reasoning is not None:
         chat["reasoning_effort"] = body.reasoning.effort
     if body.tools:

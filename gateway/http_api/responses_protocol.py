@@ -21,7 +21,9 @@ from gateway.http_api.openai_protocol import (
     RequestModel,
     ResponseModel,
     Text,
+    TokenLogprobInfo,
 )
+from services.types import MAX_LOGPROBS
 
 
 class InputTextPart(RequestModel):
@@ -166,8 +168,12 @@ class ResponsesRequest(RequestModel):
     previous_response_id: str | None = None
     """A stored response this one continues: its conversation comes before ``input``."""
     reasoning: ReasoningOptions | None = None
-    include: list[str] | None = None
-    """Unsupported: only empty."""
+    include: list[Literal["message.output_text.logprobs"]] | None = None
+    """``message.output_text.logprobs``: each output token's logprob (with ``top_logprobs``
+    alternatives) on the text; OpenAI's other inclusions are for its own tools and stored
+    reasoning, which this server does not have."""
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    """With ``include`` logprobs: alternatives per token."""
     truncation: Literal["disabled", "auto"] | None = None
     """Only ``disabled``: a prompt past the context is refused, never cut."""
 
@@ -176,6 +182,8 @@ class OutputText(ResponseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[TokenLogprobInfo] = Field(default_factory=list)
+    """With ``include: ["message.output_text.logprobs"]``: each token's; else empty."""
 
 
 class OutputMessage(ResponseModel):

@@ -142,7 +142,11 @@ def test_cache_salt_reaches_the_nodes(served: Served) -> None:
         ({"previous_response_id": "resp_1"}, 404, "previous_response_id"),
         ({"reasoning": {"effort": "extreme"}}, 400, "reasoning.effort"),
         ({"reasoning": {"summary": "long"}}, 400, "reasoning.summary"),
-        ({"include": ["message.output_text.logprobs"]}, 400, "include"),
+        ({"include": ["reasoning.encrypted_content"]}, 400, "include[0]"),
+        ({"top_logprobs": 2}, 400, "top_logprobs"),
+        ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, 400, "top_logprobs"),
+        ({"include": ["message.output_text.logprobs"],
+          "tools": [{"type": "function", "name": "f"}]}, 400, "include"),
         ({"truncation": "auto"}, 400, "truncation"),
         ({"tool_choice": "required"}, 400, "tool_choice"),
         ({"max_output_tokens": 101}, 400, "max_output_tokens"),
@@ -353,3 +357,27 @@ def test_reasoning_effort_reaches_the_chat_template(tokenizer: Tokenizer) -> Non
         assert_error(served.post("/v1/chat/completions", body), 400, "reasoning_effort")
     finally:
         server.stop()
+
+
+def test_output_text_logprobs_when_included(served: Served) -> None:
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: each output token's
+    logprob and alternatives on the text, whole, and streamed with the text deltas alike."""
+    client = served.client()
+    options: dict[str, Any] = dict(
+        model=MODEL, input="Hi", max_output_tokens=5, top_logprobs=2,
+        include=["message.output_text.logprobs"],
+    )  # fmt: skip
+    whole = client.responses.create(**options)
+    assert served.generator.requests[-1].sampling.logprobs == 2
+    part = whole.output[0].content[0]
+    assert len(part.logprobs) == 5 and all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    assert "".join(lp.token for lp in part.logprobs) == whole.output_text
+    assert all(lp.logprob == -0.25 for lp in part.logprobs)  # the script's
+    events = list(client.responses.create(stream=True, **options))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.model_dump() for lp in streamed] == [lp.model_dump() for lp in part.logprobs]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert [lp.model_dump() for lp in done.logprobs] == [lp.model_dump() for lp in part.logprobs]
+    plain = client.responses.create(model=MODEL, input="Hi", max_output_tokens=5)
+    assert plain.output[0].content[0].logprobs == []
+    assert served.generator.requests[-1].sampling.logprobs is None
