@@ -71,9 +71,11 @@ class ResponsesFormat(OpenAIFormat):
         self._sequence = 0
         self._is_opened = False
         """response.created and response.in_progress went out."""
-        self._streamed: list[str] = []
-        """The items opened so far, in output order: ``reasoning``, then ``message``."""
+        self._is_reasoning_open = False
+        """The reasoning item was added (the first reasoning text went out)."""
         self._is_reasoning_done = False
+        self._is_message_open = False
+        """The message item and its text part were added (the first answer text went out)."""
         # The text goes through the reasoning parser (a thinking model's block, with
         # --reasoning-parser) and the tool-call parser (with function tools), as the chat
         # route's: reasoning and content stream as they come, the calls are items at the end.
@@ -150,8 +152,8 @@ class ResponsesFormat(OpenAIFormat):
         if piece.reasoning:
             self._reasoning.append(piece.reasoning)
             events += self._open(state)
-            if "reasoning" not in self._streamed:
-                self._streamed.append("reasoning")
+            if not self._is_reasoning_open:
+                self._is_reasoning_open = True
                 events += self._reasoning_opening()
             where = {"item_id": self._reasoning_id, "output_index": 0, "content_index": 0}
             events.append(
@@ -160,7 +162,7 @@ class ResponsesFormat(OpenAIFormat):
         if piece.content:
             self._content.append(piece.content)
             events += self._open(state)
-            if "reasoning" in self._streamed and not self._is_reasoning_done:
+            if self._is_reasoning_open and not self._is_reasoning_done:
                 events += self._close_reasoning(self._reasoning_item(), 0)
             events += [*self._open_message(), self._text_delta(piece.content)]
         return events
@@ -279,9 +281,9 @@ class ResponsesFormat(OpenAIFormat):
         ]
 
     def _open_message(self) -> list[dict[str, Any]]:
-        if "message" in self._streamed:
+        if self._is_message_open:
             return []
-        self._streamed.append("message")
+        self._is_message_open = True
         index = self._message_index
         return [
             self._event(
