@@ -21,6 +21,7 @@ from gateway.http_api.openai_job import OpenAIJob, chat_job, renamed
 from gateway.http_api.openai_protocol import ChatCompletionRequest
 from gateway.http_api.response_store import Message
 from gateway.http_api.responses_protocol import (
+    LOGPROBS_INCLUDE,
     FunctionCallItem,
     FunctionCallOutputItem,
     ReasoningItem,
@@ -46,7 +47,7 @@ def responses_job(
     """The request checked (what needs no tokenizer) as the chat job it means; ``history``: the
     conversation of the response that ``previous_response_id`` names (``response_store.py``),
     between ``instructions`` and the input."""
-    wants_logprobs = bool(body.include)  # its one value: message.output_text.logprobs
+    wants_logprobs = LOGPROBS_INCLUDE in (body.include or ())
     if body.top_logprobs is not None and not wants_logprobs:
         raise invalid(
             'top_logprobs needs include: ["message.output_text.logprobs"]', param="top_logprobs"
@@ -118,7 +119,7 @@ def _chat_request(body: ResponsesRequest, history: Sequence[Message]) -> ChatCom
         "user": body.user,
         "cache_salt": body.cache_salt,
     }
-    if body.include:
+    if LOGPROBS_INCLUDE in (body.include or ()):
         chat["logprobs"] = True
         chat["top_logprobs"] = body.top_logprobs
     if body.reasoning is not None:

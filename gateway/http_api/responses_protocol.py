@@ -135,6 +135,21 @@ class TextConfig(RequestModel):
     """Accepted and ignored."""
 
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+Includable = Literal[
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+]
+"""OpenAI's ``include`` values (the SDK's ``ResponseIncludable``)."""
+
+
 class ResponsesRequest(RequestModel):
     model: str | None = None
     input: Annotated[
@@ -168,10 +183,11 @@ class ResponsesRequest(RequestModel):
     previous_response_id: str | None = None
     """A stored response this one continues: its conversation comes before ``input``."""
     reasoning: ReasoningOptions | None = None
-    include: list[Literal["message.output_text.logprobs"]] | None = None
+    include: list[Includable] | None = None
     """``message.output_text.logprobs``: each output token's logprob (with ``top_logprobs``
-    alternatives) on the text; OpenAI's other inclusions are for its own tools and stored
-    reasoning, which this server does not have."""
+    alternatives) on the text. OpenAI's other values are accepted and change nothing: they ask
+    for parts of outputs this server never makes (its built-in tools' results, images, encrypted
+    reasoning, which the Agents SDK asks for when it does not store responses)."""
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     """With ``include`` logprobs: alternatives per token."""
     truncation: Literal["disabled", "auto"] | None = None

@@ -142,7 +142,7 @@ def test_cache_salt_reaches_the_nodes(served: Served) -> None:
         ({"previous_response_id": "resp_1"}, 404, "previous_response_id"),
         ({"reasoning": {"effort": "extreme"}}, 400, "reasoning.effort"),
         ({"reasoning": {"summary": "long"}}, 400, "reasoning.summary"),
-        ({"include": ["reasoning.encrypted_content"]}, 400, "include[0]"),
+        ({"include": ["everything"]}, 400, "include[0]"),
         ({"top_logprobs": 2}, 400, "top_logprobs"),
         ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, 400, "top_logprobs"),
         ({"include": ["message.output_text.logprobs"],
@@ -380,4 +380,11 @@ def test_output_text_logprobs_when_included(served: Served) -> None:
     assert [lp.model_dump() for lp in done.logprobs] == [lp.model_dump() for lp in part.logprobs]
     plain = client.responses.create(model=MODEL, input="Hi", max_output_tokens=5)
     assert plain.output[0].content[0].logprobs == []
+    assert served.generator.requests[-1].sampling.logprobs is None
+    # What the Agents SDK asks for when it does not store responses: nothing to add here.
+    stateless = client.responses.create(
+        model=MODEL, input="Hi", max_output_tokens=5, store=False,
+        include=["reasoning.encrypted_content"],
+    )  # fmt: skip
+    assert stateless.output_text == plain.output_text
     assert served.generator.requests[-1].sampling.logprobs is None
