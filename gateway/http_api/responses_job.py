@@ -59,6 +59,11 @@ def responses_job(
             "server's --reasoning-parser",
             param="include",
         )
+    if body.background:
+        raise invalid(
+            "background responses are not supported: stream the response, or wait for it",
+            param="background",
+        )
     if body.truncation == "auto":
         raise invalid(
             "truncation 'auto' is not supported: a prompt past the context is refused",

@@ -192,6 +192,18 @@ class ResponsesRequest(RequestModel):
     """With ``include`` logprobs: alternatives per token."""
     truncation: Literal["disabled", "auto"] | None = None
     """Only ``disabled``: a prompt past the context is refused, never cut."""
+    background: bool | None = None
+    """Only false: a response is answered while the request waits (or streams)."""
+    service_tier: str | None = None
+    """Accepted and ignored: every request is served alike."""
+    prompt_cache_key: str | None = None
+    """Accepted and ignored: prefix-affine routing finds a prompt's cache by its tokens."""
+    safety_identifier: str | None = None
+    """Accepted and ignored (OpenAI's abuse monitoring)."""
+    max_tool_calls: int | None = Field(None, ge=1)
+    """Accepted: it bounds calls to built-in tools, which this server does not have."""
+    stream_options: dict[str, Any] | None = None
+    """Accepted and ignored (``include_obfuscation``: no obfuscation is added)."""
 
 
 class OutputText(ResponseModel):

@@ -128,6 +128,18 @@ def test_text_format_json_schema_constrains_the_output(served: Served) -> None:
     assert guided is not None and guided.kind is GuidedKind.JSON_OBJECT
 
 
+def test_fields_that_change_nothing_here_are_accepted(served: Served) -> None:
+    """What SDKs send and this server has no use for: answered as without them."""
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 4}
+    plain = served.post("/v1/responses", body).json()["output"]
+    extras = {"service_tier": "auto", "prompt_cache_key": "user-7", "safety_identifier": "u7",
+              "max_tool_calls": 3, "stream_options": {"include_obfuscation": False},
+              "background": False}  # fmt: skip
+    answered = served.post("/v1/responses", {**body, **extras})
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["output"][0]["content"] == plain[0]["content"]
+
+
 def test_cache_salt_reaches_the_nodes(served: Served) -> None:
     body = {"model": MODEL, "input": "Hi", "cache_salt": "tenant-a"}
     assert served.post("/v1/responses", body).status_code == 200
@@ -143,6 +155,8 @@ def test_cache_salt_reaches_the_nodes(served: Served) -> None:
         ({"reasoning": {"effort": "extreme"}}, 400, "reasoning.effort"),
         ({"reasoning": {"summary": "long"}}, 400, "reasoning.summary"),
         ({"include": ["everything"]}, 400, "include[0]"),
+        ({"background": True}, 400, "background"),
+        ({"max_tool_calls": 0}, 400, "max_tool_calls"),
         ({"top_logprobs": 2}, 400, "top_logprobs"),
         ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, 400, "top_logprobs"),
         ({"include": ["message.output_text.logprobs"],
