@@ -121,6 +121,15 @@ class GatewayMetrics:
             "pdserve:healthy_nodes", "Nodes passing health checks, by role", ("role",),
             registry=registry,
         )  # fmt: skip
+        self.responses_stored = Gauge(
+            "pdserve:responses_stored", "Responses API responses kept for previous_response_id",
+            registry=registry,
+        )  # fmt: skip
+        self.responses_stored_chars = Gauge(
+            "pdserve:responses_stored_chars",
+            "Characters of conversation text the stored responses hold (the store's memory)",
+            registry=registry,
+        )
 
     def observe_stages(self, timings: object) -> None:
         """``timings``: a ``StageTimings``; stages that did not run (0 s) are not observed."""

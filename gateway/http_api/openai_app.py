@@ -142,6 +142,10 @@ def build_openai_app(frontend: Frontend, cors: CorsConfig | None = None) -> Fast
     created = int(time.time())
     size = frontend.responses_store_size
     responses = ResponseStore(size) if size > 0 else None
+    if responses is not None:
+        kept = responses  # read at scrape time, as the admission gauges above
+        metrics.responses_stored.set_function(lambda: len(kept))
+        metrics.responses_stored_chars.set_function(lambda: kept.num_chars)
 
     # auto_error=False: HttpGate enforces the key (before the body is read); this declares the
     # scheme in the OpenAPI document.

@@ -94,6 +94,11 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def num_chars(self) -> int:
+        """Characters of conversation text held in all (bounded by ``max_chars``)."""
+        return self._chars
+
     def _remove(self, response_id: str) -> None:
         entry = self._entries.pop(response_id, None)
         if entry is not None:

@@ -402,3 +402,27 @@ def test_output_text_logprobs_when_included(served: Served) -> None:
     )  # fmt: skip
     assert stateless.output_text == plain.output_text
     assert served.generator.requests[-1].sampling.logprobs is None
+
+
+def test_the_store_is_on_the_gateways_metrics(tokenizer: Tokenizer) -> None:
+    """The store is memory the gateway holds: its responses and characters are gauges."""
+    served, server = start(tokenizer)
+    try:
+
+        def gauges() -> tuple[float, float]:
+            text = httpx.get(f"{served.url}/metrics", timeout=10).text
+            values = dict(
+                line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("pdserve:resp")
+            )
+            return (
+                float(values["pdserve:responses_stored"]),
+                float(values["pdserve:responses_stored_chars"]),
+            )
+
+        assert gauges() == (0, 0)
+        response = served.client().responses.create(model=MODEL, input="Hi", max_output_tokens=4)
+        assert gauges() == (1, len("Hi") + len(response.output_text))
+        served.client().responses.delete(response.id)
+        assert gauges() == (0, 0)
+    finally:
+        server.stop()
