@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_MAX_CHARS = 16 << 20
@@ -40,10 +40,12 @@ class StoredResponse:
     as an assistant message."""
     owner: str | None
     """The name of the API key that created it; None where the gateway has no keys."""
+    chars: int = field(init=False)
+    """The conversation's text, counted once (what the store's ``max_chars`` bounds)."""
 
-    @property
-    def chars(self) -> int:
-        return sum(_message_chars(message) for message in self.conversation)
+    def __post_init__(self) -> None:
+        chars = sum(_message_chars(message) for message in self.conversation)
+        object.__setattr__(self, "chars", chars)
 
 
 class ResponseStore:

@@ -3,7 +3,7 @@ in (a string, or messages of text parts, with ``instructions``), text or JSON ou
 streamed as events.
 
 Requests are strict like the other routes' (``openai_protocol.py``). Fields of OpenAI's API
-that need what this server does not have (built-in tools, ``include``) are declared so that
+that need what this server does not have (built-in tools, background mode) are declared so that
 their refusal names them. Function tools run as the chat route's tools: the calls come out
 as ``function_call`` items, and a client sends them back with its ``function_call_output`` items.
 Responses are stored for ``previous_response_id`` (``response_store.py``).

@@ -83,7 +83,11 @@ class EngineCore:
         the last token's), or None; and whether a request that leaves ``normalize`` unset gets
         a normalized embedding (its sentence-transformers modules say, else yes)."""
         gguf_path = find_gguf(config.model_dir)
-        fp8_scheme = None if gguf_path is not None else read_fp8_checkpoint(config.model_dir)
+        fp8_scheme = (
+            None
+            if gguf_path is not None
+            else read_fp8_checkpoint(config.model_dir, config.hf_overrides)
+        )
         self.fp8_choice = choose_fp8_linears(
             config.quantization, fp8_scheme, torch.device(config.device)
         )

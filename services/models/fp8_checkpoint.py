@@ -27,13 +27,14 @@ dtype on a GPU.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from services.models.config import with_overrides
 from services.models.model_file_error import ModelFileError, read_json_object
 from services.types import EngineConfigError
 
@@ -82,15 +83,18 @@ class Fp8Checkpoint:
         return f"{self.method} fp8 (weight scales per {scales}, activations {self.activations})"
 
 
-def read_fp8_checkpoint(model_dir: Path) -> Fp8Checkpoint | None:
+def read_fp8_checkpoint(
+    model_dir: Path, overrides: Mapping[str, Any] | None = None
+) -> Fp8Checkpoint | None:
     """The fp8 scheme of the checkpoint in ``model_dir``, or None where its ``config.json`` has
     no ``quantization_config`` (or where it is a GGUF file, whose quantization the GGUF loader
-    reads). ``EngineConfigError`` naming a quantization pdserve does not load;
-    ``ModelFileError`` for a ``quantization_config`` it cannot read."""
+    reads); ``overrides`` (``hf_overrides``) apply to it as to the rest of the config.
+    ``EngineConfigError`` naming a quantization pdserve does not load; ``ModelFileError`` for a
+    ``quantization_config`` it cannot read."""
     path = model_dir / "config.json"
     if not path.is_file():
         return None
-    raw = read_json_object(path).get("quantization_config")
+    raw = with_overrides(read_json_object(path), overrides).get("quantization_config")
     if raw is None:
         return None
     if not isinstance(raw, dict):

@@ -202,6 +202,10 @@ def test_hf_overrides_declare_what_the_checkpoint_does_not(tiny_llama_dir: Path)
     for bad in ("is_matryoshka", {1: True}, {"x": object()}):
         with pytest.raises(EngineConfigError, match="hf_overrides"):
             LLM(tiny_llama_dir, dtype="float32", max_model_len=64, hf_overrides=bad)
+    # The overrides reach every part of the config read: a quantization_config too.
+    quantized = {"quantization_config": {"quant_method": "awq"}}
+    with pytest.raises(EngineConfigError, match="quant_method 'awq' is not supported"):
+        LLM(tiny_llama_dir, dtype="float32", max_model_len=64, hf_overrides=quantized)
     # An override of a size the weights do not have is the checkpoint's refusal.
     with pytest.raises(ModelFileError, match="has shape .* expected .* from the model's config"):
         LLM(tiny_llama_dir, dtype="float32", max_model_len=64, hf_overrides={"hidden_size": 96})
