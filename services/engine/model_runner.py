@@ -11,7 +11,6 @@ slot for the forward pass only (a replayed decode graph reads them from its stat
 from __future__ import annotations
 
 import logging
-import math
 import re
 from pathlib import Path
 
@@ -137,7 +136,7 @@ class ModelRunner:
             config.attention_backend,
             self.device,
             block_size=config.cache.block_size,
-            scale=1.0 / math.sqrt(model_config.head_dim),
+            scale=model_config.attention_scale,
         )
         ops = make_layer_ops(self.backend)
         logger.info("decoder elementwise steps: %s", ops.describe())

@@ -1,9 +1,14 @@
 """The shape of a Llama-family checkpoint, read from its Hugging Face ``config.json`` or from a
-GGUF file's metadata (``gguf_file`` translates it to the same keys)."""
+GGUF file's metadata (``gguf_file`` translates it to the same keys).
+
+The family: Llama and Mistral; Qwen2 (Q/K/V biases); Qwen3 (RMSNorm over each head of Q and K);
+SmolLM3 (some layers without RoPE: ``no_rope_layers``); Granite 3 (four scalar multipliers on the
+embeddings, the attention scores, each residual branch and the logits)."""
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +36,18 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "SmolLM3ForCausalLM": "smollm3",
+    "GraniteForCausalLM": "granite",
 }
+# Architectures whose ``sliding_window`` only applies with ``use_sliding_window: true``.
+_OPT_IN_SLIDING_WINDOW = ("qwen2", "qwen3", "smollm3")
+# Granite's multipliers (``config.json`` keys; ModelConfig says what each scales), 1 elsewhere.
+_GRANITE_MULTIPLIERS = (
+    "embedding_multiplier",
+    "residual_multiplier",
+    "attention_multiplier",
+    "logits_scaling",
+)
 _SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -82,6 +98,17 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    nope_layers: frozenset[int] = frozenset()
+    """Layers that apply no rotary embedding to Q and K (SmolLM3: the zeros of its
+    ``no_rope_layers``, every fourth layer)."""
+    embedding_multiplier: float = 1.0
+    """Granite: the input embeddings are multiplied by it."""
+    residual_multiplier: float = 1.0
+    """Granite: each attention and MLP output is multiplied by it before the residual add."""
+    attention_multiplier: float | None = None
+    """Granite: the attention scores' scale, in place of 1 / sqrt(head_dim)."""
+    logits_scaling: float = 1.0
+    """Granite: the logits are divided by it."""
     matryoshka_dimensions: tuple[int, ...] | None = None
     """Embedding sizes the model was trained to be cut to (Matryoshka representation learning),
     from ``config.json``'s ``matryoshka_dimensions``; ``()`` where ``is_matryoshka`` allows any
@@ -98,6 +125,13 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def attention_scale(self) -> float:
+        """What q . k is multiplied by before the softmax."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
+        return 1.0 / math.sqrt(self.head_dim)
 
     @classmethod
     def from_model_path(
@@ -153,8 +187,9 @@ class ModelConfig:
         rope_theta, rope_scaling = _rope(raw)
         # Qwen2 declares a sliding window that is off unless use_sliding_window is set.
         sliding_window = raw.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        if model_type in _OPT_IN_SLIDING_WINDOW and not raw.get("use_sliding_window", False):
             sliding_window = None
+        num_layers = raw["num_hidden_layers"]
         eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -163,7 +198,7 @@ class ModelConfig:
             vocab_size=raw["vocab_size"],
             hidden_size=hidden_size,
             intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
             head_dim=raw.get("head_dim") or hidden_size // num_heads,
@@ -171,14 +206,52 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=raw.get("tie_word_embeddings", model_type == "qwen2"),
+            tie_word_embeddings=raw.get("tie_word_embeddings", model_type in ("qwen2", "smollm3")),
             attention_bias=raw.get("attention_bias", model_type == "qwen2"),
             qk_norm=model_type == "qwen3",
             sliding_window=sliding_window,
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             matryoshka_dimensions=_matryoshka(raw),
+            nope_layers=_nope_layers(raw, num_layers) if model_type == "smollm3" else frozenset(),
+            **(_granite_multipliers(raw) if model_type == "granite" else {}),
         )
+
+
+def _nope_layers(raw: dict[str, Any], num_layers: int) -> frozenset[int]:
+    """SmolLM3's layers without RoPE: ``no_rope_layers`` holds 1 for a layer that applies it
+    and 0 for one that does not, one entry a layer; absent, transformers' default, every
+    ``no_rope_layer_interval``-th layer (4) goes without."""
+    flags = raw.get("no_rope_layers")
+    if flags is None:
+        interval = raw.get("no_rope_layer_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise EngineConfigError(
+                f"config.json's no_rope_layer_interval must be a positive integer, got {interval!r}"
+            )
+        return frozenset(i for i in range(num_layers) if (i + 1) % interval == 0)
+    if (
+        not isinstance(flags, list)
+        or len(flags) != num_layers
+        or any(flag not in (0, 1) or isinstance(flag, float) for flag in flags)
+    ):
+        raise EngineConfigError(
+            f"config.json's no_rope_layers must be a list of {num_layers} values, each 0 or 1 "
+            f"(one per layer), got {flags!r}"
+        )
+    return frozenset(i for i, flag in enumerate(flags) if flag == 0)
+
+
+def _granite_multipliers(raw: dict[str, Any]) -> dict[str, float]:
+    """Granite's four multipliers (transformers' defaults: 1), each a positive number."""
+    values: dict[str, float] = {}
+    for key in _GRANITE_MULTIPLIERS:
+        value = raw.get(key, 1.0)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or not 0 < value < math.inf:
+            raise EngineConfigError(f"config.json's {key} must be a positive number, got {value!r}")
+        values[key] = float(value)
+    return values
 
 
 def _matryoshka(raw: dict[str, Any]) -> tuple[int, ...] | None:

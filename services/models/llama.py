@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened, paged batch.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite) over a flattened, paged
+batch (``config.py`` says what each adds to Llama).
 
 Inputs are flat: a step's tokens from every request are concatenated, ``[num_tokens]``, and
 attention finds each request's context through ``AttentionMetadata``. Q/K/V and gate/up
@@ -22,6 +23,12 @@ from services.models.rotary import RopeTables, RotaryEmbedding
 _TORCH_OPS = LayerOps()
 
 
+def _scaled(x: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """x times Granite's multiplier, in place (x is a fresh output); x itself where it is 1, as
+    for every other architecture."""
+    return x if multiplier == 1.0 else x.mul_(multiplier)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -35,7 +42,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps):
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps, *, use_rope: bool
+    ):
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -48,6 +57,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.use_rope = use_rope
+        self.output_multiplier = config.residual_multiplier
         self.backend = backend
         self.ops = ops
 
@@ -66,9 +77,10 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.ops.rotary(q, k, rope)
+        if self.use_rope:
+            q, k = self.ops.rotary(q, k, rope)
         out = self.backend.forward(q, k, v, kv_cache, metadata)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return _scaled(self.o_proj(out.reshape(num_tokens, self.q_size)), self.output_multiplier)
 
 
 class MLP(nn.Module):
@@ -76,20 +88,25 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.output_multiplier = config.residual_multiplier
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.gate_up_proj, PackedSiluGateUp | LoraGateUp):
             # SiLU-and-mul ran in the packed GEMMs' epilogues (``packed_linear.py``), or after
             # the LoRA deltas (``lora.py``).
-            return self.down_proj(self.gate_up_proj(x))
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+            out = self.down_proj(self.gate_up_proj(x))
+        else:
+            out = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return _scaled(out, self.output_multiplier)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps):
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps, *, use_rope: bool
+    ):
         super().__init__()
-        self.self_attn = Attention(config, backend, ops)
+        self.self_attn = Attention(config, backend, ops, use_rope=use_rope)
         self.mlp = MLP(config, ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -132,7 +149,8 @@ class LlamaModel(nn.Module):
             _weight=torch.empty(config.vocab_size, config.hidden_size),
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, ops) for _ in range(config.num_layers)
+            DecoderLayer(config, backend, ops, use_rope=i not in config.nope_layers)
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -165,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens]. Returns hidden states [num_tokens, hidden_size]
         before the final norm (the caller keeps only the rows it samples from)."""
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = _scaled(self.model.embed_tokens(input_ids), self.config.embedding_multiplier)
         rope = self.model.rotary.tables(positions, hidden.dtype)
         pending = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
@@ -184,4 +202,5 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [num_rows, hidden_size] → logits [num_rows, vocab_size] in the model's dtype
         (the sampler computes on a float32 copy; widening here first would copy them twice)."""
         norm = self.model.norm
-        return self.lm_head(self.ops.rms_norm(hidden, None, norm.weight, norm.eps))
+        logits = self.lm_head(self.ops.rms_norm(hidden, None, norm.weight, norm.eps))
+        return _scaled(logits, 1.0 / self.config.logits_scaling)

@@ -35,6 +35,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     PreTrainedConfig,
@@ -42,12 +43,13 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    SmolLM3Config,
 )
 from transformers.utils import logging as hf_logging
 
 logger = logging.getLogger(__name__)
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite")
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -299,6 +301,30 @@ def build_config(
             sliding_window=None,
             tie_word_embeddings=False,
         )
+    if arch == "smollm3":
+        # Every fourth layer without RoPE, as SmolLM3-3B, but from the second (transformers'
+        # default leaves out every fourth from the fourth): the list is what config.json says.
+        no_rope = [0 if i % 4 == 1 else 1 for i in range(size.num_hidden_layers)]
+        return SmolLM3Config(
+            **common,
+            rope_parameters=default_rope,
+            tie_word_embeddings=True,
+            no_rope_layers=no_rope,
+        )
+    if arch == "granite":
+        # Granite 3's multipliers, other than 1 so that each one matters (the attention scale
+        # 1 / head_dim, not its root, as Granite's). Granite 3 ties its embeddings, but with
+        # random weights a tied, multiplied embedding drowns the layers' outputs in the
+        # residual stream, and the model repeats its last input token whatever they compute.
+        return GraniteConfig(
+            **common,
+            rope_parameters=default_rope,
+            tie_word_embeddings=False,
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=1.0 / size.head_dim,
+            logits_scaling=2.0,
+        )
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 
@@ -307,8 +333,9 @@ def _init_weights(model: PreTrainedModel, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     hidden_size = model.config.hidden_size
     tied = model.config.tie_word_embeddings
-    # A final-norm hidden state has unit rms, so this std gives logits of std _LOGIT_STD.
-    output_std = _LOGIT_STD / math.sqrt(hidden_size)
+    # A final-norm hidden state has unit rms, so this std gives logits of std _LOGIT_STD (after
+    # Granite's division by logits_scaling).
+    output_std = _LOGIT_STD * getattr(model.config, "logits_scaling", 1.0) / math.sqrt(hidden_size)
     # named_parameters() yields a tied matrix once, under the embedding's name.
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):

@@ -97,3 +97,23 @@ def test_the_prompt_tokens_rank_needs_no_alternatives(tiny_llama_dir: Path, refe
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     (output,) = llm.generate([prompts[-1]], params)
     check(prompts[-1], expected[-1], output, 0)
+
+
+@pytest.mark.parametrize("arch", ["smollm3", "granite"])
+def test_prompt_logprobs_match_hf_for_architectures_beyond_llama(tiny_model_factory, arch) -> None:
+    """SmolLM3's layers without RoPE and Granite's multipliers, the logits' scaling included
+    (which greedy tokens cannot show), in the values themselves."""
+    model_dir = tiny_model_factory(arch)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, local_files_only=True
+    ).eval()
+    rng = random.Random(11)
+    prompts = [[rng.randrange(5, 4000) for _ in range(n)] for n in (30, 9)]
+    with torch.inference_mode():
+        expected = [model(torch.tensor([p])).logits[0].log_softmax(-1) for p in prompts]
+    llm = LLM(model_dir, dtype="float32", kv_cache_dtype="float32", max_model_len=128)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=TOP)
+    for prompt, logprobs, output in zip(
+        prompts, expected, llm.generate(prompts, params), strict=True
+    ):
+        check(prompt, logprobs, output, TOP)

@@ -219,3 +219,72 @@ def test_a_huge_max_num_seqs_does_not_size_the_static_decode_buffers(tiny_llama_
     assert static is not None
     assert static.max_batch == MAX_STATIC_DECODE_BATCH
     assert len(static.buckets) <= MAX_STATIC_DECODE_BATCH // 16 + 4
+
+
+def smollm3_config(**changes: object) -> dict:
+    config = {
+        "architectures": ["SmolLM3ForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 8,
+        "vocab_size": 100,
+    }
+    return {**config, **changes}
+
+
+def test_smollm3_layers_without_rope_come_from_its_list_or_its_interval() -> None:
+    listed = ModelConfig.from_hf_dict(smollm3_config(no_rope_layers=[1, 0, 1, 1, 0, 1, 1, 1]))
+    assert listed.nope_layers == {1, 4}
+    # transformers' default without a list: every no_rope_layer_interval-th layer (4).
+    assert ModelConfig.from_hf_dict(smollm3_config()).nope_layers == {3, 7}
+    assert ModelConfig.from_hf_dict(smollm3_config(no_rope_layer_interval=2)).nope_layers == {
+        1,
+        3,
+        5,
+        7,
+    }
+    # Tied embeddings unless it says otherwise; the sliding window only where it opts in.
+    config = ModelConfig.from_hf_dict(smollm3_config(sliding_window=32))
+    assert config.tie_word_embeddings and config.sliding_window is None
+    # Every other architecture ropes every layer.
+    llama = ModelConfig.from_hf_dict({**smollm3_config(), "architectures": ["LlamaForCausalLM"]})
+    assert llama.nope_layers == frozenset()
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"no_rope_layers": [1, 0, 1]}, "no_rope_layers must be a list of 8 values"),
+        ({"no_rope_layers": [1, 2, 1, 1, 1, 1, 1, 1]}, "each 0 or 1"),
+        ({"no_rope_layers": "1,0"}, "no_rope_layers"),
+        ({"no_rope_layer_interval": 0}, "no_rope_layer_interval must be a positive integer"),
+    ],
+)
+def test_a_bad_smollm3_rope_layer_list_is_refused_naming_the_key(changes, message: str) -> None:
+    with pytest.raises(EngineConfigError, match=message):
+        ModelConfig.from_hf_dict(smollm3_config(**changes))
+
+
+def test_granite_multipliers_are_read_and_checked() -> None:
+    granite = {**smollm3_config(), "architectures": ["GraniteForCausalLM"]}
+    config = ModelConfig.from_hf_dict(
+        {
+            **granite,
+            "attention_multiplier": 0.015625,
+            "logits_scaling": 8,
+            "residual_multiplier": 0.2,
+        }
+    )
+    assert config.attention_scale == 0.015625
+    assert (config.embedding_multiplier, config.residual_multiplier, config.logits_scaling) == (
+        1.0,
+        0.2,
+        8.0,
+    )
+    # transformers' defaults are all 1, the attention scale too (not 1 / sqrt(head_dim)).
+    assert ModelConfig.from_hf_dict(granite).attention_scale == 1.0
+    assert ModelConfig.from_hf_dict(smollm3_config()).attention_scale == 16**-0.5
+    for bad in (0, -1.5, "2", True, float("inf")):
+        with pytest.raises(EngineConfigError, match="logits_scaling must be a positive number"):
+            ModelConfig.from_hf_dict({**granite, "logits_scaling": bad})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +30,7 @@ KV_CACHE_MEMORY = 2 << 20
 
 def load_ours(model_dir: Path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     config = ModelConfig.from_model_dir(model_dir)
-    backend = TorchPagedAttention(BLOCK_SIZE, scale=1.0 / math.sqrt(config.head_dim))
+    backend = TorchPagedAttention(BLOCK_SIZE, scale=config.attention_scale)
     return load_model(
         model_dir,
         config,
