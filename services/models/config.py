@@ -3,7 +3,8 @@ GGUF file's metadata (``gguf_file`` translates it to the same keys).
 
 The family: Llama and Mistral; Qwen2 (Q/K/V biases); Qwen3 (RMSNorm over each head of Q and K);
 SmolLM3 (some layers without RoPE: ``no_rope_layers``); Granite 3 (four scalar multipliers on the
-embeddings, the attention scores, each residual branch and the logits)."""
+embeddings, the attention scores, each residual branch and the logits); Phi-3 and Phi-4 (their
+checkpoints hold Q/K/V and gate/up already fused)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
+    "Phi3ForCausalLM": "phi3",
 }
 # Architectures whose ``sliding_window`` only applies with ``use_sliding_window: true``.
 _OPT_IN_SLIDING_WINDOW = ("qwen2", "qwen3", "smollm3")
@@ -98,6 +100,9 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    fused_checkpoint: bool = False
+    """The checkpoint holds each layer's ``qkv_proj`` and ``gate_up_proj`` fused, in our
+    layout (Phi-3), rather than q/k/v and gate/up apart."""
     nope_layers: frozenset[int] = frozenset()
     """Layers that apply no rotary embedding to Q and K (SmolLM3: the zeros of its
     ``no_rope_layers``, every fourth layer)."""
@@ -213,6 +218,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             matryoshka_dimensions=_matryoshka(raw),
+            fused_checkpoint=model_type == "phi3",
             nope_layers=_nope_layers(raw, num_layers) if model_type == "smollm3" else frozenset(),
             **(_granite_multipliers(raw) if model_type == "granite" else {}),
         )
@@ -288,6 +294,12 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         raise EngineConfigError(
             f"unsupported rope_type {rope_type!r}; "
             f"pdserve supports {', '.join(_SUPPORTED_ROPE_TYPES)}"
+        )
+    # Rotary over the first part of each head only (Phi-4-mini's 0.75, with longrope).
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise EngineConfigError(
+            f"partial_rotary_factor {partial!r} (rotary over part of each head) is not supported"
         )
     if rope_type == "default":
         return theta, None

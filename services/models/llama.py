@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite) over a flattened, paged
-batch (``config.py`` says what each adds to Llama).
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite, Phi-3) over a flattened,
+paged batch (``config.py`` says what each adds to Llama).
 
 Inputs are flat: a step's tokens from every request are concatenated, ``[num_tokens]``, and
 attention finds each request's context through ``AttentionMetadata``. Q/K/V and gate/up

@@ -4,7 +4,8 @@ checkpoint's weights (``fp8_checkpoint``) are joined with their scales and eithe
 (the projections that ``fp8_linears`` made ``Fp8Linear``) or dequantized; a 16-bit weight bound
 for an ``Fp8Linear`` is quantized per row on the way in (``--quantization fp8``).
 
-The checkpoint's separate q/k/v and gate/up projections are copied into our fused parameters;
+The checkpoint's separate q/k/v and gate/up projections are copied into our fused parameters (a
+Phi-3 checkpoint's, fused already, whole);
 every parameter must be filled exactly once, and a missing, unexpected or misshapen weight is a
 ``ModelFileError`` that names it and its file.
 """
@@ -212,6 +213,9 @@ def _checkpoint_targets(config: ModelConfig) -> dict[str, tuple[str, int]]:
         attn = f"{layer}.self_attn"
         kinds = ("weight", "bias") if config.attention_bias else ("weight",)
         for kind in kinds:
+            if config.fused_checkpoint:
+                targets[f"{attn}.qkv_proj.{kind}"] = (f"{attn}.qkv_proj.{kind}", 0)
+                continue
             targets[f"{attn}.q_proj.{kind}"] = (f"{attn}.qkv_proj.{kind}", 0)
             targets[f"{attn}.k_proj.{kind}"] = (f"{attn}.qkv_proj.{kind}", q_rows)
             targets[f"{attn}.v_proj.{kind}"] = (f"{attn}.qkv_proj.{kind}", q_rows + kv_rows)
@@ -220,8 +224,14 @@ def _checkpoint_targets(config: ModelConfig) -> dict[str, tuple[str, int]]:
             targets[f"{attn}.q_norm.weight"] = (f"{attn}.q_norm.weight", 0)
             targets[f"{attn}.k_norm.weight"] = (f"{attn}.k_norm.weight", 0)
         mlp = f"{layer}.mlp"
-        targets[f"{mlp}.gate_proj.weight"] = (f"{mlp}.gate_up_proj.weight", 0)
-        targets[f"{mlp}.up_proj.weight"] = (f"{mlp}.gate_up_proj.weight", config.intermediate_size)
+        if config.fused_checkpoint:  # gate rows first, then up: our order
+            targets[f"{mlp}.gate_up_proj.weight"] = (f"{mlp}.gate_up_proj.weight", 0)
+        else:
+            targets[f"{mlp}.gate_proj.weight"] = (f"{mlp}.gate_up_proj.weight", 0)
+            targets[f"{mlp}.up_proj.weight"] = (
+                f"{mlp}.gate_up_proj.weight",
+                config.intermediate_size,
+            )
         targets[f"{mlp}.down_proj.weight"] = (f"{mlp}.down_proj.weight", 0)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             targets[f"{layer}.{norm}.weight"] = (f"{layer}.{norm}.weight", 0)

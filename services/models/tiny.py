@@ -38,6 +38,7 @@ from transformers import (
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PreTrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -49,7 +50,7 @@ from transformers.utils import logging as hf_logging
 
 logger = logging.getLogger(__name__)
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3")
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -324,6 +325,12 @@ def build_config(
             residual_multiplier=0.5,
             attention_multiplier=1.0 / size.head_dim,
             logits_scaling=2.0,
+        )
+    if arch == "phi3":
+        # Phi-3-mini-4k's shape of config (its sliding window aside); the checkpoint's
+        # qkv_proj and gate_up_proj come fused.
+        return Phi3Config(
+            **common, rope_parameters=default_rope, sliding_window=None, tie_word_embeddings=False
         )
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 

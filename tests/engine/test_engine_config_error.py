@@ -288,3 +288,23 @@ def test_granite_multipliers_are_read_and_checked() -> None:
     for bad in (0, -1.5, "2", True, float("inf")):
         with pytest.raises(EngineConfigError, match="logits_scaling must be a positive number"):
             ModelConfig.from_hf_dict({**granite, "logits_scaling": bad})
+
+
+@pytest.mark.parametrize(
+    ("rope", "message"),
+    [
+        (
+            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
+            r"partial_rotary_factor 0\.75 \(rotary over part of each head\) is not supported",
+        ),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+        ({"rope_scaling": {"type": "longrope", "short_factor": [1.0]}}, "rope_type 'longrope'"),
+    ],
+)
+def test_phi_rotary_variants_not_built_are_refused_by_name(rope: dict, message: str) -> None:
+    phi3 = {**smollm3_config(), "architectures": ["Phi3ForCausalLM"], **rope}
+    with pytest.raises(EngineConfigError, match=message):
+        ModelConfig.from_hf_dict(phi3)
+    # A plain Phi-3 (or Phi-4) reads, its checkpoint's projections fused.
+    plain = ModelConfig.from_hf_dict({**smollm3_config(), "architectures": ["Phi3ForCausalLM"]})
+    assert plain.fused_checkpoint and not plain.tie_word_embeddings
