@@ -113,6 +113,8 @@ class ModelRunner:
         ``dtype_choice.choose_kv_cache_dtype`` when ``auto``). ``fp8_linears``: the decoder's
         projections hold fp8 weights (``fp8_linear.choose_fp8_linears`` decides)."""
         keep_freed_memory_mapped()
+        if model_config.is_moe:
+            check_moe_settings(model_config, config, fp8_linears=fp8_linears)
         self.structured_outputs = structured_outputs
         """Grammar matchers of constrained requests: their rows get a token bitmask."""
         self.model_config = model_config
@@ -169,11 +171,14 @@ class ModelRunner:
         if isinstance(self.backend, TorchPagedAttention) and self.device.type == "cpu":
             self._choose_prefill_kernel(self.backend)
         # Default: graphs on CUDA where the backend does not pay for the fixed table width.
-        # With LoRA too: the graphs read each row's adapter slot from their static inputs.
+        # With LoRA too: the graphs read each row's adapter slot from their static inputs. Not
+        # for a mixture of experts, whose step picks its experts on the host.
         self.use_static_decode = (
             config.cuda_graphs
             if config.cuda_graphs is not None
-            else self.device.type == "cuda" and self.backend.reads_only_context_blocks
+            else self.device.type == "cuda"
+            and self.backend.reads_only_context_blocks
+            and not model_config.is_moe
         )
         self.static_decode: StaticDecode | None = None
         # On the device: the draws are made where the logits are (_inverse_cdf).
@@ -592,6 +597,26 @@ def _is_allocation_failure(exc: BaseException) -> bool:
     allocator's RuntimeError "can't allocate memory: you tried to allocate N bytes"), not for
     a fault that must keep its traceback (a CUDA error left by an earlier kernel)."""
     return isinstance(exc, torch.OutOfMemoryError | MemoryError) or "allocate" in str(exc)
+
+
+def check_moe_settings(
+    model_config: ModelConfig, config: EngineConfig, *, fp8_linears: bool
+) -> None:
+    """What a mixture-of-experts model (``SparseMoe``) does not run with, refused naming the
+    setting: LoRA (adapters of its experts are not built), fp8 projections (its experts stay in
+    the compute dtype) and CUDA graphs (its step counts each expert's tokens on the host)."""
+    arch = model_config.architecture
+    if config.lora is not None:
+        raise EngineConfigError(f"enable_lora: LoRA on a mixture of experts ({arch}) is not built")
+    if fp8_linears:
+        raise EngineConfigError(
+            f"quantization: fp8 projections of a mixture of experts ({arch}) are not built"
+        )
+    if config.cuda_graphs:
+        raise EngineConfigError(
+            f"cuda_graphs: a mixture of experts ({arch}) runs eagerly (its step picks its "
+            "experts on the host)"
+        )
 
 
 def _first_line(exc: BaseException) -> str:

@@ -4,7 +4,8 @@ GGUF file's metadata (``gguf_file`` translates it to the same keys).
 The family: Llama and Mistral; Qwen2 (Q/K/V biases); Qwen3 (RMSNorm over each head of Q and K);
 SmolLM3 (some layers without RoPE: ``no_rope_layers``); Granite 3 (four scalar multipliers on the
 embeddings, the attention scores, each residual branch and the logits); Phi-3 and Phi-4 (their
-checkpoints hold Q/K/V and gate/up already fused)."""
+checkpoints hold Q/K/V and gate/up already fused); Mixtral and Qwen3-MoE (a mixture of SwiGLU
+experts in place of the MLP, a router choosing each token's top k)."""
 
 from __future__ import annotations
 
@@ -40,9 +41,11 @@ SUPPORTED_ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 # Architectures whose ``sliding_window`` only applies with ``use_sliding_window: true``.
-_OPT_IN_SLIDING_WINDOW = ("qwen2", "qwen3", "smollm3")
+_OPT_IN_SLIDING_WINDOW = ("qwen2", "qwen3", "smollm3", "qwen3_moe")
 # Granite's multipliers (``config.json`` keys; ModelConfig says what each scales), 1 elsewhere.
 _GRANITE_MULTIPLIERS = (
     "embedding_multiplier",
@@ -114,6 +117,21 @@ class ModelConfig:
     """Granite: the attention scores' scale, in place of 1 / sqrt(head_dim)."""
     logits_scaling: float = 1.0
     """Granite: the logits are divided by it."""
+    num_experts: int = 0
+    """Mixture-of-experts models: experts per MoE layer (0: none)."""
+    num_experts_per_tok: int = 0
+    """The experts the router picks for each token (top k)."""
+    moe_intermediate_size: int = 0
+    """An expert's intermediate size (Mixtral's is ``intermediate_size``)."""
+    norm_topk_prob: bool = True
+    """The top k routing probabilities are divided by their sum (Mixtral always; Qwen3-MoE as
+    its ``norm_topk_prob`` says)."""
+    routing_weights_in_fp32: bool = False
+    """Mixtral multiplies each expert's output by its fp32 routing weight; Qwen3-MoE rounds the
+    weights to the compute dtype first."""
+    moe_layers: frozenset[int] = frozenset()
+    """The layers whose MLP is a mixture of experts (Qwen3-MoE may keep some dense:
+    ``mlp_only_layers``, ``decoder_sparse_step``)."""
     matryoshka_dimensions: tuple[int, ...] | None = None
     """Embedding sizes the model was trained to be cut to (Matryoshka representation learning),
     from ``config.json``'s ``matryoshka_dimensions``; ``()`` where ``is_matryoshka`` allows any
@@ -213,7 +231,7 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=raw.get("tie_word_embeddings", model_type in ("qwen2", "smollm3")),
             attention_bias=raw.get("attention_bias", model_type == "qwen2"),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=sliding_window,
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
@@ -221,7 +239,60 @@ class ModelConfig:
             fused_checkpoint=model_type == "phi3",
             nope_layers=_nope_layers(raw, num_layers) if model_type == "smollm3" else frozenset(),
             **(_granite_multipliers(raw) if model_type == "granite" else {}),
+            **(_experts(raw, model_type, num_layers) if model_type in _MOE else {}),
         )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+_MOE = ("mixtral", "qwen3_moe")
+
+
+def _positive_int(raw: dict[str, Any], key: str) -> int:
+    value = raw.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise EngineConfigError(f"config.json's {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _experts(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """A mixture-of-experts model's experts, as transformers reads them: Mixtral's
+    ``num_local_experts`` of ``intermediate_size`` in every layer; Qwen3-MoE's ``num_experts``
+    of ``moe_intermediate_size`` in every ``decoder_sparse_step``-th layer not in
+    ``mlp_only_layers``."""
+    top_k = _positive_int(raw, "num_experts_per_tok")
+    if model_type == "mixtral":
+        num_experts = _positive_int(raw, "num_local_experts")
+        size, normalize, layers = raw["intermediate_size"], True, set(range(num_layers))
+    else:
+        # Qwen's checkpoints say num_experts; transformers 5 writes num_local_experts.
+        key = "num_experts" if "num_experts" in raw else "num_local_experts"
+        num_experts = _positive_int(raw, key)
+        size = _positive_int(raw, "moe_intermediate_size")
+        normalize = bool(raw.get("norm_topk_prob", False))
+        step = raw.get("decoder_sparse_step", 1)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise EngineConfigError(
+                f"config.json's decoder_sparse_step must be a positive integer, got {step!r}"
+            )
+        dense = raw.get("mlp_only_layers") or []
+        if not isinstance(dense, list):
+            raise EngineConfigError(f"config.json's mlp_only_layers must be a list, got {dense!r}")
+        layers = {i for i in range(num_layers) if i not in dense and (i + 1) % step == 0}
+    if top_k > num_experts:
+        raise EngineConfigError(
+            f"config.json's num_experts_per_tok ({top_k}) exceeds its {num_experts} experts"
+        )
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": size,
+        "norm_topk_prob": normalize,
+        "routing_weights_in_fp32": model_type == "mixtral",
+        "moe_layers": frozenset(layers),
+    }
 
 
 def _nope_layers(raw: dict[str, Any], num_layers: int) -> frozenset[int]:

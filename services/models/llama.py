@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite, Phi-3) over a flattened,
-paged batch (``config.py`` says what each adds to Llama).
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite, Phi-3, and the
+mixtures of experts Mixtral and Qwen3-MoE) over a flattened, paged batch (``config.py`` says what
+each adds to Llama).
 
 Inputs are flat: a step's tokens from every request are concatenated, ``[num_tokens]``, and
 attention finds each request's context through ``AttentionMetadata``. Q/K/V and gate/up
@@ -101,13 +102,76 @@ class MLP(nn.Module):
         return _scaled(out, self.output_multiplier)
 
 
+class SparseMoe(nn.Module):
+    """A mixture of SwiGLU experts in place of the MLP (Mixtral, Qwen3-MoE), as transformers
+    computes it: a router's softmax over the experts picks each token's top k, whose outputs are
+    summed weighted by those probabilities (divided by their sum where ``norm_topk_prob``).
+
+    The experts' weights are stacked into two parameters, expert e's rows at ``e * 2I`` (gate,
+    then up) and at ``e * H`` (down), which the loader fills from the checkpoint's per-expert
+    tensors. Each expert that a step's tokens picked runs once on those tokens' rows; the others
+    not at all (on the host: the counts come back to Python, a device sync on a GPU).
+    """
+
+    def __init__(self, config: ModelConfig, ops: LayerOps) -> None:
+        super().__init__()
+        experts, size, hidden = (
+            config.num_experts,
+            config.moe_intermediate_size,
+            config.hidden_size,
+        )
+        self.num_experts, self.top_k = experts, config.num_experts_per_tok
+        self.size, self.hidden = size, hidden
+        self.normalize = config.norm_topk_prob
+        self.fp32_weights = config.routing_weights_in_fp32
+        # Plain parameters, not nn.Linear: the packing and fp8 passes leave them alone.
+        self.router_weight = nn.Parameter(torch.empty(experts, hidden))  # [E, H]
+        self.experts_gate_up = nn.Parameter(torch.empty(experts * 2 * size, hidden))  # [E*2I, H]
+        self.experts_down = nn.Parameter(torch.empty(experts * hidden, size))  # [E*H, I]
+        self.output_multiplier = config.residual_multiplier
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, hidden] → [num_tokens, hidden]."""
+        logits = nn.functional.linear(x, self.router_weight)  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = (weights if self.fp32_weights else weights.to(x.dtype)).flatten()  # [T*k]
+        # The (token, slot) pairs grouped by expert, in token order within each.
+        order = torch.argsort(chosen.flatten(), stable=True)
+        counts = torch.bincount(chosen.flatten(), minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            pairs = order[start : start + count]
+            start += count
+            tokens = pairs // self.top_k
+            gate_up = self.experts_gate_up.narrow(0, expert * 2 * self.size, 2 * self.size)
+            down = self.experts_down.narrow(0, expert * self.hidden, self.hidden)
+            h = self.ops.silu_and_mul(nn.functional.linear(x[tokens], gate_up))
+            y = nn.functional.linear(h, down) * weights[pairs, None]
+            # Ascending experts, as transformers adds them: the same sums in the same order.
+            out.index_add_(0, tokens, y.to(out.dtype))
+        return _scaled(out, self.output_multiplier)
+
+
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps, *, use_rope: bool
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        ops: LayerOps,
+        *,
+        use_rope: bool,
+        moe: bool = False,
     ):
         super().__init__()
         self.self_attn = Attention(config, backend, ops, use_rope=use_rope)
-        self.mlp = MLP(config, ops)
+        self.mlp: MLP | SparseMoe = SparseMoe(config, ops) if moe else MLP(config, ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ops = ops
@@ -149,7 +213,13 @@ class LlamaModel(nn.Module):
             _weight=torch.empty(config.vocab_size, config.hidden_size),
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, ops, use_rope=i not in config.nope_layers)
+            DecoderLayer(
+                config,
+                backend,
+                ops,
+                use_rope=i not in config.nope_layers,
+                moe=i in config.moe_layers,
+            )
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -198,6 +198,25 @@ def _named(
         yield name, tensor, origin
 
 
+def _expert_targets(config: ModelConfig, layer: str) -> dict[str, tuple[str, int]]:
+    """A mixture-of-experts layer's router and per-expert projections → ``SparseMoe``'s stacked
+    parameters (Mixtral's ``block_sparse_moe`` with w1 gate, w3 up, w2 down; Qwen3-MoE's
+    ``mlp`` with gate_proj, up_proj, down_proj)."""
+    size, hidden = config.moe_intermediate_size, config.hidden_size
+    ours = f"{layer}.mlp"
+    if config.model_type == "mixtral":
+        theirs, names = f"{layer}.block_sparse_moe", ("w1", "w3", "w2")
+    else:
+        theirs, names = f"{layer}.mlp", ("gate_proj", "up_proj", "down_proj")
+    targets = {f"{theirs}.gate.weight": (f"{ours}.router_weight", 0)}
+    for e in range(config.num_experts):
+        gate, up, down = (f"{theirs}.experts.{e}.{name}.weight" for name in names)
+        targets[gate] = (f"{ours}.experts_gate_up", e * 2 * size)
+        targets[up] = (f"{ours}.experts_gate_up", e * 2 * size + size)
+        targets[down] = (f"{ours}.experts_down", e * hidden)
+    return targets
+
+
 def _checkpoint_targets(config: ModelConfig) -> dict[str, tuple[str, int]]:
     """Checkpoint weight name → (our parameter name, first row inside it)."""
     q_rows = config.num_heads * config.head_dim
@@ -224,7 +243,9 @@ def _checkpoint_targets(config: ModelConfig) -> dict[str, tuple[str, int]]:
             targets[f"{attn}.q_norm.weight"] = (f"{attn}.q_norm.weight", 0)
             targets[f"{attn}.k_norm.weight"] = (f"{attn}.k_norm.weight", 0)
         mlp = f"{layer}.mlp"
-        if config.fused_checkpoint:  # gate rows first, then up: our order
+        if i in config.moe_layers:
+            targets.update(_expert_targets(config, layer))
+        elif config.fused_checkpoint:  # gate rows first, then up: our order
             targets[f"{mlp}.gate_up_proj.weight"] = (f"{mlp}.gate_up_proj.weight", 0)
         else:
             targets[f"{mlp}.gate_proj.weight"] = (f"{mlp}.gate_up_proj.weight", 0)
@@ -232,7 +253,8 @@ def _checkpoint_targets(config: ModelConfig) -> dict[str, tuple[str, int]]:
                 f"{mlp}.gate_up_proj.weight",
                 config.intermediate_size,
             )
-        targets[f"{mlp}.down_proj.weight"] = (f"{mlp}.down_proj.weight", 0)
+        if i not in config.moe_layers:
+            targets[f"{mlp}.down_proj.weight"] = (f"{mlp}.down_proj.weight", 0)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             targets[f"{layer}.{norm}.weight"] = (f"{layer}.{norm}.weight", 0)
     return targets

@@ -38,19 +38,21 @@ from transformers import (
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Phi3Config,
     PreTrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
     SmolLM3Config,
 )
 from transformers.utils import logging as hf_logging
 
 logger = logging.getLogger(__name__)
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3", "mixtral", "qwen3_moe")
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -332,6 +334,31 @@ def build_config(
         return Phi3Config(
             **common, rope_parameters=default_rope, sliding_window=None, tie_word_embeddings=False
         )
+    if arch == "mixtral":
+        # Four experts, two a token, each of intermediate_size.
+        return MixtralConfig(
+            **common,
+            rope_parameters=default_rope,
+            head_dim=size.head_dim,
+            sliding_window=None,
+            tie_word_embeddings=False,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        )
+    if arch == "qwen3_moe":
+        # Eight experts of a quarter of intermediate_size, two a token, their probabilities
+        # renormalized (as Qwen3-30B-A3B); the second layer keeps a dense MLP.
+        return Qwen3MoeConfig(
+            **common,
+            rope_parameters=default_rope,
+            head_dim=size.head_dim,
+            tie_word_embeddings=False,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=size.intermediate_size // 4,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        )
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 
@@ -355,9 +382,10 @@ def _init_weights(model: PreTrainedModel, seed: int) -> None:
             std = output_std
         elif name.endswith(".bias"):
             std = _BIAS_STD
-        elif param.dim() == 2:
-            # Variance 1/fan_in keeps every projection's output at unit scale.
-            std = 1.0 / math.sqrt(param.shape[1])
+        elif param.dim() in (2, 3):
+            # Variance 1/fan_in keeps every projection's output at unit scale (a mixture of
+            # experts' stacked [experts, out, in] weights too; its router's logits too).
+            std = 1.0 / math.sqrt(param.shape[-1])
         else:
             raise AssertionError(f"no init rule for parameter {name} of shape {tuple(param.shape)}")
         if std is None:

@@ -308,3 +308,63 @@ def test_phi_rotary_variants_not_built_are_refused_by_name(rope: dict, message: 
     # A plain Phi-3 (or Phi-4) reads, its checkpoint's projections fused.
     plain = ModelConfig.from_hf_dict({**smollm3_config(), "architectures": ["Phi3ForCausalLM"]})
     assert plain.fused_checkpoint and not plain.tie_word_embeddings
+
+
+def moe_config(arch: str, **changes: object) -> dict:
+    experts = {"num_local_experts": 4} if arch == "MixtralForCausalLM" else {"num_experts": 8}
+    extra = {} if arch == "MixtralForCausalLM" else {"moe_intermediate_size": 32}
+    base = {**smollm3_config(), "architectures": [arch], "num_experts_per_tok": 2}
+    return {**base, **experts, **extra, **changes}
+
+
+def test_mixture_of_experts_layers_are_read_as_transformers_reads_them() -> None:
+    mixtral = ModelConfig.from_hf_dict(moe_config("MixtralForCausalLM"))
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok) == (4, 2)
+    assert mixtral.moe_intermediate_size == 128 and mixtral.norm_topk_prob
+    assert mixtral.moe_layers == set(range(8)) and mixtral.routing_weights_in_fp32
+    qwen = ModelConfig.from_hf_dict(
+        moe_config("Qwen3MoeForCausalLM", decoder_sparse_step=2, mlp_only_layers=[3])
+    )
+    # Every second layer (from the second) but the fourth; no renormalization by default.
+    assert qwen.moe_layers == {1, 5, 7} and not qwen.norm_topk_prob
+    assert qwen.moe_intermediate_size == 32 and qwen.qk_norm
+    # transformers 5 writes Qwen3-MoE's expert count under Mixtral's key.
+    renamed = moe_config("Qwen3MoeForCausalLM")
+    renamed["num_local_experts"] = renamed.pop("num_experts")
+    assert ModelConfig.from_hf_dict(renamed).num_experts == 8
+    assert not ModelConfig.from_hf_dict(smollm3_config()).is_moe
+
+
+@pytest.mark.parametrize(
+    ("arch", "changes", "message"),
+    [
+        ("MixtralForCausalLM", {"num_local_experts": 0}, "num_local_experts must be a positive"),
+        ("MixtralForCausalLM", {"num_experts_per_tok": 5}, r"num_experts_per_tok \(5\) exceeds"),
+        ("Qwen3MoeForCausalLM", {"moe_intermediate_size": None}, "moe_intermediate_size"),
+        ("Qwen3MoeForCausalLM", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
+        ("Qwen3MoeForCausalLM", {"mlp_only_layers": 3}, "mlp_only_layers must be a list"),
+    ],
+)
+def test_a_bad_mixture_of_experts_config_is_refused_naming_the_key(arch, changes, message) -> None:
+    with pytest.raises(EngineConfigError, match=message):
+        ModelConfig.from_hf_dict(moe_config(arch, **changes))
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"enable_lora": True}, "enable_lora: LoRA on a mixture of experts"),
+        ({"quantization": "fp8"}, "quantization: fp8 projections of a mixture of experts"),
+        ({"cuda_graphs": True}, "cuda_graphs: a mixture of experts"),
+    ],
+)
+def test_what_a_mixture_of_experts_does_not_run_with_is_refused_naming_it(
+    tiny_model_factory, setting: dict, message: str
+) -> None:
+    with pytest.raises(EngineConfigError, match=message):
+        LLM(
+            tiny_model_factory("mixtral"),
+            dtype="float32",
+            kv_cache_memory=KV_CACHE_MEMORY,
+            **setting,
+        )
