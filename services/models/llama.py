@@ -102,15 +102,26 @@ class MLP(nn.Module):
         return _scaled(out, self.output_multiplier)
 
 
+GROUPED_MIN_TOKENS = 4
+"""Tokens from which ``SparseMoe`` runs its experts as grouped GEMMs on a CPU: below, the grouped
+GEMM's cost for every expert, hit or not, outweighs the loop's per expert hit (one token with 128
+experts, top 8: 0.74 ms against 0.51; 4 tokens: 1.49 against 1.61; ``benchmarks/moe_experts.py``,
+docs/benchmarks.md)."""
+
+
 class SparseMoe(nn.Module):
     """A mixture of SwiGLU experts in place of the MLP (Mixtral, Qwen3-MoE), as transformers
     computes it: a router's softmax over the experts picks each token's top k, whose outputs are
     summed weighted by those probabilities (divided by their sum where ``norm_topk_prob``).
 
-    The experts' weights are stacked into two parameters, expert e's rows at ``e * 2I`` (gate,
-    then up) and at ``e * H`` (down), which the loader fills from the checkpoint's per-expert
-    tensors. Each expert that a step's tokens picked runs once on those tokens' rows; the others
-    not at all (on the host: the counts come back to Python, a device sync on a GPU).
+    The experts' weights are stacked, ``[E, 2I, H]`` (gate rows, then up) and ``[E, H, I]``
+    (down), which the loader fills from the checkpoint's per-expert tensors. A step's (token,
+    expert) pairs are sorted by expert; on a CPU, from ``GROUPED_MIN_TOKENS`` tokens, both
+    products then run as one grouped GEMM each (``torch._grouped_mm``, the expert groups given by
+    their end offsets), where a loop over the experts costs a handful of torch calls per expert
+    hit: with 128 experts (Qwen3-30B-A3B's) a 64-token step hits nearly all of them in every
+    layer. Below that, and on other devices (untested on a GPU, where the grouped GEMM takes bf16
+    only), the loop runs each expert hit on its tokens' rows.
     """
 
     def __init__(self, config: ModelConfig, ops: LayerOps) -> None:
@@ -121,13 +132,14 @@ class SparseMoe(nn.Module):
             config.hidden_size,
         )
         self.num_experts, self.top_k = experts, config.num_experts_per_tok
-        self.size, self.hidden = size, hidden
         self.normalize = config.norm_topk_prob
         self.fp32_weights = config.routing_weights_in_fp32
         # Plain parameters, not nn.Linear: the packing and fp8 passes leave them alone.
         self.router_weight = nn.Parameter(torch.empty(experts, hidden))  # [E, H]
-        self.experts_gate_up = nn.Parameter(torch.empty(experts * 2 * size, hidden))  # [E*2I, H]
-        self.experts_down = nn.Parameter(torch.empty(experts * hidden, size))  # [E*H, I]
+        self.experts_gate_up = nn.Parameter(torch.empty(experts, 2 * size, hidden))  # [E, 2I, H]
+        self.experts_down = nn.Parameter(torch.empty(experts, hidden, size))  # [E, H, I]
+        self.grouped = True
+        """Grouped GEMMs on a CPU from GROUPED_MIN_TOKENS tokens; False: the loop always."""
         self.output_multiplier = config.residual_multiplier
         self.ops = ops
 
@@ -139,24 +151,36 @@ class SparseMoe(nn.Module):
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = (weights if self.fp32_weights else weights.to(x.dtype)).flatten()  # [T*k]
-        # The (token, slot) pairs grouped by expert, in token order within each.
-        order = torch.argsort(chosen.flatten(), stable=True)
-        counts = torch.bincount(chosen.flatten(), minlength=self.num_experts).tolist()
+        # The (token, slot) pairs grouped by expert, in token order within each: [T*k].
+        experts = chosen.flatten()
+        pairs = torch.argsort(experts, stable=True)
+        counts = torch.bincount(experts, minlength=self.num_experts)  # [E]
+        tokens = pairs // self.top_k
+        if self.grouped and x.device.type == "cpu" and x.shape[0] >= GROUPED_MIN_TOKENS:
+            ends = torch.cumsum(counts, 0, dtype=torch.int32)
+            h = torch._grouped_mm(x[tokens], self.experts_gate_up.transpose(1, 2), offs=ends)
+            h = self.ops.silu_and_mul(h)  # [T*k, I]
+            y = torch._grouped_mm(h, self.experts_down.transpose(1, 2), offs=ends)
+            y = y * weights[pairs, None]
+        else:
+            y = self._expert_loop(x, tokens, counts.tolist()) * weights[pairs, None]
+        # A token's pairs in ascending expert order, as transformers adds them: the same sums.
         out = torch.zeros_like(x)
-        start = 0
+        return _scaled(out.index_add_(0, tokens, y.to(out.dtype)), self.output_multiplier)
+
+    def _expert_loop(
+        self, x: torch.Tensor, tokens: torch.Tensor, counts: list[int]
+    ) -> torch.Tensor:
+        """The experts' outputs [T*k, H] for the pairs sorted by expert, one expert at a time."""
+        outputs, start = [], 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
-            pairs = order[start : start + count]
+            rows = x[tokens[start : start + count]]
             start += count
-            tokens = pairs // self.top_k
-            gate_up = self.experts_gate_up.narrow(0, expert * 2 * self.size, 2 * self.size)
-            down = self.experts_down.narrow(0, expert * self.hidden, self.hidden)
-            h = self.ops.silu_and_mul(nn.functional.linear(x[tokens], gate_up))
-            y = nn.functional.linear(h, down) * weights[pairs, None]
-            # Ascending experts, as transformers adds them: the same sums in the same order.
-            out.index_add_(0, tokens, y.to(out.dtype))
-        return _scaled(out, self.output_multiplier)
+            h = self.ops.silu_and_mul(nn.functional.linear(rows, self.experts_gate_up[expert]))
+            outputs.append(nn.functional.linear(h, self.experts_down[expert]))
+        return torch.cat(outputs)
 
 
 class DecoderLayer(nn.Module):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from services.host_memory import advise_huge_pages
 from services.models.attention import AttentionBackend
@@ -135,7 +136,7 @@ def load_model(
         elif fp8_module is None and isinstance(tensor, QuantizedWeight):
             tensor = tensor.dequantize()
         shape = tensor.values.shape if isinstance(tensor, QuantizedWeight) else tensor.shape
-        rows = params[param_name].data.narrow(0, offset, shape[0])
+        rows = _parameter(params, param_name).narrow(0, offset, shape[0])
         if rows.shape != shape:
             raise ModelFileError(
                 origin,
@@ -198,11 +199,20 @@ def _named(
         yield name, tensor, origin
 
 
+def _parameter(params: dict[str, nn.Parameter], name: str) -> torch.Tensor:
+    """The parameter ``name``, or, for ``NAME.E``, expert E's matrix of a stacked ``[experts,
+    rows, columns]`` parameter (``SparseMoe``'s)."""
+    if name in params:
+        return params[name].data
+    stacked, _, index = name.rpartition(".")
+    return params[stacked].data[int(index)]
+
+
 def _expert_targets(config: ModelConfig, layer: str) -> dict[str, tuple[str, int]]:
     """A mixture-of-experts layer's router and per-expert projections → ``SparseMoe``'s stacked
-    parameters (Mixtral's ``block_sparse_moe`` with w1 gate, w3 up, w2 down; Qwen3-MoE's
-    ``mlp`` with gate_proj, up_proj, down_proj)."""
-    size, hidden = config.moe_intermediate_size, config.hidden_size
+    parameters, expert e's matrix named ``PARAM.e`` (Mixtral's ``block_sparse_moe`` with w1 gate,
+    w3 up, w2 down; Qwen3-MoE's ``mlp`` with gate_proj, up_proj, down_proj)."""
+    size = config.moe_intermediate_size
     ours = f"{layer}.mlp"
     if config.model_type == "mixtral":
         theirs, names = f"{layer}.block_sparse_moe", ("w1", "w3", "w2")
@@ -211,9 +221,9 @@ def _expert_targets(config: ModelConfig, layer: str) -> dict[str, tuple[str, int
     targets = {f"{theirs}.gate.weight": (f"{ours}.router_weight", 0)}
     for e in range(config.num_experts):
         gate, up, down = (f"{theirs}.experts.{e}.{name}.weight" for name in names)
-        targets[gate] = (f"{ours}.experts_gate_up", e * 2 * size)
-        targets[up] = (f"{ours}.experts_gate_up", e * 2 * size + size)
-        targets[down] = (f"{ours}.experts_down", e * hidden)
+        targets[gate] = (f"{ours}.experts_gate_up.{e}", 0)
+        targets[up] = (f"{ours}.experts_gate_up.{e}", size)
+        targets[down] = (f"{ours}.experts_down.{e}", 0)
     return targets
 
 

@@ -16,7 +16,7 @@ from services.engine import LLM, SamplingParams
 from services.models import ModelFileError
 from services.models.attention import TorchPagedAttention
 from services.models.config import ModelConfig, with_overrides
-from services.models.llama import LlamaForCausalLM
+from services.models.llama import LlamaForCausalLM, SparseMoe
 from services.models.loader import load_model
 from services.models.tiny import ARCHS
 from support.prefill_logits import prefill_logits as support_prefill_logits
@@ -314,3 +314,28 @@ def test_hf_overrides_replace_config_values_and_merge_nested_ones(tiny_llama_dir
     )
     assert longer.max_position_embeddings == 2 * plain.max_position_embeddings
     assert longer.hidden_size == plain.hidden_size
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_a_mixture_of_experts_grouped_gemm_equals_its_loop_over_experts(
+    tiny_model_factory, arch: str
+) -> None:
+    """The CPU's grouped GEMM over the tokens sorted by expert and the loop over experts (the
+    other devices' path) give the same logits, and each expert is its checkpoint tensors."""
+    model_dir = tiny_model_factory(arch)
+    ours = load_ours(model_dir)
+    moe_blocks = [m for m in ours.modules() if isinstance(m, SparseMoe)]
+    assert moe_blocks
+    grouped = prefill_logits(ours, PROMPTS[2])
+    for block in moe_blocks:
+        block.grouped = False
+    torch.testing.assert_close(prefill_logits(ours, PROMPTS[2]), grouped, atol=1e-5, rtol=1e-5)
+    tensors = load_file(model_dir / "model.safetensors")
+    first = moe_blocks[0]
+    prefix = "model.layers.0." + ("block_sparse_moe" if arch == "mixtral" else "mlp")
+    names = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    size = first.experts_gate_up.shape[1] // 2
+    gate, up, down = (tensors[f"{prefix}.experts.3.{name}.weight"] for name in names)
+    assert torch.equal(first.experts_gate_up[3, :size], gate)
+    assert torch.equal(first.experts_gate_up[3, size:], up)
+    assert torch.equal(first.experts_down[3], down)
