@@ -5,7 +5,8 @@ The family: Llama and Mistral; Qwen2 (Q/K/V biases); Qwen3 (RMSNorm over each he
 SmolLM3 (some layers without RoPE: ``no_rope_layers``); Granite 3 (four scalar multipliers on the
 embeddings, the attention scores, each residual branch and the logits); Phi-3 and Phi-4 (their
 checkpoints hold Q/K/V and gate/up already fused); Mixtral and Qwen3-MoE (a mixture of SwiGLU
-experts in place of the MLP, a router choosing each token's top k)."""
+experts in place of the MLP, a router choosing each token's top k); OLMo 2 (norms after attention
+and the MLP instead of before, Q and K normalized across all heads)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Olmo2ForCausalLM": "olmo2",
 }
 # Architectures whose ``sliding_window`` only applies with ``use_sliding_window: true``.
 _OPT_IN_SLIDING_WINDOW = ("qwen2", "qwen3", "smollm3", "qwen3_moe")
@@ -99,10 +101,15 @@ class ModelConfig:
     attention_bias: bool
     """Q/K/V projections carry a bias (Qwen2)."""
     qk_norm: bool
-    """RMSNorm over each head of Q and K before RoPE (Qwen3)."""
+    """RMSNorm over each head of Q and K before RoPE (Qwen3); over all of Q's heads at once and
+    all of K's where ``post_norms`` (OLMo 2)."""
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    post_norms: bool = False
+    """OLMo 2: attention and the MLP take the residual stream as it is, and their outputs are
+    normalized (``post_attention_layernorm``, ``post_feedforward_layernorm``) before each is
+    added to it; no ``input_layernorm``."""
     fused_checkpoint: bool = False
     """The checkpoint holds each layer's ``qkv_proj`` and ``gate_up_proj`` fused, in our
     layout (Phi-3), rather than q/k/v and gate/up apart."""
@@ -231,7 +238,8 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=raw.get("tie_word_embeddings", model_type in ("qwen2", "smollm3")),
             attention_bias=raw.get("attention_bias", model_type == "qwen2"),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmo2"),
+            post_norms=model_type == "olmo2",
             sliding_window=sliding_window,
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite, Phi-3, and the
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite, Phi-3, OLMo 2, and the
 mixtures of experts Mixtral and Qwen3-MoE) over a flattened, paged batch (``config.py`` says what
 each adds to Llama).
 
@@ -56,8 +56,13 @@ class Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # Per head (Qwen3), or across the heads (OLMo 2: the whole projection's width).
+        self.qk_norm_whole = config.post_norms
+        q_width, k_width = (
+            (self.q_size, self.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
+        )
+        self.q_norm = RMSNorm(q_width, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_width, config.rms_norm_eps) if config.qk_norm else None
         self.use_rope = use_rope
         self.output_multiplier = config.residual_multiplier
         self.backend = backend
@@ -72,11 +77,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # [num_tokens, q_size], [num_tokens, kv_size]
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = self.ops.rotary(q, k, rope)
@@ -196,8 +203,14 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, backend, ops, use_rope=use_rope)
         self.mlp: MLP | SparseMoe = SparseMoe(config, ops) if moe else MLP(config, ops)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_norms = config.post_norms
+        # Before attention and the MLP (Llama), or after each (OLMo 2: the same name for the
+        # one after attention, and no input_layernorm).
+        if not self.post_norms:
+            self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if self.post_norms:
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ops = ops
 
     def forward(
@@ -211,6 +224,14 @@ class DecoderLayer(nn.Module):
         """hidden: [num_tokens, hidden_size], the residual stream, updated in place; pending:
         the previous layer's MLP output not yet added to it (None before the first layer).
         Returns this layer's MLP output, pending in turn (``layer_ops``' residual stream)."""
+        if self.post_norms:
+            if pending is not None:
+                hidden.add_(pending)
+            attn = self.self_attn(rope, hidden, kv_cache, metadata)
+            norm = self.post_attention_layernorm
+            hidden.add_(self.ops.rms_norm(attn, None, norm.weight, norm.eps))
+            norm = self.post_feedforward_layernorm
+            return self.ops.rms_norm(self.mlp(hidden), None, norm.weight, norm.eps)
         norm = self.input_layernorm
         normed = self.ops.rms_norm(hidden, pending, norm.weight, norm.eps)
         attn = self.self_attn(rope, normed, kv_cache, metadata)

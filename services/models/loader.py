@@ -252,6 +252,9 @@ def _checkpoint_targets(config: ModelConfig) -> dict[str, tuple[str, int]]:
         if config.qk_norm:
             targets[f"{attn}.q_norm.weight"] = (f"{attn}.q_norm.weight", 0)
             targets[f"{attn}.k_norm.weight"] = (f"{attn}.k_norm.weight", 0)
+        norms = ("input_layernorm", "post_attention_layernorm")
+        if config.post_norms:
+            norms = ("post_attention_layernorm", "post_feedforward_layernorm")
         mlp = f"{layer}.mlp"
         if i in config.moe_layers:
             targets.update(_expert_targets(config, layer))
@@ -265,6 +268,6 @@ def _checkpoint_targets(config: ModelConfig) -> dict[str, tuple[str, int]]:
             )
         if i not in config.moe_layers:
             targets[f"{mlp}.down_proj.weight"] = (f"{mlp}.down_proj.weight", 0)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        for norm in norms:
             targets[f"{layer}.{norm}.weight"] = (f"{layer}.{norm}.weight", 0)
     return targets

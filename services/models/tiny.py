@@ -39,6 +39,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Olmo2Config,
     Phi3Config,
     PreTrainedConfig,
     PreTrainedModel,
@@ -52,7 +53,18 @@ from transformers.utils import logging as hf_logging
 
 logger = logging.getLogger(__name__)
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3", "mixtral", "qwen3_moe")
+ARCHS = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "smollm3",
+    "granite",
+    "phi3",
+    "mixtral",
+    "qwen3_moe",
+    "olmo2",
+)
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -359,6 +371,8 @@ def build_config(
             norm_topk_prob=True,
             mlp_only_layers=[1],
         )
+    if arch == "olmo2":
+        return Olmo2Config(**common, rope_parameters=default_rope, tie_word_embeddings=False)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 
