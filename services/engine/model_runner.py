@@ -115,6 +115,10 @@ class ModelRunner:
         keep_freed_memory_mapped()
         if model_config.is_moe:
             check_moe_settings(model_config, config, fp8_linears=fp8_linears)
+        if model_config.hidden_act != "silu" and config.lora is not None:
+            raise EngineConfigError(
+                f"enable_lora: LoRA on {model_config.architecture}'s GELU-gated MLP is not built"
+            )
         self.structured_outputs = structured_outputs
         """Grammar matchers of constrained requests: their rows get a token bitmask."""
         self.model_config = model_config
@@ -140,6 +144,12 @@ class ModelRunner:
             block_size=config.cache.block_size,
             scale=model_config.attention_scale,
         )
+        if model_config.sliding_layers and not isinstance(self.backend, TorchPagedAttention):
+            raise EngineConfigError(
+                f"attention_backend: {model_config.architecture}'s sliding-window layers run "
+                "on the torch and native (CPU) backends only, not on "
+                f"{type(self.backend).__name__}"
+            )
         ops = make_layer_ops(self.backend)
         logger.info("decoder elementwise steps: %s", ops.describe())
         self.model = load_model(
@@ -153,7 +163,12 @@ class ModelRunner:
             fp8_linears=fp8_linears,
         )
         # CPU bf16 and fp32: weights in oneDNN's blocked layout, packed once (packed_linear.py).
-        pack_linears(self.model, self.device, self.dtype)
+        pack_linears(
+            self.model,
+            self.device,
+            self.dtype,
+            silu_gate_up=model_config.hidden_act == "silu",
+        )
         self.lora: LoraState | None = None
         """The adapters in their slots, and each step's mask of them, where ``config.lora``
         turned LoRA on."""

@@ -196,10 +196,13 @@ class AttentionBackend(ABC):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
         """query: [num_tokens, num_heads, head_dim]; key, value: [num_tokens, num_kv_heads,
         head_dim]; kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim].
-        Returns [num_tokens, num_heads, head_dim]."""
+        Returns [num_tokens, num_heads, head_dim]. ``window``: a query at position p attends to
+        the keys at positions (p - window, p] only (Gemma 3's sliding layers, transformers'
+        rule); None: to every key up to p."""
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -238,18 +241,24 @@ class TorchPagedAttention(AttentionBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         # Write first: a chunk attends to its own new tokens through the cache.
         key, value = self.write_cache(key, value, key_cache, value_cache, metadata)
 
         if 0 < metadata.num_decodes == query.shape[0]:  # a decode step: no output to assemble
-            return self._decode(query, key_cache, value_cache, metadata)
+            return self._decode(query, key_cache, value_cache, metadata, window)
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if metadata.num_decodes:
             num = metadata.num_decodes
-            output[:num] = self._decode(query[:num], key_cache, value_cache, metadata)
-        self.attend_prefills(query, key, value, key_cache, value_cache, metadata, output)
+            output[:num] = self._decode(query[:num], key_cache, value_cache, metadata, window)
+        if window is not None:
+            self.attend_window_prefills(
+                query, key, value, key_cache, value_cache, metadata, output, window
+            )
+        else:
+            self.attend_prefills(query, key, value, key_cache, value_cache, metadata, output)
         return output
 
     def write_cache(
@@ -307,12 +316,39 @@ class TorchPagedAttention(AttentionBackend):
                 span,
             )
 
+    def attend_window_prefills(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        output: torch.Tensor,
+        window: int,
+    ) -> None:
+        """``attend_prefills`` for a sliding-window layer: each chunk on its own, its mask
+        holding each query's last ``window`` positions (key, value: the chunks' K/V as written
+        to the cache, in its dtype)."""
+        for span in metadata.prefills:
+            end = span.token_start + span.num_tokens
+            output[span.token_start : end] = self._prefill(
+                query[span.token_start : end],
+                key[span.token_start : end],
+                value[span.token_start : end],
+                key_cache,
+                value_cache,
+                span,
+                window,
+            )
+
     def _decode(
         self,
         query: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
         num_decodes, num_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[2]
@@ -329,9 +365,14 @@ class TorchPagedAttention(AttentionBackend):
         )
         # Widened to the query's dtype (a no-op when the cache holds it): SDPA takes one dtype.
         keys, values = keys.transpose(1, 2).to(query.dtype), values.transpose(1, 2).to(query.dtype)
-        # mask: [num_decodes, 1, 1, max_len], True where a real context token sits.
+        # mask: [num_decodes, 1, 1, max_len], True where a real context token sits (within the
+        # window where there is one: the query sits at seq_len - 1).
         positions = torch.arange(max_len, device=query.device)
-        mask = (positions[None, :] < metadata.decode_seq_lens[:, None])[:, None, None, :]
+        seq_lens = metadata.decode_seq_lens[:, None]
+        mask = positions[None, :] < seq_lens
+        if window is not None:
+            mask &= positions[None, :] >= seq_lens - window
+        mask = mask[:, None, None, :]
         # q: [num_decodes, num_kv_heads, queries_per_kv, head_dim]
         q = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
@@ -420,11 +461,12 @@ class TorchPagedAttention(AttentionBackend):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         span: PrefillSpan,
+        window: int | None = None,
     ) -> torch.Tensor:
         # q: [1, num_heads, num_tokens, head_dim]. Batched 4-D: given 3-D tensors, torch's CPU
         # SDPA takes its math path (2,048 tokens, 12 / 4 heads x 64, bf16: 320 against 10 ms).
         q = query.transpose(0, 1)[None]
-        if span.start_position == 0:
+        if span.start_position == 0 and window is None:
             # Nothing cached before the chunk: attend to the fresh K/V with a causal mask.
             out = F.scaled_dot_product_attention(
                 q,
@@ -443,7 +485,10 @@ class TorchPagedAttention(AttentionBackend):
         keys, values = keys[:context_len].to(query.dtype), values[:context_len].to(query.dtype)
         # mask: [num_tokens, context_len]; query i sits at position start_position + i.
         query_positions = torch.arange(span.num_tokens, device=q.device) + span.start_position
-        mask = torch.arange(context_len, device=q.device)[None, :] <= query_positions[:, None]
+        key_positions = torch.arange(context_len, device=q.device)[None, :]
+        mask = key_positions <= query_positions[:, None]
+        if window is not None:
+            mask &= key_positions > query_positions[:, None] - window
         out = F.scaled_dot_product_attention(
             q,
             keys.transpose(0, 1)[None],

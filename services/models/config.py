@@ -6,7 +6,9 @@ SmolLM3 (some layers without RoPE: ``no_rope_layers``); Granite 3 (four scalar m
 embeddings, the attention scores, each residual branch and the logits); Phi-3 and Phi-4 (their
 checkpoints hold Q/K/V and gate/up already fused); Mixtral and Qwen3-MoE (a mixture of SwiGLU
 experts in place of the MLP, a router choosing each token's top k); OLMo 2 (norms after attention
-and the MLP instead of before, Q and K normalized across all heads)."""
+and the MLP instead of before, Q and K normalized across all heads); Gemma 3 (text: GELU-gated
+MLP, four norms a layer scaling by 1 + weight, embeddings scaled by sqrt(hidden), and five
+sliding-window layers with their own RoPE base for every global one)."""
 
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Olmo2ForCausalLM": "olmo2",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 # Architectures whose ``sliding_window`` only applies with ``use_sliding_window: true``.
 _OPT_IN_SLIDING_WINDOW = ("qwen2", "qwen3", "smollm3", "qwen3_moe")
@@ -106,6 +109,21 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    hidden_act: str = "silu"
+    """The MLP's gate activation: ``silu`` (SwiGLU), or ``gelu_tanh`` (Gemma's GeGLU,
+    transformers' ``gelu_pytorch_tanh``)."""
+    sandwich_norms: bool = False
+    """Gemma 3: attention's and the MLP's outputs are normalized too (``post_attention_layernorm``
+    on attention's output, ``pre_feedforward_layernorm`` before the MLP,
+    ``post_feedforward_layernorm`` after it)."""
+    norm_weight_offset: float = 0.0
+    """Gemma's RMSNorm scales by 1 + weight: the loader adds this to every norm weight it reads."""
+    sliding_layers: frozenset[int] = frozenset()
+    """Gemma 3: layers that attend to their last ``local_window`` tokens only (the others, and
+    every layer of the other architectures, to the whole context)."""
+    local_window: int | None = None
+    local_rope_theta: float | None = None
+    """Gemma 3: the RoPE base of the sliding-window layers (the others take ``rope_theta``)."""
     post_norms: bool = False
     """OLMo 2: attention and the MLP take the residual stream as it is, and their outputs are
     normalized (``post_attention_layernorm``, ``post_feedforward_layernorm``) before each is
@@ -219,6 +237,8 @@ class ModelConfig:
         sliding_window = raw.get("sliding_window")
         if model_type in _OPT_IN_SLIDING_WINDOW and not raw.get("use_sliding_window", False):
             sliding_window = None
+        if model_type == "gemma3_text":  # per layer, attended as such: local_window
+            sliding_window = None
         num_layers = raw["num_hidden_layers"]
         eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -236,9 +256,11 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=raw.get("tie_word_embeddings", model_type in ("qwen2", "smollm3")),
+            tie_word_embeddings=raw.get(
+                "tie_word_embeddings", model_type in ("qwen2", "smollm3", "gemma3_text")
+            ),
             attention_bias=raw.get("attention_bias", model_type == "qwen2"),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmo2"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text"),
             post_norms=model_type == "olmo2",
             sliding_window=sliding_window,
             eos_token_ids=eos_ids,
@@ -248,6 +270,7 @@ class ModelConfig:
             nope_layers=_nope_layers(raw, num_layers) if model_type == "smollm3" else frozenset(),
             **(_granite_multipliers(raw) if model_type == "granite" else {}),
             **(_experts(raw, model_type, num_layers) if model_type in _MOE else {}),
+            **(_gemma3(raw, num_layers, hidden_size) if model_type == "gemma3_text" else {}),
         )
 
     @property
@@ -256,6 +279,70 @@ class ModelConfig:
 
 
 _MOE = ("mixtral", "qwen3_moe")
+
+
+def _gemma3(raw: dict[str, Any], num_layers: int, hidden_size: int) -> dict[str, Any]:
+    """Gemma 3's text model as transformers reads it: its layer types (``layer_types``, or every
+    ``sliding_window_pattern``-th layer global, the rest sliding), the two RoPE bases (transformers
+    5's ``rope_parameters`` per layer type, or ``rope_theta`` and ``rope_local_base_freq``), the
+    attention scale ``query_pre_attn_scalar ** -0.5``; logit soft-capping (Gemma 2's) is not
+    built."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if raw.get(key) is not None:
+            raise EngineConfigError(f"config.json's {key} (logit soft-capping) is not supported")
+    if raw.get("use_bidirectional_attention"):
+        raise EngineConfigError("config.json's use_bidirectional_attention is not supported")
+    activation = raw.get("hidden_activation", raw.get("hidden_act", "gelu_pytorch_tanh"))
+    if activation != "gelu_pytorch_tanh":
+        raise EngineConfigError(
+            f"config.json's hidden_activation {activation!r}: only gelu_pytorch_tanh is built"
+        )
+    window = _positive_int(raw, "sliding_window")
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = raw.get("sliding_window_pattern", 6)
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise EngineConfigError(
+                f"config.json's sliding_window_pattern must be a positive integer, got {pattern!r}"
+            )
+        types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(num_layers)
+        ]
+    if (
+        not isinstance(types, list)
+        or len(types) != num_layers
+        or any(t not in ("sliding_attention", "full_attention") for t in types)
+    ):
+        raise EngineConfigError(
+            f"config.json's layer_types must list {num_layers} of 'sliding_attention' and "
+            f"'full_attention', got {types!r}"
+        )
+    params = raw.get("rope_parameters") or {}
+    if "sliding_attention" in params:
+        local = params["sliding_attention"]
+        if local.get("rope_type", "default") != "default":
+            raise EngineConfigError(
+                f"unsupported rope_type {local.get('rope_type')!r} of the sliding-window layers"
+            )
+        local_theta = float(local.get("rope_theta", 10000.0))
+    else:
+        local_theta = float(raw.get("rope_local_base_freq", 10000.0))
+    scalar = raw.get("query_pre_attn_scalar", 256)
+    if isinstance(scalar, bool) or not isinstance(scalar, int | float) or not scalar > 0:
+        raise EngineConfigError(
+            f"config.json's query_pre_attn_scalar must be a positive number, got {scalar!r}"
+        )
+    return {
+        "hidden_act": "gelu_tanh",
+        "sandwich_norms": True,
+        "norm_weight_offset": 1.0,
+        "sliding_layers": frozenset(i for i, t in enumerate(types) if t == "sliding_attention"),
+        "local_window": window,
+        "local_rope_theta": local_theta,
+        "embedding_multiplier": hidden_size**0.5,
+        "attention_multiplier": float(scalar) ** -0.5,
+    }
 
 
 def _positive_int(raw: dict[str, Any], key: str) -> int:
@@ -364,9 +451,12 @@ def _architecture(raw: dict[str, Any]) -> str:
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    # transformers 5 writes ``rope_parameters`` (theta inside); older checkpoints write
-    # ``rope_theta`` and ``rope_scaling`` (with ``type`` or ``rope_type``).
+    # transformers 5 writes ``rope_parameters`` (theta inside; Gemma 3's per layer type, the
+    # global layers' here); older checkpoints write ``rope_theta`` and ``rope_scaling`` (with
+    # ``type`` or ``rope_type``).
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if "full_attention" in params:
+        params = params["full_attention"]
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in _SUPPORTED_ROPE_TYPES:

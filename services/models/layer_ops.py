@@ -48,6 +48,13 @@ class LayerOps:
         (views of the fused QKV output). Returns the rotated pair."""
         return rope.apply(query, key)
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [num_tokens, 2 * intermediate] → gelu_tanh(gate) * up (Gemma's GeGLU,
+        transformers' ``gelu_pytorch_tanh``), [num_tokens, intermediate]. torch's on every
+        path: no fused kernel of ours."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [num_tokens, 2 * intermediate] → silu(gate) * up, [num_tokens, intermediate]."""
         gate, up = gate_up.chunk(2, dim=-1)

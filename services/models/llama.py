@@ -1,6 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite, Phi-3, OLMo 2, and the
-mixtures of experts Mixtral and Qwen3-MoE) over a flattened, paged batch (``config.py`` says what
-each adds to Llama).
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3, Granite, Phi-3, OLMo 2, Gemma 3,
+and the mixtures of experts Mixtral and Qwen3-MoE) over a flattened, paged batch (``config.py``
+says what each adds to Llama).
 
 Inputs are flat: a step's tokens from every request are concatenated, ``[num_tokens]``, and
 attention finds each request's context through ``AttentionMetadata``. Q/K/V and gate/up
@@ -44,9 +44,17 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps, *, use_rope: bool
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        ops: LayerOps,
+        *,
+        use_rope: bool,
+        window: int | None = None,
     ):
+        """``window``: attend to the last ``window`` tokens only (Gemma 3's sliding layers)."""
         super().__init__()
+        self.window = window
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -87,7 +95,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = self.ops.rotary(q, k, rope)
-        out = self.backend.forward(q, k, v, kv_cache, metadata)
+        if self.window is None:
+            out = self.backend.forward(q, k, v, kv_cache, metadata)
+        else:
+            out = self.backend.forward(q, k, v, kv_cache, metadata, window=self.window)
         return _scaled(self.o_proj(out.reshape(num_tokens, self.q_size)), self.output_multiplier)
 
 
@@ -97,6 +108,7 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.output_multiplier = config.residual_multiplier
+        self.gelu = config.hidden_act == "gelu_tanh"
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,6 +116,8 @@ class MLP(nn.Module):
             # SiLU-and-mul ran in the packed GEMMs' epilogues (``packed_linear.py``), or after
             # the LoRA deltas (``lora.py``).
             out = self.down_proj(self.gate_up_proj(x))
+        elif self.gelu:
+            out = self.down_proj(self.ops.gelu_tanh_and_mul(self.gate_up_proj(x)))
         else:
             out = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
         return _scaled(out, self.output_multiplier)
@@ -199,9 +213,12 @@ class DecoderLayer(nn.Module):
         *,
         use_rope: bool,
         moe: bool = False,
+        window: int | None = None,
     ):
         super().__init__()
-        self.self_attn = Attention(config, backend, ops, use_rope=use_rope)
+        self.self_attn = Attention(config, backend, ops, use_rope=use_rope, window=window)
+        self.sliding = window is not None
+        """It takes the sliding layers' RoPE table (``LlamaModel.local_rotary``)."""
         self.mlp: MLP | SparseMoe = SparseMoe(config, ops) if moe else MLP(config, ops)
         self.post_norms = config.post_norms
         # Before attention and the MLP (Llama), or after each (OLMo 2: the same name for the
@@ -209,8 +226,11 @@ class DecoderLayer(nn.Module):
         if not self.post_norms:
             self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if self.post_norms:
+        if self.post_norms or config.sandwich_norms:
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.sandwich_norms = config.sandwich_norms
+        if self.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ops = ops
 
     def forward(
@@ -236,6 +256,12 @@ class DecoderLayer(nn.Module):
         normed = self.ops.rms_norm(hidden, pending, norm.weight, norm.eps)
         attn = self.self_attn(rope, normed, kv_cache, metadata)
         norm = self.post_attention_layernorm
+        if self.sandwich_norms:  # Gemma 3: attention's output normed, then added, then normed
+            attn = self.ops.rms_norm(attn, None, norm.weight, norm.eps)
+            norm = self.pre_feedforward_layernorm
+            out = self.mlp(self.ops.rms_norm(hidden, attn, norm.weight, norm.eps))
+            norm = self.post_feedforward_layernorm
+            return self.ops.rms_norm(out, None, norm.weight, norm.eps)
         return self.mlp(self.ops.rms_norm(hidden, attn, norm.weight, norm.eps))
 
 
@@ -244,9 +270,14 @@ class LlamaModel(nn.Module):
         self, config: ModelConfig, max_positions: int, backend: AttentionBackend, ops: LayerOps
     ):
         super().__init__()
-        # One rotary table shared by every layer.
+        # One rotary table shared by every layer (Gemma 3: a second for its sliding layers).
         self.rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling
+        )
+        self.local_rotary = (
+            RotaryEmbedding(config.head_dim, max_positions, config.local_rope_theta, None)
+            if config.local_rope_theta is not None
+            else None
         )
         # The weight is given, so nn.Embedding skips its normal_() initialisation: the loader
         # builds the model on the meta device, where normal_() goes through torch._refs and
@@ -264,6 +295,7 @@ class LlamaModel(nn.Module):
                 ops,
                 use_rope=i not in config.nope_layers,
                 moe=i in config.moe_layers,
+                window=config.local_window if i in config.sliding_layers else None,
             )
             for i in range(config.num_layers)
         )
@@ -300,9 +332,12 @@ class LlamaForCausalLM(nn.Module):
         before the final norm (the caller keeps only the rows it samples from)."""
         hidden = _scaled(self.model.embed_tokens(input_ids), self.config.embedding_multiplier)
         rope = self.model.rotary.tables(positions, hidden.dtype)
+        local = self.model.local_rotary
+        local_rope = local.tables(positions, hidden.dtype) if local is not None else rope
         pending = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            pending = layer(rope, hidden, pending, kv_cache, metadata)
+            layer_rope = local_rope if layer.sliding else rope
+            pending = layer(layer_rope, hidden, pending, kv_cache, metadata)
         if pending is not None:
             hidden.add_(pending)
         return hidden

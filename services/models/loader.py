@@ -94,6 +94,8 @@ def load_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight  # to_empty unties them
     model.model.rotary.to_device(device)
+    if model.model.local_rotary is not None:
+        model.model.local_rotary.to_device(device)
 
     params = dict(model.named_parameters())
     fp8_modules = {
@@ -171,6 +173,11 @@ def load_model(
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         )
         raise ModelFileError(model_dir, f"the checkpoint is missing weight(s): {shown}")
+    if config.norm_weight_offset:
+        # Gemma's RMSNorm scales by 1 + weight: the offset goes into the weights once.
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.data.add_(config.norm_weight_offset)
     return model.eval()
 
 
@@ -252,9 +259,11 @@ def _checkpoint_targets(config: ModelConfig) -> dict[str, tuple[str, int]]:
         if config.qk_norm:
             targets[f"{attn}.q_norm.weight"] = (f"{attn}.q_norm.weight", 0)
             targets[f"{attn}.k_norm.weight"] = (f"{attn}.k_norm.weight", 0)
-        norms = ("input_layernorm", "post_attention_layernorm")
+        norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
         if config.post_norms:
             norms = ("post_attention_layernorm", "post_feedforward_layernorm")
+        elif config.sandwich_norms:
+            norms = (*norms, "pre_feedforward_layernorm", "post_feedforward_layernorm")
         mlp = f"{layer}.mlp"
         if i in config.moe_layers:
             targets.update(_expert_targets(config, layer))

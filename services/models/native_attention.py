@@ -176,7 +176,10 @@ class NativePagedAttention(TorchPagedAttention):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
+        if window is not None:  # a sliding-window layer (Gemma 3's): the torch path's mask
+            return super()._decode(query, key_cache, value_cache, metadata, window)
         # query, output: [num_decodes, num_heads, head_dim]. The kernel reads query in place when
         # each row's heads are contiguous, as in a view of the fused QKV output (the copy it
         # saves took ~4 us a layer at 64 sequences).

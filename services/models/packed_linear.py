@@ -193,10 +193,12 @@ def packing_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str 
     return None
 
 
-def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+def pack_linears(
+    model: nn.Module, device: torch.device, dtype: torch.dtype, *, silu_gate_up: bool = True
+) -> int:
     """Replaces every ``nn.Linear`` of ``model`` with a ``PackedLinear`` (a ``gate_up_proj`` with
-    a ``PackedSiluGateUp``) when this device and dtype pack (see the module docstring); returns
-    how many were packed."""
+    a ``PackedSiluGateUp`` where ``silu_gate_up``: a SwiGLU MLP's, not Gemma's GeGLU) when this
+    device and dtype pack (see the module docstring); returns how many were packed."""
     reason = packing_unavailable_reason(device, dtype)
     if reason is not None:
         logger.info("linear weights stay in the plain layout: %s", reason)
@@ -214,7 +216,8 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     few_rows = 0
     with torch.no_grad():
         for parent, name, child in targets:
-            packed = PackedSiluGateUp(child) if name == "gate_up_proj" else PackedLinear(child)
+            fused = silu_gate_up and name == "gate_up_proj"
+            packed = PackedSiluGateUp(child) if fused else PackedLinear(child)
             few_rows += packed.few_rows is not None
             setattr(parent, name, packed)
     if dtype == torch.bfloat16:

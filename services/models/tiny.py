@@ -34,6 +34,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     GenerationConfig,
     GraniteConfig,
     LlamaConfig,
@@ -64,6 +65,7 @@ ARCHS = (
     "mixtral",
     "qwen3_moe",
     "olmo2",
+    "gemma3",
 )
 
 BOS_TOKEN = "<|begin_of_text|>"
@@ -371,6 +373,22 @@ def build_config(
             norm_topk_prob=True,
             mlp_only_layers=[1],
         )
+    if arch == "gemma3":
+        # Every other layer global, the rest attending to their last 8 tokens only, so that
+        # the window shows in short prompts; transformers' two RoPE bases (10k local, 1M global).
+        return Gemma3TextConfig(
+            **common,
+            head_dim=size.head_dim,
+            sliding_window=8,
+            layer_types=[
+                "full_attention" if i % 2 else "sliding_attention"
+                for i in range(size.num_hidden_layers)
+            ],
+            query_pre_attn_scalar=2 * size.head_dim,  # a scale other than 1 / sqrt(head_dim)
+            # Untied, as Granite's above: a tied embedding times sqrt(hidden_size) drowns the
+            # layers' outputs, and the random model repeats its last token.
+            tie_word_embeddings=False,
+        )
     if arch == "olmo2":
         return Olmo2Config(**common, rope_parameters=default_rope, tie_word_embeddings=False)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
@@ -381,6 +399,9 @@ def _init_weights(model: PreTrainedModel, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     hidden_size = model.config.hidden_size
     tied = model.config.tie_word_embeddings
+    gemma = model.config.model_type == "gemma3_text"
+    # Gemma multiplies its embeddings by sqrt(hidden_size): untied, unit-scale rows after it.
+    embedding_scale = 1.0 / math.sqrt(hidden_size) if gemma else 1.0
     # A final-norm hidden state has unit rms, so this std gives logits of std _LOGIT_STD (after
     # Granite's division by logits_scaling).
     output_std = _LOGIT_STD * getattr(model.config, "logits_scaling", 1.0) / math.sqrt(hidden_size)
@@ -388,10 +409,12 @@ def _init_weights(model: PreTrainedModel, seed: int) -> None:
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             std = None  # RMSNorm gains, q_norm/k_norm included
+            if gemma:  # Gemma's norms scale by 1 + weight: random offsets, so that each shows
+                std = 0.1
         elif name.endswith("embed_tokens.weight"):
             # Tied, the matrix serves as the output projection too; the first RMSNorm rescales
             # the small input embeddings, so only the output role constrains its scale.
-            std = output_std if tied else 1.0
+            std = output_std if tied else embedding_scale
         elif name.endswith("lm_head.weight"):
             std = output_std
         elif name.endswith(".bias"):

@@ -546,7 +546,10 @@ class TritonPagedAttention(AttentionBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
+        if window is not None:  # the engine refuses such a model with this backend first
+            raise NotImplementedError("the Triton kernels attend to the whole context only")
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         # Write first: a chunk attends to its own new tokens through the cache.
         write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)

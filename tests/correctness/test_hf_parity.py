@@ -25,7 +25,18 @@ PROMPT_LENS = (1, 5, 16, 17, 64, 100, 200, 300)
 NUM_OUTPUT_TOKENS = 32
 MAX_MODEL_LEN = 352
 BLOCK_SIZE = 16
-ARCHS = ("llama", "qwen2", "qwen3", "smollm3", "granite", "phi3", "mixtral", "qwen3_moe", "olmo2")
+ARCHS = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "smollm3",
+    "granite",
+    "phi3",
+    "mixtral",
+    "qwen3_moe",
+    "olmo2",
+    "gemma3",
+)
 
 
 def random_prompts(vocab_size: int, seed: int) -> list[list[int]]:

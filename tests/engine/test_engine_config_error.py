@@ -368,3 +368,65 @@ def test_what_a_mixture_of_experts_does_not_run_with_is_refused_naming_it(
             kv_cache_memory=KV_CACHE_MEMORY,
             **setting,
         )
+
+
+def gemma3_config(**changes: object) -> dict:
+    base = {**smollm3_config(), "architectures": ["Gemma3ForCausalLM"], "sliding_window": 16}
+    return {**base, **changes}
+
+
+def test_gemma3_layers_windows_and_rope_bases_are_read_as_transformers_reads_them() -> None:
+    old_style = ModelConfig.from_hf_dict(
+        gemma3_config(rope_theta=1e6, rope_local_base_freq=1e4, query_pre_attn_scalar=64)
+    )
+    # Without layer_types, every sixth layer is global (transformers' sliding_window_pattern).
+    assert old_style.sliding_layers == {0, 1, 2, 3, 4, 6, 7}
+    assert (old_style.rope_theta, old_style.local_rope_theta) == (1e6, 1e4)
+    assert old_style.local_window == 16 and old_style.sliding_window is None  # not a global cap
+    assert old_style.attention_scale == 64**-0.5 and old_style.embedding_multiplier == 64**0.5
+    assert old_style.tie_word_embeddings and old_style.norm_weight_offset == 1.0
+    types = ["full_attention" if i % 2 else "sliding_attention" for i in range(8)]
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 5e3},
+        "full_attention": {"rope_type": "default", "rope_theta": 2e6},
+    }
+    new_style = ModelConfig.from_hf_dict(gemma3_config(layer_types=types, rope_parameters=rope))
+    assert new_style.sliding_layers == {0, 2, 4, 6}
+    assert (new_style.rope_theta, new_style.local_rope_theta) == (2e6, 5e3)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ({"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
+        ({"layer_types": ["full_attention"] * 3}, "layer_types must list 8"),
+        ({"sliding_window": None}, "sliding_window must be a positive integer"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ],
+)
+def test_what_gemma3_does_not_run_with_is_refused_naming_the_key(changes, message: str) -> None:
+    with pytest.raises(EngineConfigError, match=message):
+        ModelConfig.from_hf_dict(gemma3_config(**changes))
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"attention_backend": "triton"}, "attention_backend: .*sliding-window layers"),
+        ({"enable_lora": True}, "enable_lora: LoRA on Gemma3ForCausalLM's GELU-gated MLP"),
+    ],
+)
+def test_what_a_gemma3_engine_does_not_run_with_is_refused_naming_it(
+    tiny_model_factory, setting: dict, message: str
+) -> None:
+    # Triton runs under its interpreter in the suite (tests/conftest.py), so the refusal is the
+    # sliding window's, not the device's.
+    with pytest.raises(EngineConfigError, match=message):
+        LLM(
+            tiny_model_factory("gemma3"),
+            dtype="float32",
+            kv_cache_memory=KV_CACHE_MEMORY,
+            **setting,
+        )
