@@ -1,7 +1,7 @@
 """Decode attention over the paged KV cache: the torch path against the native CPU kernel.
 
     python benchmarks/attention_kernels.py [--dtype bfloat16] [--threads N] [--repeats 20]
-        [--layers 1] [--block-size 16] [--contiguous-blocks]
+        [--layers 1] [--block-size 16] [--contiguous-blocks] [--window N]
 
 Times one layer's decode attention (``_decode`` of ``TorchPagedAttention`` and of
 ``NativePagedAttention``) on the small model's shapes: 12 query heads, 4 KV heads, head_dim 64,
@@ -10,6 +10,9 @@ block size 16 (``--block-size``). Each batch has ``num_seqs`` decodes whose cont
 (``--contiguous-blocks``: each sequence's blocks in a row, one sequence after another). Prints
 milliseconds per call (the best of several timed runs, as the machine may be shared) and the
 speedup.
+
+``--window N``: a sliding-window layer's decode (Gemma 3's), each sequence attending to its last
+N tokens only; the native column's GB/s then counts the window's K/V.
 
 NOTE: one layer's cache here may fit in the CPU's last-level cache, where a model's 12 layers
 do not. ``--layers 12`` gives each of 12 layers its own cache and cycles the calls over them, as
@@ -84,13 +87,14 @@ def time_decode(
     backend: TorchPagedAttention,
     layers: list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]],
     repeats: int,
+    window: int | None = None,
 ) -> float:
     """Milliseconds per call; the calls cycle over ``layers`` (query, kv_cache, metadata)."""
     calls = [(query, kv_cache[0], kv_cache[1], metadata) for query, kv_cache, metadata in layers]
 
     def run() -> None:
         for query, key_cache, value_cache, metadata in calls:
-            backend._decode(query, key_cache, value_cache, metadata)
+            backend._decode(query, key_cache, value_cache, metadata, window)
 
     return best_ms(run, repeats) / len(calls)
 
@@ -111,9 +115,14 @@ def main() -> None:
         action="store_true",
         help="each sequence's blocks in a row instead of scattered at random",
     )
+    parser.add_argument(
+        "--window", type=int, default=None, help="attend to each sequence's last N tokens only"
+    )
     args = parser.parse_args()
     if args.layers < 1 or args.repeats < 1 or args.block_size < 1:
         parser.error("--layers, --repeats and --block-size must be at least 1")
+    if args.window is not None and args.window < 1:
+        parser.error("--window must be at least 1")
 
     error = native_kernel_error()
     if error is not None:
@@ -128,7 +137,8 @@ def main() -> None:
     print(
         f"{args.dtype}, {torch.get_num_threads()} threads, {NUM_HEADS} q heads / "
         f"{NUM_KV_HEADS} kv heads x {HEAD_DIM}, block {args.block_size}"
-        f"{' (contiguous)' if args.contiguous_blocks else ''}, {args.layers} layer(s); "
+        f"{' (contiguous)' if args.contiguous_blocks else ''}, {args.layers} layer(s)"
+        f"{f', window {args.window}' if args.window else ''}; "
         "ms per layer call"
     )
     print(
@@ -140,9 +150,10 @@ def main() -> None:
             make_batch(num_seqs, context, dtype, layer, args.block_size, args.contiguous_blocks)
             for layer in range(args.layers)
         ]
-        torch_ms = time_decode(reference, layers, args.repeats)
-        native_ms = time_decode(native, layers, args.repeats)
-        kv_bytes = 2 * num_seqs * context * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
+        torch_ms = time_decode(reference, layers, args.repeats, args.window)
+        native_ms = time_decode(native, layers, args.repeats, args.window)
+        read = min(context, args.window) if args.window else context
+        kv_bytes = 2 * num_seqs * read * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
         print(
             f"{num_seqs:>8} {context:>8} {torch_ms:>9.3f} {native_ms:>9.3f} "
             f"{torch_ms / native_ms:>7.1f}x {kv_bytes / native_ms / 1e6:>12.1f}"

@@ -178,8 +178,6 @@ class NativePagedAttention(TorchPagedAttention):
         metadata: AttentionMetadata,
         window: int | None = None,
     ) -> torch.Tensor:
-        if window is not None:  # a sliding-window layer (Gemma 3's): the torch path's mask
-            return super()._decode(query, key_cache, value_cache, metadata, window)
         # query, output: [num_decodes, num_heads, head_dim]. The kernel reads query in place when
         # each row's heads are contiguous, as in a view of the fused QKV output (the copy it
         # saves took ~4 us a layer at 64 sequences).
@@ -200,5 +198,6 @@ class NativePagedAttention(TorchPagedAttention):
             metadata.decode_seq_lens,
             self.scale,
             self.isa,
+            window or 0,  # a sliding-window layer's (Gemma 3's): its last `window` tokens
         )
         return output

@@ -96,6 +96,43 @@ def test_never_reads_past_the_context(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("isa", supported_isas())
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float8_e5m2),
+    ],
+)
+@pytest.mark.parametrize("window", [1, 7, 16, 40, 300])
+def test_a_window_reads_the_last_tokens_only_like_the_torch_mask(
+    window: int, dtype: torch.dtype, cache_dtype: torch.dtype, isa: str
+) -> None:
+    """A sliding-window layer's decode (Gemma 3's): the torch path's mask, on every variant and
+    element type; the tokens before the window may hold anything (NaN here): never read."""
+    query, kv_cache, metadata = make_decode_batch(SEQ_LENS, group=3, head_dim=64, block_size=16)
+    query, kv_cache = query.to(dtype), kv_cache.to(cache_dtype)
+    reference = TorchPagedAttention(16, 64**-0.5)
+    native = NativePagedAttention(16, 64**-0.5, isa=isa)
+    poisoned = kv_cache.clone()
+    for table, n in zip(metadata.decode_block_tables, SEQ_LENS, strict=True):
+        for position in range(max(0, n - window)):
+            poisoned[:, table[position // 16], position % 16] = float("nan")
+
+    out = native._decode(query, poisoned[0], poisoned[1], metadata, window)
+
+    expected = reference._decode(query.float(), kv_cache[0], kv_cache[1], metadata, window)
+    assert not out.isnan().any()
+    tolerance = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+    if window >= max(SEQ_LENS):  # a window past every context is no window
+        whole = native._decode(query, kv_cache[0], kv_cache[1], metadata)
+        torch.testing.assert_close(out, whole, atol=0, rtol=0)
+
+
+@pytest.mark.usefixtures("kernel")
 def test_nan_in_the_context_propagates_like_torch() -> None:
     query, kv_cache, metadata = make_decode_batch([20, 9], num_kv_heads=3, group=2)
     reference, native = backends(64, 16)

@@ -2,7 +2,7 @@
 // cache also float8_e5m2).
 //
 //   torch.ops.pdserve.paged_decode_attention(out, query, key_cache, value_cache,
-//                                            block_tables, seq_lens, scale, isa)
+//                                            block_tables, seq_lens, scale, isa, window=0)
 //
 // query, out:              [num_seqs, num_heads, head_dim], float32 or bfloat16; out
 //                          contiguous, query's rows may lie apart (a view of the fused QKV
@@ -14,6 +14,9 @@
 //                          never read, so they may hold anything.
 // seq_lens:                [num_seqs] int64, context length including the new token, >= 1.
 // isa:                     the kernel variant: "avx512_bf16", "avx512", "avx2" or "portable".
+// window:                  > 0: each sequence attends to its last `window` tokens only (a
+//                          sliding-window layer's, Gemma 3's: positions (p - window, p] for the
+//                          new token at p); 0: to its whole context.
 //
 // This file is the op: it checks every argument (bad metadata is an error, not a crash), checks
 // that this CPU runs the requested variant (an error, never SIGILL), cuts the work and calls the
@@ -77,15 +80,19 @@ void paged_decode_impl(DecodeArgs& a, RunItems run) {
   // One contiguous range of items per thread, each with about the same number of context
   // tokens, so that a batch with its long contexts at one end does not leave a thread idle.
   const int64_t num_parts = std::min(num_threads, num_items);
+  // The tokens an item reads: its context, or the window's end of it.
+  auto read = [&](int64_t seq) {
+    return a.window > 0 ? std::min(a.seq_lens[seq], a.window) : a.seq_lens[seq];
+  };
   int64_t total_tokens = 0;
   for (int64_t i = 0; i < s.num_seqs; ++i) {
-    total_tokens += a.seq_lens[i] * a.items_per_seq;
+    total_tokens += read(i) * a.items_per_seq;
   }
   std::vector<int64_t> bounds(num_parts + 1, num_items);
   bounds[0] = 0;
   int64_t part = 1, tokens = 0;
   for (int64_t item = 0; item < num_items && part < num_parts; ++item) {
-    tokens += a.seq_lens[item / a.items_per_seq];
+    tokens += read(item / a.items_per_seq);
     if (tokens * num_parts >= total_tokens * part) {
       bounds[part++] = item + 1;
     }
@@ -104,8 +111,10 @@ void paged_decode_attention(
     const at::Tensor& block_tables,
     const at::Tensor& seq_lens,
     double scale,
-    std::string isa) {
+    std::string isa,
+    int64_t window) {
   const RunItems run = select_variant(isa);
+  TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0, got ", window);
   const std::pair<const char*, const at::Tensor*> named[] = {
       {"out", &out},
       {"key_cache", &key_cache},
@@ -203,7 +212,8 @@ void paged_decode_attention(
   args.scale = static_cast<float>(scale);
   args.query_is_bf16 = dtype == at::kBFloat16;
   args.cache_type = cache_type;
-  args.max_seq_len = max_seq_len;
+  args.max_seq_len = window > 0 ? std::min(max_seq_len, window) : max_seq_len;
+  args.window = window;
   paged_decode_impl(args, run);
 }
 
@@ -212,7 +222,8 @@ void paged_decode_attention(
 TORCH_LIBRARY(pdserve, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
-      "Tensor value_cache, Tensor block_tables, Tensor seq_lens, float scale, str isa) -> ()");
+      "Tensor value_cache, Tensor block_tables, Tensor seq_lens, float scale, str isa, "
+      "int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {

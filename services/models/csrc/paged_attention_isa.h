@@ -30,6 +30,7 @@ struct DecodeArgs {
   int64_t heads_per_item;       // a work item: one sequence and this many of its KV heads
   int64_t items_per_seq;
   int64_t max_seq_len;          // the longest seq_lens entry (sizes the scratch)
+  int64_t window;               // > 0: a sequence attends to its last `window` tokens only
 };
 
 // Work items [begin, end) on the calling thread; item i is sequence i / items_per_seq, KV heads

@@ -20,7 +20,9 @@
 // converted to bf16 for the bf16 dot products: that measured ~8% slower on the Zen 4 host (64
 // sequences x 273 tokens, bf16 query) than the fp32 tile.
 // Everything accumulates in fp32; nothing past seq_len (garbage table entries, the rest of the
-// last block) is read. Rows are prefetched into the L2 two tiles ahead (TilePrefetch), the
+// last block) is read, nor, with a window, anything before the window's first token: the kernel
+// then runs on the tokens [first, seq_len) as on a context of their own (scores, tiles and
+// prefetches counted from `first`). Rows are prefetched into the L2 two tiles ahead (TilePrefetch), the
 // requests spread over the current tile's work: blocks are scattered, so the hardware prefetcher
 // cannot follow.
 //
@@ -122,6 +124,7 @@ struct Problem {
   const int64_t* block_tables;
   const int64_t* seq_lens;
   float scale;
+  int64_t window;  // > 0: the last `window` tokens only
 };
 
 // Per-thread fp32 scratch for one work item of up to max_kv_heads KV heads, reused across items.
@@ -203,10 +206,11 @@ class RowCursor {
 template <typename KV>
 class TilePrefetch {
  public:
+  // The rows of tokens [first, first + seq_len).
   TilePrefetch(const KV* key_cache, const KV* value_cache, const int64_t* table, const Shape& s,
-               int64_t kv_begin, int64_t seq_len, int64_t row_bytes)
-      : keys_(key_cache, table, s, kv_begin, 0),
-        values_(value_cache, table, s, kv_begin, 0),
+               int64_t kv_begin, int64_t first, int64_t seq_len, int64_t row_bytes)
+      : keys_(key_cache, table, s, kv_begin, first),
+        values_(value_cache, table, s, kv_begin, first),
         seq_len_(seq_len),
         row_bytes_(row_bytes) {}
 
@@ -335,7 +339,10 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
   const int64_t num_full_chunks = kChunks ? kChunks : D / kLanes;
   const int64_t tail = kChunks ? 0 : D % kLanes;
   const int64_t num_chunks = num_full_chunks + (tail ? 1 : 0);
-  const int64_t seq_len = p.seq_lens[seq];
+  // With a window, the tokens [first, seq_lens[seq]) as a context of their own.
+  const int64_t context = p.seq_lens[seq];
+  const int64_t first = p.window > 0 && context > p.window ? context - p.window : 0;
+  const int64_t seq_len = context - first;
   const int64_t padded_len = (seq_len + kLanes - 1) / kLanes * kLanes;
   const int64_t* table = p.block_tables + seq * s.max_blocks;
 
@@ -370,7 +377,7 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
     }
   };
 
-  TilePrefetch<KV> prefetch(p.key_cache, p.value_cache, table, s, kv_begin, seq_len,
+  TilePrefetch<KV> prefetch(p.key_cache, p.value_cache, table, s, kv_begin, first, seq_len,
                             num_kv * D * static_cast<int64_t>(sizeof(KV)));
   for (int64_t i = 0; i < kPrefetchTiles; ++i) {
     prefetch.next_tile(1);
@@ -379,7 +386,7 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
 
   // Pass 1, one tile of kLanes tokens at a time: kLanes dot products per query head, reduced
   // together into one vector of scores.
-  RowCursor<KV> key_rows(p.key_cache, table, s, kv_begin, 0);
+  RowCursor<KV> key_rows(p.key_cache, table, s, kv_begin, first);
 #if defined(PDSERVE_AVX512_BF16)
   if constexpr (kBf16Dots) {
     // bf16 query and cache: vdpbf16ps multiplies the raw bf16 rows in pairs into fp32 sums, so
@@ -475,7 +482,7 @@ void attend(const Problem<Q, KV>& p, int64_t seq, int64_t kv_begin, int64_t kv_e
   for (int64_t i = 0; i < num_q * num_chunks; ++i) {
     acc[i] = Vec{};
   }
-  RowCursor<KV> value_rows(p.value_cache, table, s, kv_begin, 0);
+  RowCursor<KV> value_rows(p.value_cache, table, s, kv_begin, first);
   for (int64_t start = 0; start < seq_len; start += kLanes) {
     const int64_t n = min64(kLanes, seq_len - start);
     if constexpr (kGroupTile<kChunks> > 0) {
@@ -560,7 +567,8 @@ void run_typed(const pdserve::DecodeArgs& a, int64_t begin, int64_t end) {
                          static_cast<const KV*>(a.value_cache),
                          a.block_tables,
                          a.seq_lens,
-                         a.scale};
+                         a.scale,
+                         a.window};
   Scratch scratch(a.s, a.heads_per_item, a.max_seq_len);
   for (int64_t item = begin; item < end; ++item) {
     const int64_t seq = item / a.items_per_seq;
