@@ -36,7 +36,7 @@ from services.cli import (
     parse_bytes,
     parse_json_object,
 )
-from services.models.config import with_overrides
+from services.models.config import text_model_config, with_overrides
 from services.models.gguf_file import find_gguf, open_gguf
 from services.tls import EdgeTlsFiles, TlsFiles, add_tls_flags, tls_from_args
 
@@ -576,7 +576,8 @@ def _model_context_len(model_dir: Path, overrides: Mapping[str, Any] | None = No
             config = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"--model: cannot read {path}: {exc}") from None
-    value = with_overrides(config, overrides).get("max_position_embeddings")
+    # A multimodal Gemma 3's language model says it in text_config (or not: its default).
+    value = text_model_config(with_overrides(config, overrides)).get("max_position_embeddings")
     if isinstance(value, bool) or not isinstance(value, int) or value < 2:
         return None
     return value

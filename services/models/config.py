@@ -49,6 +49,42 @@ SUPPORTED_ARCHITECTURES = {
     "Olmo2ForCausalLM": "olmo2",
     "Gemma3ForCausalLM": "gemma3_text",
 }
+# What transformers' Gemma3TextConfig assumes for a key that a Gemma 3 multimodal checkpoint's
+# ``text_config`` leaves out (google/gemma-3-4b-it's names only its sizes and rope scaling).
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10000.0,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+}
+MULTIMODAL_GEMMA3 = "Gemma3ForConditionalGeneration"
+"""Gemma 3 from 4B up: a vision tower beside the language model. Its language model is served
+(text in, text out); its weights sit under ``language_model.``, the vision tower's are skipped."""
+
+
+def text_model_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` itself, or for a multimodal Gemma 3 checkpoint its language model's config as a
+    ``Gemma3ForCausalLM`` one: ``text_config`` over transformers' defaults, with the top level's
+    embedding tie and token ids."""
+    if MULTIMODAL_GEMMA3 not in (raw.get("architectures") or []):
+        return raw
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise EngineConfigError(f"config.json of a {MULTIMODAL_GEMMA3} has no text_config object")
+    ids = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in raw}
+    merged = {**_GEMMA3_TEXT_DEFAULTS, **ids, **text, "architectures": ["Gemma3ForCausalLM"]}
+    merged["tie_word_embeddings"] = raw.get("tie_word_embeddings", True)
+    return merged
+
+
 # Architectures whose ``sliding_window`` only applies with ``use_sliding_window: true``.
 _OPT_IN_SLIDING_WINDOW = ("qwen2", "qwen3", "smollm3", "qwen3_moe")
 # Granite's multipliers (``config.json`` keys; ModelConfig says what each scales), 1 elsewhere.
@@ -58,12 +94,20 @@ _GRANITE_MULTIPLIERS = (
     "attention_multiplier",
     "logits_scaling",
 )
-_SUPPORTED_ROPE_TYPES = ("default", "llama3")
+_SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+@dataclass(frozen=True)
+class LinearRopeScaling:
+    """Position interpolation (``rope_type: linear``): every frequency divided by ``factor``
+    (Gemma 3's global layers from 4B up: 8)."""
+
+    factor: float
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 frequency scaling (``rope_type: llama3``); the only scaling we implement."""
+    """Llama-3 frequency scaling (``rope_type: llama3``)."""
 
     factor: float
     low_freq_factor: float
@@ -98,7 +142,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: RopeScaling | None
+    rope_scaling: RopeScaling | LinearRopeScaling | None
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
@@ -124,6 +168,10 @@ class ModelConfig:
     local_window: int | None = None
     local_rope_theta: float | None = None
     """Gemma 3: the RoPE base of the sliding-window layers (the others take ``rope_theta``)."""
+    weight_prefix: str = ""
+    """What the checkpoint's names of our weights start with before ``model.`` / ``lm_head``
+    (a multimodal Gemma 3's ``language_model.``); its other weights (a vision tower) are
+    skipped."""
     post_norms: bool = False
     """OLMo 2: attention and the MLP take the residual stream as it is, and their outputs are
     normalized (``post_attention_layernorm``, ``post_feedforward_layernorm``) before each is
@@ -215,10 +263,11 @@ class ModelConfig:
                 f"{model_dir} has no config.json and no GGUF file: expected {expected}"
             )
         raw = with_overrides(read_json_object(path), overrides)
+        text = text_model_config(raw)
         for key in _REQUIRED_SIZES:
-            value = raw.get(key)
+            value = text.get(key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                problem = "has no" if key not in raw else f"has {value!r} for"
+                problem = "has no" if key not in text else f"has {value!r} for"
                 raise ModelFileError(path, f"{problem} {key!r}: expected a positive integer")
         generation_path = model_dir / "generation_config.json"
         generation = read_json_object(generation_path) if generation_path.is_file() else {}
@@ -228,6 +277,8 @@ class ModelConfig:
     def from_hf_dict(
         cls, raw: dict[str, Any], generation: dict[str, Any] | None = None
     ) -> ModelConfig:
+        multimodal = MULTIMODAL_GEMMA3 in (raw.get("architectures") or [])
+        raw = text_model_config(raw)
         architecture = _architecture(raw)
         model_type = SUPPORTED_ARCHITECTURES[architecture]
         hidden_size = raw["hidden_size"]
@@ -262,6 +313,7 @@ class ModelConfig:
             attention_bias=raw.get("attention_bias", model_type == "qwen2"),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text"),
             post_norms=model_type == "olmo2",
+            weight_prefix="language_model." if multimodal else "",
             sliding_window=sliding_window,
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
@@ -450,7 +502,7 @@ def _architecture(raw: dict[str, Any]) -> str:
     raise EngineConfigError(f"unsupported architecture {found}; pdserve supports {supported}")
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | LinearRopeScaling | None]:
     # transformers 5 writes ``rope_parameters`` (theta inside; Gemma 3's per layer type, the
     # global layers' here); older checkpoints write ``rope_theta`` and ``rope_scaling`` (with
     # ``type`` or ``rope_type``).
@@ -472,6 +524,11 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         )
     if rope_type == "default":
         return theta, None
+    factor = params.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0:
+        raise EngineConfigError(f"rope scaling's factor must be a positive number, got {factor!r}")
+    if rope_type == "linear":
+        return theta, LinearRopeScaling(float(factor))
     return theta, RopeScaling(
         factor=float(params["factor"]),
         low_freq_factor=float(params["low_freq_factor"]),

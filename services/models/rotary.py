@@ -8,15 +8,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from services.models.config import RopeScaling
+from services.models.config import LinearRopeScaling, RopeScaling
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: RopeScaling | LinearRopeScaling | None
+) -> torch.Tensor:
     """[head_dim // 2] float32 inverse frequencies, bit-for-bit as transformers computes them."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, LinearRopeScaling):  # position interpolation
+        return inv_freq / scaling.factor
     # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between
     # interpolated smoothly.
     old_len = scaling.original_max_position_embeddings
@@ -34,7 +38,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 class RotaryEmbedding(nn.Module):
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: RopeScaling | LinearRopeScaling | None,
     ) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)

@@ -34,6 +34,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3Config,
     Gemma3TextConfig,
     GenerationConfig,
     GraniteConfig,
@@ -48,6 +49,7 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
     Qwen3MoeConfig,
+    SiglipVisionConfig,
     SmolLM3Config,
 )
 from transformers.utils import logging as hf_logging
@@ -66,6 +68,7 @@ ARCHS = (
     "qwen3_moe",
     "olmo2",
     "gemma3",
+    "gemma3_mm",
 )
 
 BOS_TOKEN = "<|begin_of_text|>"
@@ -373,6 +376,33 @@ def build_config(
             norm_topk_prob=True,
             mlp_only_layers=[1],
         )
+    if arch == "gemma3_mm":
+        # Gemma 3 from 4B up: the text model beside a (tiny) vision tower, as
+        # Gemma3ForConditionalGeneration saves it; its global layers' RoPE scaled linearly (8).
+        text = build_config("gemma3", size, tokenizer, vocab_size).to_dict()
+        text["rope_parameters"]["full_attention"] = {
+            "rope_type": "linear",
+            "factor": 8.0,
+            "rope_theta": 1_000_000.0,
+        }
+        vision = SiglipVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        )
+        return Gemma3Config(
+            text_config=text,
+            vision_config=vision.to_dict(),
+            mm_tokens_per_image=4,
+            boi_token_index=vocab_size - 3,
+            eoi_token_index=vocab_size - 2,
+            image_token_index=vocab_size - 1,
+            tie_word_embeddings=False,
+            dtype="float32",
+        )
     if arch == "gemma3":
         # Every other layer global, the rest attending to their last 8 tokens only, so that
         # the window shows in short prompts; transformers' two RoPE bases (10k local, 1M global).
@@ -397,9 +427,10 @@ def build_config(
 @torch.no_grad()
 def _init_weights(model: PreTrainedModel, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
-    hidden_size = model.config.hidden_size
+    text = model.config.get_text_config()  # a multimodal model's language model's
+    hidden_size = text.hidden_size
     tied = model.config.tie_word_embeddings
-    gemma = model.config.model_type == "gemma3_text"
+    gemma = text.model_type == "gemma3_text"
     # Gemma multiplies its embeddings by sqrt(hidden_size): untied, unit-scale rows after it.
     embedding_scale = 1.0 / math.sqrt(hidden_size) if gemma else 1.0
     # A final-norm hidden state has unit rms, so this std gives logits of std _LOGIT_STD (after
@@ -407,7 +438,9 @@ def _init_weights(model: PreTrainedModel, seed: int) -> None:
     output_std = _LOGIT_STD * getattr(model.config, "logits_scaling", 1.0) / math.sqrt(hidden_size)
     # named_parameters() yields a tied matrix once, under the embedding's name.
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if "vision_tower." in name or "multi_modal_projector." in name:
+            std = 0.02  # never run: text in, text out
+        elif name.endswith("norm.weight"):
             std = None  # RMSNorm gains, q_norm/k_norm included
             if gemma:  # Gemma's norms scale by 1 + weight: random offsets, so that each shows
                 std = 0.1

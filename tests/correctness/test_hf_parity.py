@@ -36,6 +36,7 @@ ARCHS = (
     "qwen3_moe",
     "olmo2",
     "gemma3",
+    "gemma3_mm",
 )
 
 
@@ -76,6 +77,7 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
 def kv_bytes(model_dir: Path, num_blocks: int) -> int:
     """kv_cache_memory that yields exactly ``num_blocks`` fp32 blocks for this checkpoint."""
     raw = json.loads((model_dir / "config.json").read_text())
+    raw = raw.get("text_config") or raw  # a multimodal Gemma 3's language model
     head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
     per_block = (
         2 * raw["num_hidden_layers"] * raw["num_key_value_heads"] * head_dim * BLOCK_SIZE * 4
@@ -86,9 +88,11 @@ def kv_bytes(model_dir: Path, num_blocks: int) -> int:
 @pytest.fixture(scope="module", params=ARCHS)
 def case(request: pytest.FixtureRequest, tiny_model_factory) -> dict:
     model_dir = tiny_model_factory(request.param)
-    vocab_size = AutoModelForCausalLM.from_pretrained(
-        model_dir, local_files_only=True
-    ).config.vocab_size
+    vocab_size = (
+        AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+        .config.get_text_config()
+        .vocab_size
+    )
     prompts = random_prompts(vocab_size, seed=1)
     shared = shared_prefix_prompts(vocab_size, seed=2)
     return {

@@ -12,11 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from gateway.config import model_max_len
 from services.engine import LLM, CacheConfig, EngineConfig, SchedulerConfig
 from services.engine.gpu_memory import MemorySnapshot
 from services.engine.model_runner import ModelRunner
 from services.models import ModelFileError
-from services.models.config import ModelConfig
+from services.models.config import LinearRopeScaling, ModelConfig
 from services.types import EngineConfigError
 
 MAX_BLOCK_SIZE = 128  # vLLM's largest block size
@@ -429,4 +430,50 @@ def test_what_a_gemma3_engine_does_not_run_with_is_refused_naming_it(
             dtype="float32",
             kv_cache_memory=KV_CACHE_MEMORY,
             **setting,
+        )
+
+
+def test_a_multimodal_gemma3_is_served_as_its_language_model(tmp_path: Path) -> None:
+    """google/gemma-3-4b-it's config.json names only some of its text model's keys; the rest
+    are transformers' defaults, as for transformers itself."""
+    raw = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": {
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+        "vision_config": {"hidden_size": 1152},
+        "eos_token_id": [1, 106],
+    }
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    config = ModelConfig.from_model_dir(tmp_path)
+    assert config.architecture == "Gemma3ForCausalLM" and config.weight_prefix == "language_model."
+    assert (config.vocab_size, config.num_heads, config.num_kv_heads, config.head_dim) == (
+        262208,
+        8,
+        4,
+        256,
+    )
+    assert config.rope_scaling == LinearRopeScaling(8.0) and config.rope_theta == 1e6
+    assert config.local_rope_theta == 1e4 and config.local_window == 1024
+    assert config.sliding_layers == set(range(34)) - {5, 11, 17, 23, 29}
+    assert config.tie_word_embeddings and config.eos_token_ids == (1, 106)
+    # The gateway's context length comes from the same text model.
+    assert model_max_len(tmp_path) == 131072
+    # A multimodal config without its text model's is refused, naming it.
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "text_config": None}))
+    with pytest.raises(EngineConfigError, match="has no text_config"):
+        ModelConfig.from_model_dir(tmp_path)
+
+
+@pytest.mark.parametrize("factor", [0, -2.0, "8", None])
+def test_a_linear_rope_scaling_without_a_positive_factor_is_refused(factor) -> None:
+    rope = {"rope_scaling": {"rope_type": "linear", "factor": factor}}
+    with pytest.raises(EngineConfigError, match="factor must be a positive number"):
+        ModelConfig.from_hf_dict(
+            {**smollm3_config(), "architectures": ["LlamaForCausalLM"], **rope}
         )
