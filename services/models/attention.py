@@ -254,7 +254,7 @@ class TorchPagedAttention(AttentionBackend):
             num = metadata.num_decodes
             output[:num] = self._decode(query[:num], key_cache, value_cache, metadata, window)
         if window is not None:
-            self.attend_window_prefills(
+            self.attend_each_prefill(
                 query, key, value, key_cache, value_cache, metadata, output, window
             )
         else:
@@ -305,18 +305,9 @@ class TorchPagedAttention(AttentionBackend):
             else:
                 output.index_copy_(0, padded.real_rows, out.index_select(0, padded.real_slots))
             return
-        for span in metadata.prefills:
-            end = span.token_start + span.num_tokens
-            output[span.token_start : end] = self._prefill(
-                query[span.token_start : end],
-                key[span.token_start : end],
-                value[span.token_start : end],
-                key_cache,
-                value_cache,
-                span,
-            )
+        self.attend_each_prefill(query, key, value, key_cache, value_cache, metadata, output)
 
-    def attend_window_prefills(
+    def attend_each_prefill(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
@@ -325,11 +316,11 @@ class TorchPagedAttention(AttentionBackend):
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
         output: torch.Tensor,
-        window: int,
+        window: int | None = None,
     ) -> None:
-        """``attend_prefills`` for a sliding-window layer: each chunk on its own, its mask
-        holding each query's last ``window`` positions (key, value: the chunks' K/V as written
-        to the cache, in its dtype)."""
+        """``attend_prefills`` one chunk at a time (``_prefill``): where no padded batch was
+        built, and for a sliding-window layer (``window``: each query's mask holds its last
+        ``window`` positions). key, value: the chunks' K/V as written to the cache."""
         for span in metadata.prefills:
             end = span.token_start + span.num_tokens
             output[span.token_start : end] = self._prefill(

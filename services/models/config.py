@@ -183,7 +183,10 @@ class ModelConfig:
     """Layers that apply no rotary embedding to Q and K (SmolLM3: the zeros of its
     ``no_rope_layers``, every fourth layer)."""
     embedding_multiplier: float = 1.0
-    """Granite: the input embeddings are multiplied by it."""
+    """Granite: the input embeddings are multiplied by it (Gemma 3: by sqrt(hidden_size))."""
+    embedding_multiplier_in_dtype: bool = False
+    """Gemma: the multiplier is rounded to the compute dtype first (in bf16, sqrt(640) is 25.25),
+    as transformers rounds it."""
     residual_multiplier: float = 1.0
     """Granite: each attention and MLP output is multiplied by it before the residual add."""
     attention_multiplier: float | None = None
@@ -352,11 +355,7 @@ def _gemma3(raw: dict[str, Any], num_layers: int, hidden_size: int) -> dict[str,
     window = _positive_int(raw, "sliding_window")
     types = raw.get("layer_types")
     if types is None:
-        pattern = raw.get("sliding_window_pattern", 6)
-        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
-            raise EngineConfigError(
-                f"config.json's sliding_window_pattern must be a positive integer, got {pattern!r}"
-            )
+        pattern = _positive_int(raw, "sliding_window_pattern", 6)
         types = [
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
             for i in range(num_layers)
@@ -393,12 +392,15 @@ def _gemma3(raw: dict[str, Any], num_layers: int, hidden_size: int) -> dict[str,
         "local_window": window,
         "local_rope_theta": local_theta,
         "embedding_multiplier": hidden_size**0.5,
+        "embedding_multiplier_in_dtype": True,
         "attention_multiplier": float(scalar) ** -0.5,
     }
 
 
-def _positive_int(raw: dict[str, Any], key: str) -> int:
-    value = raw.get(key)
+def _positive_int(raw: dict[str, Any], key: str, default: int | None = None) -> int:
+    """``raw[key]`` (``default`` where absent, if given), refused naming the key unless it is
+    a positive integer."""
+    value = raw.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise EngineConfigError(f"config.json's {key} must be a positive integer, got {value!r}")
     return value
@@ -419,11 +421,7 @@ def _experts(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[str,
         num_experts = _positive_int(raw, key)
         size = _positive_int(raw, "moe_intermediate_size")
         normalize = bool(raw.get("norm_topk_prob", False))
-        step = raw.get("decoder_sparse_step", 1)
-        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-            raise EngineConfigError(
-                f"config.json's decoder_sparse_step must be a positive integer, got {step!r}"
-            )
+        step = _positive_int(raw, "decoder_sparse_step", 1)
         dense = raw.get("mlp_only_layers") or []
         if not isinstance(dense, list):
             raise EngineConfigError(f"config.json's mlp_only_layers must be a list, got {dense!r}")
@@ -448,11 +446,7 @@ def _nope_layers(raw: dict[str, Any], num_layers: int) -> frozenset[int]:
     ``no_rope_layer_interval``-th layer (4) goes without."""
     flags = raw.get("no_rope_layers")
     if flags is None:
-        interval = raw.get("no_rope_layer_interval", 4)
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise EngineConfigError(
-                f"config.json's no_rope_layer_interval must be a positive integer, got {interval!r}"
-            )
+        interval = _positive_int(raw, "no_rope_layer_interval", 4)
         return frozenset(i for i in range(num_layers) if (i + 1) % interval == 0)
     if (
         not isinstance(flags, list)

@@ -25,8 +25,8 @@ _TORCH_OPS = LayerOps()
 
 
 def _scaled(x: torch.Tensor, multiplier: float) -> torch.Tensor:
-    """x times Granite's multiplier, in place (x is a fresh output); x itself where it is 1, as
-    for every other architecture."""
+    """x times a model's multiplier (Granite's four, Gemma's embedding scale), in place (x is a
+    fresh output); x itself where it is 1, as for most architectures."""
     return x if multiplier == 1.0 else x.mul_(multiplier)
 
 
@@ -330,7 +330,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens]. Returns hidden states [num_tokens, hidden_size]
         before the final norm (the caller keeps only the rows it samples from)."""
-        hidden = _scaled(self.model.embed_tokens(input_ids), self.config.embedding_multiplier)
+        multiplier = self.config.embedding_multiplier
+        if self.config.embedding_multiplier_in_dtype:
+            multiplier = float(torch.tensor(multiplier, dtype=self.model.embed_tokens.weight.dtype))
+        hidden = _scaled(self.model.embed_tokens(input_ids), multiplier)
         rope = self.model.rotary.tables(positions, hidden.dtype)
         local = self.model.local_rotary
         local_rope = local.tables(positions, hidden.dtype) if local is not None else rope
