@@ -4,11 +4,11 @@ GGUF file's metadata (``gguf_file`` translates it to the same keys).
 The family: Llama and Mistral; Qwen2 (Q/K/V biases); Qwen3 (RMSNorm over each head of Q and K);
 SmolLM3 (some layers without RoPE: ``no_rope_layers``); Granite 3 (four scalar multipliers on the
 embeddings, the attention scores, each residual branch and the logits); Phi-3 and Phi-4 (their
-checkpoints hold Q/K/V and gate/up already fused); Mixtral and Qwen3-MoE (a mixture of SwiGLU
-experts in place of the MLP, a router choosing each token's top k); OLMo 2 (norms after attention
-and the MLP instead of before, Q and K normalized across all heads); Gemma 3 (text: GELU-gated
-MLP, four norms a layer scaling by 1 + weight, embeddings scaled by sqrt(hidden), and five
-sliding-window layers with their own RoPE base for every global one)."""
+checkpoints hold Q/K/V and gate/up already fused); Mixtral, Qwen3-MoE and Granite 3 MoE (a mixture
+of SwiGLU experts in place of the MLP, a router choosing each token's top k); OLMo 2 (norms after
+attention and the MLP instead of before, Q and K normalized across all heads); Gemma 3 (text:
+GELU-gated MLP, four norms a layer scaling by 1 + weight, embeddings scaled by sqrt(hidden), and
+five sliding-window layers with their own RoPE base for every global one)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Olmo2ForCausalLM": "olmo2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "GraniteMoeForCausalLM": "granitemoe",
 }
 # What transformers' Gemma3TextConfig assumes for a key that a Gemma 3 multimodal checkpoint's
 # ``text_config`` leaves out (google/gemma-3-4b-it's names only its sizes and rope scaling).
@@ -202,6 +203,9 @@ class ModelConfig:
     norm_topk_prob: bool = True
     """The top k routing probabilities are divided by their sum (Mixtral always; Qwen3-MoE as
     its ``norm_topk_prob`` says)."""
+    softmax_over_top_k: bool = False
+    """Granite MoE: the softmax runs over the top k logits only (the same weights as normalizing
+    the top k of a softmax over all, rounded otherwise)."""
     routing_weights_in_fp32: bool = False
     """Mixtral multiplies each expert's output by its fp32 routing weight; Qwen3-MoE rounds the
     weights to the compute dtype first."""
@@ -323,7 +327,7 @@ class ModelConfig:
             matryoshka_dimensions=_matryoshka(raw),
             fused_checkpoint=model_type == "phi3",
             nope_layers=_nope_layers(raw, num_layers) if model_type == "smollm3" else frozenset(),
-            **(_granite_multipliers(raw) if model_type == "granite" else {}),
+            **(_granite_multipliers(raw) if model_type in ("granite", "granitemoe") else {}),
             **(_experts(raw, model_type, num_layers) if model_type in _MOE else {}),
             **(_gemma3(raw, num_layers, hidden_size) if model_type == "gemma3_text" else {}),
         )
@@ -333,7 +337,7 @@ class ModelConfig:
         return self.num_experts > 0
 
 
-_MOE = ("mixtral", "qwen3_moe")
+_MOE = ("mixtral", "qwen3_moe", "granitemoe")
 
 
 def _gemma3(raw: dict[str, Any], num_layers: int, hidden_size: int) -> dict[str, Any]:
@@ -412,7 +416,7 @@ def _experts(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[str,
     of ``moe_intermediate_size`` in every ``decoder_sparse_step``-th layer not in
     ``mlp_only_layers``."""
     top_k = _positive_int(raw, "num_experts_per_tok")
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "granitemoe"):
         num_experts = _positive_int(raw, "num_local_experts")
         size, normalize, layers = raw["intermediate_size"], True, set(range(num_layers))
     else:
@@ -436,6 +440,7 @@ def _experts(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[str,
         "moe_intermediate_size": size,
         "norm_topk_prob": normalize,
         "routing_weights_in_fp32": model_type == "mixtral",
+        "softmax_over_top_k": model_type == "granitemoe",
         "moe_layers": frozenset(layers),
     }
 

@@ -131,9 +131,10 @@ docs/benchmarks.md)."""
 
 
 class SparseMoe(nn.Module):
-    """A mixture of SwiGLU experts in place of the MLP (Mixtral, Qwen3-MoE), as transformers
-    computes it: a router's softmax over the experts picks each token's top k, whose outputs are
-    summed weighted by those probabilities (divided by their sum where ``norm_topk_prob``).
+    """A mixture of SwiGLU experts in place of the MLP (Mixtral, Qwen3-MoE, Granite MoE), as
+    transformers computes it: a router's softmax over the experts picks each token's top k, whose
+    outputs are summed weighted by those probabilities (divided by their sum where
+    ``norm_topk_prob``; Granite's softmax runs over the top k logits alone).
 
     The experts' weights are stacked, ``[E, 2I, H]`` (gate rows, then up) and ``[E, H, I]``
     (down), which the loader fills from the checkpoint's per-expert tensors. A step's (token,
@@ -155,6 +156,7 @@ class SparseMoe(nn.Module):
         self.num_experts, self.top_k = experts, config.num_experts_per_tok
         self.normalize = config.norm_topk_prob
         self.fp32_weights = config.routing_weights_in_fp32
+        self.softmax_over_top_k = config.softmax_over_top_k
         # Plain parameters, not nn.Linear: the packing and fp8 passes leave them alone.
         self.router_weight = nn.Parameter(torch.empty(experts, hidden))  # [E, H]
         self.experts_gate_up = nn.Parameter(torch.empty(experts, 2 * size, hidden))  # [E, 2I, H]
@@ -167,10 +169,14 @@ class SparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, hidden] → [num_tokens, hidden]."""
         logits = nn.functional.linear(x, self.router_weight)  # [T, E]
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.softmax_over_top_k:  # Granite MoE
+            top, chosen = torch.topk(logits.float(), self.top_k, dim=-1)  # [T, k] each
+            weights = torch.softmax(top, dim=-1)
+        else:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
+            if self.normalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = (weights if self.fp32_weights else weights.to(x.dtype)).flatten()  # [T*k]
         # The (token, slot) pairs grouped by expert, in token order within each: [T*k].
         experts = chosen.flatten()

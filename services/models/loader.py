@@ -222,9 +222,17 @@ def _parameter(params: dict[str, nn.Parameter], name: str) -> torch.Tensor:
 def _expert_targets(config: ModelConfig, layer: str) -> dict[str, tuple[str, int]]:
     """A mixture-of-experts layer's router and per-expert projections → ``SparseMoe``'s stacked
     parameters, expert e's matrix named ``PARAM.e`` (Mixtral's ``block_sparse_moe`` with w1 gate,
-    w3 up, w2 down; Qwen3-MoE's ``mlp`` with gate_proj, up_proj, down_proj)."""
+    w3 up, w2 down; Qwen3-MoE's ``mlp`` with gate_proj, up_proj, down_proj; Granite MoE's
+    ``input_linear`` and ``output_linear``, stacked as ours, whole)."""
     size = config.moe_intermediate_size
     ours = f"{layer}.mlp"
+    if config.model_type == "granitemoe":  # the experts stacked already, in our layout
+        moe = f"{layer}.block_sparse_moe"
+        return {
+            f"{moe}.router.layer.weight": (f"{ours}.router_weight", 0),
+            f"{moe}.input_linear.weight": (f"{ours}.experts_gate_up", 0),
+            f"{moe}.output_linear.weight": (f"{ours}.experts_down", 0),
+        }
     if config.model_type == "mixtral":
         theirs, names = f"{layer}.block_sparse_moe", ("w1", "w3", "w2")
     else:

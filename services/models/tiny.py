@@ -38,6 +38,7 @@ from transformers import (
     Gemma3TextConfig,
     GenerationConfig,
     GraniteConfig,
+    GraniteMoeConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -69,6 +70,7 @@ ARCHS = (
     "olmo2",
     "gemma3",
     "gemma3_mm",
+    "granitemoe",
 )
 
 BOS_TOKEN = "<|begin_of_text|>"
@@ -375,6 +377,20 @@ def build_config(
             moe_intermediate_size=size.intermediate_size // 4,
             norm_topk_prob=True,
             mlp_only_layers=[1],
+        )
+    if arch == "granitemoe":
+        # Granite 3's small MoE (granite-3.1-1b-a400m's shape of config): Granite's multipliers
+        # (as the dense granite above) and four experts of a quarter size, two a token.
+        return GraniteMoeConfig(
+            **{**common, "intermediate_size": size.intermediate_size // 4},
+            rope_parameters=default_rope,
+            tie_word_embeddings=False,
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=1.0 / size.head_dim,
+            logits_scaling=2.0,
+            num_local_experts=4,
+            num_experts_per_tok=2,
         )
     if arch == "gemma3_mm":
         # Gemma 3 from 4B up: the text model beside a (tiny) vision tower, as

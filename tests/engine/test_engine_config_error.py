@@ -334,6 +334,14 @@ def test_mixture_of_experts_layers_are_read_as_transformers_reads_them() -> None
     renamed["num_local_experts"] = renamed.pop("num_experts")
     assert ModelConfig.from_hf_dict(renamed).num_experts == 8
     assert not ModelConfig.from_hf_dict(smollm3_config()).is_moe
+    # Granite's MoE: Granite's multipliers, experts of intermediate_size in every layer, the
+    # softmax over the top k logits.
+    granite = ModelConfig.from_hf_dict(
+        moe_config("MixtralForCausalLM", residual_multiplier=0.22)
+        | {"architectures": ["GraniteMoeForCausalLM"]}
+    )
+    assert granite.softmax_over_top_k and granite.residual_multiplier == 0.22
+    assert granite.moe_layers == set(range(8)) and granite.moe_intermediate_size == 128
 
 
 @pytest.mark.parametrize(
