@@ -333,20 +333,19 @@ def build_config(
             tie_word_embeddings=True,
             no_rope_layers=no_rope,
         )
+    # Granite 3's multipliers, other than 1 so that each one matters (the attention scale
+    # 1 / head_dim, not its root, as Granite's). Granite 3 ties its embeddings, but with random
+    # weights a tied, multiplied embedding drowns the layers' outputs in the residual stream,
+    # and the model repeats its last input token whatever they compute: untied here.
+    granite = {
+        "embedding_multiplier": 2.0,
+        "residual_multiplier": 0.5,
+        "attention_multiplier": 1.0 / size.head_dim,
+        "logits_scaling": 2.0,
+        "tie_word_embeddings": False,
+    }
     if arch == "granite":
-        # Granite 3's multipliers, other than 1 so that each one matters (the attention scale
-        # 1 / head_dim, not its root, as Granite's). Granite 3 ties its embeddings, but with
-        # random weights a tied, multiplied embedding drowns the layers' outputs in the
-        # residual stream, and the model repeats its last input token whatever they compute.
-        return GraniteConfig(
-            **common,
-            rope_parameters=default_rope,
-            tie_word_embeddings=False,
-            embedding_multiplier=2.0,
-            residual_multiplier=0.5,
-            attention_multiplier=1.0 / size.head_dim,
-            logits_scaling=2.0,
-        )
+        return GraniteConfig(**common, rope_parameters=default_rope, **granite)
     if arch == "phi3":
         # Phi-3-mini-4k's shape of config (its sliding window aside); the checkpoint's
         # qkv_proj and gate_up_proj come fused.
@@ -380,15 +379,11 @@ def build_config(
         )
     if arch == "granitemoe":
         # Granite 3's small MoE (granite-3.1-1b-a400m's shape of config): Granite's multipliers
-        # (as the dense granite above) and four experts of a quarter size, two a token.
+        # (as the dense granite's) and four experts of a quarter size, two a token.
         return GraniteMoeConfig(
             **{**common, "intermediate_size": size.intermediate_size // 4},
             rope_parameters=default_rope,
-            tie_word_embeddings=False,
-            embedding_multiplier=2.0,
-            residual_multiplier=0.5,
-            attention_multiplier=1.0 / size.head_dim,
-            logits_scaling=2.0,
+            **granite,
             num_local_experts=4,
             num_experts_per_tok=2,
         )
