@@ -171,8 +171,10 @@ class ModelConfig:
     """Gemma 3: the RoPE base of the sliding-window layers (the others take ``rope_theta``)."""
     weight_prefix: str = ""
     """What the checkpoint's names of our weights start with before ``model.`` / ``lm_head``
-    (a multimodal Gemma 3's ``language_model.``); its other weights (a vision tower) are
-    skipped."""
+    (a multimodal Gemma 3's ``language_model.``)."""
+    skipped_weight_prefixes: tuple[str, ...] = ()
+    """Checkpoint weights that are not the language model's (a multimodal Gemma 3's vision
+    tower and projector), skipped by the loader; any other stray weight is still an error."""
     post_norms: bool = False
     """OLMo 2: attention and the MLP take the residual stream as it is, and their outputs are
     normalized (``post_attention_layernorm``, ``post_feedforward_layernorm``) before each is
@@ -321,6 +323,9 @@ class ModelConfig:
             qk_norm=model_type in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text"),
             post_norms=model_type == "olmo2",
             weight_prefix="language_model." if multimodal else "",
+            skipped_weight_prefixes=("vision_tower.", "multi_modal_projector.")
+            if multimodal
+            else (),
             sliding_window=sliding_window,
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),

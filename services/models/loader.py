@@ -116,10 +116,9 @@ def load_model(
     for name, tensor, origin in weights:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
-        if config.weight_prefix:  # a multimodal checkpoint's language model; not its vision
-            if not name.startswith(config.weight_prefix):
-                continue
-            name = name.removeprefix(config.weight_prefix)
+        if name.startswith(config.skipped_weight_prefixes):  # a vision tower's
+            continue
+        name = name.removeprefix(config.weight_prefix)  # a multimodal checkpoint's language model
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # some tied checkpoints store the shared matrix twice
         if name not in targets and f"model.{name}" in targets:

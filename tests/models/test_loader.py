@@ -339,3 +339,19 @@ def test_a_mixture_of_experts_grouped_gemm_equals_its_loop_over_experts(
     assert torch.equal(first.experts_gate_up[3, :size], gate)
     assert torch.equal(first.experts_gate_up[3, size:], up)
     assert torch.equal(first.experts_down[3], down)
+
+
+def test_a_multimodal_gemma3_skips_its_vision_tower_but_not_a_stray_weight(
+    tiny_model_factory, tmp_path: Path
+) -> None:
+    model_dir = copy_model(tiny_model_factory("gemma3_mm"), tmp_path)
+    tensors = load_file(model_dir / "model.safetensors")
+    assert any(name.startswith("vision_tower.") for name in tensors)
+    load_ours(model_dir)  # the vision tower and projector are skipped
+
+    def add_stray(tensors: dict) -> None:
+        tensors["image_newline"] = torch.zeros(4)
+
+    rewrite_weights(model_dir, add_stray)
+    with pytest.raises(ModelFileError, match="unexpected weight 'image_newline'"):
+        load_ours(model_dir)
