@@ -98,7 +98,7 @@ def simulate_chat(
                 live[index] = request
         output = scheduler.schedule()
         sampled = {
-            chunk.request.request_id: SampledToken(fresh(1)[0])
+            chunk.request.request_id: [SampledToken(fresh(1)[0])]
             for chunk in output.chunks
             if chunk.needs_sample
         }

@@ -12,6 +12,7 @@ from services.engine.config import (
     LoraConfig,
     SchedulerConfig,
     SchedulingPolicy,
+    SpeculativeConfig,
     default_max_num_batched_tokens,
 )
 from services.engine.engine_core import EngineCore, LoraCapacityError
@@ -62,6 +63,7 @@ __all__ = [
     "SamplingParams",
     "SchedulerConfig",
     "SchedulingPolicy",
+    "SpeculativeConfig",
     "ScoringOutput",
     "ScoringRequestOutput",
     "StructuredOutputsParams",

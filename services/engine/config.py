@@ -173,6 +173,72 @@ class LoraConfig:
         object.__setattr__(self, "lora_modules", modules)
 
 
+SPECULATIVE_METHODS = ("ngram",)
+"""Proposers built: n-gram prompt lookup (vLLM's ``ngram``). A draft model, EAGLE and MTP heads
+are not built."""
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_DEFAULT_PROMPT_LOOKUP = 5
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config``): each decode step of an eligible
+    request also computes up to ``num_speculative_tokens`` proposed tokens, and keeps those the
+    model would have produced itself (``services/engine/speculative.py``)."""
+
+    num_speculative_tokens: int
+    """Proposed tokens verified per step and request, at most."""
+    method: str = "ngram"
+    prompt_lookup_max: int = _DEFAULT_PROMPT_LOOKUP
+    """The longest suffix of a request's tokens looked up earlier in them (n-gram proposer)."""
+    prompt_lookup_min: int = _DEFAULT_PROMPT_LOOKUP
+    """The shortest suffix that may still match; no match of it proposes nothing."""
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise EngineConfigError(
+                f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                f"got {self.method!r} (draft models, EAGLE and MTP are not built)"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            _check_positive_int(f"speculative_config.{name}", getattr(self, name))
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise EngineConfigError(
+                "speculative_config.prompt_lookup_min must be <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} > {self.prompt_lookup_max}"
+            )
+
+    @classmethod
+    def from_mapping(cls, value: object) -> SpeculativeConfig:
+        """From vLLM's JSON object (``--speculative-config``): ``num_speculative_tokens`` is
+        required; one of the two lookup bounds alone sets both (vLLM's rule)."""
+        if not isinstance(value, Mapping):
+            raise EngineConfigError(
+                f"speculative_config must be an object of {', '.join(_SPECULATIVE_KEYS)}, "
+                f"got {value!r}"
+            )
+        unknown = sorted(str(key) for key in value if key not in _SPECULATIVE_KEYS)
+        if unknown:
+            raise EngineConfigError(
+                f"speculative_config: unknown key(s) {', '.join(unknown)}; known: "
+                f"{', '.join(_SPECULATIVE_KEYS)}"
+            )
+        if "num_speculative_tokens" not in value:
+            raise EngineConfigError("speculative_config.num_speculative_tokens is required")
+        low = value.get("prompt_lookup_min")
+        high = value.get("prompt_lookup_max")
+        if high is None:
+            high = _DEFAULT_PROMPT_LOOKUP if low is None else low
+        if low is None:
+            low = high
+        return cls(
+            num_speculative_tokens=value["num_speculative_tokens"],
+            method=value.get("method", "ngram"),
+            prompt_lookup_max=high,
+            prompt_lookup_min=low,
+        )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: Path
@@ -212,6 +278,8 @@ class EngineConfig:
     checkpoint's quantized per row at load; a GPU of compute capability 8.9+, or a CPU). None:
     as the checkpoint says: an fp8 checkpoint multiplies in fp8 where the GPU can, and is
     dequantized elsewhere (``fp8_linear.choose_fp8_linears``)."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding on (``SpeculativeConfig``); None: off."""
     hf_overrides: Mapping[str, Any] | None = None
     """vLLM's ``hf_overrides``: values that replace the model's ``config.json`` ones (a nested
     object merged key by key; ``models.config.with_overrides``), e.g. ``{"is_matryoshka":
@@ -272,5 +340,9 @@ class EngineConfig:
             raise EngineConfigError(f"quantization must be fp8 or None, got {self.quantization!r}")
         if self.hf_overrides is not None:
             object.__setattr__(self, "hf_overrides", check_hf_overrides(self.hf_overrides))
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise EngineConfigError(
+                f"speculative must be a SpeculativeConfig or None, got {self.speculative!r}"
+            )
         if self.lora is not None and not isinstance(self.lora, LoraConfig):
             raise EngineConfigError(f"lora must be a LoraConfig or None, got {self.lora!r}")

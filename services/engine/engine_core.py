@@ -47,6 +47,7 @@ from services.engine.model_runner import ModelRunner, check_device
 from services.engine.outputs import EngineCoreOutput, EngineStats
 from services.engine.request import Request, RequestStatus
 from services.engine.scheduler import Reservation, SampledToken, Scheduler
+from services.engine.speculative import NgramProposer, can_speculate
 from services.engine.structured_output import GrammarMatcher, GrammarState, StructuredOutputs
 from services.models.config import ModelConfig
 from services.models.fp8_checkpoint import read_fp8_checkpoint
@@ -150,6 +151,8 @@ class EngineCore:
             num_blocks=num_blocks,
         )
         """Where each block sits in ``kv_caches``, and the fingerprint peers must match."""
+        self.proposer = None if config.speculative is None else NgramProposer(config.speculative)
+        """Speculative decoding's proposer (``speculative.py``), or None when it is off."""
         self._retiring_loras: dict[str, float] = {}
         """Adapters ``retire_lora`` unloads once their last request ends, each with the
         ``time.monotonic()`` before which it is kept for ``hold_kv`` requests anyway."""
@@ -471,6 +474,8 @@ class EngineCore:
         """Stop a request wherever it is; its blocks are free when this returns."""
         request = self.scheduler.abort_request(request_id)
         self.runner.release(request_id)
+        if self.proposer is not None:
+            self.proposer.release(request_id)
         self.structured_outputs.remove(request_id)
         if self._retiring_loras:
             self._reap_retired_loras()
@@ -497,14 +502,35 @@ class EngineCore:
         updated = self.scheduler.update_from_output(scheduler_output, sampled)
         if self._retiring_loras:
             self._reap_retired_loras()
-        return [self._output(request) for request in updated]
+        outputs = [self._output(request) for request in updated]
+        if self.proposer is not None:
+            self._propose(self.proposer)
+        return outputs
 
-    def _accept_grammar_tokens(self, sampled: dict[str, SampledToken]) -> None:
+    def _propose(self, proposer: NgramProposer) -> None:
+        """Proposals for the next step of each running request that decodes and may speculate,
+        no more than its ``max_tokens`` and the model's length leave room for."""
+        for request in self.scheduler.running:
+            if (
+                request.num_tokens - request.num_computed_tokens != 1
+                or not request.output_token_ids
+                or not can_speculate(request.params)
+            ):
+                continue
+            room = min(
+                request.params.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens,
+            )
+            request.draft_token_ids = proposer.propose(request.request_id, request.token_ids, room)
+
+    def _accept_grammar_tokens(self, sampled: Mapping[str, Sequence[SampledToken]]) -> None:
         """Advance the matchers over this step's tokens; a complete grammar stops its request,
-        a failed one ends it with ``error``."""
-        for request_id, token in sampled.items():
+        a failed one ends it with ``error``. (A constrained request gets one token a step: it
+        never speculates.)"""
+        for request_id, tokens in sampled.items():
             if request_id in self.structured_outputs:
-                self._accept_grammar_token(self.scheduler.requests[request_id], token.token_id)
+                for token in tokens:
+                    self._accept_grammar_token(self.scheduler.requests[request_id], token.token_id)
 
     def _accept_grammar_token(self, request: Request, token_id: int) -> None:
         state = self.structured_outputs.accept(request.request_id, token_id)
@@ -520,6 +546,11 @@ class EngineCore:
         if finish_reason is not None:
             self.runner.release(request.request_id)
             self.structured_outputs.remove(request.request_id)
+            if self.proposer is not None:
+                self.proposer.release(request.request_id)
+        # The tokens this step added: one, or several where proposals were kept.
+        new = slice(request.num_emitted_tokens, None)
+        request.num_emitted_tokens = request.num_output_tokens
         is_failed = request.status is RequestStatus.FINISHED_ERROR
         has_prompt_logprobs = (
             request.num_output_tokens == 1 and request.params.prompt_logprobs is not None
@@ -530,14 +561,14 @@ class EngineCore:
                 list(request.prompt_logprob_ranks) if has_prompt_logprobs else None
             ),
             request_id=request.request_id,
-            new_token_ids=[] if is_failed else request.output_token_ids[-1:],
+            new_token_ids=[] if is_failed else request.output_token_ids[new],
             new_logprobs=(
-                ([] if is_failed else request.output_logprobs[-1:])
+                ([] if is_failed else request.output_logprobs[new])
                 if request.params.logprobs is not None
                 else None
             ),
             new_logprob_ranks=(
-                ([] if is_failed else request.output_logprob_ranks[-1:])
+                ([] if is_failed else request.output_logprob_ranks[new])
                 if request.params.logprobs is not None
                 else None
             ),
@@ -561,6 +592,8 @@ class EngineCore:
             prefix_cache_queried_tokens=prefix.num_queried_tokens,
             prefix_cache_hit_tokens=prefix.num_hit_tokens,
             num_preemptions_total=self.scheduler.num_preemptions_total,
+            num_draft_tokens_total=self.scheduler.num_draft_tokens_total,
+            num_accepted_tokens_total=self.scheduler.num_accepted_tokens_total,
             lora_fingerprints=self._lora_fingerprints(),
             lora_running=_adapters(self.scheduler.running) if lora is not None else (),
             lora_waiting=_adapters(self.scheduler.waiting) if lora is not None else (),

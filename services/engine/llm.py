@@ -19,6 +19,7 @@ from services.engine.config import (
     LoraConfig,
     SchedulerConfig,
     SchedulingPolicy,
+    SpeculativeConfig,
     default_max_num_batched_tokens,
 )
 from services.engine.engine_core import EngineCore
@@ -109,6 +110,7 @@ class LLM:
         max_lora_rank: int = 16,
         quantization: str | None = None,
         hf_overrides: Mapping[str, Any] | None = None,
+        speculative_config: Mapping[str, Any] | None = None,
     ) -> None:
         """``max_num_batched_tokens``: None picks ``default_max_num_batched_tokens`` for
         ``device`` (2,048 on a CPU, 16,384 on a GPU). ``seed``: what requests without a seed of
@@ -124,7 +126,9 @@ class LLM:
         ``quantization="fp8"`` keeps the decoder's projections in fp8 and multiplies in fp8
         (a 16-bit checkpoint's quantized at load); an fp8 checkpoint needs no flag
         (``EngineConfig.quantization``). vLLM's ``hf_overrides`` replace values of the
-        model's ``config.json`` (``EngineConfig.hf_overrides``)."""
+        model's ``config.json`` (``EngineConfig.hf_overrides``). vLLM's ``speculative_config``
+        (``{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}``) turns on
+        speculative decoding by n-gram prompt lookup (``EngineConfig.speculative``)."""
         for name, flag in (
             ("enforce_eager", enforce_eager),
             ("trust_remote_code", trust_remote_code),
@@ -161,6 +165,11 @@ class LLM:
             cuda_graphs=cuda_graphs,
             quantization=quantization,
             hf_overrides=hf_overrides,
+            speculative=(
+                None
+                if speculative_config is None
+                else SpeculativeConfig.from_mapping(speculative_config)
+            ),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=kv_cache_memory,

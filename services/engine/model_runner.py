@@ -10,6 +10,7 @@ slot for the forward pass only (a replayed decode graph reads them from its stat
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 from pathlib import Path
@@ -28,6 +29,7 @@ from services.engine.pooler import pool_last_tokens
 from services.engine.request import Request
 from services.engine.sampler import Sampler, SamplingMetadata, collect_logprobs
 from services.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
+from services.engine.speculative import num_accepted, verify_rows
 from services.engine.static_decode import StaticDecode
 from services.engine.structured_output import StructuredOutputs
 from services.host_memory import advise_huge_pages, keep_freed_memory_mapped
@@ -182,6 +184,11 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.max_model_len = max_model_len
         self.max_num_seqs = config.scheduler.max_num_seqs
+        speculative = config.speculative
+        self.max_decode_rows = self.max_num_seqs * (
+            1 + (speculative.num_speculative_tokens if speculative is not None else 0)
+        )
+        """A decode step's rows at most: one per request, and one per proposal it verifies."""
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         if isinstance(self.backend, TorchPagedAttention) and self.device.type == "cpu":
             self._choose_prefill_kernel(self.backend)
@@ -267,7 +274,7 @@ class ModelRunner:
     def profile_run(self) -> None:
         """The heaviest step the scheduler can issue: ``max_num_batched_tokens`` prompt tokens
         (chunks of at most ``max_model_len``) on a scratch KV cache, plus the logits of up to
-        ``max_num_seqs`` samples. Run before the real cache exists, to measure peak memory."""
+        ``max_decode_rows`` samples. Run before the real cache exists, to measure peak memory."""
         cfg, size = self.model_config, self.block_size
         num_tokens = self.max_num_batched_tokens
         spans: list[PrefillSpan] = []
@@ -304,7 +311,7 @@ class ModelRunner:
         self.backend.prepare(metadata)
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, positions, scratch, metadata)
-        self.model.compute_logits(hidden[: min(self.max_num_seqs, num_tokens)])
+        self.model.compute_logits(hidden[: min(self.max_decode_rows, num_tokens)])
         self.backend.prepare(_NO_STEP)
 
     @property
@@ -352,7 +359,7 @@ class ModelRunner:
                 self.model,
                 self.backend,
                 self.kv_caches,
-                max_num_seqs=min(self.max_num_seqs, MAX_STATIC_DECODE_BATCH),
+                max_num_seqs=min(self.max_decode_rows, MAX_STATIC_DECODE_BATCH),
                 max_model_len=self.max_model_len,
                 block_size=self.block_size,
                 dummy_block=num_blocks - 1,
@@ -387,35 +394,47 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, output: SchedulerOutput
-    ) -> tuple[dict[str, SampledToken], dict[str, PromptLogprobs], dict[str, list[float]]]:
-        """The step's sampled tokens, the prompt logprobs of the chunks that asked for them, and
-        the embeddings of the pooling requests whose prompt this step completed."""
-        decodes = [c for c in output.chunks if c.num_tokens == 1]
-        prefills = [c for c in output.chunks if c.num_tokens > 1]
+    ) -> tuple[dict[str, list[SampledToken]], dict[str, PromptLogprobs], dict[str, list[float]]]:
+        """The step's sampled tokens (one per sampling chunk; with proposals, the kept ones and
+        the sample after them: ``speculative.py``), the prompt logprobs of the chunks that asked
+        for them, and the embeddings of the pooling requests whose prompt this step
+        completed."""
+        # A chunk with proposals runs as decode rows, one per token (``decode_rows``): each row
+        # then attends as a plain decode step of its position would, in the same kernel, so a
+        # greedy request keeps the tokens it would produce without them.
+        decodes = [c for c in output.chunks if c.num_tokens == 1 or c.draft_token_ids]
+        prefills = [c for c in output.chunks if c.num_tokens > 1 and not c.draft_token_ids]
+        rows_of_decodes = decode_rows(decodes)
         static = self.static_decode
         spans: list[PrefillSpan] = []
         if (
             static is not None
             and decodes
             and not prefills
-            and static.bucket_for(len(decodes)) is not None
+            and static.bucket_for(len(rows_of_decodes)) is not None
         ):
-            hidden = self._run_static(static, decodes)
+            hidden = self._run_static(static, rows_of_decodes)
         else:
-            input_ids, positions, metadata = self._prepare_inputs(decodes, prefills)
+            input_ids, positions, metadata = self._prepare_inputs(rows_of_decodes, prefills)
             self.backend.prepare(metadata)
             spans = metadata.prefills
             if self.lora is None:
                 hidden = self.model(input_ids, positions, self.kv_caches, metadata)
             else:
-                row_slots = _lora_row_slots(self.lora, decodes, prefills, spans, self.device)
+                row_slots = _lora_row_slots(
+                    self.lora, rows_of_decodes, prefills, spans, self.device
+                )
                 with self.lora.step(row_slots):
                     hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        # hidden: [num_tokens, hidden_size]; the decodes' rows first (a chunk's in a row), then
+        # each prefill span's.
+        decode_ends = list(itertools.accumulate(chunk.num_tokens for chunk in decodes))
         prompt_logprobs: dict[str, PromptLogprobs] = {}
         if any(chunk.request.needs_prompt_logprobs for chunk in output.chunks):
-            # hidden: [num_tokens, hidden_size]; the decodes' rows first, then each prefill
-            # span's.
-            first_rows = [*range(len(decodes)), *(span.token_start for span in spans)]
+            first_rows = [
+                *(end - chunk.num_tokens for end, chunk in zip(decode_ends, decodes, strict=True)),
+                *(span.token_start for span in spans),
+            ]
             prompt_logprobs = {
                 chunk.request.request_id: self._prompt_logprobs(hidden, chunk, first_row)
                 for chunk, first_row in zip([*decodes, *prefills], first_rows, strict=True)
@@ -425,7 +444,7 @@ class ModelRunner:
         sampled_chunks: list[ScheduledChunk] = []
         rows: list[int] = []
         pooled: list[tuple[str, int, PoolingParams]] = []  # (request id, row, its params)
-        last_rows = [*range(len(decodes)),
+        last_rows = [*(end - 1 for end in decode_ends),
                      *(span.token_start + span.num_tokens - 1 for span in spans)]  # fmt: skip
         for row, chunk in zip(last_rows, [*decodes, *prefills], strict=True):
             if not chunk.needs_sample:
@@ -434,7 +453,9 @@ class ModelRunner:
                 pooled.append((chunk.request.request_id, row, chunk.request.pooling))
             else:
                 sampled_chunks.append(chunk)
-                rows.append(row)
+                # A chunk with proposals samples at its last token's position and each
+                # proposal's: rows [row - len(drafts), row].
+                rows.extend(range(row - len(chunk.draft_token_ids), row + 1))
         embeddings: dict[str, list[float]] = {}
         if pooled:
             # final: [num_pooled, hidden_size], the rows after the final norm
@@ -451,7 +472,15 @@ class ModelRunner:
         else:
             selected = hidden[torch.tensor(rows, device=self.device)]
         logits = self.model.compute_logits(selected)
-        requests = [chunk.request for chunk in sampled_chunks]
+        # One entry per row: a chunk with proposals repeats its request, and each of its rows
+        # sees the proposals before it as outputs (penalties, min_tokens, bad words).
+        requests: list[Request] = []
+        outputs: list[list[int]] = []
+        for chunk in sampled_chunks:
+            request = chunk.request
+            row_outputs = verify_rows(request.output_token_ids, chunk.draft_token_ids)
+            requests.extend([request] * len(row_outputs))
+            outputs.extend(row_outputs)
         structured = self.structured_outputs
         grammar = (
             None if structured is None else structured.bitmask([r.request_id for r in requests])
@@ -461,19 +490,24 @@ class ModelRunner:
             SamplingMetadata(
                 params=[r.params for r in requests],
                 prompt_token_ids=[r.prompt_token_ids for r in requests],
-                output_token_ids=[r.output_token_ids for r in requests],
+                output_token_ids=outputs,
                 generators=[self._generator(r) for r in requests],
                 shared_generator=self._shared_generator,
                 grammar_bitmask=None if grammar is None else grammar[0],
                 grammar_rows=() if grammar is None else tuple(grammar[1]),
             ),
         )
-        sampled = {
-            request.request_id: SampledToken(token_id, logprobs, rank)
-            for request, token_id, logprobs, rank in zip(
-                requests, result.token_ids, result.logprobs, result.ranks, strict=True
-            )
-        }
+        sampled: dict[str, list[SampledToken]] = {}
+        row = 0
+        for chunk in sampled_chunks:
+            drafts = chunk.draft_token_ids
+            end = row + len(drafts) + 1
+            kept = num_accepted(drafts, result.token_ids[row:end])
+            sampled[chunk.request.request_id] = [
+                SampledToken(result.token_ids[i], result.logprobs[i], result.ranks[i])
+                for i in range(row, row + kept + 1)
+            ]
+            row = end
         return sampled, prompt_logprobs, embeddings
 
     def _prompt_logprobs(
@@ -519,37 +553,30 @@ class ModelRunner:
             self._generators[request.request_id] = generator
         return generator
 
-    def _run_static(self, static: StaticDecode, decodes: list[ScheduledChunk]) -> torch.Tensor:
+    def _run_static(self, static: StaticDecode, rows: list[DecodeRow]) -> torch.Tensor:
         size = self.block_size
-        positions = [c.start_position for c in decodes]
         return static.run(
-            token_ids=[c.request.token_ids[p] for c, p in zip(decodes, positions, strict=True)],
-            positions=positions,
-            slots=[
-                c.block_ids[p // size] * size + p % size
-                for c, p in zip(decodes, positions, strict=True)
-            ],
-            block_tables=[
-                c.block_ids[: p // size + 1] for c, p in zip(decodes, positions, strict=True)
-            ],
+            token_ids=[token for _, token, _ in rows],
+            positions=[p for _, _, p in rows],
+            slots=[c.block_ids[p // size] * size + p % size for c, _, p in rows],
+            block_tables=[c.block_ids[: p // size + 1] for c, _, p in rows],
             adapter_slots=(
                 ()
                 if self.lora is None
-                else [self.lora.slot_of(c.request.params.lora_name) for c in decodes]
+                else [self.lora.slot_of(c.request.params.lora_name) for c, _, _ in rows]
             ),
         )
 
     def _prepare_inputs(
-        self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]
+        self, decodes: list[DecodeRow], prefills: list[ScheduledChunk]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         size = self.block_size
         device = self.device
         token_ids: list[int] = []
         decode_positions: list[int] = []
         decode_slots: list[int] = []
-        for chunk in decodes:
-            position = chunk.start_position
-            token_ids.append(chunk.request.token_ids[position])
+        for chunk, token, position in decodes:
+            token_ids.append(token)
             decode_positions.append(position)
             decode_slots.append(chunk.block_ids[position // size] * size + position % size)
         # Positions and slots: the decodes' as one tensor, then one per prefill chunk computed
@@ -568,13 +595,13 @@ class ModelRunner:
                     block_ids=block_ids,
                 )
             )
-            token_ids.extend(chunk.request.token_ids[start:end])
+            token_ids.extend(chunk.token_ids)  # with its proposals, if any
             chunk_positions = torch.arange(start, end, device=device)
             position_parts.append(chunk_positions)
             slot_parts.append(block_ids[chunk_positions // size] * size + chunk_positions % size)
 
-        max_blocks = max((-(-(c.start_position + 1) // size) for c in decodes), default=0)
-        tables = [_pad(c.block_ids[:max_blocks], max_blocks) for c in decodes]
+        max_blocks = max((-(-(p + 1) // size) for _, _, p in decodes), default=0)
+        tables = [_pad(c.block_ids[:max_blocks], max_blocks) for c, _, _ in decodes]
         metadata = AttentionMetadata(
             slot_mapping=torch.cat(slot_parts),
             num_decodes=len(decodes),
@@ -582,7 +609,7 @@ class ModelRunner:
                 len(decodes), max_blocks
             ),
             decode_seq_lens=torch.tensor(
-                [c.start_position + 1 for c in decodes], dtype=torch.int64, device=device
+                [p + 1 for _, _, p in decodes], dtype=torch.int64, device=device
             ),
             prefills=spans,
         )
@@ -642,17 +669,32 @@ def _first_line(exc: BaseException) -> str:
     return re.sub(r"^\[enforce fail at [^\]]*\][^.]*\.\s*", "", line)
 
 
+DecodeRow = tuple[ScheduledChunk, int, int]
+"""(chunk, token id, position): one row of a step's decodes."""
+
+
+def decode_rows(chunks: list[ScheduledChunk]) -> list[DecodeRow]:
+    """The decode rows of ``chunks``, in order: one per token (a plain decode has one; a chunk
+    with proposals its last token's and each proposal's)."""
+    rows: list[DecodeRow] = []
+    for chunk in chunks:
+        start = chunk.start_position
+        tokens = chunk.token_ids if chunk.draft_token_ids else [chunk.request.token_ids[start]]
+        rows.extend((chunk, token, start + i) for i, token in enumerate(tokens))
+    return rows
+
+
 def _lora_row_slots(
     lora: LoraState,
-    decodes: list[ScheduledChunk],
+    decodes: list[DecodeRow],
     prefills: list[ScheduledChunk],
     spans: list[PrefillSpan],
     device: torch.device,
 ) -> torch.Tensor | None:
     """Each row's adapter slot (-1: none), int64 ``[num_tokens]`` on ``device``, over the step's
-    flat tokens (the decodes' first, one each, then each prefill span's); None where no row runs
-    with an adapter (the deltas are skipped)."""
-    names = [chunk.request.params.lora_name for chunk in (*decodes, *prefills)]
+    flat tokens (the decode rows first, then each prefill span's); None where no row runs with
+    an adapter (the deltas are skipped)."""
+    names = [chunk.request.params.lora_name for chunk in (*(c for c, _, _ in decodes), *prefills)]
     if not any(names):
         return None
     slots = [lora.slot_of(name) for name in names[: len(decodes)]]

@@ -133,6 +133,10 @@ class EngineStats:
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     num_preemptions_total: int
+    num_draft_tokens_total: int = 0
+    """Speculative decoding: proposed tokens verified since start."""
+    num_accepted_tokens_total: int = 0
+    """Speculative decoding: proposed tokens kept since start."""
     lora_fingerprints: tuple[tuple[str, str], ...] = ()
     """(name, fingerprint of its files) of each LoRA adapter new requests may name
     (``EngineCore.lora_names``), by name."""

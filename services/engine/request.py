@@ -96,6 +96,11 @@ class Request:
     token (``services/engine/pooler.py``)."""
     embedding: list[float] | None = None
     """Set by the step that computed the last prompt token of a ``pooling`` request."""
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding: tokens proposed to follow ``token_ids`` (not part of them), which
+    its next decode step verifies (``services/engine/speculative.py``); set after each step."""
+    num_emitted_tokens: int = 0
+    """Output tokens the engine has handed out (a step may add several: ``EngineCore._output``)."""
     token_ids: list[int] = field(init=False)
     """Prompt followed by outputs; the tokens whose KV the request needs."""
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from services.engine.config import SchedulerConfig, SchedulingPolicy
@@ -40,10 +41,18 @@ class ScheduledChunk:
     """The request's whole block table after allocation."""
     needs_sample: bool
     """The chunk reaches the request's last known token, so its logits give the next one."""
+    draft_token_ids: tuple[int, ...] = ()
+    """Speculative decoding: proposed tokens after the request's last one, the chunk's last
+    ``len(draft_token_ids)`` tokens; a sample at each of the chunk's last ``1 + len`` positions
+    verifies them (``services/engine/speculative.py``)."""
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.token_ids[self.start_position : self.start_position + self.num_tokens]
+        end = self.start_position + self.num_tokens - len(self.draft_token_ids)
+        tokens = self.request.token_ids[self.start_position : end]
+        if self.draft_token_ids:
+            tokens.extend(self.draft_token_ids)
+        return tokens
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         """Every request that is waiting, reserved or running."""
         self.num_preemptions_total = 0
+        self.num_draft_tokens_total = 0
+        """Speculative decoding: proposed tokens verified, and those of them kept."""
+        self.num_accepted_tokens_total = 0
 
     @property
     def num_waiting(self) -> int:
@@ -214,6 +226,14 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"{request.request_id} is running with nothing to compute"
+            drafts = self._drafts(request, num_new, budget)
+            # Proposals take room only where there is some: without, the plain decode runs
+            # (and may still preempt).
+            if drafts and self.kv_cache.try_allocate(request, num_new + len(drafts)):
+                chunks.append(self._chunk(request, num_new + len(drafts), drafts))
+                budget -= num_new + len(drafts)
+                index += 1
+                continue
             if self.kv_cache.try_allocate(request, num_new):
                 chunks.append(self._chunk(request, num_new))
                 budget -= num_new
@@ -230,26 +250,42 @@ class Scheduler:
         return SchedulerOutput(chunks, [r.request_id for r in preempted])
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, SampledToken]
+        self, output: SchedulerOutput, sampled: Mapping[str, Sequence[SampledToken]]
     ) -> list[Request]:
-        """Advance the scheduled requests; returns those that got a token or finished."""
+        """Advance the scheduled requests; returns those that got a token or finished.
+
+        ``sampled`` holds each sampling chunk's tokens: one, or with proposals
+        (``ScheduledChunk.draft_token_ids``) the ones kept and the sample after them, appended
+        in order until one stops the request."""
         updated: list[Request] = []
         for chunk in output.chunks:
             request = chunk.request
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted between schedule() and now
-            request.num_computed_tokens += chunk.num_tokens
+            if not chunk.needs_sample or request.pooling is not None:
+                request.num_computed_tokens += chunk.num_tokens
+                self.kv_cache.cache_full_blocks(request)
+                if chunk.needs_sample:  # an embedding request: its vector is its output
+                    self.running.remove(request)
+                    self._finish(request, RequestStatus.FINISHED_STOPPED)
+                    updated.append(request)
+                continue
+            tokens = sampled[request.request_id]
+            if chunk.draft_token_ids:
+                self.num_draft_tokens_total += len(chunk.draft_token_ids)
+                self.num_accepted_tokens_total += len(tokens) - 1
+            request.draft_token_ids = []
+            stop_status = None
+            for token in tokens:
+                request.append_output(token.token_id, token.logprobs, token.rank)
+                stop_status = self._check_stop(request)
+                if stop_status is not None:
+                    break
+            # Every token but the last sampled one holds its KV now: the chunk's own, and the
+            # kept proposals' (computed at their positions); a rejected proposal's slots are
+            # written again by the tokens that take its positions.
+            request.num_computed_tokens = request.num_tokens - 1
             self.kv_cache.cache_full_blocks(request)
-            if not chunk.needs_sample:
-                continue
-            if request.pooling is not None:  # its embedding is its output: no token
-                self.running.remove(request)
-                self._finish(request, RequestStatus.FINISHED_STOPPED)
-                updated.append(request)
-                continue
-            token = sampled[request.request_id]
-            request.append_output(token.token_id, token.logprobs, token.rank)
-            stop_status = self._check_stop(request)
             if stop_status is not None:
                 self.running.remove(request)
                 self._finish(request, stop_status)
@@ -277,19 +313,37 @@ class Scheduler:
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _chunk(
+        self, request: Request, num_new: int, drafts: tuple[int, ...] = ()
+    ) -> ScheduledChunk:
         return ScheduledChunk(
             request=request,
             start_position=request.num_computed_tokens,
             num_tokens=num_new,
             block_ids=self.kv_cache.block_ids(request.request_id),
-            needs_sample=request.num_computed_tokens + num_new == request.num_tokens,
+            needs_sample=request.num_computed_tokens + num_new - len(drafts) == request.num_tokens,
+            draft_token_ids=drafts,
         )
+
+    def _drafts(self, request: Request, num_new: int, budget: int) -> tuple[int, ...]:
+        """The proposals a decode step of ``request`` verifies: as many as the step's budget,
+        the model's length and the request's ``max_tokens`` leave room for (each kept one is an
+        output token, and the sample after the last one another)."""
+        drafts = request.draft_token_ids
+        if not drafts or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return ()  # a prompt (or a preempted request's tokens) still to compute
+        room = min(
+            budget - 1,
+            self.max_model_len - request.num_tokens,
+            request.params.max_tokens - request.num_output_tokens - 1,
+        )
+        return tuple(drafts[: max(room, 0)])
 
     def _preempt(self, request: Request) -> None:
         logger.debug("preempting %s (%d tokens)", request.request_id, request.num_tokens)
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
+        request.draft_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         request.status = RequestStatus.PREEMPTED

@@ -33,6 +33,7 @@ from services.engine import (
     LoraConfig,
     SchedulerConfig,
     SchedulingPolicy,
+    SpeculativeConfig,
     default_max_num_batched_tokens,
 )
 from services.engine.config import MAX_BLOCK_SIZE
@@ -229,6 +230,15 @@ def build_parser(role: Role | None) -> argparse.ArgumentParser:
         "'{\"is_matryoshka\": true}' (every node of a pair must be given the same)",
     )
     add(
+        "--speculative-config",
+        type=parse_json_object,
+        default=None,
+        metavar="JSON",
+        help="vLLM's: speculative decoding by n-gram prompt lookup, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\' '
+        "(decode and colocated nodes; a prefill node samples one token and never speculates)",
+    )
+    add(
         "--enforce-eager",
         action="store_false",
         dest="cuda_graphs",
@@ -326,6 +336,11 @@ def parse_node_config(
             cuda_graphs=args.cuda_graphs,
             quantization=args.quantization,
             hf_overrides=args.hf_overrides,
+            speculative=(
+                None
+                if args.speculative_config is None
+                else SpeculativeConfig.from_mapping(args.speculative_config)
+            ),
             cache=CacheConfig(
                 block_size=args.block_size,
                 kv_cache_memory=args.kv_cache_memory,

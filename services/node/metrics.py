@@ -100,6 +100,14 @@ class NodeMetrics:
         self.prefix_cache_hits = engine_total(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache"
         )
+        # vLLM's spec_decode_num_draft_tokens / _num_accepted_tokens: their rates' ratio is
+        # the recent acceptance rate of speculative decoding's proposals.
+        self.spec_decode_draft_tokens = engine_total(
+            "spec_decode_num_draft_tokens", "Proposed tokens verified (speculative decoding)"
+        )
+        self.spec_decode_accepted_tokens = engine_total(
+            "spec_decode_num_accepted_tokens", "Proposed tokens kept (speculative decoding)"
+        )
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Request arrival to first token"
         )
@@ -204,6 +212,8 @@ class NodeMetrics:
             self.num_preemptions.advance_to(stats.num_preemptions_total)
             self.prefix_cache_queries.advance_to(stats.prefix_cache_queried_tokens)
             self.prefix_cache_hits.advance_to(stats.prefix_cache_hit_tokens)
+            self.spec_decode_draft_tokens.advance_to(stats.num_draft_tokens_total)
+            self.spec_decode_accepted_tokens.advance_to(stats.num_accepted_tokens_total)
             if stats.max_loras:
                 self._refresh_lora_info(stats)
             await asyncio.sleep(interval_s)

@@ -3,8 +3,9 @@
 Each architecture's reference is computed once, one prompt at a time (no padding in the
 reference), and every engine configuration below must reproduce it exactly, batched: plain
 continuous batching, chunked prefill forced by a small token budget, preemption forced by a
-small KV cache, and prefix-cache hits from prompts that share long prefixes. Each runs on both
-attention backends: the portable torch path and the native CPU kernel.
+small KV cache, prefix-cache hits from prompts that share long prefixes, and speculative
+decoding's kept proposals. Each runs on both attention backends: the portable torch path and the
+native CPU kernel.
 """
 
 from __future__ import annotations
@@ -43,6 +44,16 @@ def shared_prefix_prompts(vocab_size: int, seed: int) -> list[list[int]]:
     return [
         prefixes[i % 2] + [rng.randrange(5, vocab_size) for _ in range(1 + 13 * i)]
         for i in range(8)
+    ]
+
+
+def cyclic_prompts(vocab_size: int, seed: int) -> list[list[int]]:
+    """Short random cycles repeated (3 x 6 tokens ... 4 x 12): a random model's greedy text
+    continues some of them, so speculative decoding's proposals are kept."""
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(5, vocab_size) for _ in range(cycle)] * repeats
+        for cycle, repeats in ((3, 6), (5, 4), (8, 3), (2, 10), (7, 5), (4, 12))
     ]
 
 
@@ -86,7 +97,10 @@ def case(request: pytest.FixtureRequest, tiny_model_factory) -> dict:
     )
     prompts = random_prompts(vocab_size, seed=1)
     shared = shared_prefix_prompts(vocab_size, seed=2)
+    cyclic = cyclic_prompts(vocab_size, seed=3)
     return {
+        "cyclic": cyclic,
+        "cyclic_expected": hf_greedy(model_dir, cyclic),
         "model_dir": model_dir,
         "prompts": prompts,
         "expected": hf_greedy(model_dir, prompts),
@@ -151,3 +165,25 @@ def test_prefix_cache_hits_match_hf(case: dict, backend: str) -> None:
     assert [o.token_ids for o in outputs] == case["shared_expected"]
     assert all(o.num_cached_tokens >= 64 for o in outputs)
     assert llm.engine.stats().prefix_cache_hit_rate > 0.3
+
+
+def test_speculative_decoding_matches_hf(case: dict, backend: str) -> None:
+    # Proposals from the prompt and the outputs so far, verified as decode rows: the kept ones
+    # must be the tokens HF generates. The cyclic prompts get some kept, the random ones few;
+    # a small cache preempts some requests between verifications.
+    llm = make_llm(
+        case["model_dir"],
+        backend,
+        kv_cache_memory=kv_bytes(case["model_dir"], num_blocks=40),
+        speculative_config={
+            "num_speculative_tokens": 4,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1,
+        },  # fmt: skip
+    )
+    prompts = case["cyclic"] + case["prompts"]
+    assert generate(llm, prompts) == case["cyclic_expected"] + case["expected"]
+    stats = llm.engine.stats()
+    assert stats.num_accepted_tokens_total > 0, "no proposal was kept: nothing verified"
+    assert stats.num_draft_tokens_total > stats.num_accepted_tokens_total
+    assert stats.num_preemptions_total > 0

@@ -104,7 +104,7 @@ def run_step(scheduler: Scheduler, sampled_token: SampledTokens = DEFAULT_SAMPLE
     """
     output = scheduler.schedule()
     sampled = {
-        chunk.request.request_id: SampledToken(_token_for(chunk.request, sampled_token))
+        chunk.request.request_id: [SampledToken(_token_for(chunk.request, sampled_token))]
         for chunk in output.chunks
         if chunk.needs_sample
     }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from services.engine.kv_layout import KvLayout, layer_copies
 NUM_TOKENS = 12
 
 
-def make_engine(model_dir: Path, kv_cache_memory: int) -> EngineCore:
+def make_engine(model_dir: Path, kv_cache_memory: int, **kwargs: Any) -> EngineCore:
     # Different cache sizes on the two sides: the value half of each layer sits at a different
     # offset, which layer_copies must account for.
     return LLM(
@@ -29,6 +30,7 @@ def make_engine(model_dir: Path, kv_cache_memory: int) -> EngineCore:
         max_model_len=256,
         kv_cache_memory=kv_cache_memory,
         max_num_batched_tokens=64,  # chunked prefill on the prefill side
+        **kwargs,
     ).engine
 
 
@@ -260,3 +262,44 @@ def test_side_by_side_reservations_of_one_prefix_end_up_sharing_it(tiny_llama_di
             outputs[out.request_id].extend(out.new_token_ids)
     assert [outputs[f"r{i}"] for i in range(len(prompts))] == expected
     assert decode.stats().num_blocks_used == 0
+
+
+def test_a_decode_engine_that_speculates_decodes_the_same_tokens(
+    engines: tuple[EngineCore, EngineCore], tiny_llama_dir: Path
+) -> None:
+    """A committed request's first token came from the prefill node; its decode steps then
+    carry proposals from its prompt and outputs like any other's."""
+    prefill = engines[0]
+    decode = make_engine(
+        tiny_llama_dir,
+        5 << 20,
+        speculative_config={
+            "num_speculative_tokens": 3,
+            "prompt_lookup_max": 2,
+            "prompt_lookup_min": 1,
+        },  # fmt: skip
+    )
+    prompts = [[3, 4] * 15, [9, 10, 11, 12] * 5]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = LLM(tiny_llama_dir, dtype="float32", max_model_len=256, kv_cache_memory=4 << 20)
+    expected_ids = [o.token_ids for o in expected.generate(prompts, params)]
+    ids = [f"spec-{i}" for i in range(len(prompts))]
+    first_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    outputs: dict[str, list[int]] = {}
+    for rid, prompt in zip(ids, prompts, strict=True):
+        reservation = decode.reserve(rid, prompt, params)
+        assert reservation is not None
+        prefill.add_request(rid, prompt, first_params, hold_kv=True)
+        while prefill.has_unfinished_requests:
+            (out,) = prefill.step()
+        copy_pages(prefill, prefill.kv_block_ids(rid), decode, reservation.block_ids)
+        assert prefill.release_kv(rid)
+        first = decode.commit(rid, out.new_token_ids[0])
+        outputs[rid] = list(first.new_token_ids)
+    while decode.has_unfinished_requests:
+        for out in decode.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+    assert [outputs[rid] for rid in ids] == expected_ids
+    stats = decode.stats()
+    assert stats.num_accepted_tokens_total > 0
+    assert stats.num_blocks_used == 0

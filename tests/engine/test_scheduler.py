@@ -431,7 +431,7 @@ def test_abort_between_schedule_and_update_is_skipped(
 
     output = scheduler.schedule()
     scheduler.abort_request("doomed")
-    sampled = {c.request.request_id: SampledToken(7) for c in output.chunks}
+    sampled = {c.request.request_id: [SampledToken(7)] for c in output.chunks}
     updated = scheduler.update_from_output(output, sampled)
 
     assert updated == [other]

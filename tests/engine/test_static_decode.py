@@ -79,6 +79,28 @@ def test_static_decode_matches_dynamic(tiny_llama_dir, backend: str) -> None:
     assert static.engine.stats().num_blocks_used == 0
 
 
+def test_static_decode_runs_speculative_rows_as_the_dynamic_path(tiny_llama_dir) -> None:
+    """With speculation, a decode step has a row per request and proposal: the static buffers
+    take up to max_num_seqs x (1 + num_speculative_tokens) rows."""
+    batch = [[3, 4] * 10, [9, 10, 11] * 6, *prompts(4)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    spec = {"num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    dynamic = LLM(tiny_llama_dir, dtype="float32", block_size=8, max_model_len=64,
+                  max_num_seqs=6, kv_cache_memory=1 << 22, attention_backend="torch")  # fmt: skip
+    static = LLM(tiny_llama_dir, dtype="float32", block_size=8, max_model_len=64, max_num_seqs=6,
+                 kv_cache_memory=1 << 22, attention_backend="torch", cuda_graphs=True,
+                 speculative_config=spec)  # fmt: skip
+    runner = static.engine.runner
+    assert runner.static_decode is not None and runner.static_decode.max_batch == 24
+    rows = []
+    original = runner.static_decode.run
+    runner.static_decode.run = lambda *a, **k: rows.append(len(k["token_ids"])) or original(*a, **k)
+    expected = [o.token_ids for o in dynamic.generate(batch, params)]
+    assert [o.token_ids for o in static.generate(batch, params)] == expected
+    assert max(rows) > 6, "no step ran more rows than requests on the static path"
+    assert static.engine.stats().num_accepted_tokens_total > 0
+
+
 @pytest.mark.gpu
 def test_cuda_graph_replay_matches_eager(tiny_llama_dir) -> None:
     batch = prompts(5)

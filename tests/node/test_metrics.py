@@ -76,6 +76,21 @@ def test_prefix_cache_queries_and_hits_are_counters_of_tokens() -> None:
     assert "# TYPE pdserve:prefix_cache_hits_total counter" in exported
 
 
+def test_speculative_decoding_counts_proposals_verified_and_kept() -> None:
+    """vLLM's ``spec_decode_num_draft_tokens`` / ``_num_accepted_tokens``: rate() of the kept
+    over rate() of the verified is the recent acceptance rate."""
+    metrics = NodeMetrics("decode", "d0")
+    snapshots = [
+        dataclasses.replace(make_stats(), num_draft_tokens_total=d, num_accepted_tokens_total=a)
+        for d, a in ((0, 0), (12, 5), (40, 22))
+    ]
+    _refresh(metrics, snapshots)
+    assert _sample(metrics, "spec_decode_num_draft_tokens_total") == 40
+    assert _sample(metrics, "spec_decode_num_accepted_tokens_total") == 22
+    exported = generate_latest(metrics.registry).decode()
+    assert "# TYPE pdserve:spec_decode_num_accepted_tokens_total counter" in exported
+
+
 def test_node_metrics_carry_no_created_series() -> None:
     metrics = NodeMetrics("prefill", "p0", transport="loopback")
     metrics.request_finished("stop")

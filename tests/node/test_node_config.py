@@ -37,6 +37,12 @@ def test_vllms_spellings_of_the_same_settings_are_taken() -> None:
     assert parse().engine.cuda_graphs is None  # auto
     overrides = parse("--hf-overrides", '{"is_matryoshka": true}').engine.hf_overrides
     assert overrides == {"is_matryoshka": True} and parse().engine.hf_overrides is None
+    speculative = parse(
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}',
+    ).engine.speculative
+    assert speculative is not None and parse().engine.speculative is None
+    assert (speculative.num_speculative_tokens, speculative.prompt_lookup_max) == (3, 4)
     assert name_flags("cuda_graphs and no_prefix_caching") == (
         "--cuda-graphs and --no-prefix-caching"
     )
@@ -96,6 +102,17 @@ def test_role_can_come_from_the_environment() -> None:
         (["--hf-overrides", "{is_matryoshka: true}"], {}, "--hf-overrides: not JSON"),
         (["--hf-overrides", "[1]"], {}, "--hf-overrides: not a JSON object"),
         (["--quantization", "awq"], {}, "--quantization: invalid choice: 'awq'"),
+        (["--speculative-config", "[3]"], {}, "--speculative-config: not a JSON object"),
+        (
+            ["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
+            {},
+            "--speculative-config.method must be one of ngram, got 'eagle'",
+        ),
+        (
+            ["--speculative-config", '{"method": "ngram"}'],
+            {},
+            "--speculative-config.num_speculative_tokens is required",
+        ),
         (["--grpc-port", "70000"], {}, "--grpc-port must be in [0, 65535]"),
         (["--test-kv-push-pause-s", "-1"], {}, "--test-kv-push-pause-s must be >= 0"),
         ([], {}, "--role is required"),
