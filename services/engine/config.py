@@ -176,7 +176,13 @@ class LoraConfig:
 SPECULATIVE_METHODS = ("ngram",)
 """Proposers built: n-gram prompt lookup (vLLM's ``ngram``). A draft model, EAGLE and MTP heads
 are not built."""
-_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_SPECULATIVE_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "disable_by_batch_size",
+)
 _DEFAULT_PROMPT_LOOKUP = 5
 
 
@@ -193,6 +199,10 @@ class SpeculativeConfig:
     """The longest suffix of a request's tokens looked up earlier in them (n-gram proposer)."""
     prompt_lookup_min: int = _DEFAULT_PROMPT_LOOKUP
     """The shortest suffix that may still match; no match of it proposes nothing."""
+    disable_by_batch_size: int | None = None
+    """No proposals while more requests than this are running (vLLM's key): verifying costs a
+    row of compute per proposal, which a large batch, compute-bound already, pays in full
+    (docs/benchmarks.md). None: whatever the batch."""
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -202,6 +212,10 @@ class SpeculativeConfig:
             )
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             _check_positive_int(f"speculative_config.{name}", getattr(self, name))
+        if self.disable_by_batch_size is not None:
+            _check_positive_int(
+                "speculative_config.disable_by_batch_size", self.disable_by_batch_size
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise EngineConfigError(
                 "speculative_config.prompt_lookup_min must be <= prompt_lookup_max, got "
@@ -236,6 +250,7 @@ class SpeculativeConfig:
             method=value.get("method", "ngram"),
             prompt_lookup_max=high,
             prompt_lookup_min=low,
+            disable_by_batch_size=value.get("disable_by_batch_size"),
         )
 
 

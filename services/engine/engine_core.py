@@ -509,8 +509,15 @@ class EngineCore:
 
     def _propose(self, proposer: NgramProposer) -> None:
         """Proposals for the next step of each running request that decodes and may speculate,
-        no more than its ``max_tokens`` and the model's length leave room for."""
-        for request in self.scheduler.running:
+        no more than its ``max_tokens`` and the model's length leave room for; none while the
+        batch is larger than ``disable_by_batch_size``."""
+        running = self.scheduler.running
+        limit = proposer.config.disable_by_batch_size
+        if limit is not None and len(running) > limit:
+            for request in running:
+                request.draft_token_ids = []
+            return
+        for request in running:
             if (
                 request.num_tokens - request.num_computed_tokens != 1
                 or not request.output_token_ids

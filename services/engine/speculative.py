@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from services.engine.config import SpeculativeConfig
 from services.types import SamplingParams
@@ -57,39 +58,71 @@ def verify_rows(output_token_ids: list[int], drafts: Sequence[int]) -> list[list
     return [output_token_ids + list(drafts[:i]) for i in range(len(drafts) + 1)]
 
 
+@dataclass(eq=False)
+class _Lookup:
+    """What the proposer keeps of one request between its steps."""
+
+    tokens: array[int] = field(default_factory=lambda: array("i"))
+    """The request's tokens as int32s, so that a lookup is one ``bytes.rfind`` in C rather
+    than a Python loop over thousands of tokens per request and step."""
+    window: int = 0
+    """How many tokens the next proposal may hold (``NgramProposer.propose``)."""
+    proposed_at: int = 0
+    """``len(tokens)`` when ``proposed`` was made."""
+    proposed: list[int] = field(default_factory=list)
+
+
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        # Each request's tokens as int32s, so that a lookup is one bytes.rfind in C rather than
-        # a Python loop over thousands of tokens per request and step.
-        self._tokens: dict[str, array[int]] = {}
+        self._lookups: dict[str, _Lookup] = {}
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        """Up to ``min(max_tokens, num_speculative_tokens)`` tokens that followed the latest
-        earlier occurrence of the longest suffix of ``token_ids`` (at least
-        ``prompt_lookup_min`` tokens long); none without one."""
-        limit = min(max_tokens, self.config.num_speculative_tokens)
+        """Up to ``min(max_tokens, window)`` tokens that followed the latest earlier occurrence
+        of the longest suffix of ``token_ids`` (at least ``prompt_lookup_min`` tokens long);
+        none without one.
+
+        The window is the request's own: one more than its last proposal kept, at most
+        ``num_speculative_tokens`` (where it starts). A request whose text does not repeat its
+        prompt then verifies one proposal a step, not ``num_speculative_tokens`` wrong ones,
+        each a row of compute; one that copies grows it back a token a step."""
+        lookup = self._lookups.get(request_id)
+        if lookup is None or len(lookup.tokens) > len(token_ids):
+            lookup = self._lookups[request_id] = _Lookup(window=self.config.num_speculative_tokens)
+        packed = lookup.tokens
+        packed.extend(token_ids[len(packed) :])
+        num_tokens = len(packed)
+        if lookup.proposed:
+            # The tokens that followed the last proposal: its kept ones come first.
+            follow = packed[lookup.proposed_at : lookup.proposed_at + len(lookup.proposed) + 1]
+            kept = 0
+            while (
+                kept < len(lookup.proposed)
+                and kept < len(follow)
+                and (follow[kept] == lookup.proposed[kept])
+            ):
+                kept += 1
+            lookup.window = min(kept + 1, self.config.num_speculative_tokens)
+            lookup.proposed = []
+        limit = min(max_tokens, lookup.window)
         if limit <= 0:
             return []
-        packed = self._tokens.get(request_id)
-        if packed is None or len(packed) > len(token_ids):
-            packed = self._tokens[request_id] = array("i")
-        packed.extend(token_ids[len(packed) :])
         data = packed.tobytes()
-        num_tokens = len(packed)
         high = min(self.config.prompt_lookup_max, num_tokens - 1)
         for n in range(high, self.config.prompt_lookup_min - 1, -1):
             start = _latest_match(data, n, num_tokens)
             if start is not None:
-                follow = start + n  # the first token after the match
-                return list(packed[follow : min(follow + limit, num_tokens)])
+                follow_at = start + n  # the first token after the match
+                lookup.proposed = list(packed[follow_at : min(follow_at + limit, num_tokens)])
+                lookup.proposed_at = num_tokens
+                return list(lookup.proposed)
         return []
 
     def release(self, request_id: str) -> None:
-        self._tokens.pop(request_id, None)
+        self._lookups.pop(request_id, None)
 
     def __len__(self) -> int:
-        return len(self._tokens)
+        return len(self._lookups)
 
 
 def _latest_match(data: bytes, n: int, num_tokens: int) -> int | None:

@@ -80,6 +80,31 @@ def test_tokens_are_kept_per_request_and_extended_until_released() -> None:
     assert p.propose("a", [6, 6], 5) == [6]
 
 
+def test_the_window_is_one_more_than_the_last_proposal_kept() -> None:
+    p = proposer(k=4, high=1)
+    cycle = list(range(100, 120))
+    tokens = cycle * 2
+    assert p.propose("r", tokens, 10) == [100, 101, 102, 103]  # the whole window at first
+    tokens += [100, 555]  # one kept, then a sample of its own: the window is 2
+    assert p.propose("r", tokens, 10) == []  # 555 occurs nowhere earlier
+    tokens += [102]
+    assert p.propose("r", tokens, 10) == [103, 104]  # the window of 2 still
+    tokens += [103, 104, 105]  # both kept: 3
+    assert p.propose("r", tokens, 10) == [106, 107, 108]
+    tokens += [777]  # none kept: 1
+    assert p.propose("r", tokens, 10) == []
+    tokens += [106]
+    assert p.propose("r", tokens, 10) == [107]
+    tokens += [107, 108]  # each time all are kept: 2, 3, 4, and never more than 4
+    assert p.propose("r", tokens, 10) == [109, 110]
+    tokens += [109, 110, 111]
+    assert p.propose("r", tokens, 10) == [112, 113, 114]
+    tokens += [112, 113, 114, 115]
+    assert p.propose("r", tokens, 10) == [116, 117, 118, 119]
+    tokens += [116, 117, 118, 119, 100]
+    assert p.propose("r", tokens, 10) == [555, 102, 103, 104]
+
+
 # ---- acceptance ----
 
 
@@ -116,6 +141,11 @@ def test_config_from_vllm_json() -> None:
     assert (both.method, both.prompt_lookup_min, both.prompt_lookup_max) == ("ngram", 5, 5)
     low = SpeculativeConfig.from_mapping({"num_speculative_tokens": 2, "prompt_lookup_min": 2})
     assert (low.prompt_lookup_min, low.prompt_lookup_max) == (2, 2)
+    assert low.disable_by_batch_size is None
+    guarded = SpeculativeConfig.from_mapping(
+        {"num_speculative_tokens": 2, "disable_by_batch_size": 8}
+    )
+    assert guarded.disable_by_batch_size == 8
 
 
 @pytest.mark.parametrize(
@@ -132,6 +162,7 @@ def test_config_from_vllm_json() -> None:
             "prompt_lookup_min must be <= prompt_lookup_max",
         ),
         ({"num_speculative_tokens": 3, "prompt_lookup_max": -1}, "prompt_lookup_max"),
+        ({"num_speculative_tokens": 3, "disable_by_batch_size": 0}, "disable_by_batch_size"),
         ([3], "speculative_config must be an object"),
     ],
 )

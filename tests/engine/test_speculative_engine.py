@@ -173,3 +173,19 @@ def test_each_verified_position_samples_after_the_proposals_before_it(
         assert rows == [before + list(drafts[:i]) for i in range(len(drafts) + 1)]
         verified += len(drafts)
     assert verified > 0
+
+
+def test_no_proposals_while_the_batch_is_larger_than_disable_by_batch_size(
+    tiny_llama_dir: Path,
+) -> None:
+    llm = small_llm(
+        tiny_llama_dir,
+        max_model_len=128,
+        speculative_config={**SPECULATIVE, "disable_by_batch_size": 1},
+    )
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    together = llm.generate(PROMPTS, params, use_tqdm=False)  # four running at once
+    assert llm.engine.stats().num_draft_tokens_total == 0
+    alone = llm.generate([PROMPTS[2]], params, use_tqdm=False)
+    assert llm.engine.stats().num_accepted_tokens_total > 0
+    assert alone[0].token_ids == together[2].token_ids
