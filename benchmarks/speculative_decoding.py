@@ -4,7 +4,8 @@ does not.
 
     python benchmarks/speculative_decoding.py [--model models/SmolLM2-135M-Instruct]
         [--batch-sizes 1,4,16,64] [--output-len 128] [--num-speculative-tokens 4]
-        [--prompt-lookup-max 4] [--prompt-lookup-min 2] [--rounds 2] [--dtype auto]
+        [--prompt-lookup-max 4] [--prompt-lookup-min 2] [--disable-by-batch-size N]
+        [--rounds 2] [--dtype auto]
         [--workloads edit,chat]
 
 Each batch size runs an engine of that ``max_num_seqs`` over at least eight prompts (at 1, one
@@ -120,6 +121,7 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--disable-by-batch-size", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--workloads", default="edit,chat")
@@ -130,6 +132,7 @@ def main() -> None:
         "num_speculative_tokens": args.num_speculative_tokens,
         "prompt_lookup_max": args.prompt_lookup_max,
         "prompt_lookup_min": args.prompt_lookup_min,
+        "disable_by_batch_size": args.disable_by_batch_size,
     }
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0)
     print(f"model {args.model.name}, {speculative}, greedy, {args.output_len} tokens at most")
@@ -167,7 +170,8 @@ def main() -> None:
             per_step = total / max(total - kept, 1)
             print(
                 f"{workload:8s} {batch:5d} | {best['plain']:11.1f} | {best['spec']:10.1f} | "
-                f"{best['spec'] / best['plain']:5.2f} | {kept / max(drafted, 1):4.0%} | "
+                f"{best['spec'] / best['plain']:5.2f} | "
+                f"{f'{kept / drafted:4.0%}' if drafted else ' n/a'} | "
                 f"{per_step:11.2f} | {same}/{len(messages)}",
                 flush=True,
             )

@@ -43,6 +43,10 @@ def test_vllms_spellings_of_the_same_settings_are_taken() -> None:
     ).engine.speculative
     assert speculative is not None and parse().engine.speculative is None
     assert (speculative.num_speculative_tokens, speculative.prompt_lookup_max) == (3, 4)
+    from_env = parse_node_config(
+        [], {"PDSERVE_SPECULATIVE_CONFIG": '{"num_speculative_tokens": 2}'}, role=Role.DECODE
+    ).engine.speculative
+    assert from_env is not None and from_env.num_speculative_tokens == 2
     assert name_flags("cuda_graphs and no_prefix_caching") == (
         "--cuda-graphs and --no-prefix-caching"
     )
