@@ -29,9 +29,11 @@ from services.engine.scheduler import SampledToken, SchedulerOutput  # noqa: E40
 
 def stub_execute(
     output: SchedulerOutput,
-) -> tuple[dict[str, SampledToken], dict[str, list[object]], dict[str, list[float]]]:
+) -> tuple[dict[str, list[SampledToken]], dict[str, list[object]], dict[str, list[float]]]:
     """One token (id 7) for every chunk that samples; no prompt logprobs, no embeddings."""
-    tokens = {c.request.request_id: SampledToken(7, None) for c in output.chunks if c.needs_sample}
+    tokens = {
+        c.request.request_id: [SampledToken(7, None)] for c in output.chunks if c.needs_sample
+    }
     return tokens, {}, {}
 
 

@@ -706,6 +706,24 @@ def stage_serving_burst(args: argparse.Namespace) -> dict:
     return run
 
 
+SPECULATIVE_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct"
+"""A trained model for the ``speculative`` stage (a random one keeps no proposal): ``make
+model``'s, carried to the device machine under ``models/``."""
+
+
+def stage_speculative(args: argparse.Namespace) -> dict:
+    """Speculative decoding against the plain engine on the GPU (greedy outputs compared),
+    with decode graphs; needs SmolLM2 (``SPECULATIVE_MODEL``)."""
+    need_cuda(args)
+    if not SPECULATIVE_MODEL.exists():
+        raise Skip(f"{SPECULATIVE_MODEL.relative_to(ROOT)} is not here (make model)")
+    return run_script(
+        ["benchmarks/speculative_decoding.py", "--model", str(SPECULATIVE_MODEL), "--device",
+         "cuda", "--batch-sizes", "1,16,64", "--rounds", "2"],
+        args.deadline,
+    )  # fmt: skip
+
+
 # The stages that start their own processes run before those that build an LLM in this one, so
 # they find the GPU's memory free.
 STAGES = (
@@ -719,6 +737,7 @@ STAGES = (
     "launcher",
     "serving_burst",
     "lora",
+    "speculative",
     "decode_steps",
     "fp8",
     "step_profile",
@@ -744,6 +763,7 @@ def run_session(args: argparse.Namespace) -> dict[str, dict]:
         "launcher": lambda: stage_launcher(args),
         "serving_burst": lambda: stage_serving_burst(args),
         "lora": lambda: stage_lora(args),
+        "speculative": lambda: stage_speculative(args),
         "fp8": lambda: stage_fp8(args, bandwidth()),
     }
     for name in STAGES:

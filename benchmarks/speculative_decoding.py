@@ -5,7 +5,7 @@ does not.
     python benchmarks/speculative_decoding.py [--model models/SmolLM2-135M-Instruct]
         [--batch-sizes 1,4,16,64] [--output-len 128] [--num-speculative-tokens 4]
         [--prompt-lookup-max 4] [--prompt-lookup-min 2] [--disable-by-batch-size N]
-        [--rounds 2] [--dtype auto]
+        [--rounds 2] [--dtype auto] [--device cuda]
         [--workloads edit,chat]
 
 Each batch size runs an engine of that ``max_num_seqs`` over at least eight prompts (at 1, one
@@ -124,6 +124,7 @@ def main() -> None:
     parser.add_argument("--disable-by-batch-size", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--workloads", default="edit,chat")
     args = parser.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -139,7 +140,12 @@ def main() -> None:
     print("workload batch | plain tok/s | spec tok/s | ratio | kept | tokens/step | same")
     for batch in batch_sizes:
         # max_num_seqs is the batch: at 1, the prompts run one after another.
-        common = {"dtype": args.dtype, "max_num_seqs": batch, "max_model_len": 1024}
+        common = {
+            "dtype": args.dtype,
+            "device": args.device,
+            "max_num_seqs": batch,
+            "max_model_len": 1024,
+        }
         plain = LLM(args.model, **common)
         spec = LLM(args.model, speculative_config=speculative, **common)
         for workload in args.workloads.split(","):

@@ -4,9 +4,10 @@ A request that repeats itself (code edited in place, a quoted document, a summar
 source, a loop) often continues a run of tokens it already holds. After each step the proposer
 looks the request's last ``n`` tokens up earlier in its own tokens (``n`` from
 ``prompt_lookup_max`` down to ``prompt_lookup_min``) and proposes the tokens that followed the
-latest match. The next step computes the request's last token and the proposals as one chunk
-(``ScheduledChunk.draft_token_ids``), a sample at each of its positions, and keeps the proposals
-up to the first one that differs from its position's sample, plus that sample
+latest match, at most one more than its last proposal kept. The next step computes the
+request's last token and the proposals as one chunk (``ScheduledChunk.draft_token_ids``; the
+model runner makes each a decode row), a sample at each of its positions, and keeps the
+proposals up to the first one that differs from its position's sample, plus that sample
 (``num_accepted``): between 1 and ``num_speculative_tokens + 1`` tokens per step.
 
 Why sampling at every position and comparing is exact: a proposal ``d`` is one token, not a
@@ -17,9 +18,10 @@ d``, else keeping ``t``. Each position's ``p`` is the model's given the kept tok
 ``SamplingMetadata`` rows built by ``verify_rows``), so greedy requests produce the tokens they
 would without speculation, and random ones tokens of the same distribution (not the same draws).
 
-Life cycle: the engine makes one ``NgramProposer`` when speculation is on; ``propose`` keeps a
-packed copy of each running request's tokens between steps (extended, never rebuilt), which
-``release`` drops when the request ends, whatever the way. Pure Python: no torch.
+Life cycle: the engine makes one ``NgramProposer`` when speculation is on; ``propose`` keeps,
+per running request, a packed copy of its tokens (extended, never rebuilt), its window and its
+last proposal (``_Lookup``), which ``release`` drops when the request ends, whatever the way.
+Pure Python: no torch.
 """
 
 from __future__ import annotations

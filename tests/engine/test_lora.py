@@ -392,3 +392,25 @@ def test_a_prefill_node_keeps_an_unloaded_adapter_for_its_grace(
     time.sleep(0.3)  # past the grace
     engine.abort("nothing")  # an abort (or a step) drops what is due
     assert "every" not in engine.runner.lora.adapters
+
+
+@pytest.mark.parametrize("cuda_graphs", [None, True])
+def test_speculative_rows_run_their_requests_adapter(
+    tiny_llama_dir: Path, adapters, cuda_graphs: bool | None
+) -> None:
+    """A request's proposals are decode rows of its adapter (on the dynamic path, and on the
+    static inputs CUDA graphs replay, run eagerly here): the tokens of the run without them."""
+    names = ["every", "qv", None, "every"]
+    prompts = [[3, 4] * 12, [9, 10, 11] * 8, [3, 4] * 12, [500, 600, 700, 800] * 5]
+    requests = [adapters[name][0] for name in names]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    spec = {"num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    expected = lora_llm(tiny_llama_dir, kv_cache_memory=16 << 20).generate(
+        prompts, params, lora_request=requests, use_tqdm=False
+    )
+    llm = lora_llm(
+        tiny_llama_dir, kv_cache_memory=16 << 20, cuda_graphs=cuda_graphs, speculative_config=spec
+    )
+    got = llm.generate(prompts, params, lora_request=requests, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert llm.engine.stats().num_accepted_tokens_total > 0

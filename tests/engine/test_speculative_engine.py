@@ -189,3 +189,17 @@ def test_no_proposals_while_the_batch_is_larger_than_disable_by_batch_size(
     alone = llm.generate([PROMPTS[2]], params, use_tqdm=False)
     assert llm.engine.stats().num_accepted_tokens_total > 0
     assert alone[0].token_ids == together[2].token_ids
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_greedy_tokens_are_those_without_speculation(tiny_llama_dir: Path) -> None:
+    """The Triton decode kernel takes the proposals' rows, and the decode graphs (on by default
+    on CUDA) take up to max_num_seqs x (1 + num_speculative_tokens) of them."""
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = small_llm(tiny_llama_dir, max_model_len=128, device="cuda")
+    spec = small_llm(
+        tiny_llama_dir, max_model_len=128, device="cuda", speculative_config=SPECULATIVE
+    )
+    assert spec.engine.runner.static_decode is not None
+    assert run(spec, params) == run(plain, params)
+    assert spec.engine.stats().num_accepted_tokens_total > 0
