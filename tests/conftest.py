@@ -7,6 +7,7 @@ import contextlib
 import faulthandler
 import functools
 import json
+import math
 import os
 import re
 import shutil
@@ -133,6 +134,8 @@ _GGUF_LAYER = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused projections keep their fused tensors
+    "mlp.gate_up_proj": "ffn_up",
 }
 
 
@@ -141,6 +144,31 @@ def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     head_dim = weight.shape[0] // num_heads
     pairs = weight.reshape(num_heads, 2, head_dim // 2, *weight.shape[1:])
     return pairs.swapaxes(1, 2).reshape(weight.shape)
+
+
+def _llama3_rope_factors(config: dict, head_dim: int) -> np.ndarray | None:
+    """The ``rope_freqs`` tensor llama.cpp's converter writes for Llama 3.1's scaling (its
+    ``LlamaModel.generate_extra_tensors``), or None without that scaling."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type") != "llama3":
+        return None
+    base = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor = rope.get("factor", 8.0)
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_len = rope.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> Path:
@@ -161,6 +189,14 @@ def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> 
     writer.add_value_length(head_dim)
     rope = config.get("rope_parameters") or {}
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
+    if arch == "phi3":  # llama.cpp's Phi3MiniModel
+        partial = config.get("partial_rotary_factor", 1.0)
+        writer.add_rope_dimension_count(int(partial * head_dim))
+        if config.get("sliding_window") is not None:
+            writer.add_sliding_window(config["sliding_window"])
+    factors = _llama3_rope_factors(config, head_dim)
+    if factors is not None:
+        writer.add_tensor("rope_freqs.weight", factors)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
 
@@ -228,11 +264,6 @@ def tiny_gguf_factory(
             out_dir = tmp_path_factory.mktemp(f"gguf-{arch}-{qtype}")
             source = gguf_source(out_dir / "x.gguf")
             shutil.copytree(tiny_model_factory(arch), source)
-            config = json.loads((source / "config.json").read_text())
-            # The tiny Llama uses Llama-3.1 rope scaling, which GGUF files carry as a tensor of
-            # frequency factors that pdserve refuses; the converted copy uses plain rope.
-            config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
-            (source / "config.json").write_text(json.dumps(config))
             built[arch, qtype] = write_gguf(
                 source, out_dir / f"tiny-{arch}.{qtype}.gguf", gguf.GGMLQuantizationType[qtype]
             )

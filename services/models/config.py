@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.models.gguf_file import find_gguf, open_gguf
+from services.models.gguf_file import GGUF_ROPE_FREQS, find_gguf, open_gguf
 from services.models.model_file_error import ModelFileError, read_json_object
 from services.types import EngineConfigError
 
@@ -116,6 +116,18 @@ class RopeScaling:
     original_max_position_embeddings: int
 
 
+@dataclass(frozen=True)
+class RopeFrequencyFactors:
+    """One divisor per rotary frequency (``[head_dim // 2]``): llama.cpp's ``rope_freqs``
+    tensor, which its converter computes from Llama 3.1's ``rope_scaling`` (1 for the short
+    wavelengths, ``factor`` for the long ones, interpolated between)."""
+
+    factors: tuple[float, ...]
+
+
+AnyRopeScaling = RopeScaling | LinearRopeScaling | RopeFrequencyFactors
+
+
 def with_overrides(raw: dict[str, Any], overrides: Mapping[str, Any] | None) -> dict[str, Any]:
     """``raw`` (a model's ``config.json``) with ``overrides`` (vLLM's ``hf_overrides``) in
     place of its values, a nested object merged key by key (``{"rope_scaling": {"factor":
@@ -143,7 +155,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: RopeScaling | LinearRopeScaling | None
+    rope_scaling: AnyRopeScaling | None
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
@@ -506,7 +518,7 @@ def _architecture(raw: dict[str, Any]) -> str:
     raise EngineConfigError(f"unsupported architecture {found}; pdserve supports {supported}")
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | LinearRopeScaling | None]:
+def _rope(raw: dict[str, Any]) -> tuple[float, AnyRopeScaling | None]:
     # transformers 5 writes ``rope_parameters`` (theta inside; Gemma 3's per layer type, the
     # global layers' here); older checkpoints write ``rope_theta`` and ``rope_scaling`` (with
     # ``type`` or ``rope_type``).
@@ -515,6 +527,8 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | LinearRopeScaling |
         params = params["full_attention"]
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == GGUF_ROPE_FREQS:
+        return theta, _frequency_factors(params.get("factors"), raw)
     if rope_type not in _SUPPORTED_ROPE_TYPES:
         raise EngineConfigError(
             f"unsupported rope_type {rope_type!r}; "
@@ -539,3 +553,18 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | LinearRopeScaling |
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(params["original_max_position_embeddings"]),
     )
+
+
+def _frequency_factors(value: Any, raw: dict[str, Any]) -> RopeFrequencyFactors:
+    """A GGUF file's ``rope_freqs``: one positive finite divisor per frequency of a head."""
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    if (
+        not isinstance(value, list)
+        or len(value) != head_dim // 2
+        or not all(isinstance(f, int | float) and math.isfinite(f) and f > 0 for f in value)
+    ):
+        raise EngineConfigError(
+            f"rope_freqs must hold {head_dim // 2} positive finite factors (one per frequency "
+            f"of a {head_dim}-wide head), got {value!r}"
+        )
+    return RopeFrequencyFactors(tuple(float(f) for f in value))

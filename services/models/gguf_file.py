@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -30,6 +31,12 @@ from services.types import EngineConfigError
 logger = logging.getLogger(__name__)
 
 GGUF_SUFFIX = ".gguf"
+ROPE_FREQS = "rope_freqs.weight"
+"""Llama 3.1's rotary frequency divisors, a tensor of the file that is no weight."""
+GGUF_ROPE_FREQS = "pdserve_gguf_rope_freqs"
+"""The ``rope_type`` of ``hf_config`` for a file with ``ROPE_FREQS``: llama.cpp's converter
+writes Llama 3.1's ``rope_scaling`` as that tensor alone, no metadata
+(``config.RopeFrequencyFactors``)."""
 
 # GGUF ``general.architecture`` → the Hugging Face architecture it is. Mistral (7B, Nemo) GGUFs
 # are written as ``llama``: the network is the same (no sliding window in llama.cpp's files).
@@ -37,7 +44,11 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
+# Phi-3's 128k-context files: LongRoPE's two sets of frequency factors, which pdserve refuses
+# in config.json too.
+_LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def find_gguf(path: Path | str) -> Path | None:
@@ -104,6 +115,7 @@ _SCALARS = {
 _STRING = 8
 # gguf.GGMLQuantizationType's F32, F16 and BF16: the tensor types that are not quantized.
 _UNQUANTIZED_TYPES = frozenset({0, 1, 30})
+_F32 = 0
 _ARRAY = 9
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -219,13 +231,28 @@ class GgufFile:
         def param(key: str, default: Any = None) -> Any:
             return self.value(f"{arch}.{key}", default)
 
+        theta = float(param("rope.freq_base", 10000.0))
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
         rope_scaling = param("rope.scaling.type", "none")
-        if rope_scaling != "none" or "rope_freqs.weight" in self.tensor_names:
-            kind = rope_scaling if rope_scaling != "none" else "rope_freqs (Llama 3.1 style)"
+        if rope_scaling == "linear":
+            rope = {"rope_type": "linear", "rope_theta": theta,
+                    "factor": param("rope.scaling.factor")}  # fmt: skip
+        elif rope_scaling != "none":
             raise EngineConfigError(
-                f"unsupported rope scaling {kind!r} in GGUF file {self.path.name}; "
-                "pdserve loads GGUF files with plain rotary embeddings only"
+                f"unsupported rope scaling {rope_scaling!r} in GGUF file {self.path.name}; "
+                "pdserve loads GGUF files with plain, linear or Llama 3.1 (rope_freqs) rotary "
+                "embeddings"
             )
+        if any(name in self.tensor_names for name in _LONGROPE_TENSORS):
+            raise EngineConfigError(
+                f"unsupported rope scaling 'longrope' in GGUF file {self.path.name} (Phi-3's "
+                "long-context variants); pdserve runs the short-context ones"
+            )
+        if ROPE_FREQS in self.tensor_names:
+            # Llama 3.1 and 3.2: llama.cpp's converter writes their rope_scaling as this tensor
+            # of one divisor per frequency, and no metadata.
+            rope = {"rope_type": GGUF_ROPE_FREQS, "rope_theta": theta,
+                    "factors": self._f32_values(ROPE_FREQS)}  # fmt: skip
         num_heads = param("attention.head_count")
         num_kv_heads = param("attention.head_count_kv", num_heads)
         if not isinstance(num_heads, int) or not isinstance(num_kv_heads, int):
@@ -233,8 +260,17 @@ class GgufFile:
                 f"GGUF file {self.path.name} gives per-layer head counts; pdserve needs one count"
             )
         hidden_size = param("embedding_length")
+        head_dim = param("attention.key_length") or hidden_size // num_heads
+        rotary_dim = param("rope.dimension_count", head_dim)
+        if rotary_dim != head_dim:
+            # Phi-4-mini: rotary over 3/4 of each head, which config.json's
+            # partial_rotary_factor says and pdserve refuses there too.
+            rope["partial_rotary_factor"] = rotary_dim / head_dim
         names = self.tensor_names
+        window = param("attention.sliding_window")
+        extra: dict[str, Any] = {} if window is None else {"sliding_window": window}
         return {
+            **extra,
             "architectures": [SUPPORTED_GGUF_ARCHITECTURES[arch]],
             "model_type": arch,
             "vocab_size": param("vocab_size") or len(self.value("tokenizer.ggml.tokens", [])),
@@ -243,9 +279,9 @@ class GgufFile:
             "num_hidden_layers": param("block_count"),
             "num_attention_heads": num_heads,
             "num_key_value_heads": num_kv_heads,
-            "head_dim": param("attention.key_length") or hidden_size // num_heads,
+            "head_dim": head_dim,
             "rms_norm_eps": float(param("attention.layer_norm_rms_epsilon", 1e-6)),
-            "rope_theta": float(param("rope.freq_base", 10000.0)),
+            "rope_parameters": rope,
             "max_position_embeddings": param("context_length", 2048),
             # llama.cpp drops output.weight when the head shares the embedding matrix.
             "tie_word_embeddings": "output.weight" not in names,
@@ -253,6 +289,19 @@ class GgufFile:
             "bos_token_id": self.value("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self.value("tokenizer.ggml.eos_token_id"),
         }
+
+    def _f32_values(self, name: str) -> list[float]:
+        """The values of a small F32 tensor (``rope_freqs``), read from the file."""
+        (tensor,) = [t for t in self._tensors if t.name == name]
+        count = math.prod(tensor.shape)
+        if tensor.type_id != _F32:
+            raise ModelFileError(self.path, f"tensor {name!r} is not F32 (type {tensor.type_id})")
+        with open(self.path, "rb") as f:
+            f.seek(tensor.offset)
+            data = f.read(4 * count)
+        if len(data) != 4 * count:
+            raise ModelFileError(self.path, f"tensor {name!r} runs past the end of the file")
+        return list(struct.unpack(f"<{count}f", data))
 
     def generation_config(self) -> dict[str, Any]:
         """The ids that end a turn: EOS, and end-of-turn / end-of-message where the file names them

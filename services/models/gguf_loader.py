@@ -6,7 +6,8 @@ architecture only — permutes the rows of Q and K so that its rotary kernel can
 pairs (GPT-J style) where Hugging Face rotates the two halves of each head (``rotate_half``). Each
 tensor here is dequantized to fp32 by the ``gguf`` package, given the Hugging Face name and
 shape, and for Llama Q/K un-permuted; ``load_model`` then casts it into the serving dtype.
-Qwen2 and Qwen3 files are written in Hugging Face's rotary layout and need no permutation.
+Qwen2, Qwen3 and Phi-3 files are written in Hugging Face's rotary layout and need no
+permutation; Phi-3's keep its fused ``qkv_proj`` and ``gate_up_proj``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from services.models.config import ModelConfig
-from services.models.gguf_file import GgufFile, GgufTensorInfo
+from services.models.gguf_file import ROPE_FREQS, GgufFile, GgufTensorInfo
 from services.models.model_file_error import ModelFileError
 
 logger = logging.getLogger(__name__)
@@ -61,21 +62,28 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Phi-3 keeps its projections fused, as its Hugging Face checkpoint does: Q, K, V rows in
+    # one tensor, and the gate's rows before the up projection's in ``ffn_up``.
+    "attn_qkv": "self_attn.qkv_proj",
 }
+# Names that differ by architecture.
+_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Architectures whose Q/K rows llama.cpp permutes for its pairwise rotary kernel.
 _PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """The Hugging Face name of a GGUF tensor; ``ValueError`` naming an unknown one."""
+def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str:
+    """The Hugging Face name of a GGUF tensor of ``architecture``; ``ValueError`` naming an
+    unknown one."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _LAYER_NAMES | _ARCH_LAYER_NAMES.get(architecture, {})
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in names:
         raise ValueError(f"unexpected tensor {gguf_name!r} in the GGUF file")
     layer, kind, suffix = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
+    return f"model.layers.{layer}.{names[kind]}.{suffix}"
 
 
 def gguf_weights(gguf: GgufFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
@@ -83,8 +91,10 @@ def gguf_weights(gguf: GgufFile, config: ModelConfig) -> Iterator[tuple[str, tor
     unpermute = gguf.architecture in _PERMUTED_QK_ARCHITECTURES
     data = np.memmap(gguf.path, dtype=np.uint8, mode="r")
     for tensor in gguf.tensors:
+        if tensor.name == ROPE_FREQS:
+            continue  # the rotary frequencies' divisors: the config carries them
         try:
-            name = hf_tensor_name(tensor.name)
+            name = hf_tensor_name(tensor.name, gguf.architecture)
             weight = dequantize(data, tensor)
         except ValueError as exc:
             # The messages name the tensor; a node's log line must name the file too.

@@ -8,12 +8,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from services.models.config import LinearRopeScaling, RopeScaling
+from services.models.config import AnyRopeScaling, LinearRopeScaling, RopeFrequencyFactors
 
 
-def rope_inv_freq(
-    head_dim: int, theta: float, scaling: RopeScaling | LinearRopeScaling | None
-) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, theta: float, scaling: AnyRopeScaling | None) -> torch.Tensor:
     """[head_dim // 2] float32 inverse frequencies, bit-for-bit as transformers computes them."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
@@ -21,6 +19,8 @@ def rope_inv_freq(
         return inv_freq
     if isinstance(scaling, LinearRopeScaling):  # position interpolation
         return inv_freq / scaling.factor
+    if isinstance(scaling, RopeFrequencyFactors):  # a GGUF file's rope_freqs, as llama.cpp
+        return inv_freq / torch.tensor(scaling.factors, dtype=torch.float32, device="cpu")
     # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between
     # interpolated smoothly.
     old_len = scaling.original_max_position_embeddings
@@ -42,7 +42,7 @@ class RotaryEmbedding(nn.Module):
         head_dim: int,
         max_positions: int,
         theta: float,
-        scaling: RopeScaling | LinearRopeScaling | None,
+        scaling: AnyRopeScaling | None,
     ) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)

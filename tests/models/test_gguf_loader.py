@@ -20,8 +20,14 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from services.engine import LLM, SamplingParams
-from services.models.config import ModelConfig
+from services.models.config import (
+    LinearRopeScaling,
+    ModelConfig,
+    RopeFrequencyFactors,
+    RopeScaling,
+)
 from services.models.gguf_file import find_gguf
+from services.models.rotary import rope_inv_freq
 from support.gguf_files import close_gguf
 
 PROMPTS = [[0, 17, 230, 4000, 9, 88, 1024], [0, 5], [3000, 2999, 12, 12, 12, 7, 1, 64, 900, 33, 2]]
@@ -75,7 +81,14 @@ def engine_params(path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("arch", "qtype"),
-    [("llama", "F16"), ("llama", "Q8_0"), ("qwen2", "Q8_0"), ("qwen3", "F16")],
+    [
+        ("llama", "F16"),
+        ("llama", "Q8_0"),
+        ("qwen2", "Q8_0"),
+        ("qwen3", "F16"),
+        ("phi3", "F16"),
+        ("phi3", "Q4_0"),
+    ],  # fmt: skip
 )
 def test_gguf_greedy_ids_equal_hugging_face_on_the_same_weights(
     arch: str, qtype: str, tiny_gguf_factory, tmp_path: Path
@@ -107,12 +120,25 @@ def test_gguf_parameters_equal_the_round_tripped_checkpoint(
 
 
 def test_gguf_config_matches_config_json(tiny_gguf_factory) -> None:
-    for arch in ("llama", "qwen2", "qwen3"):
+    for arch in ("llama", "qwen2", "qwen3", "phi3"):
         gguf_path = tiny_gguf_factory(arch, "F16")
         from_json = ModelConfig.from_model_dir(gguf_source(gguf_path))
         from_gguf = ModelConfig.from_model_path(gguf_path)
         # GGUF stores the epsilon as float32.
         assert from_gguf.rms_norm_eps == pytest.approx(from_json.rms_norm_eps, rel=1e-6)
+        if arch == "llama":
+            # The tiny Llama has Llama 3.1's rope scaling, which the file carries as llama.cpp's
+            # rope_freqs divisors: the same frequencies to float32's rounding.
+            assert isinstance(from_gguf.rope_scaling, RopeFrequencyFactors)
+            assert isinstance(from_json.rope_scaling, RopeScaling)
+            head_dim, theta = from_json.head_dim, from_json.rope_theta
+            torch.testing.assert_close(
+                rope_inv_freq(head_dim, theta, from_gguf.rope_scaling),
+                rope_inv_freq(head_dim, theta, from_json.rope_scaling),
+                rtol=1e-6,
+                atol=0,
+            )
+            from_gguf = replace(from_gguf, rope_scaling=from_json.rope_scaling)
         assert replace(from_gguf, rms_norm_eps=from_json.rms_norm_eps) == from_json, arch
 
 
@@ -171,13 +197,53 @@ def test_a_truncated_gguf_is_named(tiny_gguf_factory, tmp_path: Path) -> None:
         LLM(path, dtype="float32", max_model_len=64, kv_cache_memory=1 << 20)
 
 
-def test_llama_3_1_rope_frequency_factors_are_refused(tmp_path: Path) -> None:
-    path = tmp_path / "llama31.gguf"
-    writer = gguf.GGUFWriter(path, "llama")
+def rope_gguf(path: Path, arch: str = "llama", **rope: object) -> Path:
+    """A one-layer GGUF header with the given rope metadata and ``rope_freqs`` values."""
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(1)
     writer.add_embedding_length(8)
-    writer.add_head_count(2)
-    writer.add_tensor("rope_freqs.weight", np.ones(2, dtype=np.float32))
+    writer.add_head_count(2)  # head_dim 4: two frequencies
+    if "dimensions" in rope:
+        writer.add_rope_dimension_count(rope["dimensions"])
+    if "longrope" in rope:
+        for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+            writer.add_tensor(name, np.ones(2, dtype=np.float32))
+    if "scaling" in rope:
+        writer.add_rope_scaling_type(rope["scaling"])
+        writer.add_rope_scaling_factor(2.0)
+    if "freqs" in rope:
+        writer.add_tensor("rope_freqs.weight", np.array(rope["freqs"], dtype=np.float32))
     close_gguf(writer)
-    with pytest.raises(ValueError, match=r"unsupported rope scaling.*rope_freqs"):
-        ModelConfig.from_model_path(path)
+    return path
+
+
+def test_llama_3_1_rope_frequency_factors_divide_the_frequencies(tmp_path: Path) -> None:
+    config = ModelConfig.from_model_path(rope_gguf(tmp_path / "l31.gguf", freqs=[1.0, 8.0]))
+    assert config.rope_scaling == RopeFrequencyFactors((1.0, 8.0))
+    plain = rope_inv_freq(4, config.rope_theta, None)
+    assert torch.equal(
+        rope_inv_freq(4, config.rope_theta, config.rope_scaling), plain / torch.tensor([1.0, 8.0])
+    )
+
+
+def test_a_linear_rope_scaling_is_taken(tmp_path: Path) -> None:
+    path = rope_gguf(tmp_path / "linear.gguf", scaling=gguf.RopeScalingType.LINEAR)
+    assert ModelConfig.from_model_path(path).rope_scaling == LinearRopeScaling(2.0)
+
+
+@pytest.mark.parametrize(
+    ("rope", "message"),
+    [
+        ({"freqs": [1.0, 1.0, 1.0]}, r"rope_freqs must hold 2 positive finite factors"),
+        ({"freqs": [1.0, 0.0]}, r"rope_freqs must hold 2 positive finite factors"),
+        ({"freqs": [1.0, float("nan")]}, r"rope_freqs must hold 2 positive finite factors"),
+        ({"scaling": gguf.RopeScalingType.YARN}, r"unsupported rope scaling 'yarn'"),
+        ({"arch": "phi3", "longrope": True}, r"unsupported rope scaling 'longrope'"),
+        ({"arch": "phi3", "dimensions": 2}, r"partial_rotary_factor 0.5"),
+    ],
+)
+def test_rope_settings_pdserve_cannot_run_are_refused(
+    tmp_path: Path, rope: dict, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_model_path(rope_gguf(tmp_path / "bad.gguf", **rope))
