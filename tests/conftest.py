@@ -139,6 +139,13 @@ _GGUF_LAYER = {
 }
 
 
+_GGUF_GEMMA3_LAYER = _GGUF_LAYER | {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
 def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf permutation of Llama Q/K rows (halves → adjacent pairs)."""
     head_dim = weight.shape[0] // num_heads
@@ -176,7 +183,7 @@ def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> 
     metadata, byte-level BPE vocabulary and chat template, 2-D weights in ``qtype`` (1-D in F32),
     Llama Q/K permuted, no ``output.weight`` when embeddings are tied."""
     config = json.loads((model_dir / "config.json").read_text())
-    arch = config["model_type"]
+    arch = {"gemma3_text": "gemma3"}.get(config["model_type"], config["model_type"])
     writer = gguf.GGUFWriter(out, arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -188,7 +195,11 @@ def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> 
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3's global layers'
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
+    if arch == "gemma3":  # llama.cpp's Gemma3Model: the window; the pattern, one flag a layer
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
     if arch == "phi3":  # llama.cpp's Phi3MiniModel
         partial = config.get("partial_rotary_factor", 1.0)
         writer.add_rope_dimension_count(int(partial * head_dim))
@@ -231,9 +242,12 @@ def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> 
         else:
             match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
             assert match is not None, name
-            gguf_name = f"blk.{match[1]}.{_GGUF_LAYER[match[2]]}.{match[3]}"
+            layer_names = _GGUF_GEMMA3_LAYER if arch == "gemma3" else _GGUF_LAYER
+            gguf_name = f"blk.{match[1]}.{layer_names[match[2]]}.{match[3]}"
         data = tensor.float().numpy()
         kind = gguf_name.split(".")[-2]
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + 1.0  # llama.cpp's norm_shift: its kernel multiplies by the weight
         if arch == "llama" and kind in ("attn_q", "attn_k"):
             num_heads = config["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"]
             data = _llama_cpp_permute(data, num_heads)
@@ -264,6 +278,12 @@ def tiny_gguf_factory(
             out_dir = tmp_path_factory.mktemp(f"gguf-{arch}-{qtype}")
             source = gguf_source(out_dir / "x.gguf")
             shutil.copytree(tiny_model_factory(arch), source)
+            if arch == "gemma3":
+                # llama.cpp scales Gemma 3's queries by head_dim ** -0.5 (no file key holds
+                # query_pre_attn_scalar); the tiny model's 2 * head_dim would not survive.
+                config = json.loads((source / "config.json").read_text())
+                config["query_pre_attn_scalar"] = config["head_dim"]
+                (source / "config.json").write_text(json.dumps(config))
             built[arch, qtype] = write_gguf(
                 source, out_dir / f"tiny-{arch}.{qtype}.gguf", gguf.GGMLQuantizationType[qtype]
             )

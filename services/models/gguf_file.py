@@ -21,6 +21,7 @@ import logging
 import math
 import mmap
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,15 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+# ``model_type`` where it is not the GGUF architecture's name.
+_MODEL_TYPES = {"gemma3": "gemma3_text"}
+# llama.cpp's Gemma 3: the sliding-window layers' RoPE base and the pattern of global layers
+# are fixed in its code (a file may give the pattern), not written by its converter.
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
+_GEMMA3_PATTERN = 6
+_GEMMA3_27B_LAYERS = 62
 # Phi-3's 128k-context files: LongRoPE's two sets of frequency factors, which pdserve refuses
 # in config.json too.
 _LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
@@ -269,10 +278,12 @@ class GgufFile:
         names = self.tensor_names
         window = param("attention.sliding_window")
         extra: dict[str, Any] = {} if window is None else {"sliding_window": window}
+        if arch == "gemma3":
+            extra.update(self._gemma3_config(param, hidden_size, num_heads, head_dim))
         return {
             **extra,
             "architectures": [SUPPORTED_GGUF_ARCHITECTURES[arch]],
-            "model_type": arch,
+            "model_type": _MODEL_TYPES.get(arch, arch),
             "vocab_size": param("vocab_size") or len(self.value("tokenizer.ggml.tokens", [])),
             "hidden_size": hidden_size,
             "intermediate_size": param("feed_forward_length"),
@@ -288,6 +299,36 @@ class GgufFile:
             "attention_bias": "blk.0.attn_q.bias" in names,
             "bos_token_id": self.value("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self.value("tokenizer.ggml.eos_token_id"),
+        }
+
+    def _gemma3_config(
+        self, param: Callable[..., Any], hidden_size: int, num_heads: int, head_dim: int
+    ) -> dict[str, Any]:
+        """What llama.cpp fixes in code for Gemma 3: the local layers' RoPE base, every sixth
+        layer global unless ``attention.sliding_window_pattern`` says (every N-th, or one flag
+        per layer, true for a sliding-window one), and the query scale: ``head_dim ** -0.5``,
+        but ``(hidden_size / num_heads) ** -0.5`` for the 62-layer 27B."""
+        num_layers = param("block_count")
+        pattern = param("attention.sliding_window_pattern", _GEMMA3_PATTERN)
+        if isinstance(pattern, list):
+            if len(pattern) != num_layers:
+                raise ModelFileError(
+                    self.path,
+                    f"sliding_window_pattern holds {len(pattern)} flags for {num_layers} layers",
+                )
+            types = ["sliding_attention" if flag else "full_attention" for flag in pattern]
+        elif isinstance(pattern, int) and pattern > 0:
+            types = [
+                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                for i in range(num_layers)
+            ]
+        else:
+            raise ModelFileError(self.path, f"bad sliding_window_pattern {pattern!r}")
+        scalar = hidden_size // num_heads if num_layers == _GEMMA3_27B_LAYERS else head_dim
+        return {
+            "layer_types": types,
+            "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_THETA,
+            "query_pre_attn_scalar": scalar,
         }
 
     def _f32_values(self, name: str) -> list[float]:

@@ -6,8 +6,9 @@ architecture only — permutes the rows of Q and K so that its rotary kernel can
 pairs (GPT-J style) where Hugging Face rotates the two halves of each head (``rotate_half``). Each
 tensor here is dequantized to fp32 by the ``gguf`` package, given the Hugging Face name and
 shape, and for Llama Q/K un-permuted; ``load_model`` then casts it into the serving dtype.
-Qwen2, Qwen3 and Phi-3 files are written in Hugging Face's rotary layout and need no
-permutation; Phi-3's keep its fused ``qkv_proj`` and ``gate_up_proj``.
+Qwen2, Qwen3, Phi-3 and Gemma 3 files are written in Hugging Face's rotary layout and need no
+permutation; Phi-3's keep its fused ``qkv_proj`` and ``gate_up_proj``; Gemma 3's norm weights
+hold 1 more than its checkpoint's.
 """
 
 from __future__ import annotations
@@ -67,7 +68,18 @@ _LAYER_NAMES = {
     "attn_qkv": "self_attn.qkv_proj",
 }
 # Names that differ by architecture.
-_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+_ARCH_LAYER_NAMES = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    # Gemma 3's sandwich norms: ffn_norm is the one before the MLP here.
+    "gemma3": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+# llama.cpp's converter adds 1 to Gemma's RMSNorm weights (its kernel multiplies by the weight,
+# Gemma's by 1 + weight); the Hugging Face weight is the file's less 1.
+_NORM_SHIFTED_ARCHITECTURES = frozenset({"gemma3"})
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Architectures whose Q/K rows llama.cpp permutes for its pairwise rotary kernel.
 _PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
@@ -89,6 +101,7 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str:
 def gguf_weights(gguf: GgufFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, fp32 tensor in Hugging Face layout) for every tensor in the file."""
     unpermute = gguf.architecture in _PERMUTED_QK_ARCHITECTURES
+    shift_norms = gguf.architecture in _NORM_SHIFTED_ARCHITECTURES
     data = np.memmap(gguf.path, dtype=np.uint8, mode="r")
     for tensor in gguf.tensors:
         if tensor.name == ROPE_FREQS:
@@ -99,6 +112,8 @@ def gguf_weights(gguf: GgufFile, config: ModelConfig) -> Iterator[tuple[str, tor
         except ValueError as exc:
             # The messages name the tensor; a node's log line must name the file too.
             raise ModelFileError(gguf.path, str(exc)) from exc
+        if shift_norms and name.endswith("norm.weight"):
+            weight = weight - 1.0
         if unpermute and (".q_proj." in name or ".k_proj." in name):
             num_heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
             weight = unpermute_rotary_rows(weight, num_heads)

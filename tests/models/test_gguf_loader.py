@@ -26,7 +26,7 @@ from services.models.config import (
     RopeFrequencyFactors,
     RopeScaling,
 )
-from services.models.gguf_file import find_gguf
+from services.models.gguf_file import find_gguf, open_gguf
 from services.models.rotary import rope_inv_freq
 from support.gguf_files import close_gguf
 
@@ -88,7 +88,9 @@ def engine_params(path: Path) -> dict[str, torch.Tensor]:
         ("qwen3", "F16"),
         ("phi3", "F16"),
         ("phi3", "Q4_0"),
-    ],  # fmt: skip
+        ("gemma3", "F16"),
+        ("gemma3", "Q8_0"),
+    ],
 )
 def test_gguf_greedy_ids_equal_hugging_face_on_the_same_weights(
     arch: str, qtype: str, tiny_gguf_factory, tmp_path: Path
@@ -120,7 +122,7 @@ def test_gguf_parameters_equal_the_round_tripped_checkpoint(
 
 
 def test_gguf_config_matches_config_json(tiny_gguf_factory) -> None:
-    for arch in ("llama", "qwen2", "qwen3", "phi3"):
+    for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma3"):
         gguf_path = tiny_gguf_factory(arch, "F16")
         from_json = ModelConfig.from_model_dir(gguf_source(gguf_path))
         from_gguf = ModelConfig.from_model_path(gguf_path)
@@ -247,3 +249,35 @@ def test_rope_settings_pdserve_cannot_run_are_refused(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_model_path(rope_gguf(tmp_path / "bad.gguf", **rope))
+
+
+def gemma3_header(path: Path, num_layers: int, pattern: object = None) -> dict:
+    """The config.json of a Gemma 3 GGUF header (no tensors) of ``num_layers`` layers."""
+    writer = gguf.GGUFWriter(path, "gemma3")
+    writer.add_block_count(num_layers)
+    writer.add_embedding_length(5376)
+    writer.add_head_count(32)
+    writer.add_key_length(128)
+    writer.add_sliding_window(1024)
+    if pattern is not None:
+        writer.add_sliding_window_pattern(pattern)
+    close_gguf(writer)
+    return open_gguf(path).hf_config()
+
+
+def test_gemma3_files_get_what_llama_cpp_fixes_in_code(tmp_path: Path) -> None:
+    config = gemma3_header(tmp_path / "g.gguf", 12)
+    assert config["model_type"] == "gemma3_text"
+    # No pattern in the file: every sixth layer global.
+    assert [i for i, t in enumerate(config["layer_types"]) if t == "full_attention"] == [5, 11]
+    assert config["rope_local_base_freq"] == 10000.0
+    assert config["query_pre_attn_scalar"] == 128  # head_dim
+    assert config["sliding_window"] == 1024
+    every_third = gemma3_header(tmp_path / "g3.gguf", 6, pattern=3)["layer_types"]
+    assert every_third == ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    flags = gemma3_header(tmp_path / "gf.gguf", 3, pattern=[True, False, True])["layer_types"]
+    assert flags == ["sliding_attention", "full_attention", "sliding_attention"]
+    # The 27B (62 layers) scales by hidden_size / num_heads (168), not head_dim (128).
+    assert gemma3_header(tmp_path / "g27.gguf", 62)["query_pre_attn_scalar"] == 168
+    with pytest.raises(ValueError, match="sliding_window_pattern holds 2 flags for 3 layers"):
+        gemma3_header(tmp_path / "bad.gguf", 3, pattern=[True, False])
