@@ -226,7 +226,8 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"{request.request_id} is running with nothing to compute"
-            drafts = self._drafts(request, num_new, budget)
+            # Proposals never take the token a later running request needs this step.
+            drafts = self._drafts(request, num_new, budget - (len(self.running) - index - 1))
             # Proposals take room only where there is some: without, the plain decode runs
             # (and may still preempt).
             if drafts and self.kv_cache.try_allocate(request, num_new + len(drafts)):

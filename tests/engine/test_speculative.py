@@ -270,3 +270,18 @@ def test_proposals_wait_for_a_prompt_to_be_computed(make_scheduler, make_request
     scheduler.add_request(request)
     (chunk,) = scheduler.schedule().chunks
     assert (chunk.num_tokens, chunk.draft_token_ids) == (4, ())
+
+
+def test_proposals_leave_every_later_running_request_its_token(
+    make_scheduler, make_request
+) -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=6)
+    first, second, third = (make_request(r, 2, max_tokens=10) for r in ("a", "b", "c"))
+    for request in (first, second, third):
+        scheduler.add_request(request)
+    output = scheduler.schedule()  # the three prompts: 6 tokens
+    scheduler.update_from_output(output, {r: [SampledToken(7)] for r in ("a", "b", "c")})
+    first.draft_token_ids = [8, 9, 10, 11]
+    chunks = scheduler.schedule().chunks
+    # A budget of 6: the first decode and 3 proposals, then one token for each of the others.
+    assert [(c.request.request_id, c.num_tokens) for c in chunks] == [("a", 4), ("b", 1), ("c", 1)]
