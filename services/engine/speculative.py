@@ -56,7 +56,10 @@ def num_accepted(drafts: Sequence[int], sampled: Sequence[int]) -> int:
 
 def verify_rows(output_token_ids: list[int], drafts: Sequence[int]) -> list[list[int]]:
     """The output tokens each verified position's sample sees: position ``i`` follows the
-    request's outputs and the proposals before ``i`` (``SamplingMetadata.output_token_ids``)."""
+    request's outputs and the proposals before ``i`` (``SamplingMetadata.output_token_ids``).
+    Without proposals, the outputs list itself: a plain decode step copies nothing."""
+    if not drafts:
+        return [output_token_ids]
     return [output_token_ids + list(drafts[:i]) for i in range(len(drafts) + 1)]
 
 
