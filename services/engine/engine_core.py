@@ -557,7 +557,7 @@ class EngineCore:
                 self.proposer.release(request.request_id)
         # The tokens this step added: one, or several where proposals were kept.
         new = slice(request.num_emitted_tokens, None)
-        request.num_emitted_tokens = request.num_output_tokens
+        request.num_emitted_tokens = len(request.output_token_ids)
         is_failed = request.status is RequestStatus.FINISHED_ERROR
         has_prompt_logprobs = (
             request.num_output_tokens == 1 and request.params.prompt_logprobs is not None

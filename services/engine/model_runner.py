@@ -474,13 +474,16 @@ class ModelRunner:
         logits = self.model.compute_logits(selected)
         # One entry per row: a chunk with proposals repeats its request, and each of its rows
         # sees the proposals before it as outputs (penalties, min_tokens, bad words).
-        requests: list[Request] = []
-        outputs: list[list[int]] = []
-        for chunk in sampled_chunks:
-            request = chunk.request
-            row_outputs = verify_rows(request.output_token_ids, chunk.draft_token_ids)
-            requests.extend([request] * len(row_outputs))
-            outputs.extend(row_outputs)
+        speculating = any(chunk.draft_token_ids for chunk in sampled_chunks)
+        requests: list[Request] = [chunk.request for chunk in sampled_chunks]
+        outputs: list[list[int]] = [request.output_token_ids for request in requests]
+        if speculating:
+            requests, outputs = [], []
+            for chunk in sampled_chunks:
+                request = chunk.request
+                row_outputs = verify_rows(request.output_token_ids, chunk.draft_token_ids)
+                requests.extend([request] * len(row_outputs))
+                outputs.extend(row_outputs)
         structured = self.structured_outputs
         grammar = (
             None if structured is None else structured.bitmask([r.request_id for r in requests])
@@ -497,6 +500,17 @@ class ModelRunner:
                 grammar_rows=() if grammar is None else tuple(grammar[1]),
             ),
         )
+        if not speculating:
+            return (
+                {
+                    request.request_id: [SampledToken(token_id, logprobs, rank)]
+                    for request, token_id, logprobs, rank in zip(
+                        requests, result.token_ids, result.logprobs, result.ranks, strict=True
+                    )
+                },
+                prompt_logprobs,
+                embeddings,
+            )
         sampled: dict[str, list[SampledToken]] = {}
         row = 0
         for chunk in sampled_chunks:
@@ -679,8 +693,10 @@ def decode_rows(chunks: list[ScheduledChunk]) -> list[DecodeRow]:
     rows: list[DecodeRow] = []
     for chunk in chunks:
         start = chunk.start_position
-        tokens = chunk.token_ids if chunk.draft_token_ids else [chunk.request.token_ids[start]]
-        rows.extend((chunk, token, start + i) for i, token in enumerate(tokens))
+        if not chunk.draft_token_ids:
+            rows.append((chunk, chunk.request.token_ids[start], start))
+            continue
+        rows.extend((chunk, token, start + i) for i, token in enumerate(chunk.token_ids))
     return rows
 
 

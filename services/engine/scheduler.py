@@ -227,7 +227,11 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"{request.request_id} is running with nothing to compute"
             # Proposals never take the token a later running request needs this step.
-            drafts = self._drafts(request, num_new, budget - (len(self.running) - index - 1))
+            drafts = (
+                self._drafts(request, num_new, budget - (len(self.running) - index - 1))
+                if request.draft_token_ids
+                else ()
+            )
             # Proposals take room only where there is some: without, the plain decode runs
             # (and may still preempt).
             if drafts and self.kv_cache.try_allocate(request, num_new + len(drafts)):
@@ -275,8 +279,8 @@ class Scheduler:
             if chunk.draft_token_ids:
                 self.num_draft_tokens_total += len(chunk.draft_token_ids)
                 self.num_accepted_tokens_total += len(tokens) - 1
-            request.draft_token_ids = []
-            stop_status = None
+            if request.draft_token_ids:
+                request.draft_token_ids = []
             for token in tokens:
                 request.append_output(token.token_id, token.logprobs, token.rank)
                 stop_status = self._check_stop(request)
@@ -285,7 +289,7 @@ class Scheduler:
             # Every token but the last sampled one holds its KV now: the chunk's own, and the
             # kept proposals' (computed at their positions); a rejected proposal's slots are
             # written again by the tokens that take its positions.
-            request.num_computed_tokens = request.num_tokens - 1
+            request.num_computed_tokens = len(request.token_ids) - 1
             self.kv_cache.cache_full_blocks(request)
             if stop_status is not None:
                 self.running.remove(request)
@@ -317,13 +321,14 @@ class Scheduler:
     def _chunk(
         self, request: Request, num_new: int, drafts: tuple[int, ...] = ()
     ) -> ScheduledChunk:
+        start = request.num_computed_tokens
         return ScheduledChunk(
-            request=request,
-            start_position=request.num_computed_tokens,
-            num_tokens=num_new,
-            block_ids=self.kv_cache.block_ids(request.request_id),
-            needs_sample=request.num_computed_tokens + num_new - len(drafts) == request.num_tokens,
-            draft_token_ids=drafts,
+            request,
+            start,
+            num_new,
+            self.kv_cache.block_ids(request.request_id),
+            start + num_new - len(drafts) == len(request.token_ids),
+            drafts,
         )
 
     def _drafts(self, request: Request, num_new: int, budget: int) -> tuple[int, ...]:
