@@ -4,8 +4,9 @@ GGUF file's metadata (``gguf_file`` translates it to the same keys).
 The family: Llama and Mistral; Qwen2 (Q/K/V biases); Qwen3 (RMSNorm over each head of Q and K);
 SmolLM3 (some layers without RoPE: ``no_rope_layers``); Granite 3 (four scalar multipliers on the
 embeddings, the attention scores, each residual branch and the logits); Phi-3 and Phi-4 (their
-checkpoints hold Q/K/V and gate/up already fused); Mixtral, Qwen3-MoE and Granite 3 MoE (a mixture
-of SwiGLU experts in place of the MLP, a router choosing each token's top k); OLMo 2 (norms after
+checkpoints hold Q/K/V and gate/up already fused); Mixtral, Qwen3-MoE, Granite 3 MoE and OLMoE (a
+mixture of SwiGLU experts in place of the MLP, a router choosing each token's top k; OLMoE's Q and K
+normalized across all heads); OLMo 2 (norms after
 attention and the MLP instead of before, Q and K normalized across all heads); Gemma 3 (text:
 GELU-gated MLP, four norms a layer scaling by 1 + weight, embeddings scaled by sqrt(hidden), and
 five sliding-window layers with their own RoPE base for every global one)."""
@@ -49,6 +50,7 @@ SUPPORTED_ARCHITECTURES = {
     "Olmo2ForCausalLM": "olmo2",
     "Gemma3ForCausalLM": "gemma3_text",
     "GraniteMoeForCausalLM": "granitemoe",
+    "OlmoeForCausalLM": "olmoe",
 }
 # What transformers' Gemma3TextConfig assumes for a key that a Gemma 3 multimodal checkpoint's
 # ``text_config`` leaves out (google/gemma-3-4b-it's names only its sizes and rope scaling).
@@ -191,6 +193,9 @@ class ModelConfig:
     """OLMo 2: attention and the MLP take the residual stream as it is, and their outputs are
     normalized (``post_attention_layernorm``, ``post_feedforward_layernorm``) before each is
     added to it; no ``input_layernorm``."""
+    qk_norm_whole_width: bool = False
+    """OLMo 2 and OLMoE: ``q_norm`` and ``k_norm`` span the whole projection (every head at
+    once), not one head (Qwen3, Gemma 3)."""
     fused_checkpoint: bool = False
     """The checkpoint holds each layer's ``qkv_proj`` and ``gate_up_proj`` fused, in our
     layout (Phi-3), rather than q/k/v and gate/up apart."""
@@ -332,8 +337,9 @@ class ModelConfig:
                 "tie_word_embeddings", model_type in ("qwen2", "smollm3", "gemma3_text")
             ),
             attention_bias=raw.get("attention_bias", model_type == "qwen2"),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text", "olmoe"),
             post_norms=model_type == "olmo2",
+            qk_norm_whole_width=model_type in ("olmo2", "olmoe"),
             weight_prefix="language_model." if multimodal else "",
             skipped_weight_prefixes=("vision_tower.", "multi_modal_projector.")
             if multimodal
@@ -354,7 +360,7 @@ class ModelConfig:
         return self.num_experts > 0
 
 
-_MOE = ("mixtral", "qwen3_moe", "granitemoe")
+_MOE = ("mixtral", "qwen3_moe", "granitemoe", "olmoe")
 
 
 def _gemma3(raw: dict[str, Any], num_layers: int, hidden_size: int) -> dict[str, Any]:
@@ -429,13 +435,21 @@ def _positive_int(raw: dict[str, Any], key: str, default: int | None = None) -> 
 
 def _experts(raw: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
     """A mixture-of-experts model's experts, as transformers reads them: Mixtral's
-    ``num_local_experts`` of ``intermediate_size`` in every layer; Qwen3-MoE's ``num_experts``
+    ``num_local_experts`` of ``intermediate_size`` in every layer; OLMoE's ``num_experts`` of
+    ``intermediate_size`` in every layer; Qwen3-MoE's ``num_experts``
     of ``moe_intermediate_size`` in every ``decoder_sparse_step``-th layer not in
     ``mlp_only_layers``."""
     top_k = _positive_int(raw, "num_experts_per_tok")
     if model_type in ("mixtral", "granitemoe"):
         num_experts = _positive_int(raw, "num_local_experts")
         size, normalize, layers = raw["intermediate_size"], True, set(range(num_layers))
+    elif model_type == "olmoe":  # experts of intermediate_size in every layer
+        if raw.get("clip_qkv") is not None:
+            raise EngineConfigError("config.json's clip_qkv (clamped Q, K, V) is not supported")
+        key = "num_experts" if "num_experts" in raw else "num_local_experts"
+        num_experts = _positive_int(raw, key)
+        size, layers = raw["intermediate_size"], set(range(num_layers))
+        normalize = bool(raw.get("norm_topk_prob", False))
     else:
         # Qwen's checkpoints say num_experts; transformers 5 writes num_local_experts.
         key = "num_experts" if "num_experts" in raw else "num_local_experts"

@@ -64,8 +64,8 @@ class Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        # Per head (Qwen3), or across the heads (OLMo 2: the whole projection's width).
-        self.qk_norm_whole = config.post_norms
+        # Per head (Qwen3), or across the heads (OLMo 2, OLMoE: the whole projection's width).
+        self.qk_norm_whole = config.qk_norm_whole_width
         q_width, k_width = (
             (self.q_size, self.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
         )

@@ -43,6 +43,7 @@ from transformers import (
     MistralConfig,
     MixtralConfig,
     Olmo2Config,
+    OlmoeConfig,
     Phi3Config,
     PreTrainedConfig,
     PreTrainedModel,
@@ -71,6 +72,7 @@ ARCHS = (
     "gemma3",
     "gemma3_mm",
     "granitemoe",
+    "olmoe",
 )
 
 BOS_TOKEN = "<|begin_of_text|>"
@@ -429,6 +431,18 @@ def build_config(
             # Untied, as Granite's above: a tied embedding times sqrt(hidden_size) drowns the
             # layers' outputs, and the random model repeats its last token.
             tie_word_embeddings=False,
+        )
+    if arch == "olmoe":
+        # OLMoE-1B-7B's shape of routing: eight experts of a quarter of intermediate_size, two a
+        # token, their probabilities not renormalized; Q/K norms across the heads.
+        olmoe = {**common, "intermediate_size": size.intermediate_size // 4}
+        return OlmoeConfig(
+            **olmoe,
+            rope_parameters=default_rope,
+            tie_word_embeddings=False,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
         )
     if arch == "olmo2":
         return Olmo2Config(**common, rope_parameters=default_rope, tie_word_embeddings=False)

@@ -342,6 +342,14 @@ def test_mixture_of_experts_layers_are_read_as_transformers_reads_them() -> None
     )
     assert granite.softmax_over_top_k and granite.residual_multiplier == 0.22
     assert granite.moe_layers == set(range(8)) and granite.moe_intermediate_size == 128
+    # OLMoE: experts of intermediate_size in every layer, not renormalized unless it says so,
+    # Q/K norms across the heads (as OLMo 2) but the pre-norm layers of Llama.
+    olmoe = ModelConfig.from_hf_dict(
+        moe_config("Qwen3MoeForCausalLM") | {"architectures": ["OlmoeForCausalLM"]}
+    )
+    assert olmoe.moe_layers == set(range(8)) and olmoe.moe_intermediate_size == 128
+    assert not olmoe.norm_topk_prob and olmoe.qk_norm and olmoe.qk_norm_whole_width
+    assert not olmoe.post_norms
 
 
 @pytest.mark.parametrize(
@@ -352,6 +360,8 @@ def test_mixture_of_experts_layers_are_read_as_transformers_reads_them() -> None
         ("Qwen3MoeForCausalLM", {"moe_intermediate_size": None}, "moe_intermediate_size"),
         ("Qwen3MoeForCausalLM", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
         ("Qwen3MoeForCausalLM", {"mlp_only_layers": 3}, "mlp_only_layers must be a list"),
+        ("OlmoeForCausalLM", {"clip_qkv": 8.0}, "clip_qkv"),
+        ("OlmoeForCausalLM", {"num_experts": 0}, "num_experts must be a positive"),
     ],
 )
 def test_a_bad_mixture_of_experts_config_is_refused_naming_the_key(arch, changes, message) -> None:
