@@ -184,6 +184,10 @@ class AttentionBackend(ABC):
     def __init__(self, block_size: int, scale: float) -> None:
         self.block_size = block_size
         self.scale = scale
+        self.softcap: float | None = None
+        """Gemma 2's attention soft-capping: each scaled score ``s`` becomes ``cap * tanh(s /
+        cap)`` before the softmax. Set by the model runner; only the torch path computes it
+        (the native backend hands such a model's attention to it)."""
 
     def prepare(self, metadata: AttentionMetadata) -> None:  # noqa: B027 (optional hook)
         """Called once per step before the model runs: build what every layer will share."""
@@ -253,7 +257,7 @@ class TorchPagedAttention(AttentionBackend):
         if metadata.num_decodes:
             num = metadata.num_decodes
             output[:num] = self._decode(query[:num], key_cache, value_cache, metadata, window)
-        if window is not None:
+        if window is not None or self.softcap is not None:
             self.attend_each_prefill(
                 query, key, value, key_cache, value_cache, metadata, output, window
             )
@@ -366,8 +370,43 @@ class TorchPagedAttention(AttentionBackend):
         mask = mask[:, None, None, :]
         # q: [num_decodes, num_kv_heads, queries_per_kv, head_dim]
         q = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        out = self._attention(q, keys, values, mask)
         return out.reshape(num_decodes, num_heads, head_dim)
+
+    def _attention(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        """``scaled_dot_product_attention(q, keys, values)`` with ``self.scale``, GQA by
+        broadcast: q [..., heads, queries, dim], keys and values [..., kv_heads, keys, dim],
+        heads a multiple of kv_heads; ``mask`` True where a query may attend. With ``softcap``,
+        the same products as transformers' eager Gemma 2 attention (the scores soft-capped
+        before the mask; softmax in float32)."""
+        if self.softcap is None:
+            gqa = q.shape[-3] != keys.shape[-3]
+            return F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, is_causal=is_causal, scale=self.scale,
+                enable_gqa=gqa,
+            )  # fmt: skip
+        group = q.shape[-3] // keys.shape[-3]
+        if group > 1:
+            keys = keys.repeat_interleave(group, dim=-3)
+            values = values.repeat_interleave(group, dim=-3)
+        # scores: [..., heads, queries, keys]
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if is_causal:
+            queries, context = scores.shape[-2], scores.shape[-1]
+            causal = torch.ones(queries, context, dtype=torch.bool, device=q.device).tril()
+            mask = causal if mask is None else mask & causal
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, values)
 
     def attend_padded(
         self,
@@ -459,13 +498,11 @@ class TorchPagedAttention(AttentionBackend):
         q = query.transpose(0, 1)[None]
         if span.start_position == 0 and window is None:
             # Nothing cached before the chunk: attend to the fresh K/V with a causal mask.
-            out = F.scaled_dot_product_attention(
+            out = self._attention(
                 q,
                 key.transpose(0, 1).to(q.dtype)[None],
                 value.transpose(0, 1).to(q.dtype)[None],
                 is_causal=True,
-                scale=self.scale,
-                enable_gqa=True,
             )
             return out[0].transpose(0, 1)
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
@@ -480,12 +517,7 @@ class TorchPagedAttention(AttentionBackend):
         mask = key_positions <= query_positions[:, None]
         if window is not None:
             mask &= key_positions > query_positions[:, None] - window
-        out = F.scaled_dot_product_attention(
-            q,
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
-            attn_mask=mask,
-            scale=self.scale,
-            enable_gqa=True,
+        out = self._attention(
+            q, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], mask=mask
         )
         return out[0].transpose(0, 1)

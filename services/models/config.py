@@ -9,7 +9,8 @@ mixture of SwiGLU experts in place of the MLP, a router choosing each token's to
 normalized across all heads); OLMo 2 (norms after
 attention and the MLP instead of before, Q and K normalized across all heads); Gemma 3 (text:
 GELU-gated MLP, four norms a layer scaling by 1 + weight, embeddings scaled by sqrt(hidden), and
-five sliding-window layers with their own RoPE base for every global one)."""
+five sliding-window layers with their own RoPE base for every global one); Gemma 2 (Gemma 3's
+layer without Q/K norms, every other layer sliding, soft-capped attention scores and logits)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3_text",
     "GraniteMoeForCausalLM": "granitemoe",
     "OlmoeForCausalLM": "olmoe",
+    "Gemma2ForCausalLM": "gemma2",
 }
 # What transformers' Gemma3TextConfig assumes for a key that a Gemma 3 multimodal checkpoint's
 # ``text_config`` leaves out (google/gemma-3-4b-it's names only its sizes and rope scaling).
@@ -211,6 +213,11 @@ class ModelConfig:
     """Granite: each attention and MLP output is multiplied by it before the residual add."""
     attention_multiplier: float | None = None
     """Granite: the attention scores' scale, in place of 1 / sqrt(head_dim)."""
+    attn_logit_softcapping: float | None = None
+    """Gemma 2: each attention score ``s`` becomes ``cap * tanh(s / cap)`` before the softmax
+    (after the scale), on the torch attention path."""
+    final_logit_softcapping: float | None = None
+    """Gemma 2: the logits likewise, after the lm_head."""
     logits_scaling: float = 1.0
     """Granite: the logits are divided by it."""
     num_experts: int = 0
@@ -314,7 +321,7 @@ class ModelConfig:
         sliding_window = raw.get("sliding_window")
         if model_type in _OPT_IN_SLIDING_WINDOW and not raw.get("use_sliding_window", False):
             sliding_window = None
-        if model_type == "gemma3_text":  # per layer, attended as such: local_window
+        if model_type in _GEMMA:  # per layer, attended as such: local_window
             sliding_window = None
         num_layers = raw["num_hidden_layers"]
         eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
@@ -334,7 +341,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=raw.get(
-                "tie_word_embeddings", model_type in ("qwen2", "smollm3", "gemma3_text")
+                "tie_word_embeddings", model_type in ("qwen2", "smollm3", *_GEMMA)
             ),
             attention_bias=raw.get("attention_bias", model_type == "qwen2"),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text", "olmoe"),
@@ -353,6 +360,7 @@ class ModelConfig:
             **(_granite_multipliers(raw) if model_type in ("granite", "granitemoe") else {}),
             **(_experts(raw, model_type, num_layers) if model_type in _MOE else {}),
             **(_gemma3(raw, num_layers, hidden_size) if model_type == "gemma3_text" else {}),
+            **(_gemma2(raw, num_layers, hidden_size) if model_type == "gemma2" else {}),
         )
 
     @property
@@ -361,6 +369,54 @@ class ModelConfig:
 
 
 _MOE = ("mixtral", "qwen3_moe", "granitemoe", "olmoe")
+_GEMMA = ("gemma2", "gemma3_text")
+
+
+def _gemma2(raw: dict[str, Any], num_layers: int, hidden_size: int) -> dict[str, Any]:
+    """Gemma 2 as transformers reads it: Gemma 3's layer (sandwich norms, 1 + weight, GELU,
+    embeddings times sqrt(hidden)) without Q/K norms, every other layer sliding (``layer_types``,
+    or the even ones), one RoPE base for all, and soft-capped attention scores and logits."""
+    activation = raw.get("hidden_activation", raw.get("hidden_act", "gelu_pytorch_tanh"))
+    if activation != "gelu_pytorch_tanh":
+        raise EngineConfigError(
+            f"config.json's hidden_activation {activation!r}: only gelu_pytorch_tanh is built"
+        )
+    window = _positive_int(raw, "sliding_window")
+    types = raw.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+    ]
+    if (
+        not isinstance(types, list)
+        or len(types) != num_layers
+        or any(t not in ("sliding_attention", "full_attention") for t in types)
+    ):
+        raise EngineConfigError(
+            f"config.json's layer_types must list {num_layers} of 'sliding_attention' and "
+            f"'full_attention', got {types!r}"
+        )
+    caps = {}
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        cap = raw.get(key)
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float)
+                                or not math.isfinite(cap) or cap <= 0):  # fmt: skip
+            raise EngineConfigError(f"config.json's {key} must be a positive number, got {cap!r}")
+        caps[key] = None if cap is None else float(cap)
+    scalar = raw.get("query_pre_attn_scalar", 256)
+    if isinstance(scalar, bool) or not isinstance(scalar, int | float) or not scalar > 0:
+        raise EngineConfigError(
+            f"config.json's query_pre_attn_scalar must be a positive number, got {scalar!r}"
+        )
+    return {
+        "hidden_act": "gelu_tanh",
+        "sandwich_norms": True,
+        "norm_weight_offset": 1.0,
+        "sliding_layers": frozenset(i for i, t in enumerate(types) if t == "sliding_attention"),
+        "local_window": window,
+        "embedding_multiplier": hidden_size**0.5,
+        "embedding_multiplier_in_dtype": True,
+        "attention_multiplier": float(scalar) ** -0.5,
+        **caps,
+    }
 
 
 def _gemma3(raw: dict[str, Any], num_layers: int, hidden_size: int) -> dict[str, Any]:

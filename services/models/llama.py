@@ -276,6 +276,8 @@ class LlamaModel(nn.Module):
         self, config: ModelConfig, max_positions: int, backend: AttentionBackend, ops: LayerOps
     ):
         super().__init__()
+        # Gemma 2's soft-capped scores: every layer's, so the backend the layers share is told.
+        backend.softcap = config.attn_logit_softcapping
         # One rotary table shared by every layer (Gemma 3: a second for its sliding layers).
         self.rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling
@@ -362,4 +364,7 @@ class LlamaForCausalLM(nn.Module):
         (the sampler computes on a float32 copy; widening here first would copy them twice)."""
         norm = self.model.norm
         logits = self.lm_head(self.ops.rms_norm(hidden, None, norm.weight, norm.eps))
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma 2: as transformers computes it, in the logits' dtype
+            logits = torch.tanh(logits / cap) * cap
         return _scaled(logits, 1.0 / self.config.logits_scaling)

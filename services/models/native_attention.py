@@ -135,7 +135,8 @@ class NativePagedAttention(TorchPagedAttention):
         torch.ops.pdserve.write_kv_cache(
             key_cache, value_cache, key, value, metadata.slot_mapping, self.isa
         )
-        if self.prefill_kernel == NATIVE_PREFILL or not metadata.prefills:
+        native_prefill = self.prefill_kernel == NATIVE_PREFILL and self.softcap is None
+        if native_prefill or not metadata.prefills:
             return key, value
         return key.to(key_cache.dtype), value.to(value_cache.dtype)
 
@@ -178,6 +179,8 @@ class NativePagedAttention(TorchPagedAttention):
         metadata: AttentionMetadata,
         window: int | None = None,
     ) -> torch.Tensor:
+        if self.softcap is not None:  # Gemma 2's soft-capped scores: the torch path's
+            return super()._decode(query, key_cache, value_cache, metadata, window)
         # query, output: [num_decodes, num_heads, head_dim]. The kernel reads query in place when
         # each row's heads are contiguous, as in a view of the fused QKV output (the copy it
         # saves took ~4 us a layer at 64 sequences).

@@ -34,6 +34,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
     Gemma3Config,
     Gemma3TextConfig,
     GenerationConfig,
@@ -73,6 +74,7 @@ ARCHS = (
     "gemma3_mm",
     "granitemoe",
     "olmoe",
+    "gemma2",
 )
 
 BOS_TOKEN = "<|begin_of_text|>"
@@ -444,6 +446,23 @@ def build_config(
             num_experts_per_tok=2,
             norm_topk_prob=False,
         )
+    if arch == "gemma2":
+        # Gemma 3's tiny shape, without its Q/K norms and second RoPE base, and with caps small
+        # enough to bend a random model's scores (2) and logits (3): Gemma 2 9B's are 50 and 30.
+        return Gemma2Config(
+            **common,
+            head_dim=size.head_dim,
+            sliding_window=8,
+            layer_types=[
+                "sliding_attention" if i % 2 == 0 else "full_attention"
+                for i in range(size.num_hidden_layers)
+            ],
+            query_pre_attn_scalar=2 * size.head_dim,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+            rope_parameters=default_rope,
+            tie_word_embeddings=False,
+        )
     if arch == "olmo2":
         return Olmo2Config(**common, rope_parameters=default_rope, tie_word_embeddings=False)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
@@ -455,7 +474,7 @@ def _init_weights(model: PreTrainedModel, seed: int) -> None:
     text = model.config.get_text_config()  # a multimodal model's language model's
     hidden_size = text.hidden_size
     tied = model.config.tie_word_embeddings
-    gemma = text.model_type == "gemma3_text"
+    gemma = text.model_type in ("gemma3_text", "gemma2")
     # Gemma multiplies its embeddings by sqrt(hidden_size): untied, unit-scale rows after it.
     embedding_scale = 1.0 / math.sqrt(hidden_size) if gemma else 1.0
     # A final-norm hidden state has unit rms, so this std gives logits of std _LOGIT_STD (after

@@ -109,9 +109,10 @@ def test_the_prompt_tokens_rank_needs_no_alternatives(tiny_llama_dir: Path, refe
         "granitemoe",
         "olmo2",
         "olmoe",
+        "gemma2",
         "gemma3",
         "gemma3_mm",
-    ],  # fmt: skip
+    ],
 )
 def test_prompt_logprobs_match_hf_for_architectures_beyond_llama(tiny_model_factory, arch) -> None:
     """SmolLM3's layers without RoPE and Granite's multipliers, the logits' scaling included

@@ -430,21 +430,54 @@ def test_what_gemma3_does_not_run_with_is_refused_naming_the_key(changes, messag
         ModelConfig.from_hf_dict(gemma3_config(**changes))
 
 
+def test_gemma2_caps_and_layers_are_read_as_transformers_reads_them() -> None:
+    config = ModelConfig.from_hf_dict(
+        gemma3_config(
+            architectures=["Gemma2ForCausalLM"],
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30,
+            query_pre_attn_scalar=64,
+        )
+    )
+    # Without layer_types, the even layers slide (transformers' Gemma2Config).
+    assert config.sliding_layers == {0, 2, 4, 6} and config.local_window == 16
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (50.0, 30.0)
+    assert config.local_rope_theta is None and not config.qk_norm  # one RoPE base, no Q/K norm
+    assert config.attention_scale == 64**-0.5 and config.norm_weight_offset == 1.0
+    uncapped = ModelConfig.from_hf_dict(gemma3_config(architectures=["Gemma2ForCausalLM"]))
+    assert uncapped.attn_logit_softcapping is None and uncapped.final_logit_softcapping is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"attn_logit_softcapping": 0}, "attn_logit_softcapping must be a positive number"),
+        ({"final_logit_softcapping": "30"}, "final_logit_softcapping must be a positive number"),
+        ({"final_logit_softcapping": float("inf")}, "final_logit_softcapping must be a positive"),
+        ({"layer_types": ["full_attention"]}, "layer_types must list 8"),
+    ],
+)
+def test_a_bad_gemma2_config_is_refused_naming_the_key(changes, message: str) -> None:
+    with pytest.raises(EngineConfigError, match=message):
+        ModelConfig.from_hf_dict(gemma3_config(architectures=["Gemma2ForCausalLM"], **changes))
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
 @pytest.mark.parametrize(
     ("setting", "message"),
     [
         ({"attention_backend": "triton"}, "attention_backend: .*sliding-window layers"),
-        ({"enable_lora": True}, "enable_lora: LoRA on Gemma3ForCausalLM's GELU-gated MLP"),
+        ({"enable_lora": True}, "enable_lora: LoRA on Gemma[23]ForCausalLM's GELU-gated MLP"),
     ],
 )
-def test_what_a_gemma3_engine_does_not_run_with_is_refused_naming_it(
-    tiny_model_factory, setting: dict, message: str
+def test_what_a_gemma_engine_does_not_run_with_is_refused_naming_it(
+    tiny_model_factory, arch: str, setting: dict, message: str
 ) -> None:
     # Triton runs under its interpreter in the suite (tests/conftest.py), so the refusal is the
     # sliding window's, not the device's.
     with pytest.raises(EngineConfigError, match=message):
         LLM(
-            tiny_model_factory("gemma3"),
+            tiny_model_factory(arch),
             dtype="float32",
             kv_cache_memory=KV_CACHE_MEMORY,
             **setting,
