@@ -372,19 +372,18 @@ _MOE = ("mixtral", "qwen3_moe", "granitemoe", "olmoe")
 _GEMMA = ("gemma2", "gemma3_text")
 
 
-def _gemma2(raw: dict[str, Any], num_layers: int, hidden_size: int) -> dict[str, Any]:
-    """Gemma 2 as transformers reads it: Gemma 3's layer (sandwich norms, 1 + weight, GELU,
-    embeddings times sqrt(hidden)) without Q/K norms, every other layer sliding (``layer_types``,
-    or the even ones), one RoPE base for all, and soft-capped attention scores and logits."""
+def _gemma_layers(raw: dict[str, Any], types: list[str] | None, hidden_size: int) -> dict[str, Any]:
+    """What Gemma 2 and Gemma 3 read alike: the GELU-gated MLP, the four norms scaling by 1 +
+    weight, embeddings times sqrt(hidden), the attention scale ``query_pre_attn_scalar **
+    -0.5``, and which layers slide (``types``: ``layer_types``, or each family's default) over
+    how many tokens."""
+    num_layers = raw["num_hidden_layers"]
     activation = raw.get("hidden_activation", raw.get("hidden_act", "gelu_pytorch_tanh"))
     if activation != "gelu_pytorch_tanh":
         raise EngineConfigError(
             f"config.json's hidden_activation {activation!r}: only gelu_pytorch_tanh is built"
         )
     window = _positive_int(raw, "sliding_window")
-    types = raw.get("layer_types") or [
-        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
-    ]
     if (
         not isinstance(types, list)
         or len(types) != num_layers
@@ -394,13 +393,6 @@ def _gemma2(raw: dict[str, Any], num_layers: int, hidden_size: int) -> dict[str,
             f"config.json's layer_types must list {num_layers} of 'sliding_attention' and "
             f"'full_attention', got {types!r}"
         )
-    caps = {}
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        cap = raw.get(key)
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float)
-                                or not math.isfinite(cap) or cap <= 0):  # fmt: skip
-            raise EngineConfigError(f"config.json's {key} must be a positive number, got {cap!r}")
-        caps[key] = None if cap is None else float(cap)
     scalar = raw.get("query_pre_attn_scalar", 256)
     if isinstance(scalar, bool) or not isinstance(scalar, int | float) or not scalar > 0:
         raise EngineConfigError(
@@ -415,27 +407,36 @@ def _gemma2(raw: dict[str, Any], num_layers: int, hidden_size: int) -> dict[str,
         "embedding_multiplier": hidden_size**0.5,
         "embedding_multiplier_in_dtype": True,
         "attention_multiplier": float(scalar) ** -0.5,
-        **caps,
     }
+
+
+def _gemma2(raw: dict[str, Any], num_layers: int, hidden_size: int) -> dict[str, Any]:
+    """Gemma 2 as transformers reads it: Gemma 3's layer without Q/K norms, every other layer
+    sliding (``layer_types``, or the even ones), one RoPE base for all, and soft-capped
+    attention scores and logits."""
+    types = raw.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+    ]
+    caps = {}
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        cap = raw.get(key)
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float)
+                                or not math.isfinite(cap) or cap <= 0):  # fmt: skip
+            raise EngineConfigError(f"config.json's {key} must be a positive number, got {cap!r}")
+        caps[key] = None if cap is None else float(cap)
+    return {**_gemma_layers(raw, types, hidden_size), **caps}
 
 
 def _gemma3(raw: dict[str, Any], num_layers: int, hidden_size: int) -> dict[str, Any]:
     """Gemma 3's text model as transformers reads it: its layer types (``layer_types``, or every
     ``sliding_window_pattern``-th layer global, the rest sliding), the two RoPE bases (transformers
-    5's ``rope_parameters`` per layer type, or ``rope_theta`` and ``rope_local_base_freq``), the
-    attention scale ``query_pre_attn_scalar ** -0.5``; logit soft-capping (Gemma 2's) is not
-    built."""
+    5's ``rope_parameters`` per layer type, or ``rope_theta`` and ``rope_local_base_freq``); no
+    logit soft-capping (Gemma 2's)."""
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if raw.get(key) is not None:
             raise EngineConfigError(f"config.json's {key} (logit soft-capping) is not supported")
     if raw.get("use_bidirectional_attention"):
         raise EngineConfigError("config.json's use_bidirectional_attention is not supported")
-    activation = raw.get("hidden_activation", raw.get("hidden_act", "gelu_pytorch_tanh"))
-    if activation != "gelu_pytorch_tanh":
-        raise EngineConfigError(
-            f"config.json's hidden_activation {activation!r}: only gelu_pytorch_tanh is built"
-        )
-    window = _positive_int(raw, "sliding_window")
     types = raw.get("layer_types")
     if types is None:
         pattern = _positive_int(raw, "sliding_window_pattern", 6)
@@ -443,15 +444,7 @@ def _gemma3(raw: dict[str, Any], num_layers: int, hidden_size: int) -> dict[str,
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
             for i in range(num_layers)
         ]
-    if (
-        not isinstance(types, list)
-        or len(types) != num_layers
-        or any(t not in ("sliding_attention", "full_attention") for t in types)
-    ):
-        raise EngineConfigError(
-            f"config.json's layer_types must list {num_layers} of 'sliding_attention' and "
-            f"'full_attention', got {types!r}"
-        )
+    layers = _gemma_layers(raw, types, hidden_size)
     params = raw.get("rope_parameters") or {}
     if "sliding_attention" in params:
         local = params["sliding_attention"]
@@ -462,22 +455,7 @@ def _gemma3(raw: dict[str, Any], num_layers: int, hidden_size: int) -> dict[str,
         local_theta = float(local.get("rope_theta", 10000.0))
     else:
         local_theta = float(raw.get("rope_local_base_freq", 10000.0))
-    scalar = raw.get("query_pre_attn_scalar", 256)
-    if isinstance(scalar, bool) or not isinstance(scalar, int | float) or not scalar > 0:
-        raise EngineConfigError(
-            f"config.json's query_pre_attn_scalar must be a positive number, got {scalar!r}"
-        )
-    return {
-        "hidden_act": "gelu_tanh",
-        "sandwich_norms": True,
-        "norm_weight_offset": 1.0,
-        "sliding_layers": frozenset(i for i, t in enumerate(types) if t == "sliding_attention"),
-        "local_window": window,
-        "local_rope_theta": local_theta,
-        "embedding_multiplier": hidden_size**0.5,
-        "embedding_multiplier_in_dtype": True,
-        "attention_multiplier": float(scalar) ** -0.5,
-    }
+    return {**layers, "local_rope_theta": local_theta}
 
 
 def _positive_int(raw: dict[str, Any], key: str, default: int | None = None) -> int:

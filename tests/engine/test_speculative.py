@@ -7,8 +7,8 @@ import pytest
 
 from services.engine.config import SpeculativeConfig
 from services.engine.kv_cache_manager import hash_block_tokens, root_hash
-from services.engine.request import RequestStatus
-from services.engine.scheduler import SampledToken
+from services.engine.request import Request, RequestStatus
+from services.engine.scheduler import SampledToken, ScheduledChunk, Scheduler
 from services.engine.speculative import NgramProposer, num_accepted, verify_rows
 from services.types import EngineConfigError
 
@@ -174,6 +174,15 @@ def test_config_refuses_naming_the_key(value: object, names: str) -> None:
 # ---- the scheduler ----
 
 
+def decoding(scheduler: Scheduler, request: Request, drafts: list[int]) -> ScheduledChunk:
+    """``request``'s prompt computed (first token 7), then its next chunk with ``drafts``."""
+    scheduler.add_request(request)
+    scheduler.update_from_output(scheduler.schedule(), {request.request_id: [SampledToken(7)]})
+    request.draft_token_ids = drafts
+    (chunk,) = scheduler.schedule().chunks
+    return chunk
+
+
 def test_a_decode_with_proposals_computes_them_and_keeps_the_accepted(
     make_scheduler, make_request
 ) -> None:
@@ -224,43 +233,23 @@ def test_a_stop_among_the_kept_tokens_ends_the_request_there(make_scheduler, mak
 def test_proposals_never_pass_max_tokens_the_model_length_or_the_budget(
     make_scheduler, make_request
 ) -> None:
-    scheduler = make_scheduler(max_model_len=12, max_num_batched_tokens=64)
-    request = make_request("r", 5, max_tokens=4)
-    scheduler.add_request(request)
-    scheduler.update_from_output(scheduler.schedule(), {"r": [SampledToken(7)]})
-    request.draft_token_ids = [8, 9, 10, 11, 12]
-    (chunk,) = scheduler.schedule().chunks
+    chunk = decoding(
+        make_scheduler(max_model_len=12), make_request("r", 5, max_tokens=4), [8, 9, 10, 11, 12]
+    )
     # 1 output so far, max_tokens 4: two proposals and the sample after them.
     assert chunk.draft_token_ids == (8, 9)
-
-    scheduler = make_scheduler(max_model_len=8)
-    request = make_request("r", 5, max_tokens=10)
-    scheduler.add_request(request)
-    scheduler.update_from_output(scheduler.schedule(), {"r": [SampledToken(7)]})
-    request.draft_token_ids = [8, 9, 10, 11]
-    (chunk,) = scheduler.schedule().chunks
+    chunk = decoding(make_scheduler(max_model_len=8), make_request("r", 5), [8, 9, 10, 11])
     assert chunk.draft_token_ids == (8, 9)  # positions 6 and 7 of 8
-
-    scheduler = make_scheduler(max_num_batched_tokens=3)
-    request = make_request("r", 2, max_tokens=10)
-    scheduler.add_request(request)
-    scheduler.update_from_output(scheduler.schedule(), {"r": [SampledToken(7)]})
-    request.draft_token_ids = [8, 9, 10, 11]
-    (chunk,) = scheduler.schedule().chunks
+    chunk = decoding(make_scheduler(max_num_batched_tokens=3), make_request("r", 2), [8, 9, 10, 11])
     assert chunk.draft_token_ids == (8, 9)  # the step's budget of 3 tokens
 
 
 def test_without_room_for_the_proposals_the_plain_decode_runs(make_scheduler, make_request) -> None:
     # 2 blocks of 4: the request holds both after its first token at position 7 (8 tokens).
     scheduler = make_scheduler(num_blocks=2, block_size=4)
-    request = make_request("r", 7, max_tokens=10)
-    scheduler.add_request(request)
-    scheduler.update_from_output(scheduler.schedule(), {"r": [SampledToken(7)]})
-    request.draft_token_ids = [8, 9]
-    output = scheduler.schedule()
-    (chunk,) = output.chunks
+    chunk = decoding(scheduler, make_request("r", 7, max_tokens=10), [8, 9])
     assert (chunk.num_tokens, chunk.draft_token_ids) == (1, ())
-    assert output.preempted_request_ids == []
+    assert scheduler.num_preemptions_total == 0
 
 
 def test_proposals_wait_for_a_prompt_to_be_computed(make_scheduler, make_request) -> None:
