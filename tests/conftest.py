@@ -139,7 +139,7 @@ _GGUF_LAYER = {
 }
 
 
-_GGUF_GEMMA3_LAYER = _GGUF_LAYER | {
+_GGUF_GEMMA_LAYER = _GGUF_LAYER | {
     "post_attention_layernorm": "post_attention_norm",
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
@@ -197,9 +197,14 @@ def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> 
     rope = config.get("rope_parameters") or {}
     rope = rope.get("full_attention", rope)  # Gemma 3's global layers'
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
-    if arch == "gemma3":  # llama.cpp's Gemma3Model: the window; the pattern, one flag a layer
+    if arch in ("gemma2", "gemma3"):  # llama.cpp's Gemma models: the window, the pattern
         writer.add_sliding_window(config["sliding_window"])
-        writer.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
+        if arch == "gemma3":  # one flag a layer (Gemma 2's is llama.cpp's fixed one)
+            flags = [t == "sliding_attention" for t in config["layer_types"]]
+            writer.add_sliding_window_pattern(flags)
+        else:
+            writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+            writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     if arch == "phi3":  # llama.cpp's Phi3MiniModel
         partial = config.get("partial_rotary_factor", 1.0)
         writer.add_rope_dimension_count(int(partial * head_dim))
@@ -242,11 +247,11 @@ def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> 
         else:
             match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
             assert match is not None, name
-            layer_names = _GGUF_GEMMA3_LAYER if arch == "gemma3" else _GGUF_LAYER
+            layer_names = _GGUF_GEMMA_LAYER if arch in ("gemma2", "gemma3") else _GGUF_LAYER
             gguf_name = f"blk.{match[1]}.{layer_names[match[2]]}.{match[3]}"
         data = tensor.float().numpy()
         kind = gguf_name.split(".")[-2]
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             data = data + 1.0  # llama.cpp's norm_shift: its kernel multiplies by the weight
         if arch == "llama" and kind in ("attn_q", "attn_k"):
             num_heads = config["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"]
@@ -278,8 +283,8 @@ def tiny_gguf_factory(
             out_dir = tmp_path_factory.mktemp(f"gguf-{arch}-{qtype}")
             source = gguf_source(out_dir / "x.gguf")
             shutil.copytree(tiny_model_factory(arch), source)
-            if arch == "gemma3":
-                # llama.cpp scales Gemma 3's queries by head_dim ** -0.5 (no file key holds
+            if arch in ("gemma2", "gemma3"):
+                # llama.cpp scales Gemma's queries by head_dim ** -0.5 (no file key holds
                 # query_pre_attn_scalar); the tiny model's 2 * head_dim would not survive.
                 config = json.loads((source / "config.json").read_text())
                 config["query_pre_attn_scalar"] = config["head_dim"]

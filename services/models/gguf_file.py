@@ -47,14 +47,18 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
 }
 # ``model_type`` where it is not the GGUF architecture's name.
 _MODEL_TYPES = {"gemma3": "gemma3_text"}
+# Gemma 2 in llama.cpp: every other layer sliding, the first included (fixed in its code).
+_GEMMA2_PATTERN = 2
 # llama.cpp's Gemma 3: the sliding-window layers' RoPE base and the pattern of global layers
 # are fixed in its code (a file may give the pattern), not written by its converter.
 _GEMMA3_LOCAL_ROPE_THETA = 10000.0
 _GEMMA3_PATTERN = 6
 _GEMMA3_27B_LAYERS = 62
+_GEMMA2_27B_LAYERS = 46
 # Phi-3's 128k-context files: LongRoPE's two sets of frequency factors, which pdserve refuses
 # in config.json too.
 _LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
@@ -278,8 +282,8 @@ class GgufFile:
         names = self.tensor_names
         window = param("attention.sliding_window")
         extra: dict[str, Any] = {} if window is None else {"sliding_window": window}
-        if arch == "gemma3":
-            extra.update(self._gemma3_config(param, hidden_size, num_heads, head_dim))
+        if arch in ("gemma2", "gemma3"):
+            extra.update(self._gemma_config(arch, param, hidden_size, num_heads, head_dim))
         return {
             **extra,
             "architectures": [SUPPORTED_GGUF_ARCHITECTURES[arch]],
@@ -301,15 +305,23 @@ class GgufFile:
             "eos_token_id": self.value("tokenizer.ggml.eos_token_id"),
         }
 
-    def _gemma3_config(
-        self, param: Callable[..., Any], hidden_size: int, num_heads: int, head_dim: int
+    def _gemma_config(
+        self,
+        arch: str,
+        param: Callable[..., Any],
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
     ) -> dict[str, Any]:
-        """What llama.cpp fixes in code for Gemma 3: the local layers' RoPE base, every sixth
-        layer global unless ``attention.sliding_window_pattern`` says (every N-th, or one flag
-        per layer, true for a sliding-window one), and the query scale: ``head_dim ** -0.5``,
-        but ``(hidden_size / num_heads) ** -0.5`` for the 62-layer 27B."""
+        """What llama.cpp fixes in code for Gemma 2 and 3: which layers slide (every N-th layer
+        global, the rest sliding: Gemma 3's N 6, Gemma 2's 2) unless
+        ``attention.sliding_window_pattern`` says (its N, or one flag per layer, true for a
+        sliding-window one), Gemma 3's local RoPE base, and the query scale: ``head_dim **
+        -0.5``, but ``(hidden_size / num_heads) ** -0.5`` for the 27B (Gemma 3's 62 layers,
+        Gemma 2's 46); Gemma 2's soft-capping is in the file."""
         num_layers = param("block_count")
-        pattern = param("attention.sliding_window_pattern", _GEMMA3_PATTERN)
+        default = _GEMMA3_PATTERN if arch == "gemma3" else _GEMMA2_PATTERN
+        pattern = param("attention.sliding_window_pattern", default)
         if isinstance(pattern, list):
             if len(pattern) != num_layers:
                 raise ModelFileError(
@@ -324,12 +336,15 @@ class GgufFile:
             ]
         else:
             raise ModelFileError(self.path, f"bad sliding_window_pattern {pattern!r}")
-        scalar = hidden_size // num_heads if num_layers == _GEMMA3_27B_LAYERS else head_dim
-        return {
-            "layer_types": types,
-            "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_THETA,
-            "query_pre_attn_scalar": scalar,
-        }
+        largest = _GEMMA3_27B_LAYERS if arch == "gemma3" else _GEMMA2_27B_LAYERS
+        scalar = hidden_size // num_heads if num_layers == largest else head_dim
+        config: dict[str, Any] = {"layer_types": types, "query_pre_attn_scalar": scalar}
+        if arch == "gemma3":
+            config["rope_local_base_freq"] = _GEMMA3_LOCAL_ROPE_THETA
+        else:
+            config["attn_logit_softcapping"] = param("attn_logit_softcapping")
+            config["final_logit_softcapping"] = param("final_logit_softcapping")
+        return config
 
     def _f32_values(self, name: str) -> list[float]:
         """The values of a small F32 tensor (``rope_freqs``), read from the file."""

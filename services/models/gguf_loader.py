@@ -6,9 +6,9 @@ architecture only — permutes the rows of Q and K so that its rotary kernel can
 pairs (GPT-J style) where Hugging Face rotates the two halves of each head (``rotate_half``). Each
 tensor here is dequantized to fp32 by the ``gguf`` package, given the Hugging Face name and
 shape, and for Llama Q/K un-permuted; ``load_model`` then casts it into the serving dtype.
-Qwen2, Qwen3, Phi-3 and Gemma 3 files are written in Hugging Face's rotary layout and need no
-permutation; Phi-3's keep its fused ``qkv_proj`` and ``gate_up_proj``; Gemma 3's norm weights
-hold 1 more than its checkpoint's.
+Qwen2, Qwen3, Phi-3 and Gemma files are written in Hugging Face's rotary layout and need no
+permutation; Phi-3's keep its fused ``qkv_proj`` and ``gate_up_proj``; Gemma 2's and 3's norm
+weights hold 1 more than their checkpoint's.
 """
 
 from __future__ import annotations
@@ -68,18 +68,20 @@ _LAYER_NAMES = {
     "attn_qkv": "self_attn.qkv_proj",
 }
 # Names that differ by architecture.
+# Gemma's sandwich norms: ffn_norm is the one before the MLP there.
+_GEMMA_NORMS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _ARCH_LAYER_NAMES = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
-    # Gemma 3's sandwich norms: ffn_norm is the one before the MLP here.
-    "gemma3": {
-        "post_attention_norm": "post_attention_layernorm",
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
-    },
+    "gemma2": _GEMMA_NORMS,
+    "gemma3": _GEMMA_NORMS,
 }
 # llama.cpp's converter adds 1 to Gemma's RMSNorm weights (its kernel multiplies by the weight,
 # Gemma's by 1 + weight); the Hugging Face weight is the file's less 1.
-_NORM_SHIFTED_ARCHITECTURES = frozenset({"gemma3"})
+_NORM_SHIFTED_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Architectures whose Q/K rows llama.cpp permutes for its pairwise rotary kernel.
 _PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})

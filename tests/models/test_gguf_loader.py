@@ -90,6 +90,7 @@ def engine_params(path: Path) -> dict[str, torch.Tensor]:
         ("phi3", "Q4_0"),
         ("gemma3", "F16"),
         ("gemma3", "Q8_0"),
+        ("gemma2", "F16"),
     ],
 )
 def test_gguf_greedy_ids_equal_hugging_face_on_the_same_weights(
@@ -122,7 +123,7 @@ def test_gguf_parameters_equal_the_round_tripped_checkpoint(
 
 
 def test_gguf_config_matches_config_json(tiny_gguf_factory) -> None:
-    for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma3"):
+    for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma3", "gemma2"):
         gguf_path = tiny_gguf_factory(arch, "F16")
         from_json = ModelConfig.from_model_dir(gguf_source(gguf_path))
         from_gguf = ModelConfig.from_model_path(gguf_path)
@@ -170,12 +171,12 @@ def test_an_unsupported_quant_type_is_named(tiny_gguf_factory) -> None:
 
 
 def test_an_unsupported_architecture_is_named(tmp_path: Path) -> None:
-    path = tmp_path / "gemma.gguf"
-    writer = gguf.GGUFWriter(path, "gemma2")
+    path = tmp_path / "mamba.gguf"
+    writer = gguf.GGUFWriter(path, "mamba")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     close_gguf(writer)
-    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gemma2'.*llama"):
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'mamba'.*llama"):
         ModelConfig.from_model_path(path)
 
 
@@ -251,9 +252,11 @@ def test_rope_settings_pdserve_cannot_run_are_refused(
         ModelConfig.from_model_path(rope_gguf(tmp_path / "bad.gguf", **rope))
 
 
-def gemma3_header(path: Path, num_layers: int, pattern: object = None) -> dict:
-    """The config.json of a Gemma 3 GGUF header (no tensors) of ``num_layers`` layers."""
-    writer = gguf.GGUFWriter(path, "gemma3")
+def gemma3_header(
+    path: Path, num_layers: int, pattern: object = None, arch: str = "gemma3"
+) -> dict:
+    """The config.json of a Gemma 3 (or 2) GGUF header (no tensors) of ``num_layers`` layers."""
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(num_layers)
     writer.add_embedding_length(5376)
     writer.add_head_count(32)
@@ -281,3 +284,13 @@ def test_gemma3_files_get_what_llama_cpp_fixes_in_code(tmp_path: Path) -> None:
     assert gemma3_header(tmp_path / "g27.gguf", 62)["query_pre_attn_scalar"] == 168
     with pytest.raises(ValueError, match="sliding_window_pattern holds 2 flags for 3 layers"):
         gemma3_header(tmp_path / "bad.gguf", 3, pattern=[True, False])
+
+
+def test_gemma2_files_get_what_llama_cpp_fixes_in_code(tmp_path: Path) -> None:
+    config = gemma3_header(tmp_path / "g2.gguf", 4, arch="gemma2")
+    assert config["model_type"] == "gemma2"
+    # Every other layer global, the first sliding; one RoPE base (no local one).
+    assert config["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    assert "rope_local_base_freq" not in config and config["query_pre_attn_scalar"] == 128
+    # The 27B (46 layers) scales by hidden_size / num_heads.
+    assert gemma3_header(tmp_path / "g27.gguf", 46, arch="gemma2")["query_pre_attn_scalar"] == 168
