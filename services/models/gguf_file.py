@@ -275,9 +275,10 @@ class GgufFile:
         hidden_size = param("embedding_length")
         head_dim = param("attention.key_length") or hidden_size // num_heads
         rotary_dim = param("rope.dimension_count", head_dim)
-        if rotary_dim != head_dim:
+        if arch == "phi3" and rotary_dim != head_dim:
             # Phi-4-mini: rotary over 3/4 of each head, which config.json's
-            # partial_rotary_factor says and pdserve refuses there too.
+            # partial_rotary_factor says and pdserve refuses there too. (Only Phi's converter
+            # writes a partial count; others' may write hidden / heads beside a wider head.)
             rope["partial_rotary_factor"] = rotary_dim / head_dim
         names = self.tensor_names
         window = param("attention.sliding_window")
