@@ -19,9 +19,9 @@ d``, else keeping ``t``. Each position's ``p`` is the model's given the kept tok
 would without speculation, and random ones tokens of the same distribution (not the same draws).
 
 Life cycle: the engine makes one ``NgramProposer`` when speculation is on; ``propose`` keeps,
-per running request, a packed copy of its tokens (extended, never rebuilt), its window and its
-last proposal (``_Lookup``), which ``release`` drops when the request ends, whatever the way.
-Pure Python: no torch.
+per running request, a packed copy of its tokens and their bytes (extended, never rebuilt), its
+window and its last proposal (``_Lookup``), which ``release`` drops when the request ends,
+whatever the way. Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -68,8 +68,11 @@ class _Lookup:
     """What the proposer keeps of one request between its steps."""
 
     tokens: array[int] = field(default_factory=lambda: array("i"))
-    """The request's tokens as int32s, so that a lookup is one ``bytes.rfind`` in C rather
-    than a Python loop over thousands of tokens per request and step."""
+    """The request's tokens as int32s."""
+    data: bytearray = field(default_factory=bytearray)
+    """The same int32s' bytes, so that a lookup is one ``rfind`` in C rather than a Python loop
+    over thousands of tokens per request and step (extended with ``tokens``: a step copies its
+    new tokens, not the whole sequence)."""
     window: int = 0
     """How many tokens the next proposal may hold (``NgramProposer.propose``)."""
     proposed_at: int = 0
@@ -95,7 +98,9 @@ class NgramProposer:
         if lookup is None or len(lookup.tokens) > len(token_ids):
             lookup = self._lookups[request_id] = _Lookup(window=self.config.num_speculative_tokens)
         packed = lookup.tokens
-        packed.extend(token_ids[len(packed) :])
+        new = array("i", token_ids[len(packed) :])
+        packed.extend(new)
+        lookup.data += new.tobytes()
         num_tokens = len(packed)
         if lookup.proposed:
             # The tokens that followed the last proposal: its kept ones come first.
@@ -112,10 +117,9 @@ class NgramProposer:
         limit = min(max_tokens, lookup.window)
         if limit <= 0:
             return []
-        data = packed.tobytes()
         high = min(self.config.prompt_lookup_max, num_tokens - 1)
         for n in range(high, self.config.prompt_lookup_min - 1, -1):
-            start = _latest_match(data, n, num_tokens)
+            start = _latest_match(lookup.data, n, num_tokens)
             if start is not None:
                 follow_at = start + n  # the first token after the match
                 lookup.proposed = list(packed[follow_at : min(follow_at + limit, num_tokens)])
@@ -130,7 +134,7 @@ class NgramProposer:
         return len(self._lookups)
 
 
-def _latest_match(data: bytes, n: int, num_tokens: int) -> int | None:
+def _latest_match(data: bytearray, n: int, num_tokens: int) -> int | None:
     """The token index of the latest occurrence of the last ``n`` tokens that ends before the
     last token (so at least one token follows it), or None."""
     pattern = data[(num_tokens - n) * _ITEM :]
