@@ -152,6 +152,13 @@ class ModelRunner:
                 "on the torch and native (CPU) backends only, not on "
                 f"{type(self.backend).__name__}"
             )
+        if model_config.attn_logit_softcapping is not None and not isinstance(
+            self.backend, TorchPagedAttention
+        ):
+            raise EngineConfigError(
+                f"attention_backend: {model_config.architecture}'s soft-capped attention runs "
+                f"on the torch path only, not on {type(self.backend).__name__}"
+            )
         ops = make_layer_ops(self.backend)
         logger.info("decoder elementwise steps: %s", ops.describe())
         self.model = load_model(

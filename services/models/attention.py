@@ -186,8 +186,9 @@ class AttentionBackend(ABC):
         self.scale = scale
         self.softcap: float | None = None
         """Gemma 2's attention soft-capping: each scaled score ``s`` becomes ``cap * tanh(s /
-        cap)`` before the softmax. Set by the model runner; only the torch path computes it
-        (the native backend hands such a model's attention to it)."""
+        cap)`` before the softmax. Set by the model (``LlamaModel``); only the torch path
+        computes it (the native backend hands such a model's attention to it; the model runner
+        refuses any other backend for it)."""
 
     def prepare(self, metadata: AttentionMetadata) -> None:  # noqa: B027 (optional hook)
         """Called once per step before the model runs: build what every layer will share."""

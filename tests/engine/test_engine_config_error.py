@@ -528,3 +528,16 @@ def test_a_linear_rope_scaling_without_a_positive_factor_is_refused(factor) -> N
         ModelConfig.from_hf_dict(
             {**smollm3_config(), "architectures": ["LlamaForCausalLM"], **rope}
         )
+
+
+def test_a_soft_capped_model_without_sliding_layers_is_refused_on_triton(
+    tiny_model_factory, tmp_path
+) -> None:
+    """Its Triton kernels do not cap: with every layer global (no sliding-window refusal), the
+    cap alone refuses the backend."""
+    model_dir = Path(shutil.copytree(tiny_model_factory("gemma2"), tmp_path / "gemma2"))
+    config = json.loads((model_dir / "config.json").read_text())
+    config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EngineConfigError, match="attention_backend: .*soft-capped attention"):
+        LLM(model_dir, dtype="float32", kv_cache_memory=KV_CACHE_MEMORY, attention_backend="triton")
