@@ -12,6 +12,7 @@ import pytest
 
 from deploy.commands import local_processes
 from deploy.topology import Role, Topology, load_topology, topology_from_dict
+from services.node.config import parse_node_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -381,3 +382,18 @@ def test_a_json_flag_takes_a_mapping() -> None:
     for process in (prefill, decode):
         index = process.argv.index("--hf-overrides")
         assert json.loads(process.argv[index + 1]) == overrides
+
+
+def test_a_decode_nodes_speculative_config_reaches_its_engine() -> None:
+    """``decode: {args: {speculative-config: {...}}}`` (README): the node parses it into the
+    engine's ``SpeculativeConfig``."""
+    speculative = {"num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    topology = topology_from_dict(
+        {"model": "/m/qwen", "decode": {"args": {"speculative-config": speculative}}}
+    )
+    _, decode, _ = local_processes(topology, python="py")
+    index = decode.argv.index("--speculative-config")
+    flags = ["--speculative-config", decode.argv[index + 1]]
+    config = parse_node_config(flags, {}, role=Role.DECODE).engine.speculative
+    assert config is not None
+    assert (config.num_speculative_tokens, config.prompt_lookup_max) == (4, 3)
