@@ -30,7 +30,7 @@ if os.environ.get("TRITON_INTERPRET") is None and not torch.cuda.is_available():
 
 from deploy.fetch_model import SMOLLM2, FetchError, fetch_gguf  # noqa: E402 (after TRITON_INTERPRET)
 from services.models.tiny import build_tiny_model  # noqa: E402
-from support.gguf_files import close_gguf  # noqa: E402
+from support.gguf_files import close_gguf, gguf_source  # noqa: E402
 from support.model_dirs import with_config  # noqa: E402
 
 TinyModelFactory = Callable[..., Path]
@@ -295,11 +295,6 @@ def tiny_gguf_factory(
         return built[arch, qtype]
 
     return make
-
-
-def gguf_source(gguf_path: Path) -> Path:
-    """The Hugging Face checkpoint a ``tiny_gguf_factory`` file was converted from."""
-    return gguf_path.parent / "hf"
 
 
 @pytest.fixture(scope="session")

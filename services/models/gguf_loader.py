@@ -17,12 +17,14 @@ import logging
 import math
 import re
 from collections.abc import Iterator
+from functools import partial
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from services.models.config import ModelConfig
+from services.models.gguf_blocks import GgufBlocks, decode_blocks
 from services.models.gguf_file import ROPE_FREQS, GgufFile, GgufTensorInfo
 from services.models.model_file_error import ModelFileError
 
@@ -100,8 +102,12 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str:
     return f"model.layers.{layer}.{names[kind]}.{suffix}"
 
 
-def gguf_weights(gguf: GgufFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, fp32 tensor in Hugging Face layout) for every tensor in the file."""
+def gguf_weights(
+    gguf: GgufFile, config: ModelConfig, codes: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor | GgufBlocks]]:
+    """(Hugging Face name, tensor in Hugging Face layout) for every tensor in the file: fp32,
+    or, for the names in ``codes`` (``gguf_linear.install_gguf_linears`` chose them), its
+    quantized blocks as codes and scales."""
     unpermute = gguf.architecture in _PERMUTED_QK_ARCHITECTURES
     shift_norms = gguf.architecture in _NORM_SHIFTED_ARCHITECTURES
     data = np.memmap(gguf.path, dtype=np.uint8, mode="r")
@@ -110,15 +116,23 @@ def gguf_weights(gguf: GgufFile, config: ModelConfig) -> Iterator[tuple[str, tor
             continue  # the rotary frequencies' divisors: the config carries them
         try:
             name = hf_tensor_name(tensor.name, gguf.architecture)
-            weight = dequantize(data, tensor)
+            weight: torch.Tensor | GgufBlocks
+            if name in codes:
+                qtype, raw = _raw_rows(data, tensor)
+                weight = decode_blocks(raw, qtype, tensor.shape[0])
+            else:
+                weight = dequantize(data, tensor)
         except ValueError as exc:
             # The messages name the tensor; a node's log line must name the file too.
             raise ModelFileError(gguf.path, str(exc)) from exc
         if shift_norms and name.endswith("norm.weight"):
-            weight = weight - 1.0
+            weight = weight - 1.0  # type: ignore[operator]  (norms are never codes)
         if unpermute and (".q_proj." in name or ".k_proj." in name):
             num_heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
-            weight = unpermute_rotary_rows(weight, num_heads)
+            if isinstance(weight, GgufBlocks):
+                weight = weight.rows_permuted(partial(unpermute_rotary_rows, num_heads=num_heads))
+            else:
+                weight = unpermute_rotary_rows(weight, num_heads)
         yield name, weight
 
 
@@ -127,6 +141,16 @@ def dequantize(data: np.ndarray, tensor: GgufTensorInfo) -> torch.Tensor:
 
     data: the whole file as uint8 (memory-mapped)
     """
+    qtype, raw = _raw_rows(data, tensor)
+    values = quants.dequantize(raw, qtype)
+    shape = tuple(reversed(tensor.shape))
+    # NOTE: F32 comes back as a view of the read-only memory map; copy so torch owns it.
+    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+
+
+def _raw_rows(data: np.ndarray, tensor: GgufTensorInfo) -> tuple[GGMLQuantizationType, np.ndarray]:
+    """A tensor's format and its bytes as ``[rows, row bytes]`` (a view of ``data``), checked:
+    a format pdserve loads, whole blocks a row, inside the file."""
     try:
         qtype = GGMLQuantizationType(tensor.type_id)
     except ValueError:
@@ -149,12 +173,7 @@ def dequantize(data: np.ndarray, tensor: GgufTensorInfo) -> torch.Tensor:
     end = tensor.offset + num_rows * row_bytes
     if end > data.size:
         raise ValueError(f"tensor {tensor.name!r} runs past the end of the file (truncated?)")
-    # raw: [num_rows, row_bytes] uint8 → values: [num_rows, row_len] float32
-    raw = data[tensor.offset : end].reshape(num_rows, row_bytes)
-    values = quants.dequantize(raw, qtype)
-    shape = tuple(reversed(tensor.shape))
-    # NOTE: F32 comes back as a view of the read-only memory map; copy so torch owns it.
-    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+    return qtype, data[tensor.offset : end].reshape(num_rows, row_bytes)
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -31,7 +31,13 @@ from services.models.fp8_checkpoint import (
     read_fp8_checkpoint,
 )
 from services.models.fp8_linear import Fp8Linear, install_fp8_linears
+from services.models.gguf_blocks import GgufBlocks
 from services.models.gguf_file import find_gguf, open_gguf
+from services.models.gguf_linear import (
+    GgufLinear,
+    gguf_codes_unavailable_reason,
+    install_gguf_linears,
+)
 from services.models.gguf_loader import gguf_weights
 from services.models.layer_ops import LayerOps
 from services.models.llama import LlamaForCausalLM
@@ -87,6 +93,20 @@ def load_model(
     if fp8_linears:
         count = install_fp8_linears(model, scheme, device)
         logger.info("%d decoder projections hold fp8 weights", count)
+    gguf = open_gguf(gguf_path) if gguf_path is not None else None
+    code_names: frozenset[str] = frozenset()
+    if gguf is not None and gguf.is_quantized:
+        unavailable = gguf_codes_unavailable_reason(device)
+        if unavailable is None:
+            installed = install_gguf_linears(model, gguf)
+            code_names = installed.weight_names
+            logger.info(
+                "%s: %d decoder projections keep their quantized blocks as int8 codes",
+                gguf_path,
+                installed.modules,
+            )
+        else:
+            logger.info("%s: every weight dequantized to %s (%s)", gguf_path, dtype, unavailable)
     model = model.to_empty(device=device)
     if device.type == "cpu":
         for param in model.parameters():
@@ -103,11 +123,16 @@ def load_model(
         for name, module in model.named_modules()
         if isinstance(module, Fp8Linear)
     }
+    gguf_modules = {
+        f"{name}.weight": module
+        for name, module in model.named_modules()
+        if isinstance(module, GgufLinear)
+    }
     targets = _checkpoint_targets(config)
     filled: set[str] = set()
     joiner = Fp8Weights(scheme) if scheme is not None else None
-    if gguf_path is not None:
-        weights = _named(gguf_weights(open_gguf(gguf_path), config), gguf_path)
+    if gguf is not None:
+        weights = _named(gguf_weights(gguf, config, code_names), gguf.path)
     elif joiner is not None:
         logger.info("%s: %s", model_dir, scheme.describe())  # type: ignore[union-attr]
         weights = _joined(_safetensors_weights(model_dir), joiner)
@@ -128,6 +153,10 @@ def load_model(
         if name not in targets:
             raise ModelFileError(origin, f"unexpected weight {name!r}")
         param_name, offset = targets[name]
+        if isinstance(tensor, GgufBlocks):  # only a GgufLinear's weights come as codes
+            _fill_codes(gguf_modules[param_name], offset, tensor, name, origin)
+            filled.add(name)
+            continue
         if isinstance(tensor, torch.Tensor) and tensor.dtype in _FP8_DTYPES:
             # Copied as it is, an fp8 value would lose its scale and the model its weights.
             raise ModelFileError(
@@ -176,12 +205,29 @@ def load_model(
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         )
         raise ModelFileError(model_dir, f"the checkpoint is missing weight(s): {shown}")
+    for module in gguf_modules.values():
+        module.pack()
     if config.norm_weight_offset:
         # Gemma's RMSNorm scales by 1 + weight: the offset goes into the weights once.
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.data.add_(config.norm_weight_offset)
     return model.eval()
+
+
+def _fill_codes(
+    module: GgufLinear, offset: int, blocks: GgufBlocks, name: str, origin: Path
+) -> None:
+    """Rows ``offset`` on of ``module`` from ``blocks`` (the checkpoint's weight ``name``)."""
+    rows, cols = blocks.shape
+    expected = (min(rows, module.out_features - offset), module.in_features)
+    if (rows, cols) != expected:
+        raise ModelFileError(
+            origin,
+            f"weight {name!r} has shape {(rows, cols)}, expected {expected} from the model's "
+            "config",
+        )
+    module.fill(offset, blocks)
 
 
 def _safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor, Path]]:
@@ -203,8 +249,8 @@ def _joined(
 
 
 def _named(
-    weights: Iterator[tuple[str, torch.Tensor]], origin: Path
-) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    weights: Iterator[tuple[str, torch.Tensor | GgufBlocks]], origin: Path
+) -> Iterator[tuple[str, torch.Tensor | GgufBlocks, Path]]:
     for name, tensor in weights:
         yield name, tensor, origin
 

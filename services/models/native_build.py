@@ -6,8 +6,9 @@ One extension holds every native CPU op: the paged decode and prefill attention
 fused elementwise ops of a decoder layer (``csrc/fused_ops*.cpp``, ``native_layer_ops.py``) and
 the few-row linears: bf16 on AMX (``csrc/amx_linear*.cpp``, ``amx_linear.py``: one variant, for
 CPUs with AMX-BF16, which checks the CPU itself), bf16 on AVX512-BF16 (``csrc/bf16_linear*.cpp``,
-``bf16_linear.py``: one variant) and fp32 (``csrc/fp32_linear*.cpp``, ``fp32_linear.py``: its
-AVX-512 variant also serves avx512_bf16). Each other kernel comes in one
+``bf16_linear.py``: one variant), fp32 (``csrc/fp32_linear*.cpp``, ``fp32_linear.py``: its
+AVX-512 variant also serves avx512_bf16) and over int8 codes (``csrc/quantized_linear.cpp``, its
+variants compiled in the fp32 kernel's files; ``gguf_linear.py``). Each other kernel comes in one
 variant per instruction set (``KERNEL_ISAS``: AVX512-BF16, AVX-512, AVX2 and a portable one),
 compiled with per-file targets into one library with the baseline compiler flags, so the build
 does not depend on the host. A user of the kernels runs the best variant this CPU supports
@@ -49,6 +50,7 @@ _SOURCES = [
     _CSRC / "amx_linear.cpp",
     _CSRC / "amx_linear_amx.cpp",
     *(_CSRC / f"fp32_linear{suffix}.cpp" for suffix in ("", "_portable", "_avx2", "_avx512")),
+    _CSRC / "quantized_linear.cpp",
     *(_CSRC / f"bf16_linear{suffix}.cpp" for suffix in ("", "_avx512_bf16")),
 ]
 _HEADERS = [
@@ -69,6 +71,7 @@ _HEADERS = [
         "few_row_linear_args.h",
         "fp32_linear_isa.h",
         "fp32_linear_kernel.h",
+        "quantized_linear_isa.h",
         "panel_prefetch.h",
         "bf16_linear_isa.h",
         "amx_tiles.h",

@@ -213,6 +213,9 @@ def pack_linears(
         if type(child) is nn.Linear
         and not (dtype == torch.float32 and id(child.weight) in embedding_weights)
     ]
+    if not targets:  # a GGUF file's projections hold codes (gguf_linear.py), its lm_head tied
+        logger.info("no linear weight left in the plain layout to pack")
+        return 0
     few_rows = 0
     with torch.no_grad():
         for parent, name, child in targets:

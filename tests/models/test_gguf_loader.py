@@ -16,7 +16,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from services.engine import LLM, SamplingParams
@@ -27,35 +26,13 @@ from services.models.config import (
     RopeScaling,
 )
 from services.models.gguf_file import find_gguf, open_gguf
+from services.models.gguf_linear import SWITCH_ENV
 from services.models.rotary import rope_inv_freq
-from support.gguf_files import close_gguf
+from support.gguf_files import close_gguf, gguf_source, round_trip_dir
 
 PROMPTS = [[0, 17, 230, 4000, 9, 88, 1024], [0, 5], [3000, 2999, 12, 12, 12, 7, 1, 64, 900, 33, 2]]
 NUM_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-
-
-def gguf_source(gguf_path: Path) -> Path:
-    """The checkpoint a ``tiny_gguf_factory`` file was converted from (conftest's layout)."""
-    return gguf_path.parent / "hf"
-
-
-def round_trip_dir(model_dir: Path, qtype: str, out: Path) -> Path:
-    """A copy of ``model_dir`` whose 2-D weights went through ``qtype`` and back (the weights a
-    GGUF of that type holds, in Hugging Face layout)."""
-    shutil.copytree(model_dir, out)
-    tensors = load_file(model_dir / "model.safetensors")
-    for name, tensor in tensors.items():
-        if tensor.ndim == 2:
-            data = tensor.float().numpy()
-            if qtype == "F16":
-                back = data.astype(np.float16).astype(np.float32)
-            else:
-                quant = gguf.GGMLQuantizationType[qtype]
-                back = gguf.quants.dequantize(gguf.quants.quantize(data, quant), quant)
-            tensors[name] = torch.from_numpy(back.reshape(data.shape).copy())
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    return out
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
@@ -112,8 +89,11 @@ def test_gguf_greedy_ids_equal_hugging_face_on_the_same_weights(
 
 @pytest.mark.parametrize("qtype", ["F32", "BF16", "Q4_0", "Q4_1"])
 def test_gguf_parameters_equal_the_round_tripped_checkpoint(
-    qtype: str, tiny_gguf_factory, tmp_path: Path
+    qtype: str, tiny_gguf_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Every weight dequantized, as on a GPU; test_gguf_codes.py checks the projections that
+    # stay codes on a CPU against the same reference.
+    monkeypatch.setenv(SWITCH_ENV, "0")
     gguf_path = tiny_gguf_factory("llama", qtype)
     reference = engine_params(round_trip_dir(gguf_source(gguf_path), qtype, tmp_path / "r"))
     loaded = engine_params(gguf_path)

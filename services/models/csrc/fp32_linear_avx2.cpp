@@ -15,5 +15,6 @@
 #pragma GCC target("avx2,fma")
 #define PDSERVE_AVX2 1
 #define PDSERVE_FP32_LINEAR_PANELS fp32_linear_panels_avx2
+#define PDSERVE_QUANTIZED_LINEAR_PANELS quantized_linear_panels_avx2
 #include "fp32_linear_kernel.h"
 #endif

@@ -1,6 +1,9 @@
 // The fp32 few-row linear kernel, compiled once per instruction set: each fp32_linear_<isa>.cpp
 // defines PDSERVE_<ISA> macros, switches the compiler's target to that ISA and includes this
-// file, which defines PDSERVE_FP32_LINEAR_PANELS. See fp32_linear.cpp for the op.
+// file, which defines PDSERVE_FP32_LINEAR_PANELS (fp32_linear.cpp's op) and
+// PDSERVE_QUANTIZED_LINEAR_PANELS (quantized_linear.cpp's: the same arithmetic over weights kept
+// as int8 codes with a scale, and an offset, per group of inputs, each block dequantized just
+// before it is multiplied).
 //
 // Why: a decode step multiplies a few rows (one per sequence) by every weight. In fp32 (what
 // `--dtype auto` picks where bf16 arithmetic is slow) that is compute-bound at 64 rows, yet
@@ -22,6 +25,7 @@
 #endif
 
 #include "panel_prefetch.h"
+#include "quantized_linear_isa.h"
 #include "simd.h"
 
 namespace {
@@ -76,13 +80,13 @@ inline void multiply_input(const float* x, int64_t K, const float* w, Vec (&acc)
   }
 }
 
-// Rows [row0, row0 + R) times the kPassCols columns of one pass over inputs [k0, k1): `panel`
-// points at the pass's first column of input 0 (inputs kFp32Panel floats apart), `col0` is that
-// column's index. The sums start from `out` after the first block and end there, with the bias
+// Rows [row0, row0 + R) times the kPassCols columns of one pass over inputs [k0, k1): `block`
+// points at the pass's first column of input k0 (inputs kFp32Panel floats apart: a panel's rows,
+// or the quantized kernel's dequantized block), `col0` is that column's index. The sums start from `out` after the first block and end there, with the bias
 // and the epilogue applied after the last (the same additions in the same order as one pass over
 // every input: the products do not depend on kBlock). `prefetch` takes (k1 - k0) / kUnroll steps.
 template <int64_t R>
-void rows_times_pass(const pdserve::Fp32LinearArgs& a, int64_t row0, const float* panel,
+void rows_times_pass(const pdserve::Fp32LinearArgs& a, int64_t row0, const float* block,
                      int64_t col0, int64_t k0, int64_t k1, PanelPrefetch& prefetch) {
   const int64_t K = a.in_features, N = a.out_features;
   const float* x = a.x + row0 * K;
@@ -102,12 +106,12 @@ void rows_times_pass(const pdserve::Fp32LinearArgs& a, int64_t row0, const float
   for (; k + kUnroll <= k1; k += kUnroll) {
 #pragma GCC unroll 8
     for (int64_t u = 0; u < kUnroll; ++u) {
-      multiply_input<R>(x + k + u, K, panel + (k + u) * kFp32Panel, acc);
+      multiply_input<R>(x + k + u, K, block + (k - k0 + u) * kFp32Panel, acc);
     }
     next.step();
   }
   for (; k < k1; ++k) {
-    multiply_input<R>(x + k, K, panel + k * kFp32Panel, acc);
+    multiply_input<R>(x + k, K, block + (k - k0) * kFp32Panel, acc);
   }
   prefetch = next;
   const bool last = k1 == K;
@@ -132,13 +136,13 @@ void rows_times_pass(const pdserve::Fp32LinearArgs& a, int64_t row0, const float
 // The rows past the last whole group of kRows, as one group of their count.
 template <int64_t R = kRows - 1>
 void remainder_rows(const pdserve::Fp32LinearArgs& a, int64_t row0, int64_t rows,
-                    const float* panel, int64_t col0, int64_t k0, int64_t k1,
+                    const float* block, int64_t col0, int64_t k0, int64_t k1,
                     PanelPrefetch& prefetch) {
   if constexpr (R > 0) {
     if (rows == R) {
-      rows_times_pass<R>(a, row0, panel, col0, k0, k1, prefetch);
+      rows_times_pass<R>(a, row0, block, col0, k0, k1, prefetch);
     } else {
-      remainder_rows<R - 1>(a, row0, rows, panel, col0, k0, k1, prefetch);
+      remainder_rows<R - 1>(a, row0, rows, block, col0, k0, k1, prefetch);
     }
   }
 }
@@ -164,7 +168,7 @@ void pdserve::PDSERVE_FP32_LINEAR_PANELS(const Fp32LinearArgs& a, int64_t panel_
       PanelPrefetch prefetch(next, next_inputs * kFp32Panel * sizeof(float) / kLineBytes,
                              groups * passes * ((k1 - k0) / kUnroll));
       for (int64_t pass = 0; pass < passes; ++pass) {
-        const float* columns = panel + pass * kPassCols;
+        const float* columns = panel + k0 * kFp32Panel + pass * kPassCols;
         const int64_t col0 = p * kFp32Panel + pass * kPassCols;
         for (int64_t row0 = 0; row0 < whole; row0 += kRows) {
           rows_times_pass<kRows>(a, row0, columns, col0, k0, k1, prefetch);
@@ -175,3 +179,95 @@ void pdserve::PDSERVE_FP32_LINEAR_PANELS(const Fp32LinearArgs& a, int64_t panel_
     }
   }
 }
+
+// ---- The quantized kernel (quantized_linear.cpp's op): the same register tiles over a block
+// dequantized into a per-call scratch panel. ----
+#if defined(PDSERVE_QUANTIZED_LINEAR_PANELS)
+
+namespace {
+
+// Inputs of one dequantized block: for a decode step's few rows 64 (the block's 64 x 64 floats,
+// 16 KiB, stay in the L1 between the dequantization and the multiplication), for more rows 128
+// (the sums go through `out` half as often). With 256, the fp32 kernel's block, the scratch went
+// through the L2 and one row took 1.6x as long as with 64; 128 was 4-9 % faster than 64 from 64
+// rows up (one 576 x 3,072 projection, docs/benchmarks.md, "GGUF weights as codes").
+constexpr int64_t kFewRowsBlock = 64;
+constexpr int64_t kManyRowsBlock = 128;
+constexpr int64_t kFewRows = 16;
+
+// Inputs [k0, k1) of one quantized panel into `block` ([k1 - k0][kFp32Panel] fp32): each weight
+// is code * scale (+ offset) of its group, the scale multiplied and the offset added as two
+// roundings (not one fused multiply-add), which is how the gguf package and llama.cpp dequantize:
+// the block holds the very floats a dequantized checkpoint would.
+void dequantize_block(const pdserve::QuantizedLinearArgs& q, int64_t panel, int64_t k0,
+                      int64_t k1, float* block) {
+  constexpr int64_t kVecsPerInput = kFp32Panel / kLanes;
+  const int64_t K = q.base.in_features, G = q.group, groups = K / G;
+  const int8_t* codes = q.codes + panel * K * kFp32Panel;
+  const float* scales = q.scales + panel * groups * kFp32Panel;
+  const float* offsets = q.offsets ? q.offsets + panel * groups * kFp32Panel : nullptr;
+  for (int64_t g0 = k0; g0 < k1; g0 += G) {  // a block is whole groups: k0 starts one
+    const int64_t g = g0 / G;
+    Vec scale[kVecsPerInput], offset[kVecsPerInput];
+    for (int64_t j = 0; j < kVecsPerInput; ++j) {
+      scale[j] = load(scales + g * kFp32Panel + j * kLanes);
+      offset[j] = offsets ? load(offsets + g * kFp32Panel + j * kLanes) : Vec{};
+    }
+    for (int64_t k = g0; k < g0 + G; ++k) {
+#pragma GCC unroll 4
+      for (int64_t j = 0; j < kVecsPerInput; ++j) {
+        Vec w = load(codes + k * kFp32Panel + j * kLanes) * scale[j];
+        if (offsets) {
+#if defined(__x86_64__) && (defined(PDSERVE_AVX512) || defined(PDSERVE_AVX2))
+          // Keeps the compiler from fusing the add into the multiply (one rounding, not two).
+          __asm__("" : "+v"(w));
+#elif defined(__x86_64__)
+          __asm__("" : "+x"(w));
+#endif
+          w = w + offset[j];
+        }
+        store(block + (k - k0) * kFp32Panel + j * kLanes, w);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void pdserve::PDSERVE_QUANTIZED_LINEAR_PANELS(const QuantizedLinearArgs& q, int64_t panel_begin,
+                                              int64_t panel_end) {
+  const Fp32LinearArgs& a = q.base;
+  const int64_t K = a.in_features, M = a.num_rows;
+  const int64_t whole = M / kRows * kRows;
+  const int64_t groups = M / kRows + (M % kRows ? 1 : 0);
+  const int64_t passes = kFp32Panel / kPassCols;
+  const int64_t inputs = M <= kFewRows ? kFewRowsBlock : kManyRowsBlock;
+  Buffer<float> block(kManyRowsBlock * kFp32Panel);
+  for (int64_t p = panel_begin; p < panel_end; ++p) {
+    for (int64_t k0 = 0; k0 < K; k0 += inputs) {
+      const int64_t k1 = min64(K, k0 + inputs);
+      dequantize_block(q, p, k0, k1, block.data());
+      // The codes of this thread's next block come in under this one's arithmetic (a quarter
+      // of the fp32 kernel's stream; the scales are a sixteenth or less of it and are left to
+      // the hardware's prefetcher).
+      const int8_t* panel_codes = q.codes + p * K * kFp32Panel;
+      const bool more = k1 < K;
+      const int8_t* next = more ? panel_codes + k1 * kFp32Panel
+                                : p + 1 < panel_end ? panel_codes + K * kFp32Panel : nullptr;
+      const int64_t next_inputs = min64(K, (more ? k1 : 0) + inputs) - (more ? k1 : 0);
+      PanelPrefetch prefetch(next, next_inputs * kFp32Panel / kLineBytes,
+                             groups * passes * ((k1 - k0) / kUnroll));
+      for (int64_t pass = 0; pass < passes; ++pass) {
+        const float* columns = block.data() + pass * kPassCols;
+        const int64_t col0 = p * kFp32Panel + pass * kPassCols;
+        for (int64_t row0 = 0; row0 < whole; row0 += kRows) {
+          rows_times_pass<kRows>(a, row0, columns, col0, k0, k1, prefetch);
+        }
+        remainder_rows(a, whole, M - whole, columns, col0, k0, k1, prefetch);
+      }
+      prefetch.finish();
+    }
+  }
+}
+
+#endif  // PDSERVE_QUANTIZED_LINEAR_PANELS

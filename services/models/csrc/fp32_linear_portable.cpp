@@ -7,4 +7,5 @@
 #include "fp32_linear_isa.h"
 
 #define PDSERVE_FP32_LINEAR_PANELS fp32_linear_panels_portable
+#define PDSERVE_QUANTIZED_LINEAR_PANELS quantized_linear_panels_portable
 #include "fp32_linear_kernel.h"

@@ -105,6 +105,24 @@ inline Vec load(const float* p) {
   return v;
 }
 
+// int8 codes widened to fp32 (the quantized linear kernel's weights). GCC's generic conversion
+// of an int8 vector goes through scalar registers a lane at a time.
+inline Vec load(const int8_t* p) {
+#if defined(PDSERVE_AVX512)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<Vec>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+#elif defined(PDSERVE_AVX2)
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<Vec>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+#else
+  Vec v;
+  for (int64_t i = 0; i < kLanes; ++i) {
+    v[i] = static_cast<float>(p[i]);
+  }
+  return v;
+#endif
+}
+
 // bf16 is the top half of an fp32. GCC lowers the portable version to ~7 instructions on x86
 // where the intrinsics take 2.
 inline Vec load(const Bf16* p) {

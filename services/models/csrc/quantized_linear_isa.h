@@ -1,0 +1,36 @@
+// The interface between the quantized linear op (quantized_linear.cpp, built for the baseline
+// ISA) and its kernel variants, which fp32_linear_<isa>.cpp compile beside the fp32 kernel's
+// (fp32_linear_kernel.h): plain structs and function pointers, no vector types.
+#pragma once
+
+#include <cstdint>
+
+#include "fp32_linear_isa.h"
+
+namespace pdserve {
+
+// out = x @ weight^T + bias, x and out fp32, the weight as int8 codes in the fp32 kernel's panel
+// layout with a float32 scale (and offset) per `group` inputs of each output column:
+//   weight[64 p + c][k] = codes[p][k][c] * scales[p][k / group][c] (+ offsets[p][k / group][c])
+struct QuantizedLinearArgs {
+  Fp32LinearArgs base;   // x, bias, out, sizes; base.weight is unused (nullptr)
+  const int8_t* codes;   // [out_features / 64][in_features][64]
+  const float* scales;   // [out_features / 64][in_features / group][64]
+  const float* offsets;  // the same shape, or nullptr (a symmetric format: Q8_0, Q4_0, Q6_K)
+  int64_t group;         // inputs per scale: 16 or 32 (a divisor of 64: whole groups a block)
+};
+
+// The output columns [64 * panel_begin, 64 * panel_end) of every row, on the calling thread.
+using RunQuantizedPanels = void (*)(const QuantizedLinearArgs& args, int64_t panel_begin,
+                                    int64_t panel_end);
+
+void quantized_linear_panels_portable(const QuantizedLinearArgs& args, int64_t panel_begin,
+                                      int64_t panel_end);
+#if defined(__x86_64__)
+void quantized_linear_panels_avx2(const QuantizedLinearArgs& args, int64_t panel_begin,
+                                  int64_t panel_end);
+void quantized_linear_panels_avx512(const QuantizedLinearArgs& args, int64_t panel_begin,
+                                    int64_t panel_end);
+#endif
+
+}  // namespace pdserve

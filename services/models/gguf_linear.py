@@ -1,0 +1,199 @@
+"""Decoder projections that keep a GGUF file's quantized weights as int8 codes on a CPU.
+
+Why: dequantized to fp32 (what ``--dtype auto`` computes a quantized file in on a CPU, exact), a
+Q4 file's weights take 7x their size on disk, and every decode step streams all of them from
+memory. Kept as one int8 code a weight with a float32 scale (and offset) per 32 inputs
+(``gguf_blocks``), a projection takes about a third of that, and the decode step streams a third
+of the bytes. ``csrc/quantized_linear.cpp`` runs the fp32 few-row kernel's register tiles
+(``csrc/fp32_linear_kernel.h``) over each 256-input block of a 64-column panel, dequantized into
+a per-thread scratch panel just before every row is multiplied by it: the arithmetic is the
+fp32 kernel's on the very floats of the dequantized weight, so a projection gives the fp32
+kernel's result on the dequantized checkpoint bit for bit, at any row count (prefill chunks
+too: the dequantization, once per block, is spread over all the rows).
+
+Life cycle: ``install_gguf_linears`` runs on the model built on the meta device, before its
+memory is allocated (so no fp32 copy of these weights is ever made), and returns the checkpoint
+names whose blocks the loader hands over as codes; the loader fills each module's rows from them
+(``fill``, a fused projection from several tensors) and calls ``pack`` once all are in, which
+lays codes, scales and offsets out in the kernel's panels. Nothing changes them afterwards.
+The embedding and the lm_head are dequantized (a token's row is gathered, not multiplied; the
+lm_head shares the embedding's matrix in most small models), as are the norms and any projection
+stored as F32, F16 or BF16, or whose sizes the kernel does not take (an output width that is
+not a multiple of 64).
+
+Where it runs: a CPU where the native kernels build (any variant: AVX-512, AVX2, portable); on
+by default there for a GGUF file, ``PDSERVE_GGUF_CODES=0`` dequantizes every weight at load as
+before (to compare, or where memory is no object). On a GPU the file is dequantized.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from services.models.gguf_blocks import CODE_TYPES, GgufBlocks, group_size, has_offsets
+from services.models.gguf_file import GgufFile
+from services.models.gguf_loader import hf_tensor_name
+from services.models.native_build import UnsupportedIsaError, native_kernel_error, resolve_isa
+
+SWITCH_ENV = "PDSERVE_GGUF_CODES"
+"""``0`` dequantizes every weight of a GGUF file at load."""
+
+PANEL = 64
+"""Output columns of one of the kernel's panels (``csrc/fp32_linear_isa.h``)."""
+
+
+def gguf_codes_unavailable_reason(device: torch.device) -> str | None:
+    """None where a GGUF file's projections can stay as codes on ``device``, else why not."""
+    if os.environ.get(SWITCH_ENV, "1") == "0":
+        return f"{SWITCH_ENV}=0"
+    if device.type != "cpu":
+        return f"no kernel for them on {device.type}"
+    error = native_kernel_error()
+    if error is not None:
+        return f"native CPU kernels are unavailable: {error}"
+    try:
+        resolve_isa()
+    except UnsupportedIsaError as exc:  # PDSERVE_NATIVE_ISA names one this CPU cannot run
+        return str(exc)
+    return None
+
+
+class GgufLinear(nn.Module):
+    """``y = x W^T (+ b)`` with ``W`` held as int8 codes and float32 scales (and offsets) per
+    ``group`` inputs; input ``[rows, in_features]`` of any float dtype, output the same dtype
+    (computed in fp32)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, *, bias: bool, group: int, offsets: bool
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.group = group
+        groups = in_features // group
+        # Parameters (not buffers) so that the model's memory is counted and moved with them;
+        # never trained. [out, in] while the loader fills them, [out / 64, in, 64] after ``pack``.
+        self.codes = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.int8), False)
+        self.scales = nn.Parameter(torch.empty(out_features, groups), False)
+        self.offsets = nn.Parameter(torch.empty(out_features, groups), False) if offsets else None
+        self.bias = nn.Parameter(torch.empty(out_features), False) if bias else None
+        self.isa = ""
+        """The kernel variant (``native_build.resolve_isa``), set by ``pack``."""
+
+    def fill(self, row: int, blocks: GgufBlocks) -> None:
+        """Write ``blocks``' rows from row ``row`` on (a fused projection takes several)."""
+        blocks = blocks.regrouped(self.group, self.offsets is not None)
+        count = blocks.codes.shape[0]
+        self.codes.data.narrow(0, row, count).copy_(blocks.codes)
+        self.scales.data.narrow(0, row, count).copy_(blocks.scales)
+        if self.offsets is not None and blocks.offsets is not None:
+            self.offsets.data.narrow(0, row, count).copy_(blocks.offsets)
+
+    def pack(self) -> None:
+        """Lays the filled rows out in the kernel's ``[out / 64, ..., 64]`` panels."""
+        self.isa = resolve_isa()
+        for param in (self.codes, self.scales, self.offsets):
+            if param is not None:
+                # [out, cols] → [out / 64, 64, cols] → [out / 64, cols, 64]
+                plain = param.data.view(self.out_features // PANEL, PANEL, -1)
+                param.data = plain.transpose(1, 2).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [rows, in_features] → [rows, out_features], x's dtype."""
+        out = torch.ops.pdserve.quantized_linear(
+            x.float().contiguous(),
+            self.codes,
+            self.scales,
+            self.offsets,
+            self.group,
+            self.bias,
+            self.isa,
+        )
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 ``[out, in]``: the weight the codes stand for (after ``pack``)."""
+        panels = self.out_features // PANEL
+        scales = self.scales.data.repeat_interleave(self.group, dim=1)  # [panels, in, 64]
+        weight = self.codes.data.float() * scales
+        if self.offsets is not None:
+            weight = weight + self.offsets.data.repeat_interleave(self.group, dim=1)
+        return weight.transpose(1, 2).reshape(panels * PANEL, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in (self.codes, self.scales, self.offsets) if p is not None)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int8 codes, "
+            f"group={self.group}, offsets={self.offsets is not None}"
+        )
+
+
+_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+"""Our fused projections of a decoder layer → the checkpoint's modules each holds (a Phi-3 file
+holds ``qkv_proj`` and ``gate_up_proj`` whole)."""
+
+
+@dataclass(frozen=True)
+class GgufCodes:
+    """What ``install_gguf_linears`` did: the checkpoint weights the loader hands over as codes."""
+
+    weight_names: frozenset[str]
+    """Hugging Face names (``model.layers.0.self_attn.q_proj.weight``) of those tensors."""
+    modules: int
+    """Projections that hold codes."""
+
+
+def install_gguf_linears(model: nn.Module, gguf: GgufFile) -> GgufCodes:
+    """Replaces each decoder projection of ``model`` (a ``LlamaForCausalLM`` on the meta device)
+    whose every tensor in ``gguf`` is of a format of ``gguf_blocks.CODE_TYPES`` with a
+    ``GgufLinear``, grouped as finely as its finest part (Q6_K's 16 inputs) and with offsets
+    when any part has them."""
+    types = {
+        hf_tensor_name(t.name, gguf.architecture): GGMLQuantizationType(t.type_id)
+        for t in gguf.tensors
+        if t.name.startswith("blk.") and t.name.endswith(".weight")
+    }
+    names: set[str] = set()
+    count = 0
+    for index, layer in enumerate(model.model.layers):  # type: ignore[union-attr]
+        for ours, theirs in _PROJECTIONS.items():
+            parent_name, attr = ours.split(".")
+            parent = getattr(layer, parent_name)
+            linear = getattr(parent, attr)
+            if type(linear) is not nn.Linear:  # a mixture of experts' MLP
+                continue
+            prefix = f"model.layers.{index}"
+            fused = f"{prefix}.{ours}.weight"
+            parts = [fused] if fused in types else [f"{prefix}.{m}.weight" for m in theirs]
+            if not all(types.get(part) in CODE_TYPES for part in parts):
+                continue
+            group = min(group_size(types[part]) for part in parts)
+            if linear.out_features % PANEL or linear.in_features % group:
+                continue
+            with torch.device("meta"):
+                module = GgufLinear(
+                    linear.in_features,
+                    linear.out_features,
+                    bias=linear.bias is not None,
+                    group=group,
+                    offsets=any(has_offsets(types[part]) for part in parts),
+                )
+            if module.bias is not None:
+                module.bias.data = module.bias.data.float()
+            setattr(parent, attr, module)
+            names.update(parts)
+            count += 1
+    return GgufCodes(frozenset(names), count)

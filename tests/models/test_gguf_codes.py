@@ -1,0 +1,252 @@
+"""A GGUF file's quantized projections stay int8 codes on a CPU (``gguf_blocks``,
+``gguf_linear``, ``csrc/quantized_linear.cpp``): the codes give back the gguf package's
+dequantized floats bit for bit in every format kept, the kernel computes on them what the fp32
+few-row kernel computes on the dequantized weight (bit for bit, every variant this CPU runs),
+fused projections of mixed formats hold each part, and an engine on a quantized file generates
+what it generates with every weight dequantized, in a fraction of the memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+from safetensors.torch import load_file
+
+from services.engine import LLM, SamplingParams
+from services.models import gguf_linear
+from services.models.fp32_linear import Fp32FewRowWeight, fp32_linear_unavailable_reason
+from services.models.gguf_blocks import CODE_TYPES, GgufBlocks, decode_blocks, group_size
+from services.models.gguf_linear import SWITCH_ENV, GgufLinear, gguf_codes_unavailable_reason
+from services.models.loader import _fill_codes
+from services.models.model_file_error import ModelFileError
+from services.models.native_build import ISA_ENV, supported_isas
+from support.gguf_files import gguf_source, round_trip_dir
+
+PROMPTS = [[0, 17, 230, 4000, 9, 88, 1024], [0, 5], [3000, 2999, 12, 12, 12, 7, 1, 64, 900, 33, 2]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+_AFFINE = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K)
+
+
+@pytest.fixture(autouse=True)
+def kernels() -> None:
+    reason = gguf_codes_unavailable_reason(torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(f"GGUF weights are dequantized here: {reason}")
+
+
+def random_raw(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> np.ndarray:
+    """``[rows, row bytes]`` of random blocks of ``qtype``: every byte random but the fp16
+    scales (d, and dmin or m), which are kept finite and small as a real file's are."""
+    rng = np.random.default_rng(seed)
+    block_size, block_bytes = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block_size * block_bytes), dtype=np.uint8)
+    blocks = raw.reshape(-1, block_bytes)
+
+    def halves() -> np.ndarray:
+        return rng.uniform(-0.05, 0.05, (blocks.shape[0], 1)).astype(np.float16).view(np.uint8)
+
+    if qtype == GGMLQuantizationType.Q6_K:
+        blocks[:, -2:] = halves()  # d comes last
+    else:
+        blocks[:, 0:2] = halves()
+        if qtype in _AFFINE:
+            blocks[:, 2:4] = halves()
+    return raw
+
+
+def blocks_of(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> GgufBlocks:
+    return decode_blocks(random_raw(qtype, rows, cols, seed), qtype, cols)
+
+
+@pytest.mark.parametrize("qtype", sorted(CODE_TYPES, key=lambda t: t.name))
+def test_codes_give_back_the_gguf_packages_floats_bit_for_bit(
+    qtype: GGMLQuantizationType,
+) -> None:
+    rows, cols = 6, 3 * GGML_QUANT_SIZES[qtype][0]
+    raw = random_raw(qtype, rows, cols, seed=1)
+    blocks = decode_blocks(raw, qtype, cols)
+    assert blocks.codes.dtype == torch.int8 and blocks.group == group_size(qtype)
+    assert (blocks.offsets is not None) == (qtype in _AFFINE)
+    expected = quants.dequantize(raw, qtype).reshape(rows, cols)
+    assert np.array_equal(blocks.dequantize().numpy().view(np.int32), expected.view(np.int32))
+    # Regrouped (a fused projection's finest group, offsets where a part has them): the same
+    # values (a zero offset turns a -0.0 into +0.0).
+    assert torch.equal(blocks.regrouped(16, with_offsets=True).dequantize(), blocks.dequantize())
+
+
+def module_of(parts: list[GgufBlocks], bias: torch.Tensor | None = None) -> GgufLinear:
+    """A ``GgufLinear`` holding ``parts`` one after another, grouped and offset as the
+    installer does it for a fused projection."""
+    out_features = sum(part.shape[0] for part in parts)
+    module = GgufLinear(
+        parts[0].shape[1],
+        out_features,
+        bias=bias is not None,
+        group=min(part.group for part in parts),
+        offsets=any(part.offsets is not None for part in parts),
+    )
+    row = 0
+    for part in parts:
+        module.fill(row, part)
+        row += part.shape[0]
+    if bias is not None:
+        assert module.bias is not None
+        module.bias.data.copy_(bias)
+    module.pack()
+    return module
+
+
+@pytest.mark.parametrize("isa", supported_isas())
+@pytest.mark.parametrize("num_rows", [1, 5, 6, 16, 17, 64, 130])
+def test_the_kernel_computes_the_fp32_kernels_sums_on_the_dequantized_weight(
+    isa: str, num_rows: int
+) -> None:
+    # A Q4_K_M file's fused QKV: Q and K in Q4_K (offsets, 32 a group), V in Q6_K (16 a group).
+    parts = [
+        blocks_of(GGMLQuantizationType.Q4_K, 128, 512, seed=2),
+        blocks_of(GGMLQuantizationType.Q4_K, 64, 512, seed=3),
+        blocks_of(GGMLQuantizationType.Q6_K, 64, 512, seed=4),
+    ]
+    bias = torch.randn(256, generator=torch.Generator().manual_seed(5))
+    module = module_of(parts, bias)
+    module.isa = isa
+    weight = torch.cat([part.dequantize() for part in parts])
+    assert torch.equal(module.dequantized(), weight)
+    x = torch.randn(num_rows, 512, generator=torch.Generator().manual_seed(6))
+    out = module(x)
+    expected = F.linear(x.double(), weight.double(), bias.double())
+    # fp32 sums of 512 products: within a few float32 epsilons of the sum of their magnitudes.
+    magnitude = x.abs().double() @ weight.abs().double().T + bias.abs().double()
+    assert ((out.double() - expected).abs() <= 1e-6 * magnitude).all()
+    if fp32_linear_unavailable_reason() is None:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+        few_rows = Fp32FewRowWeight.of(weight, packed)
+        if few_rows is not None:  # oneDNN packed it in the kernel's panels on this CPU
+            few_rows = Fp32FewRowWeight(
+                packed, few_rows.address, 512, 256, isa if isa != "portable" else "avx2"
+            )
+            if isa != "portable":  # the portable variant sums in 4 lanes, not 8 or 16
+                assert torch.equal(out, few_rows.linear(x, bias))
+
+
+def test_bf16_rows_come_back_bf16() -> None:
+    module = module_of([blocks_of(GGMLQuantizationType.Q8_0, 64, 64, seed=7)])
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(8))
+    out = module(x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, module(x.bfloat16().float()).bfloat16())
+
+
+def test_bad_arguments_are_errors_that_name_them() -> None:
+    module = module_of([blocks_of(GGMLQuantizationType.Q4_1, 64, 64, seed=9)])
+    op = torch.ops.pdserve.quantized_linear
+    x = torch.randn(2, 64)
+    codes, scales, offsets = module.codes, module.scales, module.offsets
+    with pytest.raises(RuntimeError, match="x must be \\[num_rows, 64\\]"):
+        op(torch.randn(2, 32), codes, scales, offsets, 32, None, module.isa)
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        op(x.double(), codes, scales, offsets, 32, None, module.isa)
+    with pytest.raises(RuntimeError, match="group must divide 64"):
+        op(x, codes, scales, offsets, 48, None, module.isa)
+    with pytest.raises(RuntimeError, match="scales must be \\[1, 4, 64\\]"):
+        op(x, codes, scales, offsets, 16, None, module.isa)
+    with pytest.raises(RuntimeError, match="offsets must be float32"):
+        op(x, codes, scales, offsets.double(), 32, None, module.isa)  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="codes must be int8"):
+        op(x, codes.float(), scales, offsets, 32, None, module.isa)
+    with pytest.raises(RuntimeError, match="bias must be \\[64\\]"):
+        op(x, codes, scales, offsets, 32, torch.zeros(3), module.isa)
+    with pytest.raises(RuntimeError, match="sse9"):
+        op(x, codes, scales, offsets, 32, None, "sse9")
+    assert op(x[:0], codes, scales, offsets, 32, None, module.isa).shape == (0, 64)
+
+
+def test_the_switch_and_a_gpu_dequantize(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert gguf_codes_unavailable_reason(torch.device("cuda")) == "no kernel for them on cuda"
+    monkeypatch.setenv(SWITCH_ENV, "0")
+    assert gguf_codes_unavailable_reason(torch.device("cpu")) == f"{SWITCH_ENV}=0"
+    monkeypatch.setenv(SWITCH_ENV, "1")
+    monkeypatch.setenv(ISA_ENV, "sse9")
+    assert "sse9" in str(gguf_codes_unavailable_reason(torch.device("cpu")))  # said, not raised
+    monkeypatch.delenv(ISA_ENV)
+    monkeypatch.setattr(gguf_linear, "native_kernel_error", lambda: "no compiler")
+    assert gguf_codes_unavailable_reason(torch.device("cpu")) == (
+        "native CPU kernels are unavailable: no compiler"
+    )
+
+
+def gguf_llm(path: Path) -> LLM:
+    return LLM(path, dtype="float32", max_model_len=64, kv_cache_memory=1 << 20)
+
+
+def code_modules(llm: LLM) -> dict[str, GgufLinear]:
+    return {
+        name: module
+        for name, module in llm.engine.runner.model.named_modules()
+        if isinstance(module, GgufLinear)
+    }
+
+
+@pytest.mark.parametrize(
+    ("arch", "qtype"),
+    [("llama", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q4_0"), ("phi3", "Q8_0"), ("gemma3", "Q4_0")],
+)
+def test_an_engine_on_codes_generates_what_it_does_dequantized(
+    arch: str, qtype: str, tiny_gguf_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tiny_gguf_factory(arch, qtype)
+    llm = gguf_llm(path)
+    modules = code_modules(llm)
+    layers = llm.engine.runner.model_config.num_layers
+    assert len(modules) == 4 * layers  # qkv, o, gate_up, down of every layer
+    got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    code_bytes = sum(m.nbytes for m in modules.values())
+    del llm
+    monkeypatch.setenv(SWITCH_ENV, "0")
+    plain = gguf_llm(path)
+    assert not code_modules(plain)
+    assert [o.token_ids for o in plain.generate(PROMPTS, GREEDY)] == got
+    # fp32 weights: 4 bytes each; codes 1, plus 4 (or 8) bytes of scales a group of 32.
+    weights = sum(m.in_features * m.out_features for m in modules.values())
+    per_weight = 1 + (8 if qtype == "Q4_1" else 4) / 32
+    assert code_bytes == pytest.approx(weights * per_weight)
+
+
+def test_codes_hold_the_checkpoints_rows_unpermuted_and_fused(
+    tiny_gguf_factory, tmp_path: Path
+) -> None:
+    """Each projection's dequantized codes are the original checkpoint's weights after the same
+    quantization round trip: llama.cpp's Q/K row permutation undone, Q, K and V (gate and up)
+    each in its own rows."""
+    path = tiny_gguf_factory("llama", "Q4_0")
+    reference = load_file(
+        round_trip_dir(gguf_source(path), "Q4_0", tmp_path / "ref") / "model.safetensors"
+    )
+    modules = code_modules(gguf_llm(path))
+    for layer in range(2):
+        prefix = f"model.layers.{layer}"
+        expected = {
+            "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "self_attn.o_proj": ("self_attn.o_proj",),
+            "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+            "mlp.down_proj": ("mlp.down_proj",),
+        }
+        for ours, theirs in expected.items():
+            weight = torch.cat([reference[f"{prefix}.{name}.weight"] for name in theirs])
+            assert torch.equal(modules[f"{prefix}.{ours}"].dequantized(), weight), ours
+
+
+def test_unquantized_projections_stay_dense(tiny_gguf_factory) -> None:
+    """An F16 file holds no codes: every weight is dequantized (converted) as before."""
+    assert not code_modules(gguf_llm(tiny_gguf_factory("llama", "F16")))
+
+
+def test_a_misshapen_quantized_weight_is_named(tmp_path: Path) -> None:
+    module = GgufLinear(64, 128, bias=False, group=32, offsets=False)
+    blocks = blocks_of(GGMLQuantizationType.Q8_0, 64, 32, seed=10)  # 32 inputs, not 64
+    with pytest.raises(ModelFileError, match=r"'model.x.weight' has shape \(64, 32\), expected"):
+        _fill_codes(module, 64, blocks, "model.x.weight", tmp_path)
