@@ -16,10 +16,10 @@ memory is allocated (so no fp32 copy of these weights is ever made), and returns
 names whose blocks the loader hands over as codes; the loader fills each module's rows from them
 (``fill``, a fused projection from several tensors) and calls ``pack`` once all are in, which
 lays codes, scales and offsets out in the kernel's panels. Nothing changes them afterwards.
-The embedding and the lm_head are dequantized (a token's row is gathered, not multiplied; the
-lm_head shares the embedding's matrix in most small models), as are the norms and any projection
-stored as F32, F16 or BF16, or whose sizes the kernel does not take (an output width that is
-not a multiple of 64).
+The lm_head is a ``GgufLinear`` too, and the token embedding looks its rows up in the codes
+(``GgufEmbedding``; one table where the two are tied, as in most small models). The norms are
+dequantized, as is any projection stored as F32, F16 or BF16 or whose sizes the kernel does not
+take (an output width that is not a multiple of 64: a vocabulary of 32,001).
 
 Where it runs: a CPU where the native kernels build (any variant: AVX-512, AVX2, portable); on
 by default there for a GGUF file, ``PDSERVE_GGUF_CODES=0`` dequantizes every weight at load as
@@ -36,7 +36,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from services.models.gguf_blocks import CODE_TYPES, GgufBlocks, group_size, has_offsets
-from services.models.gguf_file import GgufFile
+from services.models.gguf_file import ROPE_FREQS, GgufFile
 from services.models.gguf_loader import hf_tensor_name
 from services.models.native_build import UnsupportedIsaError, native_kernel_error, resolve_isa
 
@@ -146,28 +146,81 @@ _PROJECTIONS = {
 holds ``qkv_proj`` and ``gate_up_proj`` whole)."""
 
 
+class GgufEmbedding(nn.Module):
+    """A token embedding whose table is a ``GgufLinear``'s codes (``[vocab, hidden]``, the
+    lm_head's own where the two are tied): each token's row dequantized when it is looked up."""
+
+    def __init__(self, table: GgufLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = table
+        self.dtype = dtype
+        """The model's compute dtype, which the rows come in."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: [num_tokens] → [num_tokens, hidden], each row the floats the dequantized table
+        holds (multiplied and added apart, as ``GgufBlocks.dequantize`` does)."""
+        table = self.table
+        # Row 64 p + c of the table is column c of panel p: [panels, in, 64] → [tokens, in].
+        panel, column = ids // PANEL, ids % PANEL
+        rows = table.codes[panel, :, column].float()
+        rows = rows * table.scales[panel, :, column].repeat_interleave(table.group, dim=1)
+        if table.offsets is not None:
+            rows = rows + table.offsets[panel, :, column].repeat_interleave(table.group, dim=1)
+        return rows.to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"num_embeddings={self.table.out_features}, embedding_dim={self.table.in_features}"
+
+
 @dataclass(frozen=True)
 class GgufCodes:
-    """What ``install_gguf_linears`` did: the checkpoint weights the loader hands over as codes."""
+    """What ``install_gguf_linears`` did: the modules that hold codes, by the name of the
+    parameter they replace (``model.layers.0.self_attn.qkv_proj.weight``, ``lm_head.weight``;
+    ``model.embed_tokens.weight`` for an embedding's table, which may be the lm_head's module),
+    and the checkpoint tensors the loader is to hand over as codes."""
 
+    modules: dict[str, GgufLinear]
     weight_names: frozenset[str]
     """Hugging Face names (``model.layers.0.self_attn.q_proj.weight``) of those tensors."""
-    modules: int
-    """Projections that hold codes."""
+
+
+def _codes_module(
+    types: dict[str, GGMLQuantizationType], parts: list[str], linear: nn.Linear
+) -> GgufLinear | None:
+    """A ``GgufLinear`` on the meta device in place of ``linear``, holding the checkpoint's
+    ``parts`` one after another, grouped as finely as its finest part (Q6_K's 16 inputs) and
+    with offsets when any part has them; None where a part is not of a format kept as codes or
+    the kernel does not take the sizes."""
+    if not all(types.get(part) in CODE_TYPES for part in parts):
+        return None
+    group = min(group_size(types[part]) for part in parts)
+    if linear.out_features % PANEL or linear.in_features % group:
+        return None
+    with torch.device("meta"):
+        module = GgufLinear(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            group=group,
+            offsets=any(has_offsets(types[part]) for part in parts),
+        )
+    if module.bias is not None:
+        module.bias.data = module.bias.data.float()
+    return module
 
 
 def install_gguf_linears(model: nn.Module, gguf: GgufFile) -> GgufCodes:
     """Replaces each decoder projection of ``model`` (a ``LlamaForCausalLM`` on the meta device)
     whose every tensor in ``gguf`` is of a format of ``gguf_blocks.CODE_TYPES`` with a
-    ``GgufLinear``, grouped as finely as its finest part (Q6_K's 16 inputs) and with offsets
-    when any part has them."""
+    ``GgufLinear``, and likewise the lm_head and the token embedding (a ``GgufEmbedding``; one
+    table for both where they are tied)."""
     types = {
         hf_tensor_name(t.name, gguf.architecture): GGMLQuantizationType(t.type_id)
         for t in gguf.tensors
-        if t.name.startswith("blk.") and t.name.endswith(".weight")
+        if t.name.endswith(".weight") and t.name != ROPE_FREQS
     }
+    modules: dict[str, GgufLinear] = {}
     names: set[str] = set()
-    count = 0
     for index, layer in enumerate(model.model.layers):  # type: ignore[union-attr]
         for ours, theirs in _PROJECTIONS.items():
             parent_name, attr = ours.split(".")
@@ -178,22 +231,25 @@ def install_gguf_linears(model: nn.Module, gguf: GgufFile) -> GgufCodes:
             prefix = f"model.layers.{index}"
             fused = f"{prefix}.{ours}.weight"
             parts = [fused] if fused in types else [f"{prefix}.{m}.weight" for m in theirs]
-            if not all(types.get(part) in CODE_TYPES for part in parts):
-                continue
-            group = min(group_size(types[part]) for part in parts)
-            if linear.out_features % PANEL or linear.in_features % group:
-                continue
-            with torch.device("meta"):
-                module = GgufLinear(
-                    linear.in_features,
-                    linear.out_features,
-                    bias=linear.bias is not None,
-                    group=group,
-                    offsets=any(has_offsets(types[part]) for part in parts),
-                )
-            if module.bias is not None:
-                module.bias.data = module.bias.data.float()
-            setattr(parent, attr, module)
-            names.update(parts)
-            count += 1
-    return GgufCodes(frozenset(names), count)
+            module = _codes_module(types, parts, linear)
+            if module is not None:
+                setattr(parent, attr, module)
+                modules[fused] = module
+                names.update(parts)
+    # The embedding's table and the lm_head: the same [vocab, hidden] matrix where tied.
+    embedding: nn.Embedding = model.model.embed_tokens  # type: ignore[union-attr,assignment]
+    tied = model.lm_head.weight is embedding.weight  # type: ignore[union-attr]
+    head = _codes_module(types, ["model.embed_tokens.weight"], model.lm_head)  # type: ignore[arg-type]
+    if head is not None:
+        model.model.embed_tokens = GgufEmbedding(head, embedding.weight.dtype)  # type: ignore[union-attr]
+        modules["model.embed_tokens.weight"] = head
+        names.add("model.embed_tokens.weight")
+        if tied:
+            model.lm_head = head
+    if not tied:
+        head = _codes_module(types, ["lm_head.weight"], model.lm_head)  # type: ignore[arg-type]
+        if head is not None:
+            model.lm_head = head
+            modules["lm_head.weight"] = head
+            names.add("lm_head.weight")
+    return GgufCodes(modules, frozenset(names))

@@ -340,7 +340,8 @@ class LlamaForCausalLM(nn.Module):
         before the final norm (the caller keeps only the rows it samples from)."""
         multiplier = self.config.embedding_multiplier
         if self.config.embedding_multiplier_in_dtype:
-            multiplier = float(torch.tensor(multiplier, dtype=self.model.embed_tokens.weight.dtype))
+            # The compute dtype (the embedding's, unless it holds a GGUF file's codes).
+            multiplier = float(torch.tensor(multiplier, dtype=self.model.norm.weight.dtype))
         hidden = _scaled(self.model.embed_tokens(input_ids), multiplier)
         rope = self.model.rotary.tables(positions, hidden.dtype)
         local = self.model.local_rotary

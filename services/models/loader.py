@@ -95,15 +95,17 @@ def load_model(
         logger.info("%d decoder projections hold fp8 weights", count)
     gguf = open_gguf(gguf_path) if gguf_path is not None else None
     code_names: frozenset[str] = frozenset()
+    gguf_modules: dict[str, GgufLinear] = {}
+    """Our parameter names whose modules hold codes (gguf_linear.GgufCodes.modules)."""
     if gguf is not None and gguf.is_quantized:
         unavailable = gguf_codes_unavailable_reason(device)
         if unavailable is None:
             installed = install_gguf_linears(model, gguf)
-            code_names = installed.weight_names
+            code_names, gguf_modules = installed.weight_names, installed.modules
             logger.info(
-                "%s: %d decoder projections keep their quantized blocks as int8 codes",
+                "%s: %d weights keep their quantized blocks as int8 codes",
                 gguf_path,
-                installed.modules,
+                len(gguf_modules),
             )
         else:
             logger.info("%s: every weight dequantized to %s (%s)", gguf_path, dtype, unavailable)
@@ -111,7 +113,7 @@ def load_model(
     if device.type == "cpu":
         for param in model.parameters():
             advise_huge_pages(param.data_ptr(), param.nbytes)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and not isinstance(model.lm_head, GgufLinear):
         model.lm_head.weight = model.model.embed_tokens.weight  # to_empty unties them
     model.model.rotary.to_device(device)
     if model.model.local_rotary is not None:
@@ -122,11 +124,6 @@ def load_model(
         f"{name}.weight": module
         for name, module in model.named_modules()
         if isinstance(module, Fp8Linear)
-    }
-    gguf_modules = {
-        f"{name}.weight": module
-        for name, module in model.named_modules()
-        if isinstance(module, GgufLinear)
     }
     targets = _checkpoint_targets(config)
     filled: set[str] = set()
@@ -205,7 +202,7 @@ def load_model(
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         )
         raise ModelFileError(model_dir, f"the checkpoint is missing weight(s): {shown}")
-    for module in gguf_modules.values():
+    for module in set(gguf_modules.values()):  # a tied table is the lm_head's
         module.pack()
     if config.norm_weight_offset:
         # Gemma's RMSNorm scales by 1 + weight: the offset goes into the weights once.

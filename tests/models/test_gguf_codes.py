@@ -20,7 +20,12 @@ from services.engine import LLM, SamplingParams
 from services.models import gguf_linear
 from services.models.fp32_linear import Fp32FewRowWeight, fp32_linear_unavailable_reason
 from services.models.gguf_blocks import CODE_TYPES, GgufBlocks, decode_blocks, group_size
-from services.models.gguf_linear import SWITCH_ENV, GgufLinear, gguf_codes_unavailable_reason
+from services.models.gguf_linear import (
+    SWITCH_ENV,
+    GgufEmbedding,
+    GgufLinear,
+    gguf_codes_unavailable_reason,
+)
 from services.models.loader import _fill_codes
 from services.models.model_file_error import ModelFileError
 from services.models.native_build import ISA_ENV, supported_isas
@@ -202,7 +207,14 @@ def test_an_engine_on_codes_generates_what_it_does_dequantized(
     llm = gguf_llm(path)
     modules = code_modules(llm)
     layers = llm.engine.runner.model_config.num_layers
-    assert len(modules) == 4 * layers  # qkv, o, gate_up, down of every layer
+    # qkv, o, gate_up, down of every layer; the embedding's table and the lm_head (tied: one).
+    assert sum(".layers." in name for name in modules) == 4 * layers
+    model = llm.engine.runner.model
+    assert isinstance(model.model.embed_tokens, GgufEmbedding)
+    assert isinstance(model.lm_head, GgufLinear)
+    tied = llm.engine.runner.model_config.tie_word_embeddings
+    assert (model.lm_head is model.model.embed_tokens.table) == tied
+    assert len(modules) == 4 * layers + (1 if tied else 2)
     got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
     code_bytes = sum(m.nbytes for m in modules.values())
     del llm
@@ -226,7 +238,13 @@ def test_codes_hold_the_checkpoints_rows_unpermuted_and_fused(
     reference = load_file(
         round_trip_dir(gguf_source(path), "Q4_0", tmp_path / "ref") / "model.safetensors"
     )
-    modules = code_modules(gguf_llm(path))
+    llm = gguf_llm(path)
+    modules = code_modules(llm)
+    embedding = llm.engine.runner.model.model.embed_tokens
+    table = reference["model.embed_tokens.weight"]
+    assert torch.equal(embedding(torch.arange(table.shape[0])), table)
+    assert torch.equal(embedding(torch.tensor([5, 0, 5])), table[[5, 0, 5]])
+    assert torch.equal(modules["lm_head"].dequantized(), reference["lm_head.weight"])
     for layer in range(2):
         prefix = f"model.layers.{layer}"
         expected = {
