@@ -106,7 +106,7 @@ def module_of(parts: list[GgufBlocks], bias: torch.Tensor | None = None) -> Gguf
 
 
 @pytest.mark.parametrize("isa", supported_isas())
-@pytest.mark.parametrize("num_rows", [1, 5, 6, 16, 17, 64, 130])
+@pytest.mark.parametrize("num_rows", [1, 5, 6, 16, 17, 64, 130, 400])  # 400: 3 row chunks
 def test_the_kernel_computes_the_fp32_kernels_sums_on_the_dequantized_weight(
     isa: str, num_rows: int
 ) -> None:

@@ -194,6 +194,10 @@ namespace {
 constexpr int64_t kFewRowsBlock = 64;
 constexpr int64_t kManyRowsBlock = 128;
 constexpr int64_t kFewRows = 16;
+// Rows a pass over the thread's panels takes: with all of a 1,024-row chunk at once the
+// kernel ran 0.81x oneDNN's fp32 rate on the dequantized weights, with 96-384 rows 0.90-0.91x
+// (x's rows of a block stayed in the L2; docs/benchmarks.md, "GGUF weights as codes").
+constexpr int64_t kRowChunk = 192;
 
 // Inputs [k0, k1) of one quantized panel into `block` ([k1 - k0][kFp32Panel] fp32): each weight
 // is code * scale (+ offset) of its group, the scale multiplied and the offset added as two
@@ -234,19 +238,20 @@ void dequantize_block(const pdserve::QuantizedLinearArgs& q, int64_t panel, int6
 
 }  // namespace
 
-void pdserve::PDSERVE_QUANTIZED_LINEAR_PANELS(const QuantizedLinearArgs& q, int64_t panel_begin,
-                                              int64_t panel_end) {
-  const Fp32LinearArgs& a = q.base;
+namespace {
+
+// Rows of `a` (a slice of the op's: x, out and num_rows) times panels [panel_begin, panel_end).
+void quantized_rows(const pdserve::QuantizedLinearArgs& q, const pdserve::Fp32LinearArgs& a,
+                    int64_t panel_begin, int64_t panel_end, float* block) {
   const int64_t K = a.in_features, M = a.num_rows;
   const int64_t whole = M / kRows * kRows;
   const int64_t groups = M / kRows + (M % kRows ? 1 : 0);
   const int64_t passes = kFp32Panel / kPassCols;
   const int64_t inputs = M <= kFewRows ? kFewRowsBlock : kManyRowsBlock;
-  Buffer<float> block(kManyRowsBlock * kFp32Panel);
   for (int64_t p = panel_begin; p < panel_end; ++p) {
     for (int64_t k0 = 0; k0 < K; k0 += inputs) {
       const int64_t k1 = min64(K, k0 + inputs);
-      dequantize_block(q, p, k0, k1, block.data());
+      dequantize_block(q, p, k0, k1, block);
       // The codes of this thread's next block come in under this one's arithmetic (a quarter
       // of the fp32 kernel's stream; the scales are a sixteenth or less of it and are left to
       // the hardware's prefetcher).
@@ -258,7 +263,7 @@ void pdserve::PDSERVE_QUANTIZED_LINEAR_PANELS(const QuantizedLinearArgs& q, int6
       PanelPrefetch prefetch(next, next_inputs * kFp32Panel / kLineBytes,
                              groups * passes * ((k1 - k0) / kUnroll));
       for (int64_t pass = 0; pass < passes; ++pass) {
-        const float* columns = block.data() + pass * kPassCols;
+        const float* columns = block + pass * kPassCols;
         const int64_t col0 = p * kFp32Panel + pass * kPassCols;
         for (int64_t row0 = 0; row0 < whole; row0 += kRows) {
           rows_times_pass<kRows>(a, row0, columns, col0, k0, k1, prefetch);
@@ -267,6 +272,23 @@ void pdserve::PDSERVE_QUANTIZED_LINEAR_PANELS(const QuantizedLinearArgs& q, int6
       }
       prefetch.finish();
     }
+  }
+}
+
+}  // namespace
+
+void pdserve::PDSERVE_QUANTIZED_LINEAR_PANELS(const QuantizedLinearArgs& q, int64_t panel_begin,
+                                              int64_t panel_end) {
+  const Fp32LinearArgs& a = q.base;
+  Buffer<float> block(kManyRowsBlock * kFp32Panel);
+  // A prefill chunk's rows kRowChunk at a time: their x block stays in the L2 while every
+  // panel of the thread passes over it.
+  for (int64_t r0 = 0; r0 < a.num_rows; r0 += kRowChunk) {
+    Fp32LinearArgs rows = a;
+    rows.x = a.x + r0 * a.in_features;
+    rows.out = a.out + r0 * a.out_features;
+    rows.num_rows = min64(kRowChunk, a.num_rows - r0);
+    quantized_rows(q, rows, panel_begin, panel_end, block.data());
   }
 }
 
