@@ -1,6 +1,6 @@
 """Offline throughput: pdserve's engine against transformers ``generate()`` with static batches.
 
-    python benchmarks/offline_throughput.py [--model DIR] [--num-prompts 64] [--input-len 256]
+    python benchmarks/offline_throughput.py [--model DIR|GGUF] [--num-prompts 64] [--input-len 256]
         [--output-len 64] [--dtype bfloat16|float32|auto] [--hf-dtype same|default|...]
         [--hf-batch-size 16] [--device cpu] [--quantization fp8] [--json OUT.json]
 
@@ -28,6 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from services.engine import LLM, SamplingParams  # noqa: E402
 from services.host_memory import restart_with_huge_page_heap  # noqa: E402
+from services.models.config import ModelConfig  # noqa: E402
+from services.models.gguf_file import find_gguf  # noqa: E402
 from services.models.tiny import build_tiny_model  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "small-llama"
@@ -151,12 +153,18 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    if not (args.model / "config.json").is_file():
-        if args.model != DEFAULT_MODEL:
-            parser.error(f"{args.model} is not a model directory")
-        print(f"building the small benchmark model into {args.model} ...", flush=True)
-        build_tiny_model(args.model, arch="llama", size="small")
-    vocab_size = json.loads((args.model / "config.json").read_text())["vocab_size"]
+    gguf = find_gguf(args.model) if args.model.exists() else None
+    if gguf is not None:  # pdserve alone: transformers' side loads config.json checkpoints
+        if not args.skip_hf:
+            parser.error(f"{args.model} is a GGUF file: pass --skip-hf")
+        vocab_size = ModelConfig.from_model_path(gguf).vocab_size
+    else:
+        if not (args.model / "config.json").is_file():
+            if args.model != DEFAULT_MODEL:
+                parser.error(f"{args.model} is not a model directory")
+            print(f"building the small benchmark model into {args.model} ...", flush=True)
+            build_tiny_model(args.model, arch="llama", size="small")
+        vocab_size = json.loads((args.model / "config.json").read_text())["vocab_size"]
     prompts = random_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
 
     results = {"config": {k: str(v) for k, v in vars(args).items()}}

@@ -29,6 +29,7 @@ before (to compare, or where memory is no object). On a GPU the file is dequanti
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,29 @@ SWITCH_ENV = "PDSERVE_GGUF_CODES"
 
 PANEL = 64
 """Output columns of one of the kernel's panels (``csrc/fp32_linear_isa.h``)."""
+
+
+GEMM_ROWS = 1024
+"""Batches of this many rows or more (prefill chunks) multiply the weight dequantized into a
+scratch buffer with torch's GEMM, which ran 1.2-1.3x the kernel's tiles at 2,048 rows of SmolLM2's
+projections; the dequantization, a write of the fp32 weight, costs a few percent of such a GEMM
+(docs/benchmarks.md, "GGUF weights as codes")."""
+
+SCRATCH_FLOATS = 16 << 20
+"""The scratch's size at most (64 MiB of fp32, per thread that runs such batches): a larger
+weight is dequantized and multiplied a slice of panels at a time."""
+
+_THREAD = threading.local()
+
+
+def _scratch(floats: int) -> torch.Tensor:
+    """This thread's fp32 scratch, at least ``floats`` long: kept between calls, so that a
+    prefill step does not fault in a fresh weight-sized buffer for every projection."""
+    buffer: torch.Tensor | None = getattr(_THREAD, "scratch", None)
+    if buffer is None or buffer.numel() < floats:
+        buffer = torch.empty(floats)
+        _THREAD.scratch = buffer
+    return buffer[:floats]
 
 
 def gguf_codes_unavailable_reason(device: torch.device) -> str | None:
@@ -105,16 +129,39 @@ class GgufLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [rows, in_features] → [rows, out_features], x's dtype."""
-        out = torch.ops.pdserve.quantized_linear(
-            x.float().contiguous(),
-            self.codes,
-            self.scales,
-            self.offsets,
-            self.group,
-            self.bias,
-            self.isa,
-        )
+        rows = x.float().contiguous()
+        if rows.shape[0] >= GEMM_ROWS:
+            out = self._through_gemm(rows)
+        else:
+            out = torch.ops.pdserve.quantized_linear(
+                rows, self.codes, self.scales, self.offsets, self.group, self.bias, self.isa
+            )
         return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def _through_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [rows, in_features] fp32 → [rows, out_features]: the weight dequantized, a few
+        panels at a time, into this thread's scratch as its transpose, and multiplied by torch's
+        GEMM."""
+        panels = self.out_features // PANEL
+        per_chunk = max(1, SCRATCH_FLOATS // (self.in_features * PANEL))
+        out = x.new_empty(x.shape[0], self.out_features) if per_chunk < panels else None
+        for first in range(0, panels, per_chunk):
+            last = min(panels, first + per_chunk)
+            columns = slice(first * PANEL, last * PANEL)
+            weight_t = _scratch(self.in_features * (last - first) * PANEL)
+            weight_t = weight_t.view(self.in_features, (last - first) * PANEL)
+            torch.ops.pdserve.quantized_weight_t(
+                self.codes, self.scales, self.offsets, self.group, first, last, weight_t, self.isa
+            )
+            if self.bias is None:
+                part = torch.mm(x, weight_t)
+            else:
+                part = torch.addmm(self.bias[columns], x, weight_t)
+            if out is None:
+                return part
+            out[:, columns] = part
+        assert out is not None
+        return out
 
     def dequantized(self) -> torch.Tensor:
         """float32 ``[out, in]``: the weight the codes stand for (after ``pack``)."""

@@ -138,6 +138,42 @@ def test_the_kernel_computes_the_fp32_kernels_sums_on_the_dequantized_weight(
                 assert torch.equal(out, few_rows.linear(x, bias))
 
 
+@pytest.mark.parametrize("scratch_panels", [None, 2])
+def test_a_prefill_chunk_multiplies_the_dequantized_weight_with_torchs_gemm(
+    scratch_panels: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From ``GEMM_ROWS`` rows the weight is dequantized into the thread's scratch (a slice of
+    panels at a time where it would not fit) and multiplied by torch's GEMM."""
+    parts = [
+        blocks_of(GGMLQuantizationType.Q5_K, 192, 256, seed=11),
+        blocks_of(GGMLQuantizationType.Q8_0, 128, 256, seed=12),
+    ]
+    bias = torch.randn(320, generator=torch.Generator().manual_seed(13))
+    module = module_of(parts, bias)
+    if scratch_panels is not None:
+        monkeypatch.setattr(gguf_linear, "SCRATCH_FLOATS", scratch_panels * 256 * 64)
+    x = torch.randn(gguf_linear.GEMM_ROWS + 3, 256, generator=torch.Generator().manual_seed(14))
+    weight = torch.cat([part.dequantize() for part in parts])
+    expected = F.linear(x.double(), weight.double(), bias.double())
+    magnitude = x.abs().double() @ weight.abs().double().T + bias.abs().double()
+    assert ((module(x).double() - expected).abs() <= 1e-6 * magnitude).all()
+
+
+def test_the_weights_transpose_is_written_panel_by_panel() -> None:
+    module = module_of([blocks_of(GGMLQuantizationType.Q4_K, 256, 256, seed=15)])
+    op = torch.ops.pdserve.quantized_weight_t
+    args = (module.codes, module.scales, module.offsets, module.group)
+    out = torch.full((256, 128), float("nan"))
+    op(*args, 1, 3, out, module.isa)
+    assert torch.equal(out, module.dequantized()[64:192].T)
+    with pytest.raises(RuntimeError, match="panels must be a range within \\[0, 4\\)"):
+        op(*args, 3, 5, torch.empty(256, 128), module.isa)
+    with pytest.raises(RuntimeError, match="out must be \\[256, 128\\]"):
+        op(*args, 1, 3, torch.empty(256, 64), module.isa)
+    with pytest.raises(RuntimeError, match="out must be float32"):
+        op(*args, 1, 3, torch.empty(256, 128, dtype=torch.float64), module.isa)
+
+
 def test_bf16_rows_come_back_bf16() -> None:
     module = module_of([blocks_of(GGMLQuantizationType.Q8_0, 64, 64, seed=7)])
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(8))

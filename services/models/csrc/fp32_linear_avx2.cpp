@@ -16,5 +16,6 @@
 #define PDSERVE_AVX2 1
 #define PDSERVE_FP32_LINEAR_PANELS fp32_linear_panels_avx2
 #define PDSERVE_QUANTIZED_LINEAR_PANELS quantized_linear_panels_avx2
+#define PDSERVE_DEQUANTIZE_PANELS dequantize_panels_avx2
 #include "fp32_linear_kernel.h"
 #endif

@@ -194,17 +194,22 @@ namespace {
 constexpr int64_t kFewRowsBlock = 64;
 constexpr int64_t kManyRowsBlock = 128;
 constexpr int64_t kFewRows = 16;
-// Rows a pass over the thread's panels takes: with all of a 1,024-row chunk at once the
-// kernel ran 0.81x oneDNN's fp32 rate on the dequantized weights, with 96-384 rows 0.90-0.91x
-// (x's rows of a block stayed in the L2; docs/benchmarks.md, "GGUF weights as codes").
-constexpr int64_t kRowChunk = 192;
+// Above kManyRows rows (a prefill chunk) each panel is dequantized whole, once, and multiplied
+// by the rows kRowChunk at a time. Measured against oneDNN's fp32 kernel on the dequantized
+// weights (the small model's projections, streamed; docs/benchmarks.md, "GGUF weights as
+// codes"): with the few-row path's blocks for every row count, a 1,024-row chunk all at once
+// ran at 0.81x, 192 rows at a time 0.90-0.91x; a whole panel dequantized once with 48 rows at a
+// time 0.94-0.95x (24-36 the same within the noise, 96-192 0.89-0.90x). From 16 to 64 rows the
+// few-row path stayed 0.90-0.95x where the whole panel gave 0.86-0.87x.
+constexpr int64_t kRowChunk = 48;
+constexpr int64_t kManyRows = 64;
 
-// Inputs [k0, k1) of one quantized panel into `block` ([k1 - k0][kFp32Panel] fp32): each weight
-// is code * scale (+ offset) of its group, the scale multiplied and the offset added as two
-// roundings (not one fused multiply-add), which is how the gguf package and llama.cpp dequantize:
-// the block holds the very floats a dequantized checkpoint would.
+// Inputs [k0, k1) of one quantized panel into `block` (input k's 64 floats at (k - k0) * stride):
+// each weight is code * scale (+ offset) of its group, the scale multiplied and the offset added
+// as two roundings (not one fused multiply-add), which is how the gguf package and llama.cpp
+// dequantize: the block holds the very floats a dequantized checkpoint would.
 void dequantize_block(const pdserve::QuantizedLinearArgs& q, int64_t panel, int64_t k0,
-                      int64_t k1, float* block) {
+                      int64_t k1, float* block, int64_t stride = kFp32Panel) {
   constexpr int64_t kVecsPerInput = kFp32Panel / kLanes;
   const int64_t K = q.base.in_features, G = q.group, groups = K / G;
   const int8_t* codes = q.codes + panel * K * kFp32Panel;
@@ -230,7 +235,7 @@ void dequantize_block(const pdserve::QuantizedLinearArgs& q, int64_t panel, int6
 #endif
           w = w + offset[j];
         }
-        store(block + (k - k0) * kFp32Panel + j * kLanes, w);
+        store(block + (k - k0) * stride + j * kLanes, w);
       }
     }
   }
@@ -240,18 +245,34 @@ void dequantize_block(const pdserve::QuantizedLinearArgs& q, int64_t panel, int6
 
 namespace {
 
-// Rows of `a` (a slice of the op's: x, out and num_rows) times panels [panel_begin, panel_end).
-void quantized_rows(const pdserve::QuantizedLinearArgs& q, const pdserve::Fp32LinearArgs& a,
-                    int64_t panel_begin, int64_t panel_end, float* block) {
+// Every row of `a` times inputs [k0, k1) of panel p, dequantized in `block` (its input k0's row,
+// kFp32Panel floats an input).
+void multiply_block(const pdserve::Fp32LinearArgs& a, const float* block, int64_t p, int64_t k0,
+                    int64_t k1, PanelPrefetch& prefetch) {
+  const int64_t M = a.num_rows, whole = M / kRows * kRows;
+  for (int64_t pass = 0; pass < kFp32Panel / kPassCols; ++pass) {
+    const float* columns = block + pass * kPassCols;
+    const int64_t col0 = p * kFp32Panel + pass * kPassCols;
+    for (int64_t row0 = 0; row0 < whole; row0 += kRows) {
+      rows_times_pass<kRows>(a, row0, columns, col0, k0, k1, prefetch);
+    }
+    remainder_rows(a, whole, M - whole, columns, col0, k0, k1, prefetch);
+  }
+}
+
+// A decode step's rows: each block of each panel dequantized just before every row is
+// multiplied by it, the thread's next block's codes prefetched under the arithmetic.
+void few_rows(const pdserve::QuantizedLinearArgs& q, int64_t panel_begin, int64_t panel_end) {
+  const pdserve::Fp32LinearArgs& a = q.base;
   const int64_t K = a.in_features, M = a.num_rows;
-  const int64_t whole = M / kRows * kRows;
   const int64_t groups = M / kRows + (M % kRows ? 1 : 0);
   const int64_t passes = kFp32Panel / kPassCols;
   const int64_t inputs = M <= kFewRows ? kFewRowsBlock : kManyRowsBlock;
+  Buffer<float> block(kManyRowsBlock * kFp32Panel);
   for (int64_t p = panel_begin; p < panel_end; ++p) {
     for (int64_t k0 = 0; k0 < K; k0 += inputs) {
       const int64_t k1 = min64(K, k0 + inputs);
-      dequantize_block(q, p, k0, k1, block);
+      dequantize_block(q, p, k0, k1, block.data());
       // The codes of this thread's next block come in under this one's arithmetic (a quarter
       // of the fp32 kernel's stream; the scales are a sixteenth or less of it and are left to
       // the hardware's prefetcher).
@@ -262,15 +283,30 @@ void quantized_rows(const pdserve::QuantizedLinearArgs& q, const pdserve::Fp32Li
       const int64_t next_inputs = min64(K, (more ? k1 : 0) + inputs) - (more ? k1 : 0);
       PanelPrefetch prefetch(next, next_inputs * kFp32Panel / kLineBytes,
                              groups * passes * ((k1 - k0) / kUnroll));
-      for (int64_t pass = 0; pass < passes; ++pass) {
-        const float* columns = block + pass * kPassCols;
-        const int64_t col0 = p * kFp32Panel + pass * kPassCols;
-        for (int64_t row0 = 0; row0 < whole; row0 += kRows) {
-          rows_times_pass<kRows>(a, row0, columns, col0, k0, k1, prefetch);
-        }
-        remainder_rows(a, whole, M - whole, columns, col0, k0, k1, prefetch);
-      }
+      multiply_block(a, block.data(), p, k0, k1, prefetch);
       prefetch.finish();
+    }
+  }
+}
+
+// A prefill chunk's rows: each panel dequantized whole, once, then multiplied by the rows
+// kRowChunk at a time (their x block stays in the L2 while the panel passes over it).
+void many_rows(const pdserve::QuantizedLinearArgs& q, int64_t panel_begin, int64_t panel_end) {
+  const pdserve::Fp32LinearArgs& a = q.base;
+  const int64_t K = a.in_features;
+  Buffer<float> panel(K * kFp32Panel);
+  PanelPrefetch none(nullptr, 0, 0);
+  for (int64_t p = panel_begin; p < panel_end; ++p) {
+    dequantize_block(q, p, 0, K, panel.data());
+    for (int64_t r0 = 0; r0 < a.num_rows; r0 += kRowChunk) {
+      pdserve::Fp32LinearArgs rows = a;
+      rows.x = a.x + r0 * K;
+      rows.out = a.out + r0 * a.out_features;
+      rows.num_rows = min64(kRowChunk, a.num_rows - r0);
+      for (int64_t k0 = 0; k0 < K; k0 += kManyRowsBlock) {
+        const int64_t k1 = min64(K, k0 + kManyRowsBlock);
+        multiply_block(rows, panel.data() + k0 * kFp32Panel, p, k0, k1, none);
+      }
     }
   }
 }
@@ -279,16 +315,18 @@ void quantized_rows(const pdserve::QuantizedLinearArgs& q, const pdserve::Fp32Li
 
 void pdserve::PDSERVE_QUANTIZED_LINEAR_PANELS(const QuantizedLinearArgs& q, int64_t panel_begin,
                                               int64_t panel_end) {
-  const Fp32LinearArgs& a = q.base;
-  Buffer<float> block(kManyRowsBlock * kFp32Panel);
-  // A prefill chunk's rows kRowChunk at a time: their x block stays in the L2 while every
-  // panel of the thread passes over it.
-  for (int64_t r0 = 0; r0 < a.num_rows; r0 += kRowChunk) {
-    Fp32LinearArgs rows = a;
-    rows.x = a.x + r0 * a.in_features;
-    rows.out = a.out + r0 * a.out_features;
-    rows.num_rows = min64(kRowChunk, a.num_rows - r0);
-    quantized_rows(q, rows, panel_begin, panel_end, block.data());
+  if (q.base.num_rows > kManyRows) {
+    many_rows(q, panel_begin, panel_end);
+  } else {
+    few_rows(q, panel_begin, panel_end);
+  }
+}
+
+void pdserve::PDSERVE_DEQUANTIZE_PANELS(const QuantizedLinearArgs& q, int64_t panel_begin,
+                                        int64_t panel_end, int64_t first_panel, float* out,
+                                        int64_t stride) {
+  for (int64_t p = panel_begin; p < panel_end; ++p) {
+    dequantize_block(q, p, 0, q.base.in_features, out + (p - first_panel) * kFp32Panel, stride);
   }
 }
 

@@ -8,4 +8,5 @@
 
 #define PDSERVE_FP32_LINEAR_PANELS fp32_linear_panels_portable
 #define PDSERVE_QUANTIZED_LINEAR_PANELS quantized_linear_panels_portable
+#define PDSERVE_DEQUANTIZE_PANELS dequantize_panels_portable
 #include "fp32_linear_kernel.h"

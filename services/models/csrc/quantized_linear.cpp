@@ -27,49 +27,94 @@ namespace {
 
 constexpr int64_t kMinBlock = 64;  // fp32_linear_kernel.h's blocks are whole groups
 
-pdserve::RunQuantizedPanels select_kernel(const std::string& isa) {
-  pdserve::check_cpu_runs(isa, "quantized_linear");
+struct Kernels {
+  pdserve::RunQuantizedPanels linear;
+  pdserve::RunDequantizePanels dequantize;
+};
+
+Kernels select_kernels(const std::string& isa, const char* op) {
+  pdserve::check_cpu_runs(isa, op);
 #if defined(__x86_64__)
   if (isa == "avx2") {
-    return pdserve::quantized_linear_panels_avx2;
+    return {pdserve::quantized_linear_panels_avx2, pdserve::dequantize_panels_avx2};
   }
   if (isa == "avx512" || isa == "avx512_bf16") {
-    return pdserve::quantized_linear_panels_avx512;
+    return {pdserve::quantized_linear_panels_avx512, pdserve::dequantize_panels_avx512};
   }
 #endif
-  return pdserve::quantized_linear_panels_portable;
+  return {pdserve::quantized_linear_panels_portable, pdserve::dequantize_panels_portable};
 }
 
-void check_panels(const at::Tensor& t, const char* name, at::ScalarType type, const char* dtype,
-                  int64_t panels, int64_t inner) {
-  TORCH_CHECK(t.scalar_type() == type, "quantized_linear: ", name, " must be ", dtype, ", got ",
+void check_panels(const char* op, const at::Tensor& t, const char* name, at::ScalarType type,
+                  const char* dtype, int64_t panels, int64_t inner) {
+  TORCH_CHECK(t.scalar_type() == type, op, ": ", name, " must be ", dtype, ", got ",
               t.scalar_type());
-  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "quantized_linear: ", name,
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), op, ": ", name,
               " must be a contiguous CPU tensor");
   TORCH_CHECK(t.dim() == 3 && t.size(0) == panels && t.size(1) == inner &&
                   t.size(2) == pdserve::kFp32Panel,
-              "quantized_linear: ", name, " must be [", panels, ", ", inner, ", 64], got ",
-              t.sizes());
+              op, ": ", name, " must be [", panels, ", ", inner, ", 64], got ", t.sizes());
+}
+
+// The weight's arguments, checked; the op's name in every message.
+pdserve::QuantizedLinearArgs weight_args(const char* op, const at::Tensor& codes,
+                                         const at::Tensor& scales,
+                                         const std::optional<at::Tensor>& offsets,
+                                         int64_t group) {
+  TORCH_CHECK(codes.dim() == 3, op, ": codes must be [out / 64, in, 64], got ", codes.sizes());
+  const int64_t panels = codes.size(0), in_features = codes.size(1);
+  TORCH_CHECK(group > 0 && kMinBlock % group == 0 && in_features % group == 0 &&
+                  in_features > 0 && panels > 0,
+              op, ": group must divide 64 and in_features, got group ", group,
+              " and in_features ", in_features);
+  check_panels(op, codes, "codes", at::kChar, "int8", panels, in_features);
+  check_panels(op, scales, "scales", at::kFloat, "float32", panels, in_features / group);
+  if (offsets) {
+    check_panels(op, *offsets, "offsets", at::kFloat, "float32", panels, in_features / group);
+  }
+  pdserve::QuantizedLinearArgs args{};
+  args.base.in_features = in_features;
+  args.base.out_features = panels * pdserve::kFp32Panel;
+  args.base.epilogue = pdserve::LinearEpilogue::kNone;
+  args.codes = codes.const_data_ptr<int8_t>();
+  args.scales = scales.const_data_ptr<float>();
+  args.offsets = offsets ? offsets->const_data_ptr<float>() : nullptr;
+  args.group = group;
+  return args;
+}
+
+// Panels [panel_begin, panel_end) of the weight, dequantized into `out` [in_features, 64 *
+// (panel_end - panel_begin)] fp32: the transpose of those rows of the weight, which a GEMM
+// (torch.mm(x, out)) multiplies as fast as oneDNN's packed fp32 weight.
+void quantized_weight_t(const at::Tensor& codes, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& offsets, int64_t group,
+                        int64_t panel_begin, int64_t panel_end, at::Tensor out, std::string isa) {
+  constexpr const char* kOp = "quantized_weight_t";
+  const pdserve::RunDequantizePanels run = select_kernels(isa, kOp).dequantize;
+  pdserve::QuantizedLinearArgs args = weight_args(kOp, codes, scales, offsets, group);
+  TORCH_CHECK(0 <= panel_begin && panel_begin < panel_end && panel_end <= codes.size(0), kOp,
+              ": panels must be a range within [0, ", codes.size(0), "), got [", panel_begin,
+              ", ", panel_end, ")");
+  const int64_t columns = (panel_end - panel_begin) * pdserve::kFp32Panel;
+  pdserve::check_linear_tensor(kOp, {at::kFloat, "float32"}, out, "out");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == args.base.in_features && out.size(1) == columns,
+              kOp, ": out must be [", args.base.in_features, ", ", columns, "], got ",
+              out.sizes());
+  float* data = out.data_ptr<float>();
+  at::parallel_for(panel_begin, panel_end, 1, [&](int64_t begin, int64_t end) {
+    run(args, begin, end, panel_begin, data, columns);
+  });
 }
 
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes,
                             const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
                             int64_t group, const std::optional<at::Tensor>& bias,
                             std::string isa) {
-  const pdserve::RunQuantizedPanels run = select_kernel(isa);
-  TORCH_CHECK(codes.dim() == 3, "quantized_linear: codes must be [out / 64, in, 64], got ",
-              codes.sizes());
-  const int64_t panels = codes.size(0), in_features = codes.size(1);
-  const int64_t out_features = panels * pdserve::kFp32Panel;
-  TORCH_CHECK(group > 0 && kMinBlock % group == 0 && in_features % group == 0 &&
-                  in_features > 0 && panels > 0,
-              "quantized_linear: group must divide 64 and in_features, got group ", group,
-              " and in_features ", in_features);
-  check_panels(codes, "codes", at::kChar, "int8", panels, in_features);
-  check_panels(scales, "scales", at::kFloat, "float32", panels, in_features / group);
-  if (offsets) {
-    check_panels(*offsets, "offsets", at::kFloat, "float32", panels, in_features / group);
-  }
+  const pdserve::RunQuantizedPanels run = select_kernels(isa, "quantized_linear").linear;
+  pdserve::QuantizedLinearArgs args =
+      weight_args("quantized_linear", codes, scales, offsets, group);
+  const int64_t panels = codes.size(0), in_features = args.base.in_features;
+  const int64_t out_features = args.base.out_features;
   pdserve::check_linear_args("quantized_linear", {at::kFloat, "float32"}, x, in_features,
                              out_features, bias, "none", std::nullopt);
   const int64_t num_rows = x.size(0);
@@ -77,20 +122,12 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes,
   if (num_rows == 0) {
     return out;
   }
-  pdserve::QuantizedLinearArgs args{};
   args.base.x = x.const_data_ptr<float>();
   args.base.weight = nullptr;
   args.base.bias = bias ? bias->const_data_ptr<float>() : nullptr;
   args.base.other = nullptr;
   args.base.out = out.data_ptr<float>();
   args.base.num_rows = num_rows;
-  args.base.in_features = in_features;
-  args.base.out_features = out_features;
-  args.base.epilogue = pdserve::LinearEpilogue::kNone;
-  args.codes = codes.const_data_ptr<int8_t>();
-  args.scales = scales.const_data_ptr<float>();
-  args.offsets = offsets ? offsets->const_data_ptr<float>() : nullptr;
-  args.group = group;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) { run(args, begin, end); });
   return out;
 }
@@ -101,8 +138,12 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
   m.def(
       "quantized_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int group, "
       "Tensor? bias, str isa) -> Tensor");
+  m.def(
+      "quantized_weight_t(Tensor codes, Tensor scales, Tensor? offsets, int group, "
+      "int panel_begin, int panel_end, Tensor(a!) out, str isa) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("quantized_linear", &quantized_linear);
+  m.impl("quantized_weight_t", &quantized_weight_t);
 }

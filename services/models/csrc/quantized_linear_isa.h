@@ -24,6 +24,24 @@ struct QuantizedLinearArgs {
 using RunQuantizedPanels = void (*)(const QuantizedLinearArgs& args, int64_t panel_begin,
                                     int64_t panel_end);
 
+// Panels [panel_begin, panel_end) of the weight, dequantized, into columns of its transpose:
+// out[k * stride + 64 (p - first_panel) + c] = weight[64 p + c][k].
+using RunDequantizePanels = void (*)(const QuantizedLinearArgs& args, int64_t panel_begin,
+                                     int64_t panel_end, int64_t first_panel, float* out,
+                                     int64_t stride);
+
+void dequantize_panels_portable(const QuantizedLinearArgs& args, int64_t panel_begin,
+                                int64_t panel_end, int64_t first_panel, float* out,
+                                int64_t stride);
+#if defined(__x86_64__)
+void dequantize_panels_avx2(const QuantizedLinearArgs& args, int64_t panel_begin,
+                            int64_t panel_end, int64_t first_panel, float* out,
+                            int64_t stride);
+void dequantize_panels_avx512(const QuantizedLinearArgs& args, int64_t panel_begin,
+                              int64_t panel_end, int64_t first_panel, float* out,
+                              int64_t stride);
+#endif
+
 void quantized_linear_panels_portable(const QuantizedLinearArgs& args, int64_t panel_begin,
                                       int64_t panel_end);
 #if defined(__x86_64__)
