@@ -50,8 +50,9 @@ PANEL = 64
 
 GEMM_ROWS = 1024
 """Batches of this many rows or more (prefill chunks) multiply the weight dequantized into a
-scratch buffer with torch's GEMM, which ran 1.2-1.3x the kernel's tiles at 2,048 rows of SmolLM2's
-projections; the dequantization, a write of the fp32 weight, costs a few percent of such a GEMM
+scratch buffer with torch's GEMM, which ran 1.14-1.27x the kernel's tiles at 2,048 rows of
+SmolLM2's projections (1.03-1.10x of the ``small`` model's; as fast at 512 rows, slower at 128-256);
+the dequantization, a write of the fp32 weight, costs a few percent of such a GEMM
 (docs/benchmarks.md, "GGUF weights as codes")."""
 
 SCRATCH_FLOATS = 16 << 20
