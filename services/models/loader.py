@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -95,8 +95,8 @@ def load_model(
         logger.info("%d decoder projections hold fp8 weights", count)
     gguf = open_gguf(gguf_path) if gguf_path is not None else None
     code_names: frozenset[str] = frozenset()
+    # Our parameter names whose modules hold codes (gguf_linear.GgufCodes.modules).
     gguf_modules: dict[str, GgufLinear] = {}
-    """Our parameter names whose modules hold codes (gguf_linear.GgufCodes.modules)."""
     if gguf is not None and gguf.is_quantized:
         unavailable = gguf_codes_unavailable_reason(device)
         if unavailable is None:
@@ -126,6 +126,14 @@ def load_model(
         if isinstance(module, Fp8Linear)
     }
     targets = _checkpoint_targets(config)
+    part_rows = _part_rows(
+        targets,
+        lambda name: (
+            gguf_modules[name].out_features
+            if name in gguf_modules
+            else _parameter(params, name).shape[0]
+        ),
+    )
     filled: set[str] = set()
     joiner = Fp8Weights(scheme) if scheme is not None else None
     if gguf is not None:
@@ -151,7 +159,9 @@ def load_model(
             raise ModelFileError(origin, f"unexpected weight {name!r}")
         param_name, offset = targets[name]
         if isinstance(tensor, GgufBlocks):  # only a GgufLinear's weights come as codes
-            _fill_codes(gguf_modules[param_name], offset, tensor, name, origin)
+            module = gguf_modules[param_name]
+            _check_shape(tensor.shape, (part_rows[name], module.in_features), name, origin)
+            module.fill(offset, tensor)
             filled.add(name)
             continue
         if isinstance(tensor, torch.Tensor) and tensor.dtype in _FP8_DTYPES:
@@ -167,13 +177,8 @@ def load_model(
         elif fp8_module is None and isinstance(tensor, QuantizedWeight):
             tensor = tensor.dequantize()
         shape = tensor.values.shape if isinstance(tensor, QuantizedWeight) else tensor.shape
-        rows = _parameter(params, param_name).narrow(0, offset, shape[0])
-        if rows.shape != shape:
-            raise ModelFileError(
-                origin,
-                f"weight {name!r} has shape {tuple(shape)}, "
-                f"expected {tuple(rows.shape)} from the model's config",
-            )
+        rows = _parameter(params, param_name).narrow(0, offset, part_rows[name])
+        _check_shape(shape, rows.shape, name, origin)
         if isinstance(tensor, QuantizedWeight):
             fp8_module.fill(offset, tensor)  # type: ignore[union-attr]
         else:
@@ -212,19 +217,33 @@ def load_model(
     return model.eval()
 
 
-def _fill_codes(
-    module: GgufLinear, offset: int, blocks: GgufBlocks, name: str, origin: Path
-) -> None:
-    """Rows ``offset`` on of ``module`` from ``blocks`` (the checkpoint's weight ``name``)."""
-    rows, cols = blocks.shape
-    expected = (min(rows, module.out_features - offset), module.in_features)
-    if (rows, cols) != expected:
+def _check_shape(shape: Sequence[int], expected: Sequence[int], name: str, origin: Path) -> None:
+    """A ``ModelFileError`` naming the checkpoint's weight ``name`` unless its shape is the one
+    the model's config gives it."""
+    if tuple(shape) != tuple(expected):
         raise ModelFileError(
             origin,
-            f"weight {name!r} has shape {(rows, cols)}, expected {expected} from the model's "
-            "config",
+            f"weight {name!r} has shape {tuple(shape)}, "
+            f"expected {tuple(expected)} from the model's config",
         )
-    module.fill(offset, blocks)
+
+
+def _part_rows(
+    targets: dict[str, tuple[str, int]], rows_of: Callable[[str], int]
+) -> dict[str, int]:
+    """Checkpoint weight name → the rows it fills: up to the next weight's first row in the same
+    parameter of ours, or to the parameter's end (``rows_of``), so that a weight of too few rows
+    is an error rather than rows left as they were allocated."""
+    firsts: dict[str, list[tuple[int, str]]] = {}
+    for name, (param, first) in targets.items():
+        firsts.setdefault(param, []).append((first, name))
+    rows: dict[str, int] = {}
+    for param, parts in firsts.items():
+        parts.sort()
+        ends = [first for first, _ in parts[1:]] + [rows_of(param)]
+        for (first, name), end in zip(parts, ends, strict=True):
+            rows[name] = end - first
+    return rows
 
 
 def _safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor, Path]]:

@@ -201,10 +201,24 @@ def test_unexpected_weight_is_named(tiny_model_factory, tmp_path: Path) -> None:
         load_ours(model_dir)
 
 
-def test_weight_of_the_wrong_shape_is_named(tiny_model_factory, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("name", "cut"),
+    [
+        ("model.layers.1.self_attn.o_proj.weight", lambda t: t[:, :64]),  # too few columns
+        ("model.layers.1.self_attn.o_proj.weight", lambda t: t[:64]),  # too few rows
+        ("model.layers.1.self_attn.o_proj.weight", lambda t: torch.cat([t, t])),  # too many
+        ("model.layers.0.self_attn.k_proj.weight", lambda t: t[:32]),  # a fused part's rows
+        ("model.layers.0.mlp.up_proj.weight", lambda t: t[:-1]),  # the last part's
+        ("model.norm.weight", lambda t: t[:-1]),
+    ],
+)
+def test_weight_of_the_wrong_shape_is_named(
+    name: str, cut: Callable[[torch.Tensor], torch.Tensor], tiny_model_factory, tmp_path: Path
+) -> None:
+    """Every weight fills exactly its rows: one of too few would leave rows as they were
+    allocated (it did, before each part's row count was checked)."""
     model_dir = copy_model(tiny_model_factory("llama"), tmp_path)
-    name = "model.layers.1.self_attn.o_proj.weight"
-    rewrite_weights(model_dir, lambda t: t.update({name: t[name][:, :64].contiguous()}))
+    rewrite_weights(model_dir, lambda t: t.update({name: cut(t[name]).contiguous()}))
 
     with pytest.raises(ValueError, match=rf"{name.replace('.', '[.]')}.*shape"):
         load_ours(model_dir)
