@@ -2,12 +2,14 @@
 to fp32 (what ``--dtype auto`` loaded before): the linears alone, then the engine on a real file.
 
     python benchmarks/gguf_codes.py [--model models/SmolLM2-135M-Instruct] [--layers 48]
-        [--rows 1,4,16,64,256,1024] [--trials 7] [--batch-sizes 1,16,64] [--output-len 64]
+        [--rows 1,4,16,64,256,1024] [--trials 7] [--bits 4|8] [--batch-sizes 1,16,64]
+        [--output-len 64]
         [--skip-linears] [--skip-engine]
 
 Linears: the ``small`` model's projections (qkv 768 -> 1280, o 768 -> 768, gate/up 768 -> 4096,
 down 2048 -> 768) for ``--layers`` decoder layers, random Q4_1 blocks (codes 0-15, a scale and
-an offset per 32 inputs, as Q4_1, Q4_K and Q5_K files hold them), as ``GgufLinear`` and as
+an offset per 32 inputs, as Q4_1, Q4_K and Q5_K files hold them; two a byte with ``--bits 4``,
+as a 4-bit format's are kept), as ``GgufLinear`` and as
 ``PackedLinear`` over the dequantized fp32 weights (oneDNN, or the fp32 few-row kernel up to 64
 rows); 48 layers' fp32 weights (1.2 GB) exceed the L3, so both stream from memory as a decode
 step does. Prints the best of ``--trials`` passes (taking turns) per row count.
@@ -76,14 +78,16 @@ def q4_1_blocks(out_features: int, in_features: int, generator: torch.Generator)
     )
 
 
-def linears(layers: int, rows: list[int], trials: int) -> None:
+def linears(layers: int, rows: list[int], trials: int, bits: int) -> None:
     generator = torch.Generator().manual_seed(0)
     codes: list[GgufLinear] = []
     dense: list[PackedLinear] = []
     for _ in range(layers):
         for in_features, out_features in SHAPES:
             blocks = q4_1_blocks(out_features, in_features, generator)
-            module = GgufLinear(in_features, out_features, bias=False, group=32, offsets=True)
+            module = GgufLinear(
+                in_features, out_features, bias=False, group=32, offsets=True, bits=bits
+            )
             module.fill(0, blocks)
             module.pack()
             codes.append(module)
@@ -93,7 +97,8 @@ def linears(layers: int, rows: list[int], trials: int) -> None:
     weights = sum(i * o for i, o in SHAPES) * layers
     code_bytes = sum(m.nbytes for m in codes)
     print(
-        f"{layers} layers, {weights / 1e6:.0f} M weights: codes {code_bytes / 2**20:.0f} MiB, "
+        f"{layers} layers, {weights / 1e6:.0f} M weights: {bits}-bit codes "
+        f"{code_bytes / 2**20:.0f} MiB, "
         f"fp32 {weights * 4 / 2**20:.0f} MiB; {torch.get_num_threads()} threads"
     )
     print("rows | codes ms | fp32 ms | fp32 / codes | codes GFLOP/s | fp32 GFLOP/s")
@@ -166,13 +171,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--rows", default="1,4,16,64,256,1024")
     parser.add_argument("--trials", type=int, default=7)
+    parser.add_argument(
+        "--bits", type=int, choices=[4, 8], default=4, help="the linears' codes (4: as Q4 files')"
+    )
     parser.add_argument("--batch-sizes", default="1,16,64")
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--skip-linears", action="store_true")
     parser.add_argument("--skip-engine", action="store_true")
     args = parser.parse_args()
     if not args.skip_linears:
-        linears(args.layers, [int(r) for r in args.rows.split(",")], args.trials)
+        linears(args.layers, [int(r) for r in args.rows.split(",")], args.trials, args.bits)
     if not args.skip_engine:
         engine(args.model, [int(b) for b in args.batch_sizes.split(",")], args.output_len)
 

@@ -7,8 +7,9 @@ roundings: Q8_0 ``d * q``; Q4_0 ``d * (q - 8)``; Q4_1 ``d * q + m``; Q4_K and Q5
 - (dmin * m)``, their 6-bit sub-block scales and mins folded into one fp32 scale and offset per
 32; Q6_K ``(d * sc) * (q - 32)`` per 16. So int8 codes plus those fp32 numbers give back the
 gguf package's dequantized floats bit for bit (``GgufBlocks.dequantize``), at 8 bits a weight
-plus 1-2 bits of scales (32-bit floats would be 32), whatever the format's own packing (4, 5, 6 or
-8 bits a code; nibbles are not kept packed: the kernel converts a byte a weight).
+plus 1-2 bits of scales (32-bit floats would be 32); the 4-bit formats' codes two a byte
+(``pack_nibbles``, 4 bits a weight plus 2 of scales and offsets), the 5- and 6-bit ones a byte
+each.
 
 The decoders below follow the gguf package's ``quants`` module (and llama.cpp's block layouts)
 line for line, stopping before the final multiply; the tests check each against
@@ -70,6 +71,15 @@ class GgufBlocks:
             None if offsets is None else offsets.repeat_interleave(repeat, dim=1),
             group,
         )
+
+    def unsigned(self) -> GgufBlocks:
+        """The same weight with codes of 0-15 where they are 4-bit (the form two of them share a
+        byte in): Q4_0's ``d * (q - 8)`` as ``d * q + (-8 d)``, exact in fp32 (``d * q``, ``8 d``
+        and their sum all are: an fp16 scale times a 4-bit code). Q4_1 and Q4_K are so
+        already."""
+        if self.offsets is not None:
+            return self
+        return GgufBlocks(self.codes + 8, self.scales, self.scales * -8.0, self.group)
 
     def rows_permuted(self, permute: Callable[[torch.Tensor], torch.Tensor]) -> GgufBlocks:
         """``permute`` (a reordering of rows) applied to codes, scales and offsets alike."""
@@ -169,6 +179,24 @@ values]``, scales and offsets ``[blocks, values / group]``)."""
 
 CODE_TYPES = frozenset(_DECODERS)
 """The formats whose weights stay as codes; others (F32, F16, BF16) are dequantized."""
+
+
+NIBBLE_TYPES = frozenset(
+    {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K}
+)
+"""The formats of 4-bit codes: a weight whose parts are all of these keeps two codes a byte."""
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """``[rows, cols]`` codes of 0-15 → uint8 ``[rows, cols / 2]``: input 2j in byte j's low
+    nibble, input 2j + 1 in its high one."""
+    pairs = codes.to(torch.uint8).view(codes.shape[0], -1, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """``pack_nibbles`` undone along the last dimension: uint8 ``[..., n]`` → ``[..., 2 n]``."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
 
 
 def group_size(qtype: GGMLQuantizationType) -> int:

@@ -3,13 +3,15 @@
 Why: dequantized to fp32 (what ``--dtype auto`` computes a quantized file in on a CPU, exact), a
 Q4 file's weights take 7x their size on disk, and every decode step streams all of them from
 memory. Kept as one int8 code a weight with a float32 scale (and offset) per 32 inputs
-(``gguf_blocks``), a projection takes about a third of that, and the decode step streams a third
-of the bytes. ``csrc/quantized_linear.cpp`` runs the fp32 few-row kernel's register tiles
-(``csrc/fp32_linear_kernel.h``) over each 256-input block of a 64-column panel, dequantized into
-a per-thread scratch panel just before every row is multiplied by it: the arithmetic is the
-fp32 kernel's on the very floats of the dequantized weight, so a projection gives the fp32
-kernel's result on the dequantized checkpoint bit for bit, at any row count (prefill chunks
-too: the dequantization, once per block, is spread over all the rows).
+(``gguf_blocks``), a projection takes about a third of that; a 4-bit format's codes two a byte
+(Q4_0, Q4_1, Q4_K: 6 bits a weight with the scales and offsets), a fifth. The decode step
+streams that much less. ``csrc/quantized_linear.cpp`` runs the fp32 few-row kernel's register tiles
+(``csrc/fp32_linear_kernel.h``) over blocks of a 64-column panel dequantized just before they
+are used, so a projection gives the fp32 kernel's sums on the dequantized weight bit for bit: a
+decode step's rows (up to 64) take each 64- or 128-input block from an L1-resident scratch, more
+rows take each panel dequantized whole, once. From ``GEMM_ROWS`` rows (a prefill step) the
+weight's transpose is dequantized into a per-thread scratch and multiplied by torch's GEMM,
+faster there than the tiles (as the dense path runs oneDNN's GEMM there, not the fp32 kernel).
 
 Life cycle: ``install_gguf_linears`` runs on the model built on the meta device, before its
 memory is allocated (so no fp32 copy of these weights is ever made), and returns the checkpoint
@@ -36,7 +38,15 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from services.models.gguf_blocks import CODE_TYPES, GgufBlocks, group_size, has_offsets
+from services.models.gguf_blocks import (
+    CODE_TYPES,
+    NIBBLE_TYPES,
+    GgufBlocks,
+    group_size,
+    has_offsets,
+    pack_nibbles,
+    unpack_nibbles,
+)
 from services.models.gguf_file import ROPE_FREQS, GgufFile
 from services.models.gguf_loader import hf_tensor_name
 from services.models.native_build import UnsupportedIsaError, native_kernel_error, resolve_isa
@@ -94,16 +104,32 @@ class GgufLinear(nn.Module):
     (computed in fp32)."""
 
     def __init__(
-        self, in_features: int, out_features: int, *, bias: bool, group: int, offsets: bool
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        group: int,
+        offsets: bool,
+        bits: int = 8,
     ) -> None:
+        """``bits``: 8 (int8 codes), or 4 (codes of 0-15 two a byte, ``gguf_blocks.
+        pack_nibbles``; needs ``offsets``: a Q4_0 part's are ``-8 d``)."""
         super().__init__()
+        if bits not in (4, 8) or (bits == 4 and not offsets):
+            raise ValueError(f"GgufLinear holds 8-bit codes, or 4-bit ones with offsets: {bits}")
         self.in_features = in_features
         self.out_features = out_features
         self.group = group
+        self.bits = bits
         groups = in_features // group
         # Parameters (not buffers) so that the model's memory is counted and moved with them;
-        # never trained. [out, in] while the loader fills them, [out / 64, in, 64] after ``pack``.
-        self.codes = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.int8), False)
+        # never trained. [out, in * bits / 8] while the loader fills them, [out / 64,
+        # in * bits / 8, 64] after ``pack``.
+        code_dtype, code_width = (
+            (torch.int8, in_features) if bits == 8 else (torch.uint8, in_features // 2)
+        )
+        self.codes = nn.Parameter(torch.empty(out_features, code_width, dtype=code_dtype), False)
         self.scales = nn.Parameter(torch.empty(out_features, groups), False)
         self.offsets = nn.Parameter(torch.empty(out_features, groups), False) if offsets else None
         self.bias = nn.Parameter(torch.empty(out_features), False) if bias else None
@@ -112,9 +138,12 @@ class GgufLinear(nn.Module):
 
     def fill(self, row: int, blocks: GgufBlocks) -> None:
         """Write ``blocks``' rows from row ``row`` on (a fused projection takes several)."""
+        if self.bits == 4:
+            blocks = blocks.unsigned()
         blocks = blocks.regrouped(self.group, self.offsets is not None)
         count = blocks.codes.shape[0]
-        self.codes.data.narrow(0, row, count).copy_(blocks.codes)
+        codes = blocks.codes if self.bits == 8 else pack_nibbles(blocks.codes)
+        self.codes.data.narrow(0, row, count).copy_(codes)
         self.scales.data.narrow(0, row, count).copy_(blocks.scales)
         if self.offsets is not None and blocks.offsets is not None:
             self.offsets.data.narrow(0, row, count).copy_(blocks.offsets)
@@ -135,7 +164,14 @@ class GgufLinear(nn.Module):
             out = self._through_gemm(rows)
         else:
             out = torch.ops.pdserve.quantized_linear(
-                rows, self.codes, self.scales, self.offsets, self.group, self.bias, self.isa
+                rows,
+                self.codes,
+                self.scales,
+                self.offsets,
+                self.group,
+                self.bits,
+                self.bias,
+                self.isa,
             )
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
@@ -152,7 +188,15 @@ class GgufLinear(nn.Module):
             weight_t = _scratch(self.in_features * (last - first) * PANEL)
             weight_t = weight_t.view(self.in_features, (last - first) * PANEL)
             torch.ops.pdserve.quantized_weight_t(
-                self.codes, self.scales, self.offsets, self.group, first, last, weight_t, self.isa
+                self.codes,
+                self.scales,
+                self.offsets,
+                self.group,
+                self.bits,
+                first,
+                last,
+                weight_t,
+                self.isa,
             )
             if self.bias is None:
                 part = torch.mm(x, weight_t)
@@ -168,7 +212,10 @@ class GgufLinear(nn.Module):
         """float32 ``[out, in]``: the weight the codes stand for (after ``pack``)."""
         panels = self.out_features // PANEL
         scales = self.scales.data.repeat_interleave(self.group, dim=1)  # [panels, in, 64]
-        weight = self.codes.data.float() * scales
+        codes = self.codes.data
+        if self.bits == 4:  # [panels, in / 2, 64] → [panels, in / 2, 2, 64] → [panels, in, 64]
+            codes = torch.stack((codes & 0x0F, codes >> 4), dim=2).flatten(1, 2)
+        weight = codes.float() * scales
         if self.offsets is not None:
             weight = weight + self.offsets.data.repeat_interleave(self.group, dim=1)
         return weight.transpose(1, 2).reshape(panels * PANEL, self.in_features)
@@ -179,7 +226,8 @@ class GgufLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, int8 codes, "
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"{self.bits}-bit codes, "
             f"group={self.group}, offsets={self.offsets is not None}"
         )
 
@@ -210,7 +258,8 @@ class GgufEmbedding(nn.Module):
         table = self.table
         # Row 64 p + c of the table is column c of panel p: [panels, in, 64] → [tokens, in].
         panel, column = ids // PANEL, ids % PANEL
-        rows = table.codes[panel, :, column].float()
+        codes = table.codes[panel, :, column]  # [tokens, in * bits / 8]
+        rows = (codes if table.bits == 8 else unpack_nibbles(codes)).float()
         rows = rows * table.scales[panel, :, column].repeat_interleave(table.group, dim=1)
         if table.offsets is not None:
             rows = rows + table.offsets[panel, :, column].repeat_interleave(table.group, dim=1)
@@ -236,21 +285,23 @@ def _codes_module(
     types: dict[str, GGMLQuantizationType], parts: list[str], linear: nn.Linear
 ) -> GgufLinear | None:
     """A ``GgufLinear`` on the meta device in place of ``linear``, holding the checkpoint's
-    ``parts`` one after another, grouped as finely as its finest part (Q6_K's 16 inputs) and
-    with offsets when any part has them; None where a part is not of a format kept as codes or
-    the kernel does not take the sizes."""
+    ``parts`` one after another, grouped as finely as its finest part (Q6_K's 16 inputs), with
+    offsets when any part has them, and two codes a byte when every part is 4-bit; None where a
+    part is not of a format kept as codes or the kernel does not take the sizes."""
     if not all(types.get(part) in CODE_TYPES for part in parts):
         return None
     group = min(group_size(types[part]) for part in parts)
     if linear.out_features % PANEL or linear.in_features % group:
         return None
+    nibbles = all(types[part] in NIBBLE_TYPES for part in parts)
     with torch.device("meta"):
         module = GgufLinear(
             linear.in_features,
             linear.out_features,
             bias=linear.bias is not None,
             group=group,
-            offsets=any(has_offsets(types[part]) for part in parts),
+            offsets=nibbles or any(has_offsets(types[part]) for part in parts),
+            bits=4 if nibbles else 8,
         )
     if module.bias is not None:
         module.bias.data = module.bias.data.float()

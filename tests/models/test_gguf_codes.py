@@ -7,6 +7,7 @@ what it generates with every weight dequantized, in a fraction of the memory."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from services.engine import LLM, SamplingParams
 from services.models import gguf_linear
@@ -26,7 +27,6 @@ from services.models.gguf_linear import (
     GgufLinear,
     gguf_codes_unavailable_reason,
 )
-from services.models.loader import _fill_codes
 from services.models.model_file_error import ModelFileError
 from services.models.native_build import ISA_ENV, supported_isas
 from support.gguf_files import gguf_source, round_trip_dir
@@ -83,16 +83,19 @@ def test_codes_give_back_the_gguf_packages_floats_bit_for_bit(
     assert torch.equal(blocks.regrouped(16, with_offsets=True).dequantize(), blocks.dequantize())
 
 
-def module_of(parts: list[GgufBlocks], bias: torch.Tensor | None = None) -> GgufLinear:
+def module_of(
+    parts: list[GgufBlocks], bias: torch.Tensor | None = None, bits: int = 8
+) -> GgufLinear:
     """A ``GgufLinear`` holding ``parts`` one after another, grouped and offset as the
-    installer does it for a fused projection."""
+    installer does it for a fused projection (``bits`` 4: every part of a 4-bit format)."""
     out_features = sum(part.shape[0] for part in parts)
     module = GgufLinear(
         parts[0].shape[1],
         out_features,
         bias=bias is not None,
         group=min(part.group for part in parts),
-        offsets=any(part.offsets is not None for part in parts),
+        offsets=bits == 4 or any(part.offsets is not None for part in parts),
+        bits=bits,
     )
     row = 0
     for part in parts:
@@ -105,19 +108,29 @@ def module_of(parts: list[GgufBlocks], bias: torch.Tensor | None = None) -> Gguf
     return module
 
 
+# A Q4_K_M file's fused QKV: Q and K in Q4_K (offsets, 32 a group), V in Q6_K (16 a group): 8-bit
+# codes. A Q4_0 / Q4_1 file's (and Q4_K_M's other half): every part 4-bit, two codes a byte.
+MIXED = {
+    8: (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K),
+    4: (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1),
+}
+
+
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("isa", supported_isas())
-@pytest.mark.parametrize("num_rows", [1, 5, 6, 16, 17, 64, 130, 400])  # 400: 3 row chunks
+@pytest.mark.parametrize("num_rows", [1, 5, 6, 16, 17, 64, 130, 400])  # 400: 9 chunks of 48
 def test_the_kernel_computes_the_fp32_kernels_sums_on_the_dequantized_weight(
-    isa: str, num_rows: int
+    bits: int, isa: str, num_rows: int
 ) -> None:
-    # A Q4_K_M file's fused QKV: Q and K in Q4_K (offsets, 32 a group), V in Q6_K (16 a group).
+    kinds = MIXED[bits]
     parts = [
-        blocks_of(GGMLQuantizationType.Q4_K, 128, 512, seed=2),
-        blocks_of(GGMLQuantizationType.Q4_K, 64, 512, seed=3),
-        blocks_of(GGMLQuantizationType.Q6_K, 64, 512, seed=4),
+        blocks_of(kinds[0], 128, 512, seed=2),
+        blocks_of(kinds[1], 64, 512, seed=3),
+        blocks_of(kinds[2], 64, 512, seed=4),
     ]
     bias = torch.randn(256, generator=torch.Generator().manual_seed(5))
-    module = module_of(parts, bias)
+    module = module_of(parts, bias, bits)
+    assert module.codes.dtype == (torch.int8 if bits == 8 else torch.uint8)
     module.isa = isa
     weight = torch.cat([part.dequantize() for part in parts])
     assert torch.equal(module.dequantized(), weight)
@@ -135,21 +148,23 @@ def test_the_kernel_computes_the_fp32_kernels_sums_on_the_dequantized_weight(
                 packed, few_rows.address, 512, 256, isa if isa != "portable" else "avx2"
             )
             if isa != "portable":  # the portable variant sums in 4 lanes, not 8 or 16
-                assert torch.equal(out, few_rows.linear(x, bias))
+                assert torch.equal(out, few_rows.linear(x, bias))  # values: -0.0 == 0.0
 
 
-@pytest.mark.parametrize("scratch_panels", [None, 2])
+@pytest.mark.parametrize(("scratch_panels", "bits"), [(None, 8), (2, 8), (2, 4)])
 def test_a_prefill_chunk_multiplies_the_dequantized_weight_with_torchs_gemm(
-    scratch_panels: int | None, monkeypatch: pytest.MonkeyPatch
+    scratch_panels: int | None, bits: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """From ``GEMM_ROWS`` rows the weight is dequantized into the thread's scratch (a slice of
     panels at a time where it would not fit) and multiplied by torch's GEMM."""
-    parts = [
-        blocks_of(GGMLQuantizationType.Q5_K, 192, 256, seed=11),
-        blocks_of(GGMLQuantizationType.Q8_0, 128, 256, seed=12),
-    ]
+    kinds = (
+        (GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q8_0)
+        if bits == 8
+        else (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q4_0)
+    )
+    parts = [blocks_of(kinds[0], 192, 256, seed=11), blocks_of(kinds[1], 128, 256, seed=12)]
     bias = torch.randn(320, generator=torch.Generator().manual_seed(13))
-    module = module_of(parts, bias)
+    module = module_of(parts, bias, bits)
     if scratch_panels is not None:
         monkeypatch.setattr(gguf_linear, "SCRATCH_FLOATS", scratch_panels * 256 * 64)
     x = torch.randn(gguf_linear.GEMM_ROWS + 3, 256, generator=torch.Generator().manual_seed(14))
@@ -159,10 +174,11 @@ def test_a_prefill_chunk_multiplies_the_dequantized_weight_with_torchs_gemm(
     assert ((module(x).double() - expected).abs() <= 1e-6 * magnitude).all()
 
 
-def test_the_weights_transpose_is_written_panel_by_panel() -> None:
-    module = module_of([blocks_of(GGMLQuantizationType.Q4_K, 256, 256, seed=15)])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_weights_transpose_is_written_panel_by_panel(bits: int) -> None:
+    module = module_of([blocks_of(GGMLQuantizationType.Q4_K, 256, 256, seed=15)], bits=bits)
     op = torch.ops.pdserve.quantized_weight_t
-    args = (module.codes, module.scales, module.offsets, module.group)
+    args = (module.codes, module.scales, module.offsets, module.group, bits)
     out = torch.full((256, 128), float("nan"))
     op(*args, 1, 3, out, module.isa)
     assert torch.equal(out, module.dequantized()[64:192].T)
@@ -188,22 +204,30 @@ def test_bad_arguments_are_errors_that_name_them() -> None:
     x = torch.randn(2, 64)
     codes, scales, offsets = module.codes, module.scales, module.offsets
     with pytest.raises(RuntimeError, match="x must be \\[num_rows, 64\\]"):
-        op(torch.randn(2, 32), codes, scales, offsets, 32, None, module.isa)
+        op(torch.randn(2, 32), codes, scales, offsets, 32, 8, None, module.isa)
     with pytest.raises(RuntimeError, match="x must be float32"):
-        op(x.double(), codes, scales, offsets, 32, None, module.isa)
+        op(x.double(), codes, scales, offsets, 32, 8, None, module.isa)
     with pytest.raises(RuntimeError, match="group must divide 64"):
-        op(x, codes, scales, offsets, 48, None, module.isa)
+        op(x, codes, scales, offsets, 48, 8, None, module.isa)
     with pytest.raises(RuntimeError, match="scales must be \\[1, 4, 64\\]"):
-        op(x, codes, scales, offsets, 16, None, module.isa)
+        op(x, codes, scales, offsets, 16, 8, None, module.isa)
     with pytest.raises(RuntimeError, match="offsets must be float32"):
-        op(x, codes, scales, offsets.double(), 32, None, module.isa)  # type: ignore[union-attr]
+        op(x, codes, scales, offsets.double(), 32, 8, None, module.isa)  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match="codes must be int8"):
-        op(x, codes.float(), scales, offsets, 32, None, module.isa)
+        op(x, codes.float(), scales, offsets, 32, 8, None, module.isa)
     with pytest.raises(RuntimeError, match="bias must be \\[64\\]"):
-        op(x, codes, scales, offsets, 32, torch.zeros(3), module.isa)
+        op(x, codes, scales, offsets, 32, 8, torch.zeros(3), module.isa)
+    with pytest.raises(RuntimeError, match="bits must be 8, or 4 with offsets, got 3"):
+        op(x, codes, scales, offsets, 32, 3, None, module.isa)
+    with pytest.raises(RuntimeError, match="bits must be 8, or 4 with offsets, got 4"):
+        op(x, codes, scales, None, 32, 4, None, module.isa)
+    with pytest.raises(RuntimeError, match="codes must be uint8"):
+        op(x, codes.view(2, 32, 64), scales, offsets, 32, 4, None, module.isa)
+    with pytest.raises(ValueError, match="4-bit ones with offsets"):
+        GgufLinear(64, 64, bias=False, group=32, offsets=False, bits=4)
     with pytest.raises(RuntimeError, match="sse9"):
-        op(x, codes, scales, offsets, 32, None, "sse9")
-    assert op(x[:0], codes, scales, offsets, 32, None, module.isa).shape == (0, 64)
+        op(x, codes, scales, offsets, 32, 8, None, "sse9")
+    assert op(x[:0], codes, scales, offsets, 32, 8, None, module.isa).shape == (0, 64)
 
 
 def test_the_switch_and_a_gpu_dequantize(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -258,9 +282,11 @@ def test_an_engine_on_codes_generates_what_it_does_dequantized(
     plain = gguf_llm(path)
     assert not code_modules(plain)
     assert [o.token_ids for o in plain.generate(PROMPTS, GREEDY)] == got
-    # fp32 weights: 4 bytes each; codes 1, plus 4 (or 8) bytes of scales a group of 32.
+    # fp32 weights: 4 bytes each; codes 1 (two a byte: 4-bit), plus 4 bytes of scales a group
+    # of 32 and 4 of offsets (Q4_0's too once its codes are 4-bit: -8 d).
     weights = sum(m.in_features * m.out_features for m in modules.values())
-    per_weight = 1 + (8 if qtype == "Q4_1" else 4) / 32
+    per_weight = 1 + 4 / 32 if qtype == "Q8_0" else 0.5 + 8 / 32
+    assert {m.bits for m in modules.values()} == {8 if qtype == "Q8_0" else 4}
     assert code_bytes == pytest.approx(weights * per_weight)
 
 
@@ -299,8 +325,14 @@ def test_unquantized_projections_stay_dense(tiny_gguf_factory) -> None:
     assert not code_modules(gguf_llm(tiny_gguf_factory("llama", "F16")))
 
 
-def test_a_misshapen_quantized_weight_is_named(tmp_path: Path) -> None:
-    module = GgufLinear(64, 128, bias=False, group=32, offsets=False)
-    blocks = blocks_of(GGMLQuantizationType.Q8_0, 64, 32, seed=10)  # 32 inputs, not 64
-    with pytest.raises(ModelFileError, match=r"'model.x.weight' has shape \(64, 32\), expected"):
-        _fill_codes(module, 64, blocks, "model.x.weight", tmp_path)
+def test_a_quantized_weight_of_the_wrong_shape_is_named(
+    tiny_model_factory, gguf_converter, tmp_path: Path
+) -> None:
+    source = Path(shutil.copytree(tiny_model_factory("llama"), tmp_path / "hf"))
+    name = "model.layers.1.self_attn.o_proj.weight"
+    tensors = load_file(source / "model.safetensors")
+    tensors[name] = tensors[name][:64].contiguous()  # 64 of its 128 rows
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    path = gguf_converter(source, tmp_path / "cut.Q8_0.gguf", "Q8_0")
+    with pytest.raises(ModelFileError, match=rf"{name.replace('.', '[.]')}.*shape \(64, 128\)"):
+        gguf_llm(path)

@@ -212,9 +212,23 @@ void dequantize_block(const pdserve::QuantizedLinearArgs& q, int64_t panel, int6
                       int64_t k1, float* block, int64_t stride = kFp32Panel) {
   constexpr int64_t kVecsPerInput = kFp32Panel / kLanes;
   const int64_t K = q.base.in_features, G = q.group, groups = K / G;
-  const int8_t* codes = q.codes + panel * K * kFp32Panel;
+  const int8_t* codes = q.codes + panel * (K * q.bits / 8) * kFp32Panel;
   const float* scales = q.scales + panel * groups * kFp32Panel;
   const float* offsets = q.offsets ? q.offsets + panel * groups * kFp32Panel : nullptr;
+  // One weight vector: code * scale (+ offset), stored at input k's row.
+  auto put = [&](Vec code, Vec scale, Vec offset, int64_t k, int64_t j) {
+    Vec w = code * scale;
+    if (offsets) {
+#if defined(__x86_64__) && (defined(PDSERVE_AVX512) || defined(PDSERVE_AVX2))
+      // Keeps the compiler from fusing the add into the multiply (one rounding, not two).
+      __asm__("" : "+v"(w));
+#elif defined(__x86_64__)
+      __asm__("" : "+x"(w));
+#endif
+      w = w + offset;
+    }
+    store(block + (k - k0) * stride + j * kLanes, w);
+  };
   for (int64_t g0 = k0; g0 < k1; g0 += G) {  // a block is whole groups: k0 starts one
     const int64_t g = g0 / G;
     Vec scale[kVecsPerInput], offset[kVecsPerInput];
@@ -222,28 +236,27 @@ void dequantize_block(const pdserve::QuantizedLinearArgs& q, int64_t panel, int6
       scale[j] = load(scales + g * kFp32Panel + j * kLanes);
       offset[j] = offsets ? load(offsets + g * kFp32Panel + j * kLanes) : Vec{};
     }
+    if (q.bits == 4) {
+      const uint8_t* pairs = reinterpret_cast<const uint8_t*>(codes);
+      for (int64_t k = g0; k < g0 + G; k += 2) {  // a group is whole pairs
+#pragma GCC unroll 4
+        for (int64_t j = 0; j < kVecsPerInput; ++j) {
+          Vec low, high;
+          load_nibbles(pairs + k / 2 * kFp32Panel + j * kLanes, low, high);
+          put(low, scale[j], offset[j], k, j);
+          put(high, scale[j], offset[j], k + 1, j);
+        }
+      }
+      continue;
+    }
     for (int64_t k = g0; k < g0 + G; ++k) {
 #pragma GCC unroll 4
       for (int64_t j = 0; j < kVecsPerInput; ++j) {
-        Vec w = load(codes + k * kFp32Panel + j * kLanes) * scale[j];
-        if (offsets) {
-#if defined(__x86_64__) && (defined(PDSERVE_AVX512) || defined(PDSERVE_AVX2))
-          // Keeps the compiler from fusing the add into the multiply (one rounding, not two).
-          __asm__("" : "+v"(w));
-#elif defined(__x86_64__)
-          __asm__("" : "+x"(w));
-#endif
-          w = w + offset[j];
-        }
-        store(block + (k - k0) * stride + j * kLanes, w);
+        put(load(codes + k * kFp32Panel + j * kLanes), scale[j], offset[j], k, j);
       }
     }
   }
 }
-
-}  // namespace
-
-namespace {
 
 // Every row of `a` times inputs [k0, k1) of panel p, dequantized in `block` (its input k0's row,
 // kFp32Panel floats an input).
@@ -276,12 +289,13 @@ void few_rows(const pdserve::QuantizedLinearArgs& q, int64_t panel_begin, int64_
       // The codes of this thread's next block come in under this one's arithmetic (a quarter
       // of the fp32 kernel's stream; the scales are a sixteenth or less of it and are left to
       // the hardware's prefetcher).
-      const int8_t* panel_codes = q.codes + p * K * kFp32Panel;
+      const int64_t bytes_per_input = kFp32Panel * q.bits / 8;
+      const int8_t* panel_codes = q.codes + p * K * bytes_per_input;
       const bool more = k1 < K;
-      const int8_t* next = more ? panel_codes + k1 * kFp32Panel
-                                : p + 1 < panel_end ? panel_codes + K * kFp32Panel : nullptr;
+      const int8_t* next = more ? panel_codes + k1 * bytes_per_input
+                                : p + 1 < panel_end ? panel_codes + K * bytes_per_input : nullptr;
       const int64_t next_inputs = min64(K, (more ? k1 : 0) + inputs) - (more ? k1 : 0);
-      PanelPrefetch prefetch(next, next_inputs * kFp32Panel / kLineBytes,
+      PanelPrefetch prefetch(next, next_inputs * bytes_per_input / kLineBytes,
                              groups * passes * ((k1 - k0) / kUnroll));
       multiply_block(a, block.data(), p, k0, k1, prefetch);
       prefetch.finish();

@@ -123,6 +123,27 @@ inline Vec load(const int8_t* p) {
 #endif
 }
 
+// kLanes bytes of two 4-bit codes each (the quantized linear kernel's packed weights): `low` the
+// low nibbles widened to fp32, `high` the high ones.
+inline void load_nibbles(const uint8_t* p, Vec& low, Vec& high) {
+#if defined(PDSERVE_AVX512)
+  const __m512i bytes =
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  low = reinterpret_cast<Vec>(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))));
+  high = reinterpret_cast<Vec>(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)));
+#elif defined(PDSERVE_AVX2)
+  const __m256i bytes =
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  low = reinterpret_cast<Vec>(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15))));
+  high = reinterpret_cast<Vec>(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)));
+#else
+  for (int64_t i = 0; i < kLanes; ++i) {
+    low[i] = static_cast<float>(p[i] & 15);
+    high[i] = static_cast<float>(p[i] >> 4);
+  }
+#endif
+}
+
 // bf16 is the top half of an fp32. GCC lowers the portable version to ~7 instructions on x86
 // where the intrinsics take 2.
 inline Vec load(const Bf16* p) {
