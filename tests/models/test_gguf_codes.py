@@ -336,3 +336,33 @@ def test_a_quantized_weight_of_the_wrong_shape_is_named(
     path = gguf_converter(source, tmp_path / "cut.Q8_0.gguf", "Q8_0")
     with pytest.raises(ModelFileError, match=rf"{name.replace('.', '[.]')}.*shape \(64, 128\)"):
         gguf_llm(path)
+
+
+def test_lora_adapters_on_codes_add_to_what_the_dequantized_engine_does(
+    tiny_gguf_factory, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A PEFT adapter on a GGUF base wraps the projections that hold codes as it wraps any:
+    each request's greedy ids equal those of the dequantized engine with the same adapter."""
+    from services.engine import LoRARequest
+    from support.lora_adapter import write_adapter
+
+    path = tiny_gguf_factory("llama", "Q4_0")
+    write_adapter(tmp_path / "adapter", gguf_source(path), std=0.05)
+    adapter = LoRARequest("a", 1, str(tmp_path / "adapter"))
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[2]]
+    requests = [adapter, None, adapter]
+
+    def greedy_ids() -> tuple[list[list[int]], int]:
+        llm = LLM(path, dtype="float32", max_model_len=64, kv_cache_memory=1 << 20,
+                  enable_lora=True, max_lora_rank=4)  # fmt: skip
+        outputs = llm.generate(prompts, GREEDY, lora_request=requests, use_tqdm=False)
+        return [o.token_ids for o in outputs], len(code_modules(llm))
+
+    with_codes, modules = greedy_ids()
+    assert modules > 0
+    monkeypatch.setenv(SWITCH_ENV, "0")
+    dequantized, none = greedy_ids()
+    assert none == 0
+    assert with_codes == dequantized
+    # The adapter changes what the base model says (so the comparison covers its deltas).
+    assert with_codes[0] != with_codes[1]
