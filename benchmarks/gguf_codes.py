@@ -26,7 +26,7 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
@@ -35,6 +35,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.few_row_linear import best_seconds  # noqa: E402
+from benchmarks.speculative_decoding import QUESTIONS  # noqa: E402
 from services.engine import LLM, SamplingParams  # noqa: E402
 from services.models.gguf_blocks import GgufBlocks  # noqa: E402
 from services.models.gguf_linear import SWITCH_ENV, GgufLinear  # noqa: E402
@@ -42,30 +44,6 @@ from services.models.packed_linear import PackedLinear, PackedSiluGateUp  # noqa
 
 SHAPES = [(768, 1280), (768, 768), (768, 4096), (2048, 768)]
 """(in_features, out_features) of one decoder layer's projections in the small model."""
-QUESTIONS = [
-    "Write a short story about a lighthouse keeper.",
-    "Explain how a rainbow forms.",
-    "What are the benefits of regular exercise?",
-    "Describe the water cycle for a child.",
-    "Give me three ideas for a weekend trip.",
-    "Why do cats purr?",
-    "How does a bicycle stay upright?",
-    "What makes bread rise?",
-]
-
-
-def best_seconds(fns: Sequence[Callable[[], object]], trials: int) -> list[float]:
-    """The best of ``trials`` timed passes of each of ``fns``, their passes taking turns (a
-    shared host's rate drifts within a minute)."""
-    for fn in fns:
-        fn()
-    best = [float("inf")] * len(fns)
-    for _ in range(trials):
-        for i, fn in enumerate(fns):
-            start = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - start)
-    return best
 
 
 def q4_1_blocks(out_features: int, in_features: int, generator: torch.Generator) -> GgufBlocks:
