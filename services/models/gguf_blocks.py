@@ -3,13 +3,13 @@ inputs: what ``gguf_linear.GgufLinear`` multiplies by, in place of the dequantiz
 
 Why this form: every format pdserve keeps quantized dequantizes a weight as ``code * scale
 (+ offset)`` with one scale (and offset) per group of 32 inputs (16 for Q6_K), in fp32, as two
-roundings: Q8_0 ``d * q``; Q4_0 ``d * (q - 8)``; Q4_1 ``d * q + m``; Q4_K and Q5_K ``(d * sc) * q
-- (dmin * m)``, their 6-bit sub-block scales and mins folded into one fp32 scale and offset per
-32; Q6_K ``(d * sc) * (q - 32)`` per 16. So int8 codes plus those fp32 numbers give back the
-gguf package's dequantized floats bit for bit (``GgufBlocks.dequantize``), at 8 bits a weight
-plus 1-2 bits of scales (32-bit floats would be 32); the 4-bit formats' codes two a byte
-(``pack_nibbles``, 4 bits a weight plus 2 of scales and offsets), the 5- and 6-bit ones a byte
-each.
+roundings: Q8_0 ``d * q``; Q4_0 ``d * (q - 8)``; Q5_0 ``d * (q - 16)``; Q4_1 and Q5_1 ``d * q +
+m``; Q4_K and Q5_K ``(d * sc) * q - (dmin * m)``, their 6-bit sub-block scales and mins folded
+into one fp32 scale and offset per 32; Q6_K ``(d * sc) * (q - 32)`` per 16. So int8 codes plus
+those fp32 numbers give back the gguf package's dequantized floats bit for bit
+(``GgufBlocks.dequantize``), at 8 bits a weight plus 1-2 bits of scales (32-bit floats would
+be 32); the 4-bit formats' codes two a byte (``pack_nibbles``, 4 bits a weight plus 2 of scales
+and offsets), the 5- and 6-bit ones a byte each.
 
 The decoders below follow the gguf package's ``quants`` module (and llama.cpp's block layouts)
 line for line, stopping before the final multiply; the tests check each against
@@ -120,6 +120,25 @@ def _q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None
     return codes, _f16(d), _f16(m)
 
 
+def _five_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0's and Q5_1's 4 high-bit bytes and 16 nibble bytes → [n, 32] codes of 0-31 (value
+    i's high bit is bit i of the little-endian word)."""
+    n = qs.shape[0]
+    bits = np.arange(32, dtype=np.uint32).reshape(1, 32)
+    high = ((qh.view(np.uint32).reshape(n, 1) >> bits) & np.uint32(1)).astype(np.uint8)
+    return _nibbles(qs, 16).reshape(n, -1) | (high << np.uint8(4))
+
+
+def _q5_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    d, qh, qs = np.hsplit(blocks, [2, 6])
+    return _five_bits(qh, qs).astype(np.int8) - np.int8(16), _f16(d), None
+
+
+def _q5_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    d, m, qh, qs = np.hsplit(blocks, [2, 4, 8])
+    return _five_bits(qh, qs).astype(np.int8), _f16(d), _f16(m)
+
+
 def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K's and Q5_K's 12 bytes → the 8 sub-blocks' 6-bit scales and mins, [n, 8] each."""
     n = scales.shape[0]
@@ -170,6 +189,8 @@ _DECODERS: dict[GGMLQuantizationType, tuple[int, Callable[..., tuple]]] = {
     GGMLQuantizationType.Q8_0: (32, _q8_0),
     GGMLQuantizationType.Q4_0: (32, _q4_0),
     GGMLQuantizationType.Q4_1: (32, _q4_1),
+    GGMLQuantizationType.Q5_0: (32, _q5_0),
+    GGMLQuantizationType.Q5_1: (32, _q5_1),
     GGMLQuantizationType.Q4_K: (32, _q4_k),
     GGMLQuantizationType.Q5_K: (32, _q5_k),
     GGMLQuantizationType.Q6_K: (16, _q6_k),
@@ -208,6 +229,7 @@ def has_offsets(qtype: GGMLQuantizationType) -> bool:
     """Whether a format of ``CODE_TYPES`` adds an offset per group (the asymmetric ones)."""
     return qtype in (
         GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q5_1,
         GGMLQuantizationType.Q4_K,
         GGMLQuantizationType.Q5_K,
     )

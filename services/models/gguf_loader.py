@@ -31,9 +31,12 @@ from services.models.model_file_error import ModelFileError
 logger = logging.getLogger(__name__)
 
 # Quantization types we load; the gguf package implements the maths of each. F32, F16, BF16, Q8_0,
-# Q4_0 and Q4_1 are checked end to end by tests (tiny conversions, and SmolLM2's Q4_1 + Q8_0
-# file); the K-quants share the same byte plumbing but no test file holds them (the gguf
-# package cannot write them). Other types are refused by name rather than guessed at.
+# Q4_0, Q4_1, Q5_0 and Q5_1 are checked end to end by tests (tiny conversions, and SmolLM2's Q4_1
+# + Q8_0 file); the K-quants share the same byte plumbing but no test file holds them (the gguf
+# package cannot write them; their codes are checked block by block against its dequantization).
+# Q5_0 and Q5_1 are what llama.cpp's K-quant mixes fall back to for a tensor whose rows are not
+# whole 256-value super-blocks (Qwen2.5-0.5B's 896). Other types are refused by name rather than
+# guessed at.
 SUPPORTED_QUANT_TYPES = frozenset(
     {
         GGMLQuantizationType.F32,
@@ -42,6 +45,8 @@ SUPPORTED_QUANT_TYPES = frozenset(
         GGMLQuantizationType.Q8_0,
         GGMLQuantizationType.Q4_0,
         GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q5_1,
         GGMLQuantizationType.Q4_K,
         GGMLQuantizationType.Q5_K,
         GGMLQuantizationType.Q6_K,

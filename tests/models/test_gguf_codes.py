@@ -33,7 +33,12 @@ from support.gguf_files import gguf_source, round_trip_dir
 
 PROMPTS = [[0, 17, 230, 4000, 9, 88, 1024], [0, 5], [3000, 2999, 12, 12, 12, 7, 1, 64, 900, 33, 2]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-_AFFINE = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K)
+_AFFINE = (
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -258,7 +263,15 @@ def code_modules(llm: LLM) -> dict[str, GgufLinear]:
 
 @pytest.mark.parametrize(
     ("arch", "qtype"),
-    [("llama", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q4_0"), ("phi3", "Q8_0"), ("gemma3", "Q4_0")],
+    [
+        ("llama", "Q8_0"),
+        ("llama", "Q4_1"),
+        ("llama", "Q5_1"),
+        ("qwen2", "Q4_0"),
+        ("qwen2", "Q5_0"),
+        ("phi3", "Q8_0"),
+        ("gemma3", "Q4_0"),
+    ],
 )
 def test_an_engine_on_codes_generates_what_it_does_dequantized(
     arch: str, qtype: str, tiny_gguf_factory, monkeypatch: pytest.MonkeyPatch
@@ -285,8 +298,9 @@ def test_an_engine_on_codes_generates_what_it_does_dequantized(
     # fp32 weights: 4 bytes each; codes 1 (two a byte: 4-bit), plus 4 bytes of scales a group
     # of 32 and 4 of offsets (Q4_0's too once its codes are 4-bit: -8 d).
     weights = sum(m.in_features * m.out_features for m in modules.values())
-    per_weight = 1 + 4 / 32 if qtype == "Q8_0" else 0.5 + 8 / 32
-    assert {m.bits for m in modules.values()} == {8 if qtype == "Q8_0" else 4}
+    nibbles = qtype in ("Q4_0", "Q4_1")
+    per_weight = 0.5 + 8 / 32 if nibbles else 1 + (8 if qtype == "Q5_1" else 4) / 32
+    assert {m.bits for m in modules.values()} == {4 if nibbles else 8}
     assert code_bytes == pytest.approx(weights * per_weight)
 
 

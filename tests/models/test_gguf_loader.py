@@ -62,6 +62,8 @@ def engine_params(path: Path) -> dict[str, torch.Tensor]:
         ("llama", "F16"),
         ("llama", "Q8_0"),
         ("qwen2", "Q8_0"),
+        ("qwen2", "Q5_0"),
+        ("llama", "Q5_1"),
         ("qwen3", "F16"),
         ("phi3", "F16"),
         ("phi3", "Q4_0"),
@@ -146,8 +148,8 @@ def test_a_directory_holding_one_gguf_is_a_model(tiny_gguf_factory, tmp_path: Pa
 
 
 def test_an_unsupported_quant_type_is_named(tiny_gguf_factory) -> None:
-    with pytest.raises(ValueError, match=r"quantized as Q5_0, which pdserve does not load"):
-        LLM(tiny_gguf_factory("llama", "Q5_0"), dtype="float32", max_model_len=64)
+    with pytest.raises(ValueError, match=r"quantized as MXFP4, which pdserve does not load"):
+        LLM(tiny_gguf_factory("llama", "MXFP4"), dtype="float32", max_model_len=64)
 
 
 def test_an_unsupported_architecture_is_named(tmp_path: Path) -> None:
