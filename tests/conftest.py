@@ -136,6 +136,17 @@ _GGUF_LAYER = {
     "mlp.down_proj": "ffn_down",
     "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused projections keep their fused tensors
     "mlp.gate_up_proj": "ffn_up",
+    "mlp.gate": "ffn_gate_inp",  # a mixture of experts' router (Qwen3-MoE, OLMoE)
+    "block_sparse_moe.gate": "ffn_gate_inp",  # Mixtral's
+}
+# A mixture of experts' projections: llama.cpp stacks every expert's in one tensor.
+_GGUF_EXPERTS = {
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
+    "w1": "ffn_gate_exps",
+    "w3": "ffn_up_exps",
+    "w2": "ffn_down_exps",
 }
 
 
@@ -183,7 +194,9 @@ def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> 
     metadata, byte-level BPE vocabulary and chat template, 2-D weights in ``qtype`` (1-D in F32),
     Llama Q/K permuted, no ``output.weight`` when embeddings are tied."""
     config = json.loads((model_dir / "config.json").read_text())
-    arch = {"gemma3_text": "gemma3"}.get(config["model_type"], config["model_type"])
+    arch = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}.get(
+        config["model_type"], config["model_type"]
+    )
     writer = gguf.GGUFWriter(out, arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -213,6 +226,12 @@ def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> 
     factors = _llama3_rope_factors(config, head_dim)
     if factors is not None:
         writer.add_tensor("rope_freqs.weight", factors)
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts:  # llama.cpp's MoE keys (Mixtral's, Qwen3-MoE's, OLMoE's converters)
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if config["model_type"] == "qwen3_moe":
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
 
@@ -239,11 +258,26 @@ def write_gguf(model_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> 
     post = json.dumps(tokenizer.get("post_processor"))
     writer.add_add_bos_token(tokenizer_config["bos_token"] in post)
 
-    for name, tensor in load_file(model_dir / "model.safetensors").items():
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    tensors = list(load_file(model_dir / "model.safetensors").items())
+    for name, tensor in tensors:
+        expert = re.fullmatch(r"model\.layers\.(\d+)\..+\.experts\.(\d+)\.(\w+)\.weight", name)
+        if expert is not None:
+            stacked = f"blk.{expert[1]}.{_GGUF_EXPERTS[expert[3]]}.weight"
+            stacks.setdefault(stacked, {})[int(expert[2])] = tensor.float().numpy()
+    for stacked, by_expert in stacks.items():  # [experts, rows, columns]
+        tensors.append(
+            (stacked, torch.from_numpy(np.stack([by_expert[e] for e in sorted(by_expert)])))
+        )
+    for name, tensor in tensors:
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
+        if ".experts." in name:
+            continue  # stacked above
         if name in _GGUF_GLOBAL:
             gguf_name = _GGUF_GLOBAL[name]
+        elif name in stacks:
+            gguf_name = name
         else:
             match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
             assert match is not None, name

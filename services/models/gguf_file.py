@@ -48,9 +48,14 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 # ``model_type`` where it is not the GGUF architecture's name.
-_MODEL_TYPES = {"gemma3": "gemma3_text"}
+_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
+ROUTER_TENSOR = "ffn_gate_inp"
+"""A mixture-of-experts layer's router (``blk.N.ffn_gate_inp.weight``); a layer without one
+is dense (a Qwen3-MoE's ``mlp_only_layers``)."""
 # Gemma 2 in llama.cpp: every other layer sliding, the first included (fixed in its code).
 _GEMMA2_PATTERN = 2
 # llama.cpp's Gemma 3: the sliding-window layers' RoPE base and the pattern of global layers
@@ -285,13 +290,19 @@ class GgufFile:
         extra: dict[str, Any] = {} if window is None else {"sliding_window": window}
         if arch in ("gemma2", "gemma3"):
             extra.update(self._gemma_config(arch, param, hidden_size, num_heads, head_dim))
+        architecture, model_type = SUPPORTED_GGUF_ARCHITECTURES[arch], _MODEL_TYPES.get(arch, arch)
+        if param("expert_count"):
+            experts = self._experts_config(arch, param)
+            extra.update(experts)
+            if arch == "llama":  # Mixtral: llama.cpp's llama with experts
+                architecture, model_type = "MixtralForCausalLM", "mixtral"
         return {
             **extra,
-            "architectures": [SUPPORTED_GGUF_ARCHITECTURES[arch]],
-            "model_type": _MODEL_TYPES.get(arch, arch),
+            "architectures": [architecture],
+            "model_type": model_type,
             "vocab_size": param("vocab_size") or len(self.value("tokenizer.ggml.tokens", [])),
             "hidden_size": hidden_size,
-            "intermediate_size": param("feed_forward_length"),
+            "intermediate_size": extra.pop("intermediate_size", param("feed_forward_length")),
             "num_hidden_layers": param("block_count"),
             "num_attention_heads": num_heads,
             "num_key_value_heads": num_kv_heads,
@@ -305,6 +316,37 @@ class GgufFile:
             "bos_token_id": self.value("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self.value("tokenizer.ggml.eos_token_id"),
         }
+
+    def _experts_config(self, arch: str, param: Callable[..., Any]) -> dict[str, Any]:
+        """A mixture of experts' ``config.json`` keys, as llama.cpp's converters write them and
+        its graphs compute: Mixtral (``llama`` with experts) and OLMoE experts of
+        ``feed_forward_length`` in every layer (OLMoE's probabilities not renormalized, unless
+        ``expert_weights_norm`` says); Qwen3-MoE's of ``expert_feed_forward_length``,
+        renormalized, in every layer with a router (``ROUTER_TENSOR``), the others dense."""
+        if arch not in ("llama", "qwen3moe", "olmoe"):
+            raise EngineConfigError(
+                f"GGUF file {self.path.name}: a mixture of experts of architecture {arch!r} "
+                "is not supported (llama (Mixtral), qwen3moe and olmoe are)"
+            )
+        count, used = param("expert_count"), param("expert_used_count")
+        if arch == "llama":
+            return {"num_local_experts": count, "num_experts_per_tok": used}
+        keys: dict[str, Any] = {"num_experts": count, "num_experts_per_tok": used}
+        if arch == "olmoe":
+            keys["norm_topk_prob"] = bool(param("expert_weights_norm", False))
+            expert_size = param("expert_feed_forward_length")
+            if expert_size is not None:
+                keys["intermediate_size"] = expert_size
+            return keys
+        keys["norm_topk_prob"] = bool(param("expert_weights_norm", True))
+        keys["moe_intermediate_size"] = param("expert_feed_forward_length")
+        routed = {
+            int(name.split(".")[1])
+            for name in self.tensor_names
+            if name.endswith(f".{ROUTER_TENSOR}.weight")
+        }
+        keys["mlp_only_layers"] = [i for i in range(param("block_count")) if i not in routed]
+        return keys
 
     def _gemma_config(
         self,

@@ -48,7 +48,7 @@ from services.models.gguf_blocks import (
     unpack_nibbles,
 )
 from services.models.gguf_file import ROPE_FREQS, GgufFile
-from services.models.gguf_loader import hf_tensor_name
+from services.models.gguf_loader import hf_tensor_name, is_expert_tensor
 from services.models.native_build import UnsupportedIsaError, native_kernel_error, resolve_isa
 
 SWITCH_ENV = "PDSERVE_GGUF_CODES"
@@ -313,10 +313,10 @@ def install_gguf_linears(model: nn.Module, gguf: GgufFile) -> GgufCodes:
     whose every tensor in ``gguf`` is of a format of ``gguf_blocks.CODE_TYPES`` with a
     ``GgufLinear``, and likewise the lm_head and the token embedding (a ``GgufEmbedding``; one
     table for both where they are tied)."""
-    types = {
+    types = {  # a mixture of experts' stacked experts stay dequantized: no codes for them
         hf_tensor_name(t.name, gguf.architecture): GGMLQuantizationType(t.type_id)
         for t in gguf.tensors
-        if t.name.endswith(".weight") and t.name != ROPE_FREQS
+        if t.name.endswith(".weight") and t.name != ROPE_FREQS and not is_expert_tensor(t.name)
     }
     modules: dict[str, GgufLinear] = {}
     names: set[str] = set()
@@ -324,8 +324,8 @@ def install_gguf_linears(model: nn.Module, gguf: GgufFile) -> GgufCodes:
         for ours, theirs in _PROJECTIONS.items():
             parent_name, attr = ours.split(".")
             parent = getattr(layer, parent_name)
-            linear = getattr(parent, attr)
-            if type(linear) is not nn.Linear:  # a mixture of experts' MLP
+            linear = getattr(parent, attr, None)
+            if type(linear) is not nn.Linear:  # a mixture of experts' MLP (SparseMoe) has none
                 continue
             prefix = f"model.layers.{index}"
             fused = f"{prefix}.{ours}.weight"

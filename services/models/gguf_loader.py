@@ -8,7 +8,10 @@ tensor here is dequantized to fp32 by the ``gguf`` package, given the Hugging Fa
 shape, and for Llama Q/K un-permuted; ``load_model`` then casts it into the serving dtype.
 Qwen2, Qwen3, Phi-3 and Gemma files are written in Hugging Face's rotary layout and need no
 permutation; Phi-3's keep its fused ``qkv_proj`` and ``gate_up_proj``; Gemma 2's and 3's norm
-weights hold 1 more than their checkpoint's.
+weights hold 1 more than their checkpoint's. A mixture of experts' projections come stacked, one
+tensor of every expert's (``ffn_gate_exps``...), and are handed over expert by expert under the
+checkpoint's names (Mixtral's files are ``llama`` ones with experts, its Q/K permuted likewise).
+On a CPU the quantized projections may instead come as codes (``gguf_linear``).
 """
 
 from __future__ import annotations
@@ -85,6 +88,17 @@ _ARCH_LAYER_NAMES = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
     "gemma2": _GEMMA_NORMS,
     "gemma3": _GEMMA_NORMS,
+    # A mixture of experts' router: Mixtral's (a llama file with experts), Qwen3-MoE's, OLMoE's.
+    "llama": {"ffn_gate_inp": "block_sparse_moe.gate"},
+    "qwen3moe": {"ffn_gate_inp": "mlp.gate"},
+    "olmoe": {"ffn_gate_inp": "mlp.gate"},
+}
+# A mixture of experts' projections, every expert's stacked in one tensor ([experts, rows,
+# columns] in Hugging Face's order): each expert's checkpoint name, Mixtral's and the others'.
+_EXPERT_TENSORS = {
+    "ffn_gate_exps": ("w1", "gate_proj"),
+    "ffn_up_exps": ("w3", "up_proj"),
+    "ffn_down_exps": ("w2", "down_proj"),
 }
 # llama.cpp's converter adds 1 to Gemma's RMSNorm weights (its kernel multiplies by the weight,
 # Gemma's by 1 + weight); the Hugging Face weight is the file's less 1.
@@ -92,6 +106,23 @@ _NORM_SHIFTED_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Architectures whose Q/K rows llama.cpp permutes for its pairwise rotary kernel.
 _PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
+
+
+def is_expert_tensor(gguf_name: str) -> bool:
+    """Whether ``gguf_name`` stacks a mixture of experts' projections (one tensor, several
+    checkpoint weights)."""
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    return match is not None and match.group(2) in _EXPERT_TENSORS
+
+
+def expert_names(gguf_name: str, architecture: str, num_experts: int) -> list[str]:
+    """The Hugging Face names of the experts' matrices a stacked tensor holds, in order."""
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    assert match is not None and match.group(2) in _EXPERT_TENSORS, gguf_name
+    layer, kind = match.group(1), match.group(2)
+    mixtral, others = _EXPERT_TENSORS[kind]
+    block, name = ("block_sparse_moe", mixtral) if architecture == "llama" else ("mlp", others)
+    return [f"model.layers.{layer}.{block}.experts.{e}.{name}.weight" for e in range(num_experts)]
 
 
 def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str:
@@ -119,6 +150,15 @@ def gguf_weights(
     for tensor in gguf.tensors:
         if tensor.name == ROPE_FREQS:
             continue  # the rotary frequencies' divisors: the config carries them
+        if is_expert_tensor(tensor.name):
+            try:
+                stacked = dequantize(data, tensor)  # [experts, rows, columns]
+            except ValueError as exc:
+                raise ModelFileError(gguf.path, str(exc)) from exc
+            names = expert_names(tensor.name, gguf.architecture, stacked.shape[0])
+            for expert, expert_name in enumerate(names):
+                yield expert_name, stacked[expert]
+            continue
         try:
             name = hf_tensor_name(tensor.name, gguf.architecture)
             weight: torch.Tensor | GgufBlocks

@@ -70,6 +70,10 @@ def engine_params(path: Path) -> dict[str, torch.Tensor]:
         ("gemma3", "F16"),
         ("gemma3", "Q8_0"),
         ("gemma2", "F16"),
+        ("qwen3_moe", "F16"),
+        ("qwen3_moe", "Q8_0"),
+        ("olmoe", "Q4_0"),
+        ("mixtral", "Q8_0"),
     ],
 )
 def test_gguf_greedy_ids_equal_hugging_face_on_the_same_weights(
@@ -105,7 +109,8 @@ def test_gguf_parameters_equal_the_round_tripped_checkpoint(
 
 
 def test_gguf_config_matches_config_json(tiny_gguf_factory) -> None:
-    for arch in ("llama", "qwen2", "qwen3", "phi3", "gemma3", "gemma2"):
+    archs = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "gemma2", "qwen3_moe", "olmoe", "mixtral")
+    for arch in archs:
         gguf_path = tiny_gguf_factory(arch, "F16")
         from_json = ModelConfig.from_model_dir(gguf_source(gguf_path))
         from_gguf = ModelConfig.from_model_path(gguf_path)
