@@ -14,14 +14,15 @@ weight's transpose is dequantized into a per-thread scratch and multiplied by to
 faster there than the tiles (as the dense path runs oneDNN's GEMM there, not the fp32 kernel).
 
 Life cycle: ``install_gguf_linears`` runs on the model built on the meta device, before its
-memory is allocated (so no fp32 copy of these weights is ever made), and returns the checkpoint
-names whose blocks the loader hands over as codes; the loader fills each module's rows from them
-(``fill``, a fused projection from several tensors) and calls ``pack`` once all are in, which
-lays codes, scales and offsets out in the kernel's panels. Nothing changes them afterwards.
-The lm_head is a ``GgufLinear`` too, and the token embedding looks its rows up in the codes
-(``GgufEmbedding``; one table where the two are tied, as in most small models). The norms are
-dequantized, as is any projection stored as F32, F16 or BF16 or whose sizes the kernel does not
-take (an output width that is not a multiple of 64: a vocabulary of 32,001).
+memory is allocated (so no fp32 copy of these weights is ever made), and returns the modules
+and the checkpoint names whose blocks the loader hands over as codes; the loader fills each
+module's rows from them (``fill``, a fused projection from several tensors) and calls ``pack``
+once all are in, which lays codes, scales and offsets out in the kernel's panels. Nothing
+changes them afterwards. The lm_head is a ``GgufLinear`` too, and the token embedding looks
+its rows up in the codes (``GgufEmbedding``; one table where the two are tied, as in most small
+models). The norms are dequantized, as are a mixture of experts' experts and any projection
+stored as F32, F16 or BF16 or whose sizes the kernel does not take (an output width that is
+not a multiple of 64: a vocabulary of 32,001).
 
 Where it runs: a CPU where the native kernels build (any variant: AVX-512, AVX2, portable); on
 by default there for a GGUF file, ``PDSERVE_GGUF_CODES=0`` dequantizes every weight at load as
@@ -99,9 +100,9 @@ def gguf_codes_unavailable_reason(device: torch.device) -> str | None:
 
 
 class GgufLinear(nn.Module):
-    """``y = x W^T (+ b)`` with ``W`` held as int8 codes and float32 scales (and offsets) per
-    ``group`` inputs; input ``[rows, in_features]`` of any float dtype, output the same dtype
-    (computed in fp32)."""
+    """``y = x W^T (+ b)`` with ``W`` held as codes (int8, or 4-bit two a byte) and float32
+    scales (and offsets) per ``group`` inputs; input ``[rows, in_features]`` of any float
+    dtype, output the same dtype (computed in fp32)."""
 
     def __init__(
         self,

@@ -1,9 +1,10 @@
 // The fp32 few-row linear kernel, compiled once per instruction set: each fp32_linear_<isa>.cpp
 // defines PDSERVE_<ISA> macros, switches the compiler's target to that ISA and includes this
 // file, which defines PDSERVE_FP32_LINEAR_PANELS (fp32_linear.cpp's op) and
-// PDSERVE_QUANTIZED_LINEAR_PANELS (quantized_linear.cpp's: the same arithmetic over weights kept
-// as int8 codes with a scale, and an offset, per group of inputs, each block dequantized just
-// before it is multiplied).
+// PDSERVE_QUANTIZED_LINEAR_PANELS and PDSERVE_DEQUANTIZE_PANELS (quantized_linear.cpp's: the
+// same arithmetic over weights kept as codes, int8 or 4-bit two a byte, with a scale, and an
+// offset, per group of inputs, each block dequantized just before it is multiplied; and a
+// weight's transpose dequantized for a prefill step's GEMM).
 //
 // Why: a decode step multiplies a few rows (one per sequence) by every weight. In fp32 (what
 // `--dtype auto` picks where bf16 arithmetic is slow) that is compute-bound at 64 rows, yet
@@ -82,9 +83,10 @@ inline void multiply_input(const float* x, int64_t K, const float* w, Vec (&acc)
 
 // Rows [row0, row0 + R) times the kPassCols columns of one pass over inputs [k0, k1): `block`
 // points at the pass's first column of input k0 (inputs kFp32Panel floats apart: a panel's rows,
-// or the quantized kernel's dequantized block), `col0` is that column's index. The sums start from `out` after the first block and end there, with the bias
-// and the epilogue applied after the last (the same additions in the same order as one pass over
-// every input: the products do not depend on kBlock). `prefetch` takes (k1 - k0) / kUnroll steps.
+// or the quantized kernel's dequantized block), `col0` is that column's index. The sums start
+// from `out` after the first block and end there, with the bias and the epilogue applied after
+// the last (the same additions in the same order as one pass over every input: the products do
+// not depend on kBlock). `prefetch` takes (k1 - k0) / kUnroll steps.
 template <int64_t R>
 void rows_times_pass(const pdserve::Fp32LinearArgs& a, int64_t row0, const float* block,
                      int64_t col0, int64_t k0, int64_t k1, PanelPrefetch& prefetch) {
@@ -180,8 +182,8 @@ void pdserve::PDSERVE_FP32_LINEAR_PANELS(const Fp32LinearArgs& a, int64_t panel_
   }
 }
 
-// ---- The quantized kernel (quantized_linear.cpp's op): the same register tiles over a block
-// dequantized into a per-call scratch panel. ----
+// ---- The quantized kernel (quantized_linear.cpp's ops): the same register tiles over blocks
+// dequantized into a per-call scratch. ----
 #if defined(PDSERVE_QUANTIZED_LINEAR_PANELS)
 
 namespace {
