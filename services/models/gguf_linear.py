@@ -20,9 +20,10 @@ module's rows from them (``fill``, a fused projection from several tensors) and 
 once all are in, which lays codes, scales and offsets out in the kernel's panels. Nothing
 changes them afterwards. The lm_head is a ``GgufLinear`` too, and the token embedding looks
 its rows up in the codes (``GgufEmbedding``; one table where the two are tied, as in most small
-models). The norms are dequantized, as are a mixture of experts' experts and any projection
-stored as F32, F16 or BF16 or whose sizes the kernel does not take (an output width that is
-not a multiple of 64: a vocabulary of 32,001).
+models). A mixture of experts' experts are ``GgufLinear`` modules of their own in its
+``SparseMoe`` (its loop over the experts hit runs them). The norms are dequantized, as is any
+projection stored as F32, F16 or BF16 or whose sizes the kernel does not take (an output width
+that is not a multiple of 64: a vocabulary of 32,001).
 
 Where it runs: a CPU where the native kernels build (any variant: AVX-512, AVX2, portable); on
 by default there for a GGUF file, ``PDSERVE_GGUF_CODES=0`` dequantizes every weight at load as
@@ -48,8 +49,9 @@ from services.models.gguf_blocks import (
     pack_nibbles,
     unpack_nibbles,
 )
-from services.models.gguf_file import ROPE_FREQS, GgufFile
-from services.models.gguf_loader import hf_tensor_name, is_expert_tensor
+from services.models.gguf_file import ROPE_FREQS, GgufFile, GgufTensorInfo
+from services.models.gguf_loader import expert_names, hf_tensor_name, is_expert_tensor
+from services.models.llama import SparseMoe
 from services.models.native_build import UnsupportedIsaError, native_kernel_error, resolve_isa
 
 SWITCH_ENV = "PDSERVE_GGUF_CODES"
@@ -309,6 +311,67 @@ def _codes_module(
     return module
 
 
+def _install_expert_codes(
+    moe: SparseMoe,
+    layer: int,
+    gguf: GgufFile,
+    modules: dict[str, GgufLinear],
+    names: set[str],
+) -> None:
+    """A mixture of experts' experts as ``GgufLinear`` modules of their own where the file's
+    stacked ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` are all of code formats: the
+    stacked parameters give way to ``moe.gate_up_modules`` and ``moe.down_modules``, which the
+    expert loop runs."""
+    stacked = {
+        kind: gguf_tensor(gguf, f"blk.{layer}.{kind}.weight")
+        for kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    }
+    if any(info is None for info in stacked.values()):
+        return
+    types = {kind: GGMLQuantizationType(info.type_id) for kind, info in stacked.items()}  # type: ignore[union-attr]
+    if not all(t in CODE_TYPES for t in types.values()):
+        return
+    experts, hidden = moe.num_experts, moe.experts_gate_up.shape[2]
+    size = moe.experts_down.shape[2]
+    gate_up_kinds = (types["ffn_gate_exps"], types["ffn_up_exps"])
+    shapes = {
+        "gate_up": (hidden, 2 * size, gate_up_kinds),
+        "down": (size, hidden, (types["ffn_down_exps"],)),
+    }
+    built: dict[str, list[GgufLinear]] = {}
+    for part, (in_features, out_features, kinds) in shapes.items():
+        group = min(group_size(t) for t in kinds)
+        if out_features % PANEL or in_features % group:
+            return
+        nibbles = all(t in NIBBLE_TYPES for t in kinds)
+        with torch.device("meta"):
+            built[part] = [
+                GgufLinear(
+                    in_features,
+                    out_features,
+                    bias=False,
+                    group=group,
+                    offsets=nibbles or any(has_offsets(t) for t in kinds),
+                    bits=4 if nibbles else 8,
+                )
+                for _ in range(experts)
+            ]
+    del moe.experts_gate_up, moe.experts_down
+    moe.gate_up_modules = nn.ModuleList(built["gate_up"])
+    moe.down_modules = nn.ModuleList(built["down"])
+    prefix = f"model.layers.{layer}.mlp"
+    for expert in range(experts):
+        modules[f"{prefix}.experts_gate_up.{expert}"] = built["gate_up"][expert]
+        modules[f"{prefix}.experts_down.{expert}"] = built["down"][expert]
+    for kind in stacked:
+        names.update(expert_names(f"blk.{layer}.{kind}.weight", gguf.architecture, experts))
+
+
+def gguf_tensor(gguf: GgufFile, name: str) -> GgufTensorInfo | None:
+    """The file's tensor ``name``, or None."""
+    return next((t for t in gguf.tensors if t.name == name), None)
+
+
 def install_gguf_linears(model: nn.Module, gguf: GgufFile) -> GgufCodes:
     """Replaces each decoder projection of ``model`` (a ``LlamaForCausalLM`` on the meta device)
     whose every tensor in ``gguf`` is of a format of ``gguf_blocks.CODE_TYPES`` with a
@@ -336,6 +399,9 @@ def install_gguf_linears(model: nn.Module, gguf: GgufFile) -> GgufCodes:
                 setattr(parent, attr, module)
                 modules[fused] = module
                 names.update(parts)
+        moe = getattr(layer, "mlp", None)
+        if isinstance(moe, SparseMoe):
+            _install_expert_codes(moe, index, gguf, modules, names)
     # The embedding's table and the lm_head: the same [vocab, hidden] matrix where tied.
     embedding: nn.Embedding = model.model.embed_tokens  # type: ignore[union-attr,assignment]
     tied = model.lm_head.weight is embedding.weight  # type: ignore[union-attr]

@@ -11,7 +11,7 @@ permutation; Phi-3's keep its fused ``qkv_proj`` and ``gate_up_proj``; Gemma 2's
 weights hold 1 more than their checkpoint's. A mixture of experts' projections come stacked, one
 tensor of every expert's (``ffn_gate_exps``...), and are handed over expert by expert under the
 checkpoint's names (Mixtral's files are ``llama`` ones with experts, its Q/K permuted likewise).
-On a CPU the quantized projections may instead come as codes (``gguf_linear``).
+On a CPU the quantized projections and experts may instead come as codes (``gguf_linear``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import math
 import re
 from collections.abc import Iterator
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -151,13 +152,7 @@ def gguf_weights(
         if tensor.name == ROPE_FREQS:
             continue  # the rotary frequencies' divisors: the config carries them
         if is_expert_tensor(tensor.name):
-            try:
-                stacked = dequantize(data, tensor)  # [experts, rows, columns]
-            except ValueError as exc:
-                raise ModelFileError(gguf.path, str(exc)) from exc
-            names = expert_names(tensor.name, gguf.architecture, stacked.shape[0])
-            for expert, expert_name in enumerate(names):
-                yield expert_name, stacked[expert]
+            yield from _experts(data, tensor, gguf.architecture, codes, gguf.path)
             continue
         try:
             name = hf_tensor_name(tensor.name, gguf.architecture)
@@ -179,6 +174,34 @@ def gguf_weights(
             else:
                 weight = unpermute_rotary_rows(weight, num_heads)
         yield name, weight
+
+
+def _experts(
+    data: np.ndarray,
+    tensor: GgufTensorInfo,
+    architecture: str,
+    codes: frozenset[str],
+    path: Path,
+) -> Iterator[tuple[str, torch.Tensor | GgufBlocks]]:
+    """A stacked experts' tensor (``[experts, rows, columns]``) as each expert's checkpoint
+    weight: dequantized, or as codes where ``codes`` names them."""
+    num_experts = tensor.shape[2] if len(tensor.shape) == 3 else 0
+    names = expert_names(tensor.name, architecture, num_experts)
+    try:
+        if names and names[0] in codes:
+            qtype, raw = _raw_rows(data, tensor)  # [experts * rows, row bytes]
+            blocks = decode_blocks(raw, qtype, tensor.shape[0])
+            rows = tensor.shape[1]
+            for expert, name in enumerate(names):
+                yield name, blocks.rows_permuted(lambda t, e=expert: t[e * rows : (e + 1) * rows])
+            return
+        stacked = dequantize(data, tensor)  # [experts, rows, columns]
+    except ValueError as exc:
+        raise ModelFileError(path, str(exc)) from exc
+    if stacked.dim() != 3:
+        raise ModelFileError(path, f"tensor {tensor.name!r} is not [experts, rows, columns]")
+    for expert, name in enumerate(names):
+        yield name, stacked[expert]
 
 
 def dequantize(data: np.ndarray, tensor: GgufTensorInfo) -> torch.Tensor:

@@ -163,6 +163,11 @@ class SparseMoe(nn.Module):
         self.experts_down = nn.Parameter(torch.empty(experts, hidden, size))  # [E, H, I]
         self.grouped = True
         """Grouped GEMMs on a CPU from GROUPED_MIN_TOKENS tokens; False: the loop always."""
+        self.gate_up_modules: nn.ModuleList | None = None
+        """Each expert's gate_up as a module of its own (a GGUF file's codes on a CPU,
+        ``gguf_linear.install_gguf_linears``) in place of ``experts_gate_up``, and likewise
+        ``down_modules``: the loop then runs them."""
+        self.down_modules: nn.ModuleList | None = None
         self.output_multiplier = config.residual_multiplier
         self.ops = ops
 
@@ -183,7 +188,12 @@ class SparseMoe(nn.Module):
         pairs = torch.argsort(experts, stable=True)
         counts = torch.bincount(experts, minlength=self.num_experts)  # [E]
         tokens = pairs // self.top_k
-        if self.grouped and x.device.type == "cpu" and x.shape[0] >= GROUPED_MIN_TOKENS:
+        if (
+            self.grouped
+            and self.gate_up_modules is None
+            and x.device.type == "cpu"
+            and x.shape[0] >= GROUPED_MIN_TOKENS
+        ):
             ends = torch.cumsum(counts, 0, dtype=torch.int32)
             h = torch._grouped_mm(x[tokens], self.experts_gate_up.transpose(1, 2), offs=ends)
             h = self.ops.silu_and_mul(h)  # [T*k, I]
@@ -205,6 +215,10 @@ class SparseMoe(nn.Module):
                 continue
             rows = x[tokens[start : start + count]]
             start += count
+            if self.gate_up_modules is not None and self.down_modules is not None:
+                h = self.ops.silu_and_mul(self.gate_up_modules[expert](rows))
+                outputs.append(self.down_modules[expert](h))
+                continue
             h = self.ops.silu_and_mul(nn.functional.linear(rows, self.experts_gate_up[expert]))
             outputs.append(nn.functional.linear(h, self.experts_down[expert]))
         return torch.cat(outputs)

@@ -271,6 +271,9 @@ def code_modules(llm: LLM) -> dict[str, GgufLinear]:
         ("qwen2", "Q5_0"),
         ("phi3", "Q8_0"),
         ("gemma3", "Q4_0"),
+        ("qwen3_moe", "Q8_0"),  # a dense layer among the experts'
+        ("olmoe", "Q4_0"),
+        ("mixtral", "Q4_1"),
     ],
 )
 def test_an_engine_on_codes_generates_what_it_does_dequantized(
@@ -279,15 +282,20 @@ def test_an_engine_on_codes_generates_what_it_does_dequantized(
     path = tiny_gguf_factory(arch, qtype)
     llm = gguf_llm(path)
     modules = code_modules(llm)
-    layers = llm.engine.runner.model_config.num_layers
-    # qkv, o, gate_up, down of every layer; the embedding's table and the lm_head (tied: one).
-    assert sum(".layers." in name for name in modules) == 4 * layers
+    config = llm.engine.runner.model_config
+    layers, moe = config.num_layers, len(config.moe_layers)
+    # qkv and o of every layer, gate_up and down of every dense layer and of every expert; the
+    # embedding's table and the lm_head (tied: one).
+    projections = 2 * layers + 2 * (layers - moe) + 2 * config.num_experts * moe
+    assert sum(".layers." in name for name in modules) == projections
     model = llm.engine.runner.model
+    for index in config.moe_layers:  # the experts' stacked parameters gave way to the codes
+        assert not hasattr(model.model.layers[index].mlp, "experts_gate_up")
     assert isinstance(model.model.embed_tokens, GgufEmbedding)
     assert isinstance(model.lm_head, GgufLinear)
     tied = llm.engine.runner.model_config.tie_word_embeddings
     assert (model.lm_head is model.model.embed_tokens.table) == tied
-    assert len(modules) == 4 * layers + (1 if tied else 2)
+    assert len(modules) == projections + (1 if tied else 2)
     got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
     code_bytes = sum(m.nbytes for m in modules.values())
     del llm
