@@ -81,12 +81,13 @@ class GgufBlocks:
             return self
         return GgufBlocks(self.codes + 8, self.scales, self.scales * -8.0, self.group)
 
-    def rows_permuted(self, permute: Callable[[torch.Tensor], torch.Tensor]) -> GgufBlocks:
-        """``permute`` (a reordering of rows) applied to codes, scales and offsets alike."""
+    def map_rows(self, rows: Callable[[torch.Tensor], torch.Tensor]) -> GgufBlocks:
+        """``rows`` (a reordering or a slice of rows) applied to codes, scales and offsets
+        alike."""
         return GgufBlocks(
-            permute(self.codes),
-            permute(self.scales),
-            None if self.offsets is None else permute(self.offsets),
+            rows(self.codes),
+            rows(self.scales),
+            None if self.offsets is None else rows(self.offsets),
             self.group,
         )
 

@@ -375,9 +375,10 @@ def gguf_tensor(gguf: GgufFile, name: str) -> GgufTensorInfo | None:
 def install_gguf_linears(model: nn.Module, gguf: GgufFile) -> GgufCodes:
     """Replaces each decoder projection of ``model`` (a ``LlamaForCausalLM`` on the meta device)
     whose every tensor in ``gguf`` is of a format of ``gguf_blocks.CODE_TYPES`` with a
-    ``GgufLinear``, and likewise the lm_head and the token embedding (a ``GgufEmbedding``; one
-    table for both where they are tied)."""
-    types = {  # a mixture of experts' stacked experts stay dequantized: no codes for them
+    ``GgufLinear``, and likewise the lm_head, the token embedding (a ``GgufEmbedding``; one
+    table for both where they are tied) and a mixture of experts' experts
+    (``_install_expert_codes``)."""
+    types = {  # the experts' stacked tensors are looked at by _install_expert_codes
         hf_tensor_name(t.name, gguf.architecture): GGMLQuantizationType(t.type_id)
         for t in gguf.tensors
         if t.name.endswith(".weight") and t.name != ROPE_FREQS and not is_expert_tensor(t.name)

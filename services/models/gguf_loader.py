@@ -170,7 +170,7 @@ def gguf_weights(
         if unpermute and (".q_proj." in name or ".k_proj." in name):
             num_heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
             if isinstance(weight, GgufBlocks):
-                weight = weight.rows_permuted(partial(unpermute_rotary_rows, num_heads=num_heads))
+                weight = weight.map_rows(partial(unpermute_rotary_rows, num_heads=num_heads))
             else:
                 weight = unpermute_rotary_rows(weight, num_heads)
         yield name, weight
@@ -193,7 +193,7 @@ def _experts(
             blocks = decode_blocks(raw, qtype, tensor.shape[0])
             rows = tensor.shape[1]
             for expert, name in enumerate(names):
-                yield name, blocks.rows_permuted(lambda t, e=expert: t[e * rows : (e + 1) * rows])
+                yield name, blocks.map_rows(lambda t, e=expert: t[e * rows : (e + 1) * rows])
             return
         stacked = dequantize(data, tensor)  # [experts, rows, columns]
     except ValueError as exc:
